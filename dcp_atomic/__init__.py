@@ -1,0 +1,41 @@
+"""dcp_atomic: crash-safe, verified storage for torch.distributed.checkpoint.
+
+Pass :class:`AtomicStorageWriter` / :class:`AtomicStorageReader` to ``dcp.save``
+/ ``dcp.async_save`` / ``dcp.load``.  See README.md for the guarantees.
+"""
+
+from .catalog import latest_step, list_steps
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CommitConflictError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    RankConsistencyError,
+    ReshardError,
+    StorageError,
+)
+from .parallelism import Parallelism
+from .planners import AtomicLoadPlanner, AtomicSavePlanner
+from .reader import AtomicStorageReader
+from .version import __version__
+from .writer import AtomicStorageWriter
+
+__all__ = [
+    "AtomicStorageWriter",
+    "AtomicStorageReader",
+    "AtomicSavePlanner",
+    "AtomicLoadPlanner",
+    "Parallelism",
+    "list_steps",
+    "latest_step",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CommitConflictError",
+    "ConfigurationError",
+    "CorruptCheckpointError",
+    "RankConsistencyError",
+    "ReshardError",
+    "StorageError",
+    "__version__",
+]

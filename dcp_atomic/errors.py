@@ -1,0 +1,59 @@
+"""Typed errors of dcp_atomic.
+
+DCP pickles exceptions to carry them from the rank that failed to every other
+rank (``CheckpointException``), so every class here must survive a pickle round
+trip with its message and details intact.  Messages must also stand on their
+own: through plain ``dcp.load`` an error raised in ``read_metadata`` reaches the
+user only as text inside an ``AssertionError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CheckpointError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def __reduce__(self):
+        return (_rebuild_error, (type(self), self.message, self.details))
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}: {self.message}"
+
+
+def _rebuild_error(cls: type, message: str, details: dict) -> CheckpointError:
+    return cls(message, **details)
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No committed checkpoint matches the request (step, LATEST, run)."""
+
+
+class CommitConflictError(CheckpointError):
+    """The step is already committed (or another job committed it first)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Bytes on storage do not match what was recorded when they were written."""
+
+
+class RankConsistencyError(CheckpointError):
+    """Ranks disagree on who they are or on which checkpoint version they see."""
+
+
+class ReshardError(CheckpointError):
+    """A load would change the parallel layout unsafely, or a key cannot be resharded."""
+
+
+class StorageError(CheckpointError):
+    """The storage backend failed in a way retries did not fix (ENOSPC, EIO, timeouts)."""
+
+
+class ConfigurationError(CheckpointError):
+    """The writer or reader was used in a way the protocol cannot make safe."""

@@ -1,0 +1,83 @@
+"""Named fault points, inert unless a test arms them.
+
+Crash tests need to stop a process at an exact phase of the protocol ("after the
+manifest is published, before the marker exists") without sleeps and races.
+Like etcd's gofail and TiKV's fail-rs, the code calls ``failpoints.hit(name)``
+at each phase; in production the registry is empty and the call is a dict
+lookup.  Tests arm points in-process with :func:`arm` or, for worker processes,
+through the environment variable ``DCP_ATOMIC_FAILPOINTS``::
+
+    DCP_ATOMIC_FAILPOINTS="commit.after_manifest=kill;write.mid_data@1=raise"
+
+``name@rank`` limits a point to one rank.  Actions: ``kill`` (SIGKILL self),
+``stop`` (SIGSTOP self, a frozen rank), ``raise`` (an ``OSError(EIO)``, an
+injected I/O error), ``sleep:SECONDS``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+
+ENV_VAR = "DCP_ATOMIC_FAILPOINTS"
+
+POINTS = frozenset(
+    {
+        "plan.before_checks",  # coordinator, prepare_global_plan
+        "write.before_data",  # every rank, before its first byte
+        "write.mid_data",  # every rank, after its first item is written
+        "write.after_data",  # every rank, files written and fsynced
+        "commit.before_metadata",  # rank 0, finish() entered
+        "commit.after_metadata",  # .metadata durable
+        "commit.after_manifest",  # manifest published, no marker yet
+        "commit.after_marker",  # marker exists, LATEST not yet updated
+        "commit.after_latest",  # everything done
+        "read.before_data",  # every rank, before reading shard bytes
+    }
+)
+
+_armed: dict[tuple[str, int | None], str] = {}
+
+
+def _parse(spec: str) -> dict[tuple[str, int | None], str]:
+    armed: dict[tuple[str, int | None], str] = {}
+    for entry in filter(None, (part.strip() for part in spec.split(";"))):
+        target, _, action = entry.partition("=")
+        name, _, rank = target.partition("@")
+        if name not in POINTS:
+            raise ValueError(f"unknown failpoint {name!r} in {ENV_VAR}; known: {sorted(POINTS)}")
+        armed[(name, int(rank) if rank else None)] = action or "raise"
+    return armed
+
+
+def arm(name: str, action: str = "raise", rank: int | None = None) -> None:
+    """Arm one point in this process (tests only)."""
+    _armed.update(_parse(f"{name}{'' if rank is None else f'@{rank}'}={action}"))
+
+
+def disarm_all() -> None:
+    _armed.clear()
+
+
+def hit(name: str, rank: int | None = None) -> None:
+    """Run the action armed for ``name`` (and this rank), if any."""
+    if not _armed:
+        return
+    action = _armed.get((name, rank)) or _armed.get((name, None))
+    if action is None:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif action.startswith("sleep:"):
+        time.sleep(float(action.split(":", 1)[1]))
+    elif action == "raise":
+        raise OSError(errno.EIO, f"injected I/O error at failpoint {name!r}")
+    else:
+        raise ValueError(f"unknown failpoint action {action!r} for {name!r}")
+
+
+_armed.update(_parse(os.environ.get(ENV_VAR, "")))

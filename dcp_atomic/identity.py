@@ -1,0 +1,98 @@
+"""Who each rank is, checked on the coordinator before a byte is written (P7).
+
+Wrong ``RANK`` / ``WORLD_SIZE`` in a launcher's environment produce two
+processes that both believe they are rank 0, or ranks that compute different
+shard offsets.  Each rank records what it knows about itself in its local plan;
+the coordinator compares them all and names every offender in one error.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import defaultdict
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import RankConsistencyError
+
+_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def local_identity(group_rank: int, parallelism: dict | None) -> dict[str, Any]:
+    """This rank's identity as plain data (it travels in the plan and the manifest)."""
+    initialized = dist.is_available() and dist.is_initialized()
+    return {
+        "rank": group_rank,
+        "global_rank": dist.get_rank() if initialized else None,
+        "global_world_size": dist.get_world_size() if initialized else None,
+        "env": {k: os.environ[k] for k in _ENV_KEYS if k in os.environ},
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "parallelism": parallelism,
+    }
+
+
+def _who(ident: dict) -> str:
+    return f"rank {ident['rank']} (host {ident['host']}, pid {ident['pid']})"
+
+
+def check_identities(identities: list[dict[str, Any]]) -> None:
+    """Raise :class:`RankConsistencyError` listing every inconsistency found."""
+    problems: list[str] = []
+    world = len(identities)
+    for position, ident in enumerate(identities):
+        if ident["rank"] not in (None, position):
+            problems.append(f"plan {position} comes from a process that calls itself rank {ident['rank']}")
+        env = ident["env"]
+        global_rank = ident["global_rank"]
+        if "RANK" in env and global_rank is not None and str(global_rank) != env["RANK"]:
+            problems.append(
+                f"{_who(ident)}: environment RANK={env['RANK']} but the process group says global rank {global_rank}"
+            )
+        env_world = env.get("WORLD_SIZE")
+        if env_world is not None and ident["global_world_size"] is not None and env_world != str(ident["global_world_size"]):
+            problems.append(
+                f"{_who(ident)}: environment WORLD_SIZE={env_world} but the process group has "
+                f"{ident['global_world_size']} ranks"
+            )
+    by_env_rank: dict[str, list[dict]] = defaultdict(list)
+    for ident in identities:
+        if "RANK" in ident["env"]:
+            by_env_rank[ident["env"]["RANK"]].append(ident)
+    for env_rank, holders in sorted(by_env_rank.items()):
+        if len(holders) > 1:
+            problems.append(f"environment RANK={env_rank} is claimed by " + ", ".join(_who(h) for h in holders))
+    by_local: dict[tuple, list[dict]] = defaultdict(list)
+    for ident in identities:
+        env = ident["env"]
+        if "LOCAL_RANK" in env:
+            by_local[(ident["host"], env.get("GROUP_RANK"), env["LOCAL_RANK"])].append(ident)
+    for (host, node, local_rank), holders in sorted(by_local.items(), key=str):
+        if len(holders) > 1:
+            problems.append(
+                f"LOCAL_RANK={local_rank} on host {host} (node {node}) is claimed by "
+                + ", ".join(_who(h) for h in holders)
+            )
+    layouts = {repr(ident["parallelism"]) for ident in identities}
+    if len(layouts) > 1:
+        problems.append(
+            "ranks declare different parallelism: "
+            + "; ".join(f"{_who(i)}: {i['parallelism']}" for i in identities)
+        )
+    declared = identities[0]["parallelism"] if identities else None
+    if declared:
+        size = declared["tp"] * declared["dp"] * declared["pp"]
+        if size != world:
+            problems.append(
+                f"declared parallelism tp={declared['tp']} x dp={declared['dp']} x pp={declared['pp']} = {size} "
+                f"does not match the {world} ranks saving"
+            )
+    if problems:
+        raise RankConsistencyError(
+            "rank identity check failed before any data was written:\n  - "
+            + "\n  - ".join(problems)
+            + "\nFix the launcher's RANK/LOCAL_RANK/WORLD_SIZE or the declared Parallelism; nothing was saved.",
+            problems=problems,
+        )

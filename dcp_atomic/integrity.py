@@ -1,0 +1,126 @@
+"""Block checksums, computed while bytes are written and checked on every read.
+
+Stock DCP keeps no checksum, so bit rot and torn files load silently.  Here each
+item's bytes are cut into fixed-size blocks (``BLOCK_SIZE``, item-relative, so a
+block is also the unit a compression frame or a ranged read would use) and each
+block gets an xxh3-64 digest.  xxh3 runs at ~26 GB/s on this class of machine,
+an order of magnitude above the disk, so checksums cost almost nothing; sha256
+(1.8 GB/s) would not.  Small control files (manifest, marker, .metadata) use
+sha256 because their digests are also identities that name a version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import IO
+
+import xxhash
+
+from .errors import CorruptCheckpointError
+
+BLOCK_SIZE = 4 << 20
+ALGORITHM = "xxh3_64"
+
+
+def block_digest(data) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class BlockHasher:
+    """Digest of consecutive ``block_size`` blocks of a byte stream fed in pieces."""
+
+    def __init__(self, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.digests: list[str] = []
+        self._current = xxhash.xxh3_64()
+        self._filled = 0
+        self.length = 0
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self.length += len(view)
+        while view:
+            take = min(self.block_size - self._filled, len(view))
+            if take == self.block_size:  # whole block: no running state needed
+                self.digests.append(block_digest(view[:take]))
+            else:
+                self._current.update(view[:take])
+                self._filled += take
+                if self._filled == self.block_size:
+                    self.digests.append(self._current.hexdigest())
+                    self._current.reset()
+                    self._filled = 0
+            view = view[take:]
+
+    def finish(self) -> list[str]:
+        if self._filled or not self.digests:
+            self.digests.append(self._current.hexdigest())
+            self._current.reset()
+            self._filled = 0
+        return self.digests
+
+
+class HashingWriter:
+    """Write-through wrapper: counts and hashes every byte on its way to ``raw``.
+
+    ``begin_item`` / ``end_item`` delimit one DCP item so its digests are
+    item-relative.  It implements just what ``torch.save`` needs of a stream.
+    """
+
+    def __init__(self, raw: IO[bytes], block_size: int = BLOCK_SIZE) -> None:
+        self.raw = raw
+        self.block_size = block_size
+        self.position = 0
+        self._hasher: BlockHasher | None = None
+
+    def begin_item(self) -> int:
+        self._hasher = BlockHasher(self.block_size)
+        return self.position
+
+    def end_item(self) -> tuple[int, list[str]]:
+        assert self._hasher is not None
+        hasher, self._hasher = self._hasher, None
+        return hasher.length, hasher.finish()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self._hasher is not None:
+            self._hasher.update(view)
+        self.raw.write(view)
+        self.position += len(view)
+        return len(view)
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def tell(self) -> int:
+        return self.position
+
+
+def verify_blocks(data, digests: list[str], block_size: int, *, what: str, first_block: int = 0) -> None:
+    """Check ``data`` (starting at block ``first_block`` of an item) against recorded digests."""
+    view = memoryview(data).cast("B")
+    count = max(1, -(-len(view) // block_size))
+    if first_block + count > len(digests):
+        raise CorruptCheckpointError(
+            f"{what}: {len(view)} bytes span more blocks than the {len(digests)} recorded",
+            what=what,
+        )
+    for i in range(count):
+        expected = digests[first_block + i]
+        actual = block_digest(view[i * block_size : (i + 1) * block_size])
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{what}: checksum mismatch in block {first_block + i} "
+                f"(bytes {(first_block + i) * block_size}..): expected {ALGORITHM} {expected}, got {actual}; "
+                "the file was modified or damaged after it was written — restore it or load another step",
+                what=what,
+                block=first_block + i,
+            )

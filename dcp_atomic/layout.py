@@ -1,0 +1,101 @@
+"""Where every file of a checkpoint lives.
+
+The layout is part of the contract (operators and tools rely on it)::
+
+    <root>/<run_id>/LATEST
+    <root>/<run_id>/step_0000001000/COMMITTED
+    <root>/<run_id>/step_0000001000/<save_id>/{ATTEMPT, __<rank>_<k>.distcp, .metadata, manifest.json}
+
+Every name a reader uses is built here from validated parts, so nothing read
+from a manifest or marker can point outside the run directory.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SAVE_ID_PATTERN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
+STEP_DIR_PATTERN = re.compile(r"step_(\d{10,})")
+DATA_FILE_PATTERN = re.compile(r"__(\d+)_(\d+)\.distcp")
+
+MARKER = "COMMITTED"
+LATEST = "LATEST"
+MANIFEST = "manifest.json"
+DCP_METADATA = ".metadata"
+ATTEMPT = "ATTEMPT"  # written first by the coordinator: who started this attempt, when
+
+
+def validate_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id) or run_id in {".", ".."}:
+        raise ValueError(
+            f"invalid run_id {run_id!r}: it must match {RUN_ID_PATTERN.pattern} "
+            "(letters, digits, '.', '_', '-'; no '/', no leading '.', at most 128 chars)"
+        )
+    return run_id
+
+
+def validate_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"invalid step {step!r}: steps are non-negative integers")
+    return step
+
+
+def validate_save_id(save_id: str) -> str:
+    if not isinstance(save_id, str) or not SAVE_ID_PATTERN.fullmatch(save_id):
+        raise ValueError(f"invalid save_id {save_id!r}: expected {SAVE_ID_PATTERN.pattern}")
+    return save_id
+
+
+def new_save_id() -> str:
+    """Sortable by start time, unique without coordination (32 random bits)."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{validate_step(step):010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    match = STEP_DIR_PATTERN.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def data_file_name(rank: int, k: int) -> str:
+    return f"__{rank}_{k}.distcp"
+
+
+def validate_data_file_name(name: str) -> str:
+    """Refuse anything a hostile manifest or .metadata could use to escape the attempt dir."""
+    if not isinstance(name, str) or not DATA_FILE_PATTERN.fullmatch(name):
+        raise ValueError(f"invalid data file name {name!r}: expected __<rank>_<k>.distcp")
+    return name
+
+
+class RunLayout:
+    """Paths of one run under one storage root; pure string work, no I/O."""
+
+    def __init__(self, storage, run_id: str) -> None:
+        self.storage = storage
+        self.run_id = validate_run_id(run_id)
+        self.run_dir = storage.join(storage.root, self.run_id)
+
+    def step_dir(self, step: int) -> str:
+        return self.storage.join(self.run_dir, step_dir_name(step))
+
+    def marker(self, step: int) -> str:
+        return self.storage.join(self.step_dir(step), MARKER)
+
+    def latest(self) -> str:
+        return self.storage.join(self.run_dir, LATEST)
+
+    def attempt_dir(self, step: int, save_id: str) -> str:
+        return self.storage.join(self.step_dir(step), validate_save_id(save_id))
+
+    def attempt_file(self, step: int, save_id: str, name: str) -> str:
+        return self.storage.join(self.attempt_dir(step, save_id), name)
+
+    def data_file(self, step: int, save_id: str, name: str) -> str:
+        return self.attempt_file(step, save_id, validate_data_file_name(name))

@@ -1,0 +1,242 @@
+"""The manifest, the commit marker and LATEST: plain data, JSON on disk.
+
+Kept apart from all I/O (as torchsnapshot does) so they can be read with
+``cat``, built in tests, and validated strictly: every field read back from
+storage is type-checked, and the two small control files carry their own
+sha256 so a torn or half-cached read is detected rather than trusted.
+Nothing here is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import CorruptCheckpointError
+from .integrity import sha256_hex
+from .layout import validate_data_file_name, validate_run_id, validate_save_id, validate_step
+
+SCHEMA_VERSION = 1
+MAX_BYTES = 1 << 50  # anything larger is a hostile or garbled size, not a real file
+
+
+@dataclass
+class ItemExtent:
+    """Where one DCP item's bytes lie in a data file, and their block digests."""
+
+    key: str  # fully-qualified name in the state dict
+    chunk_offset: list[int] | None  # offset of this chunk in the global tensor; None for bytes
+    kind: str  # "tensor" | "bytes"
+    format: str  # "torch_save" (torch.load-able container) | "raw"
+    pos: int  # byte offset in the file
+    length: int
+    checksums: list[str]
+    block_size: int
+
+
+@dataclass
+class FileEntry:
+    name: str
+    rank: int
+    size: int
+    items: list[ItemExtent] = field(default_factory=list)
+
+
+@dataclass
+class Manifest:
+    run_id: str
+    step: int
+    save_id: str
+    world_size: int
+    parallelism: dict[str, Any] | None
+    ranks: list[dict[str, Any]]
+    files: list[FileEntry]
+    dcp_metadata: dict[str, Any]  # {"name", "size", "sha256"}
+    versions: dict[str, str]
+    started_at: float
+    written_at: float
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    keys: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+    kind: str = "dcp_atomic.manifest"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def extent_index(self) -> dict[tuple[str, int], ItemExtent]:
+        return {(f.name, item.pos): item for f in self.files for item in f.items}
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> "Manifest":
+        raw = _load_json(data, where)
+        _expect(raw.get("kind") == "dcp_atomic.manifest", where, "not a dcp_atomic manifest")
+        _check_schema(raw, where)
+        try:
+            files = [
+                FileEntry(
+                    name=validate_data_file_name(f["name"]),
+                    rank=_nonneg(f["rank"]),
+                    size=_nonneg(f["size"]),
+                    items=[_parse_extent(i, f["size"]) for i in f["items"]],
+                )
+                for f in raw["files"]
+            ]
+            meta = raw["dcp_metadata"]
+            _expect(meta["name"] == ".metadata", where, "dcp_metadata.name must be .metadata")
+            _nonneg(meta["size"])
+            _expect(isinstance(meta["sha256"], str) and len(meta["sha256"]) == 64, where, "bad sha256")
+            return cls(
+                run_id=validate_run_id(raw["run_id"]),
+                step=validate_step(raw["step"]),
+                save_id=validate_save_id(raw["save_id"]),
+                world_size=_nonneg(raw["world_size"]),
+                parallelism=raw.get("parallelism"),
+                ranks=list(raw["ranks"]),
+                files=files,
+                dcp_metadata=meta,
+                versions=dict(raw["versions"]),
+                started_at=float(raw["started_at"]),
+                written_at=float(raw["written_at"]),
+                stats=list(raw.get("stats", [])),
+                keys=dict(raw.get("keys", {})),
+            )
+        except CorruptCheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})", path=where) from None
+
+
+def _parse_extent(raw: dict, file_size: int) -> ItemExtent:
+    item = ItemExtent(
+        key=str(raw["key"]),
+        chunk_offset=None if raw["chunk_offset"] is None else [_nonneg(x) for x in raw["chunk_offset"]],
+        kind=raw["kind"],
+        format=raw["format"],
+        pos=_nonneg(raw["pos"]),
+        length=_nonneg(raw["length"]),
+        checksums=[str(c) for c in raw["checksums"]],
+        block_size=_nonneg(raw["block_size"]),
+    )
+    if item.kind not in ("tensor", "bytes") or item.format not in ("torch_save", "raw"):
+        raise ValueError(f"unknown item kind/format {item.kind}/{item.format}")
+    if item.block_size <= 0 or item.pos + item.length > file_size:
+        raise ValueError(f"extent of {item.key!r} lies outside its file")
+    if len(item.checksums) != max(1, -(-item.length // item.block_size)):
+        raise ValueError(f"wrong number of checksums for {item.key!r}")
+    return item
+
+
+@dataclass
+class Marker:
+    """``COMMITTED``: the one file whose existence makes a step visible."""
+
+    run_id: str
+    step: int
+    save_id: str
+    manifest: str  # path relative to the step directory: "<save_id>/manifest.json"
+    manifest_sha256: str
+    committed_at: float
+    library_version: str
+    kind: str = "dcp_atomic.commit"
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> bytes:
+        return _sealed_json(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> "Marker":
+        raw = _unseal(data, where, "dcp_atomic.commit")
+        try:
+            marker = cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+            validate_run_id(marker.run_id)
+            validate_step(marker.step)
+            validate_save_id(marker.save_id)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed commit marker ({e})", path=where) from None
+        _expect(marker.manifest == f"{marker.save_id}/manifest.json", where, "marker names a foreign manifest path")
+        return marker
+
+
+@dataclass
+class Latest:
+    """``LATEST``: which step was committed most recently (a hint; the marker is the truth)."""
+
+    run_id: str
+    step: int
+    save_id: str
+    committed_at: float
+    kind: str = "dcp_atomic.latest"
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> bytes:
+        return _sealed_json(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> "Latest":
+        raw = _unseal(data, where, "dcp_atomic.latest")
+        try:
+            latest = cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+            validate_run_id(latest.run_id)
+            validate_step(latest.step)
+            validate_save_id(latest.save_id)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed LATEST ({e})", path=where) from None
+        return latest
+
+
+def now() -> float:
+    return time.time()
+
+
+def _sealed_json(body: dict) -> bytes:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return json.dumps({**body, "checksum": sha256_hex(canonical.encode())}, sort_keys=True, indent=1).encode() + b"\n"
+
+
+def _unseal(data: bytes, where: str, kind: str) -> dict:
+    raw = _load_json(data, where)
+    claimed = raw.pop("checksum", None)
+    canonical = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    if claimed != sha256_hex(canonical):
+        raise CorruptCheckpointError(
+            f"{where}: self-checksum mismatch (torn, stale or edited file)", path=where, torn=True
+        )
+    _expect(raw.get("kind") == kind, where, f"expected a {kind} record")
+    _check_schema(raw, where)
+    return raw
+
+
+def _load_json(data: bytes, where: str) -> dict:
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})", path=where, torn=True) from None
+    _expect(isinstance(raw, dict), where, "expected a JSON object")
+    return raw
+
+
+def _check_schema(raw: dict, where: str) -> None:
+    version = raw.get("schema_version")
+    _expect(
+        version == SCHEMA_VERSION,
+        where,
+        f"schema_version {version!r} is not supported (this dcp_atomic reads {SCHEMA_VERSION}); "
+        "upgrade dcp_atomic to read it",
+    )
+
+
+def _expect(condition: bool, where: str, problem: str) -> None:
+    if not condition:
+        raise CorruptCheckpointError(f"{where}: {problem}", path=where)
+
+
+def _nonneg(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_BYTES:
+        raise ValueError(f"expected a non-negative integer below 2**50, got {value!r}")
+    return value

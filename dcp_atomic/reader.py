@@ -1,0 +1,268 @@
+"""``AtomicStorageReader``: load only committed, verified bytes, the same version on every rank.
+
+* ``read_metadata`` (every rank, on its own) resolves the step — ``LATEST`` by
+  exact name when ``step=None`` — through its commit marker and manifest with
+  bounded retries, then opens DCP's ``.metadata`` only if its sha256 matches the
+  manifest, with an allow-list unpickler.
+* ``prepare_local_plan`` puts (step, save_id, manifest digest) in the plan;
+  ``prepare_global_plan`` on the coordinator refuses any disagreement and names
+  which rank saw what (P5).
+* ``read_data`` reads exactly the extents the manifest names (never a listing),
+  checks every block against the digests recorded at write time, and copies
+  into the destination tensors; files are read in parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import socket
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from . import failpoints
+from .catalog import DEFAULT_TIMEOUT, resolve
+from .commit import Committed
+from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
+from .integrity import sha256_hex, verify_blocks
+from .layout import DCP_METADATA, RunLayout, validate_data_file_name
+from .manifest import ItemExtent
+from .parallelism import Parallelism
+from .reshard import check_layout
+from .retry import Deadline
+from .safe_pickle import load_dcp_metadata
+from .storage import open_storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _LoadView:
+    """Which checkpoint version one rank resolved (travels in ``LoadPlan.storage_data``)."""
+
+    rank: int
+    host: str
+    pid: int
+    step: int
+    save_id: str
+    manifest_sha256: str
+
+
+class AtomicStorageReader(StorageReader):
+    """Read a committed dcp_atomic checkpoint.
+
+    Args:
+        root, run_id, storage_options: as for :class:`AtomicStorageWriter`.
+        step: the step to load; ``None`` loads what ``LATEST`` names.
+        parallelism: this job's layout, compared with the saved one (P6).
+        allow_reshard: consent to load a checkpoint saved with another tp / pp size.
+        verify: check every block's checksum (default True).
+        timeout: seconds any wait (visibility lag, retries) may take.
+        thread_count: files read in parallel per rank.
+
+    After a load, ``reader.step`` and ``reader.save_id`` say what was loaded.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        run_id: str,
+        step: int | None = None,
+        *,
+        parallelism: Parallelism | None = None,
+        allow_reshard: bool = False,
+        verify: bool = True,
+        timeout: float = DEFAULT_TIMEOUT,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.storage = open_storage(root, storage_options)
+        self.layout = RunLayout(self.storage, run_id)
+        self.requested_step = step
+        self.parallelism = parallelism
+        self.allow_reshard = allow_reshard
+        self.verify = verify
+        self.timeout = timeout
+        self.thread_count = thread_count or max(1, min(4, os.cpu_count() or 1))
+        self.step: int | None = None
+        self.save_id: str | None = None
+        self.committed: Committed | None = None
+        self.rank = 0
+        self._storage_data: dict = {}
+        self._extents: dict[tuple[str, int], ItemExtent] = {}
+
+    # -- resolution (usable on its own: typed errors, no DCP wrapping) ---------------
+
+    def resolve(self) -> Committed:
+        """Find and verify the checkpoint this reader will load; raises dcp_atomic's own errors."""
+        committed = resolve(self.layout, self.requested_step, Deadline(self.timeout))
+        check_layout(
+            saved=committed.manifest.parallelism,
+            current=self.parallelism,
+            allow_reshard=self.allow_reshard,
+            where=f"run {self.layout.run_id!r} step {committed.step}",
+        )
+        self.committed = committed
+        self.step = committed.step
+        self.save_id = committed.save_id
+        self._extents = committed.manifest.extent_index()
+        return committed
+
+    # -- DCP lifecycle -----------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ConfigurationError(
+                "AtomicStorageReader finds its checkpoint from root/run_id/step; do not pass checkpoint_id to dcp.load"
+            )
+
+    def read_metadata(self) -> Metadata:
+        committed = self.resolve()
+        expected = committed.manifest.dcp_metadata
+        path = self.layout.attempt_file(committed.step, committed.save_id, DCP_METADATA)
+        try:
+            data = self.storage.read_file(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: committed checkpoint lacks DCP metadata", path=path) from None
+        if len(data) != expected["size"] or sha256_hex(data) != expected["sha256"]:
+            raise CorruptCheckpointError(
+                f"{path}: DCP metadata does not match the manifest (size {len(data)} vs {expected['size']} or "
+                "sha256 differs); refusing to unpickle it",
+                path=path,
+            )
+        metadata = load_dcp_metadata(data, where=path)
+        metadata.storage_meta = StorageMeta(
+            checkpoint_id=self.layout.attempt_dir(committed.step, committed.save_id),
+            save_id=committed.save_id,
+            load_id=uuid.uuid4().hex,
+        )
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = kwargs.get("rank", 0 if is_coordinator else -1)
+        self._storage_data = metadata.storage_data or {}
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        committed = self.committed
+        assert committed is not None, "prepare_local_plan() before read_metadata()"
+        view = _LoadView(self.rank, socket.gethostname(), os.getpid(), committed.step, committed.save_id,
+                         committed.manifest_sha256)
+        return dataclasses.replace(plan, storage_data=view)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        views = [p.storage_data for p in plans]
+        if any(not isinstance(v, _LoadView) for v in views):
+            raise ConfigurationError("every rank must load with an AtomicStorageReader")
+        versions = {(v.step, v.save_id, v.manifest_sha256) for v in views}
+        if len(versions) > 1:
+            lines = [
+                f"rank {i} (host {v.host}, pid {v.pid}) resolved step {v.step} save {v.save_id} "
+                f"manifest {v.manifest_sha256[:12]}"
+                for i, v in enumerate(views)
+            ]
+            raise RankConsistencyError(
+                f"ranks resolved different checkpoint versions of run {self.layout.run_id!r}; nothing was loaded:\n  "
+                + "\n  ".join(lines)
+                + "\nA stale storage cache (NFS) or a save that committed during the load is the usual cause: "
+                "retry, or pass the same explicit step= on every rank (CheckpointManager.load does this).",
+                views=[dataclasses.asdict(v) for v in views],
+            )
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        failpoints.hit("read.before_data", self.rank)
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self._storage_info(item).relative_path, []).append(item)
+        planner_lock = threading.Lock()
+        jobs = sorted(per_file.items())
+        if len(jobs) <= 1 or self.thread_count == 1:
+            for name, items in jobs:
+                self._read_file(name, items, planner, planner_lock)
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.thread_count, len(jobs)),
+                                    thread_name_prefix=f"dcp-atomic-r{self.rank}") as pool:
+                for f in [pool.submit(self._read_file, name, items, planner, planner_lock) for name, items in jobs]:
+                    f.result()
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def storage_meta(self) -> StorageMeta | None:
+        return None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.layout.run_dir if self.step is None else self.layout.step_dir(self.step)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+    # -- reading -------------------------------------------------------------------------
+
+    def _storage_info(self, item: ReadItem):
+        try:
+            return self._storage_data[item.storage_index]
+        except KeyError:
+            raise CorruptCheckpointError(
+                f"DCP metadata has no storage entry for {item.storage_index.fqn!r}", key=item.storage_index.fqn
+            ) from None
+
+    def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner, planner_lock: threading.Lock) -> None:
+        committed = self.committed
+        assert committed is not None
+        path = self.layout.data_file(committed.step, committed.save_id, validate_data_file_name(name))
+        for item in sorted(items, key=lambda i: self._storage_info(i).offset):
+            info = self._storage_info(item)
+            extent = self._extents.get((name, info.offset))
+            what = f"{path} item {item.storage_index.fqn!r}"
+            if extent is None or extent.length != info.length:
+                raise CorruptCheckpointError(f"{what}: DCP metadata names an extent the manifest does not", path=path)
+            try:
+                data = self.storage.read_range(path, extent.pos, extent.length)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{path}: data file named by the manifest is missing", path=path) from None
+            if len(data) != extent.length:
+                raise CorruptCheckpointError(
+                    f"{what}: file is truncated (read {len(data)} of {extent.length} bytes at offset {extent.pos})",
+                    path=path,
+                )
+            if self.verify:
+                verify_blocks(data, extent.checksums, extent.block_size, what=what)
+            self._deliver(item, extent, data, planner, planner_lock, what)
+
+    def _deliver(self, item: ReadItem, extent: ItemExtent, data: bytes, planner: LoadPlanner,
+                 planner_lock: threading.Lock, what: str) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            with planner_lock:
+                planner.load_bytes(item, io.BytesIO(data))
+            return
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CorruptCheckpointError(f"{what}: cannot decode tensor ({e})", key=item.storage_index.fqn) from None
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        with planner_lock:
+            target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CorruptCheckpointError(
+                f"{what}: stored chunk has shape {tuple(tensor.size())}, destination expects {tuple(target.size())}",
+                key=item.storage_index.fqn,
+            )
+        target.copy_(tensor)
+        with planner_lock:
+            planner.commit_tensor(item, target)

@@ -1,0 +1,290 @@
+"""The few storage primitives every other module speaks.
+
+Writer, reader, commit protocol, manager and CLI never touch ``os`` or a cloud
+SDK for checkpoint data: they call one :class:`Storage` object built once from
+``root`` + ``storage_options`` by :func:`open_storage`.  The variation point is
+small and explicit — how to publish a small control file:
+
+* ``publish``: make a complete file visible under its final name at once
+  (POSIX: write a temp file, fsync, ``rename``, fsync the directory; object
+  stores: one PUT);
+* ``create_exclusive``: the same, but only if the name does not exist yet
+  (POSIX: ``link()`` of a fully written temp file — ``O_EXCL`` followed by a
+  write would expose an empty file; ``link`` stays exclusive across NFS
+  clients, ``rename`` does not);
+* ``replace``: publish over an existing name (POSIX: ``rename`` over it).
+
+Plain paths and ``file://`` URLs take the direct POSIX path (:class:`LocalStorage`);
+any other protocol, including a user's own fsspec filesystem, goes through the
+fsspec object (:class:`FsspecStorage`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import secrets
+import shutil
+from typing import IO, Any
+
+WRITE_BUFFER = 1 << 20
+
+
+def _temp_name(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+class Storage:
+    """Interface; see the module docstring for the semantics each backend keeps."""
+
+    root: str
+    #: True where create_exclusive is a real put-if-absent shared by all clients.
+    exclusive_create_is_atomic: bool = True
+
+    def join(self, *parts: str) -> str:
+        raise NotImplementedError
+
+    def makedirs(self, path: str) -> None:
+        raise NotImplementedError
+
+    def open_write(self, path: str) -> IO[bytes]:
+        """A new file for streaming writes; :meth:`close_write` makes it durable."""
+        raise NotImplementedError
+
+    def close_write(self, stream: IO[bytes]) -> None:
+        raise NotImplementedError
+
+    def read_file(self, path: str) -> bytes:
+        raise NotImplementedError
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        raise NotImplementedError
+
+    def size(self, path: str) -> int:
+        raise NotImplementedError
+
+    def publish(self, path: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Publish ``data`` at ``path`` unless it exists; False if it already did."""
+        raise NotImplementedError
+
+    def replace(self, path: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def sync_dir(self, path: str) -> None:
+        """Make directory entries durable (no-op where the backend has no such notion)."""
+
+    def list_dir(self, path: str) -> list[str]:
+        """Names directly under ``path``; empty if it does not exist."""
+        raise NotImplementedError
+
+    def remove(self, path: str) -> None:
+        """Remove a file or a whole tree; missing is fine."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.root
+
+
+class LocalStorage(Storage):
+    """POSIX files: local disks and NFS mounts."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def open_write(self, path: str) -> IO[bytes]:
+        # "x": a data file is always new (P1), never truncates anything that exists.
+        return open(path, "xb", buffering=WRITE_BUFFER)
+
+    def close_write(self, stream: IO[bytes]) -> None:
+        try:
+            stream.flush()
+            os.fsync(stream.fileno())
+        finally:
+            stream.close()
+
+    def read_file(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        with open(path, "rb", buffering=0) as f:
+            return os.pread(f.fileno(), length, offset) if length else b""
+
+    def readinto_range(self, path: str, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` from ``offset``; returns bytes read (short only at EOF)."""
+        done = 0
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while done < len(buffer):
+                n = os.preadv(fd, [buffer[done:]], offset + done)
+                if n == 0:
+                    break
+                done += n
+        finally:
+            os.close(fd)
+        return done
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def _write_temp(self, path: str, data: bytes) -> str:
+        tmp = _temp_name(path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return tmp
+
+    def publish(self, path: str, data: bytes) -> None:
+        self.replace(path, data)
+
+    def replace(self, path: str, data: bytes) -> None:
+        tmp = self._write_temp(path, data)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        self.sync_dir(os.path.dirname(path))
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        tmp = self._write_temp(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            _unlink_quietly(tmp)
+        self.sync_dir(os.path.dirname(path))
+        return True
+
+    def sync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        except OSError as e:  # some network filesystems refuse fsync on directories
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+                raise
+        finally:
+            os.close(fd)
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def remove(self, path: str) -> None:
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem.  Object stores have no rename: publish is one PUT.
+
+    A generic fsspec filesystem offers no put-if-absent, so ``create_exclusive``
+    here is check-then-put: correct for one committing process (which the
+    protocol guarantees, P2) but not a guard against two independent jobs.
+    """
+
+    exclusive_create_is_atomic = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.fs = fs
+        self.protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+        self.root = path.rstrip("/") or path
+        self.url = url
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(*parts)
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def open_write(self, path: str) -> IO[bytes]:
+        return self.fs.open(path, "wb")
+
+    def close_write(self, stream: IO[bytes]) -> None:
+        stream.close()
+
+    def read_file(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        return self.fs.cat_file(path, start=offset, end=offset + length)
+
+    def size(self, path: str) -> int:
+        return int(self.fs.info(path)["size"])
+
+    def publish(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def replace(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        if self.fs.exists(path):
+            return False
+        self.fs.pipe_file(path, data)
+        return True
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
+
+    def remove(self, path: str) -> None:
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def describe(self) -> str:
+        return self.url
+
+
+def open_storage(root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Storage:
+    """Pick the backend once, from the root's form; callers never ask which it is."""
+    if isinstance(root, os.PathLike):
+        root = os.fspath(root)
+    if not isinstance(root, str) or not root:
+        raise ValueError(f"root must be a non-empty path or URL, got {root!r}")
+    if "://" not in root:
+        return LocalStorage(root)
+    if root.startswith("file://") and not storage_options:
+        return LocalStorage(root[len("file://") :])
+    return FsspecStorage(root, storage_options)

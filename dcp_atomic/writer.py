@@ -1,0 +1,464 @@
+"""``AtomicStorageWriter``: DCP's StorageWriter with versioned attempts and one commit.
+
+Lifecycle, as DCP calls it (names follow DCP's hooks):
+
+* ``set_up_storage_writer`` (every rank) starts a fresh save;
+* ``prepare_local_plan`` (every rank) stashes this rank's identity in the plan;
+* ``prepare_global_plan`` (coordinator) checks every identity (P7), refuses a
+  step that is already committed unless ``overwrite=True``, and picks the
+  ``save_id`` that every rank then writes under — all before a byte is written;
+* ``write_data`` (every rank) writes ``thread_count`` files in parallel into the
+  attempt directory, hashing blocks as they go, and fsyncs them;
+* ``finish`` (coordinator, only if every rank succeeded) runs the commit
+  protocol of :mod:`dcp_atomic.commit`.
+
+Tensor items are written as ``torch.save`` containers, exactly as stock DCP
+does, so torch's own ``FileSystemReader`` can open an attempt directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import io
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from . import commit, failpoints
+from .catalog import DEFAULT_TIMEOUT
+from .errors import CommitConflictError, ConfigurationError, StorageError
+from .identity import check_identities, local_identity
+from .integrity import BLOCK_SIZE, HashingWriter
+from .layout import ATTEMPT, RunLayout, data_file_name, new_save_id, validate_step
+from .manifest import FileEntry, ItemExtent, Manifest, now
+from .parallelism import Parallelism
+from .storage import open_storage
+from .version import __version__
+
+log = logging.getLogger(__name__)
+
+DCP_METADATA_VERSION = "1.0.0"  # the .metadata version stock FileSystemReader expects
+_STATS_FQN = "__dcp_atomic_rank_stats__"  # sentinel WriteResult carrying per-rank stats to finish()
+
+
+@dataclass
+class _LocalPlanData:
+    """What a rank tells the coordinator about itself (travels in ``SavePlan.storage_data``)."""
+
+    identity: dict[str, Any]
+
+
+@dataclass
+class _AssignedPlanData:
+    """What the coordinator hands each rank: the attempt it writes into."""
+
+    save_id: str
+    rank: int
+    step: int
+
+
+@dataclass
+class _WrittenItem:
+    """``WriteResult.storage_data``: where an item went and its block digests."""
+
+    relative_path: str
+    offset: int
+    length: int
+    kind: str
+    format: str
+    checksums: list[str]
+    block_size: int
+
+
+@dataclass
+class _RankStats:
+    rank: int
+    host: str
+    files: dict[str, int] = field(default_factory=dict)  # name -> size
+    bytes: int = 0
+    items: int = 0
+    write_seconds: float = 0.0
+    fsync_seconds: float = 0.0
+    threads: int = 1
+
+
+def _default_thread_count() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+class AtomicStorageWriter(StorageWriter):
+    """Write one DCP checkpoint as an immutable attempt, committed by global rank 0 alone.
+
+    Args:
+        root: local/NFS directory or fsspec URL holding all runs.
+        run_id: run name; ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
+        step: training step; the checkpoint lands in ``<root>/<run_id>/step_{step:010d}/``.
+        parallelism: the job's layout, recorded for reshard checks at load.
+        compression: ``None`` (only uncompressed storage is available in this version).
+        thread_count: files (and writer threads) per rank.
+        overwrite: replace an already committed step (after the new attempt is complete).
+        stock_readable: write torch.load-able items so torch's FileSystemReader opens the attempt.
+        timeout: seconds any wait of this writer may take.
+        storage_options: fsspec options (e.g. an S3 endpoint).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        run_id: str,
+        step: int,
+        *,
+        parallelism: Parallelism | None = None,
+        compression: str | None = None,
+        thread_count: int | None = None,
+        overwrite: bool = False,
+        stock_readable: bool = True,
+        timeout: float = DEFAULT_TIMEOUT,
+        storage_options: dict[str, Any] | None = None,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        super().__init__()
+        if compression is not None:
+            raise ConfigurationError(
+                f"compression={compression!r} is not available in dcp_atomic {__version__}; use compression=None"
+            )
+        if not stock_readable:
+            raise ConfigurationError(
+                f"stock_readable=False (raw format) is not available in dcp_atomic {__version__}"
+            )
+        if parallelism is not None and not isinstance(parallelism, Parallelism):
+            raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
+        self.storage = open_storage(root, storage_options)
+        self.layout = RunLayout(self.storage, run_id)
+        self.step = validate_step(step)
+        self.parallelism = parallelism
+        self.compression = compression
+        self.thread_count = thread_count or _default_thread_count()
+        self.overwrite = overwrite
+        self.stock_readable = stock_readable
+        self.timeout = timeout
+        self.block_size = block_size
+        self.save_id: str | None = None
+        self.rank = 0
+        self.is_coordinator = True
+        self.last_marker = None
+        self._identities: list[dict] = []
+        self._started_at = 0.0
+
+    # -- DCP lifecycle -----------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ConfigurationError(
+                "AtomicStorageWriter chooses its own location (<root>/<run_id>/step_<step>/<save_id>); "
+                "do not pass checkpoint_id to dcp.save — create a new writer per step instead"
+            )
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", 0 if is_coordinator else -1)
+        self.save_id = None
+        self.last_marker = None
+        self._identities = []
+        self._started_at = now()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        _refuse_cached_plan(plan, self.rank)
+        identity = local_identity(self.rank, self.parallelism.to_dict() if self.parallelism else None)
+        return dataclasses.replace(plan, storage_data=_LocalPlanData(identity=identity))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        failpoints.hit("plan.before_checks", self.rank)
+        for position, plan in enumerate(plans):
+            _refuse_cached_plan(plan, position)
+            if not isinstance(plan.storage_data, _LocalPlanData):
+                raise ConfigurationError(
+                    f"the local plan of rank {position} carries no dcp_atomic identity: "
+                    "every rank must save with an AtomicStorageWriter"
+                )
+        self._identities = [plan.storage_data.identity for plan in plans]
+        check_identities(self._identities)
+        if not self.overwrite:
+            self._refuse_committed_step()
+        save_id = new_save_id()
+        attempt = self.layout.attempt_dir(self.step, save_id)
+        self.storage.makedirs(attempt)
+        claim = {"save_id": save_id, "step": self.step, "host": socket.gethostname(), "pid": os.getpid(),
+                 "started_at": self._started_at, "world_size": len(plans), "library_version": __version__}
+        self.storage.publish(self.storage.join(attempt, ATTEMPT), _json(claim))
+        return [
+            dataclasses.replace(plan, storage_data=_AssignedPlanData(save_id=save_id, rank=i, step=self.step))
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assigned = plan.storage_data
+        if not isinstance(assigned, _AssignedPlanData):
+            raise ConfigurationError(
+                "this save plan was not assigned by an AtomicStorageWriter coordinator (DCP plan caching "
+                "replays old plans; disable it with DefaultSavePlanner(enable_plan_caching=False))"
+            )
+        if assigned.step != self.step:
+            raise ConfigurationError(f"rank {self.rank} writer is for step {self.step}, coordinator chose {assigned.step}")
+        self.save_id = assigned.save_id
+        self.rank = assigned.rank
+        results, stats = _RankWrite(self, planner, assigned).run(plan.items)
+        stats_result = WriteResult(index=MetadataIndex(f"{_STATS_FQN}/{self.rank}"), size_in_bytes=0, storage_data=stats)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results + [stats_result])
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        stats: list[_RankStats] = []
+        items: dict[MetadataIndex, WriteResult] = {}
+        for rank_results in results:
+            for result in rank_results:
+                if isinstance(result.storage_data, _RankStats):
+                    stats.append(result.storage_data)
+                else:
+                    items[result.index] = result
+        save_id = self.save_id
+        assert save_id is not None, "finish() before write_data()"
+        attempt = self.layout.attempt_dir(self.step, save_id)
+        metadata.version = DCP_METADATA_VERSION
+        metadata.storage_data = {
+            index: _StorageInfo(r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
+            for index, r in items.items()
+        }
+        metadata.storage_meta = StorageMeta(checkpoint_id=str(attempt), save_id=save_id)
+        metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        manifest = self._manifest(save_id, items, stats, len(results), metadata_bytes)
+        started = time.monotonic()
+        self.last_marker = commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite, rank=self.rank)
+        log.info(
+            "committed run %s step %d save %s: %d files, %.1f MiB, commit %.3fs",
+            self.layout.run_id, self.step, save_id, len(manifest.files), manifest.total_bytes / 2**20,
+            time.monotonic() - started,
+        )
+
+    def storage_meta(self) -> StorageMeta | None:
+        return None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.layout.step_dir(self.step)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _refuse_committed_step(self) -> None:
+        try:
+            marker = commit._read_marker_once(self.layout, self.step)
+        except FileNotFoundError:
+            return
+        raise CommitConflictError(
+            f"step {self.step} of run {self.layout.run_id!r} is already committed (save {marker.save_id}); "
+            "nothing was written. Save a new step, or pass overwrite=True to replace it.",
+            step=self.step,
+            committed=marker.save_id,
+        )
+
+    def _manifest(self, save_id: str, items: dict, stats: list[_RankStats], world: int, metadata_bytes: bytes) -> Manifest:
+        from .integrity import sha256_hex
+
+        files: dict[str, FileEntry] = {}
+        for s in stats:
+            for name, size in s.files.items():
+                files[name] = FileEntry(name=name, rank=s.rank, size=size)
+        for index, result in items.items():
+            written: _WrittenItem = result.storage_data
+            files[written.relative_path].items.append(
+                ItemExtent(
+                    key=index.fqn,
+                    chunk_offset=None if index.offset is None else list(index.offset),
+                    kind=written.kind,
+                    format=written.format,
+                    pos=written.offset,
+                    length=written.length,
+                    checksums=written.checksums,
+                    block_size=written.block_size,
+                )
+            )
+        for entry in files.values():
+            entry.items.sort(key=lambda i: i.pos)
+        return Manifest(
+            run_id=self.layout.run_id,
+            step=self.step,
+            save_id=save_id,
+            world_size=world,
+            parallelism=self.parallelism.to_dict() if self.parallelism else None,
+            ranks=self._identities,
+            files=sorted(files.values(), key=lambda f: (f.rank, f.name)),
+            dcp_metadata={"name": ".metadata", "size": len(metadata_bytes), "sha256": sha256_hex(metadata_bytes)},
+            versions={"dcp_atomic": __version__, "torch": torch.__version__},
+            started_at=self._started_at,
+            written_at=now(),
+            stats=sorted((dataclasses.asdict(s) for s in stats), key=lambda s: s["rank"]),
+        )
+
+
+class _RankWrite:
+    """One rank's share of a save: ``thread_count`` files written concurrently."""
+
+    def __init__(self, writer: AtomicStorageWriter, planner: SavePlanner, assigned: _AssignedPlanData) -> None:
+        self.writer = writer
+        self.planner = planner
+        self.rank = assigned.rank
+        self.attempt = writer.layout.attempt_dir(assigned.step, assigned.save_id)
+        self.stats = _RankStats(rank=self.rank, host=socket.gethostname(), threads=writer.thread_count)
+        self._first_item = threading.Event()
+        self._lock = threading.Lock()
+        self._failed = threading.Event()
+
+    def run(self, items: list[WriteItem]) -> tuple[list[WriteResult], _RankStats]:
+        storage = self.writer.storage
+        failpoints.hit("write.before_data", self.rank)
+        storage.makedirs(self.attempt)
+        buckets = [b for b in _split_by_size(items, self.writer.thread_count) if b] or [[]]
+        started = time.monotonic()
+        results: list[WriteResult] = []
+        with ThreadPoolExecutor(max_workers=len(buckets), thread_name_prefix=f"dcp-atomic-w{self.rank}") as pool:
+            futures = [pool.submit(self._write_file, k, bucket) for k, bucket in enumerate(buckets)]
+            errors = []
+            for f in futures:
+                try:
+                    results.extend(f.result())
+                except BaseException as e:  # collect all, raise the first
+                    errors.append(e)
+        if errors:
+            raise errors[0]
+        self.stats.write_seconds = time.monotonic() - started
+        self.stats.items = len(items)
+        failpoints.hit("write.after_data", self.rank)
+        return results, self.stats
+
+    def _write_file(self, k: int, bucket: list[WriteItem]) -> list[WriteResult]:
+        storage = self.writer.storage
+        name = data_file_name(self.rank, k)
+        path = storage.join(self.attempt, name)
+        results = []
+        try:
+            raw = storage.open_write(path)
+            try:
+                out = HashingWriter(raw, self.writer.block_size)
+                for item in bucket:
+                    if self._failed.is_set():
+                        raise _Aborted()
+                    results.append(self._write_item(out, name, item))
+                    if not self._first_item.is_set():
+                        self._first_item.set()
+                        failpoints.hit("write.mid_data", self.rank)
+            except BaseException:
+                raw.close()
+                raise
+            fsync_started = time.monotonic()
+            storage.close_write(raw)
+            with self._lock:
+                self.stats.fsync_seconds += time.monotonic() - fsync_started
+                self.stats.files[name] = out.position
+                self.stats.bytes += out.position
+        except _Aborted:
+            raise
+        except OSError as e:
+            self._failed.set()
+            raise _storage_error(e, self.rank, path) from e
+        except BaseException:
+            self._failed.set()
+            raise
+        return results
+
+    def _write_item(self, out: HashingWriter, name: str, item: WriteItem) -> WriteResult:
+        data = self.planner.resolve_data(item)
+        start = out.begin_item()
+        if item.type == WriteItemType.BYTE_IO:
+            assert isinstance(data, io.BytesIO), "BYTE_IO items resolve to BytesIO"
+            out.write(data.getbuffer())
+            kind = "bytes"
+        else:
+            torch.save(_host_copy(data), out)
+            kind = "tensor"
+        length, checksums = out.end_item()
+        written = _WrittenItem(name, start, length, kind, "torch_save" if kind == "tensor" else "raw",
+                               checksums, self.writer.block_size)
+        return WriteResult(index=item.index, size_in_bytes=length, storage_data=written)
+
+
+class _Aborted(Exception):
+    """Another writer thread of this rank failed; stop early."""
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor whose storage holds exactly its elements (torch.save writes whole storages).
+
+    Device tensors are copied to host one item at a time, so extra host memory
+    is bounded by the largest item, not the whole state.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu", non_blocking=False)
+    if tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous():
+        tensor = tensor.contiguous().clone()
+    return tensor
+
+
+def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Largest-first greedy packing, so each writer thread gets a similar byte count."""
+    def size(item: WriteItem) -> int:
+        if item.tensor_data is None:
+            return 0
+        return item.tensor_data.size.numel() * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    for item in sorted(items, key=size, reverse=True):
+        k = loads.index(min(loads))
+        buckets[k].append(item)
+        loads[k] += max(size(item), 1)
+    return buckets
+
+
+def _refuse_cached_plan(plan: SavePlan, rank: int) -> None:
+    if not plan.usable:
+        raise ConfigurationError(
+            f"rank {rank} sent a cached DCP save plan (usable=False). Plan caching would replay an old save_id "
+            "and skip dcp_atomic's checks: use DefaultSavePlanner(enable_plan_caching=False) or AtomicSavePlanner()"
+        )
+
+
+def _storage_error(e: OSError, rank: int, path: str) -> StorageError:
+    hint = {
+        errno.ENOSPC: "the filesystem is full: free space or point root elsewhere",
+        errno.EDQUOT: "the disk quota is exhausted",
+        errno.EROFS: "the filesystem is read-only",
+        errno.EEXIST: "the file already exists (two saves with one save_id?)",
+    }.get(e.errno or 0, "check the storage and retry the save")
+    return StorageError(
+        f"rank {rank} on {socket.gethostname()} failed writing {path}: {e.strerror or e} "
+        f"(errno {e.errno}); {hint}. Nothing was committed; the previous checkpoint is intact.",
+        rank=rank,
+        path=path,
+        errno=e.errno,
+    )
+
+
+def _json(value: dict) -> bytes:
+    import json
+
+    return json.dumps(value, indent=1, sort_keys=True).encode()
