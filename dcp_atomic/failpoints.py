@@ -80,4 +80,10 @@ def hit(name: str, rank: int | None = None) -> None:
         raise ValueError(f"unknown failpoint action {action!r} for {name!r}")
 
 
-_armed.update(_parse(os.environ.get(ENV_VAR, "")))
+def load_from_env() -> None:
+    """(Re)read ``DCP_ATOMIC_FAILPOINTS``; for processes forked before it was set."""
+    _armed.clear()
+    _armed.update(_parse(os.environ.get(ENV_VAR, "")))
+
+
+load_from_env()

@@ -1,0 +1,25 @@
+import os
+import shutil
+import tempfile
+import warnings
+
+import pytest
+
+warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+warnings.filterwarnings("ignore", message=".*Failed to initialize NumPy.*")
+
+
+@pytest.fixture
+def root():
+    """A scratch checkpoint root, removed after the test."""
+    path = tempfile.mkdtemp(prefix="dcp-atomic-test-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_failpoints_leak():
+    from dcp_atomic import failpoints
+
+    yield
+    failpoints.disarm_all()
