@@ -35,6 +35,7 @@ What the numbers mean
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -214,35 +215,39 @@ def main(argv: list[str] | None = None) -> int:
     state_dict = make_state_dict(args.size_gb * GB)
     tensors = tensors_of(state_dict)
     data_bytes = sum(t.nbytes for t in tensors)
-    target = None  # zeroed before each contender's first (verified) load
     contenders = [atomic_contender(args.threads), stock_contender()]
     workdir = tempfile.mkdtemp(prefix="dcp-bench-", dir=args.root)
     atomic_threads = AtomicStorageWriter(workdir, run_id=RUN_ID, step=0, thread_count=args.threads).thread_count
+    checkpoint_numbers = itertools.count()
+
+    def save_then_load(contender: Contender, target: dict) -> tuple[float, float]:
+        number = next(checkpoint_numbers)  # a fresh step / directory for every save
+        save_seconds, path = timed(lambda: contender.save(state_dict, workdir, number))
+        load_seconds, _ = timed(lambda: contender.load(target, workdir, number))
+        shutil.rmtree(path)
+        return save_seconds, load_seconds
+
+    def report(label: str, contender: Contender, save_seconds: float, load_seconds: float, note: str = "") -> None:
+        say(f"[{label}] {contender.name:<10} save {save_seconds:6.2f} s {data_bytes / GB / save_seconds:6.2f} GB/s"
+            f" | load {load_seconds:6.2f} s {data_bytes / GB / load_seconds:6.2f} GB/s{note}")
 
     say(f"state dict: {len(tensors)} tensors, {data_bytes / GB:.3f} GB "
         f"({min(t.nbytes for t in tensors if t.nbytes > 2**20) / 2**20:.0f}-{max(t.nbytes for t in tensors) / 2**20:.0f} MiB "
         f"matrices, bf16 weights + fp32 moments) + non-tensor objects")
-    say(f"writing into {workdir}; {args.repeats} repeats; dcp_atomic thread_count={atomic_threads}, "
-        f"stock FileSystemWriter/Reader defaults; loads follow their save at once (warm page cache)")
+    say(f"writing into {workdir}; dcp_atomic thread_count={atomic_threads}, stock FileSystemWriter/Reader defaults; "
+        f"each load follows its save at once (warm page cache)")
     try:
-        index = 0
+        for contender in contenders:
+            target = zeroed_like(state_dict)
+            seconds = save_then_load(contender, target)
+            assert_bit_exact(state_dict, target)
+            report("warm-up", contender, *seconds, "  (not counted; loaded values verified bit-exact)")
         for repeat in range(args.repeats):
-            order = contenders if repeat % 2 == 0 else contenders[::-1]
-            for contender in order:
-                verify = not contender.load_seconds
-                if verify:
-                    target = zeroed_like(state_dict)
-                save_seconds, path = timed(lambda: contender.save(state_dict, workdir, index))
-                load_seconds, _ = timed(lambda: contender.load(target, workdir, index))
-                if verify:
-                    assert_bit_exact(state_dict, target)
-                shutil.rmtree(path)
-                index += 1
+            for contender in contenders if repeat % 2 == 0 else contenders[::-1]:
+                save_seconds, load_seconds = save_then_load(contender, target)
                 contender.save_seconds.append(save_seconds)
                 contender.load_seconds.append(load_seconds)
-                say(f"[{repeat + 1}/{args.repeats}] {contender.name:<10} save {save_seconds:6.2f} s "
-                    f"{data_bytes / GB / save_seconds:6.2f} GB/s | load {load_seconds:6.2f} s "
-                    f"{data_bytes / GB / load_seconds:6.2f} GB/s" + ("  (verified bit-exact)" if verify else ""))
+                report(f"{repeat + 1}/{args.repeats}", contender, save_seconds, load_seconds)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
