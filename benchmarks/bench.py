@@ -11,12 +11,14 @@ What it measures
     * stock:      ``FileSystemWriter`` / ``FileSystemReader`` with default
       arguments (one file, one thread, fsync), each save into a fresh directory.
 
-    Contenders alternate within each repeat (ABBA order across repeats, so a
-    drifting machine does not favour either).  Each measured save is followed
-    at once by its load, so loads read from a warm page cache: they measure
-    the library's CPU path (read, checksum, decode, copy), not the disk.  The
-    checkpoint is deleted after its load.  Each contender's first load goes
-    into a zeroed state dict and is checked bit-exact against the original.
+    A warm-up round (not counted) runs each contender once, loading into a
+    zeroed state dict that is then checked bit-exact against the original;
+    first saves pay for imports and fresh page-cache / allocator growth.  Then
+    contenders alternate within each repeat (ABBA order across repeats, so a
+    drifting machine does not favour either).  Each save is followed at once by
+    its load, so loads read from a warm page cache: they measure the library's
+    CPU path (read, checksum, decode, copy), not the disk.  Each checkpoint is
+    deleted after its load.
 
 How to run (from the repo root)
     python benchmarks/bench.py                     # ~1 GB, 3 repeats, in /tmp
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import shutil
@@ -76,27 +79,32 @@ def layer_weight_shapes(hidden: int) -> dict[str, tuple[int, int]]:
     }
 
 
+def weight_slots(hidden: int):
+    """(layer, name, shape) of every weight matrix of an endless stack of layers."""
+    for layer in itertools.count():
+        for name, shape in layer_weight_shapes(hidden).items():
+            yield layer, name, shape
+
+
 def make_state_dict(target_bytes: float, seed: int = 0) -> dict:
-    """Weights (bf16) with their two Adam moments (fp32), added until ``target_bytes`` is reached."""
+    """Layers of bf16 weights, each with two fp32 Adam moments, up to the total nearest ``target_bytes``."""
     generator = torch.Generator().manual_seed(seed)
     model: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}
-    total = 0
-    layer = 0
-    while total < target_bytes:
-        for name, shape in layer_weight_shapes(HIDDEN).items():
-            if total >= target_bytes:
-                break
-            fqn = f"layers.{layer}.{name}"
-            weight = torch.randn(shape, generator=generator).to(torch.bfloat16)
-            exp_avg = torch.randn(shape, generator=generator) * 1e-3
-            exp_avg_sq = torch.rand(shape, generator=generator) * 1e-6
-            model[fqn] = weight
-            moments[fqn] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-            total += weight.nbytes + exp_avg.nbytes + exp_avg_sq.nbytes
-        norm = f"layers.{layer}.norm.weight"
-        model[norm] = torch.ones(HIDDEN, dtype=torch.bfloat16)
-        layer += 1
+    total = layers = 0
+    for layer, name, shape in weight_slots(HIDDEN):
+        group_bytes = math.prod(shape) * (2 + 4 + 4)  # bf16 weight + two fp32 moments
+        if model and total + group_bytes / 2 > target_bytes:
+            break
+        model.setdefault(f"layers.{layer}.norm.weight", torch.ones(HIDDEN, dtype=torch.bfloat16))
+        fqn = f"layers.{layer}.{name}"
+        model[fqn] = torch.randn(shape, generator=generator).to(torch.bfloat16)
+        moments[fqn] = {
+            "exp_avg": torch.randn(shape, generator=generator) * 1e-3,
+            "exp_avg_sq": torch.rand(shape, generator=generator) * 1e-6,
+        }
+        total += group_bytes
+        layers = layer + 1
     return {
         "model": model,
         "optim": {
@@ -105,7 +113,7 @@ def make_state_dict(target_bytes: float, seed: int = 0) -> dict:
         },
         "step": 12_345,
         "dataloader": {"epoch": 2, "samples_seen": 98_765_432, "shard_order": list(range(64))},
-        "config": {"name": "bench-transformer", "hidden": HIDDEN, "layers": layer, "dtype": "bfloat16"},
+        "config": {"name": "bench-transformer", "hidden": HIDDEN, "layers": layers, "dtype": "bfloat16"},
     }
 
 
@@ -183,6 +191,10 @@ def stock_contender() -> Contender:
     return Contender("stock", save, load)
 
 
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
     started = time.perf_counter()
     result = fn()
@@ -210,11 +222,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    say = lambda line: print(line, flush=True)  # noqa: E731
-
     state_dict = make_state_dict(args.size_gb * GB)
     tensors = tensors_of(state_dict)
     data_bytes = sum(t.nbytes for t in tensors)
+    matrix_mib = sorted(t.nbytes / 2**20 for t in tensors if t.dim() == 2)
     contenders = [atomic_contender(args.threads), stock_contender()]
     workdir = tempfile.mkdtemp(prefix="dcp-bench-", dir=args.root)
     atomic_threads = AtomicStorageWriter(workdir, run_id=RUN_ID, step=0, thread_count=args.threads).thread_count
@@ -231,9 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"[{label}] {contender.name:<10} save {save_seconds:6.2f} s {data_bytes / GB / save_seconds:6.2f} GB/s"
             f" | load {load_seconds:6.2f} s {data_bytes / GB / load_seconds:6.2f} GB/s{note}")
 
-    say(f"state dict: {len(tensors)} tensors, {data_bytes / GB:.3f} GB "
-        f"({min(t.nbytes for t in tensors if t.nbytes > 2**20) / 2**20:.0f}-{max(t.nbytes for t in tensors) / 2**20:.0f} MiB "
-        f"matrices, bf16 weights + fp32 moments) + non-tensor objects")
+    say(f"state dict: {len(tensors)} tensors, {data_bytes / GB:.3f} GB ({len(matrix_mib)} matrices of "
+        f"{matrix_mib[0]:.0f}-{matrix_mib[-1]:.0f} MiB: bf16 weights + fp32 Adam moments) + non-tensor objects")
     say(f"writing into {workdir}; dcp_atomic thread_count={atomic_threads}, stock FileSystemWriter/Reader defaults; "
         f"each load follows its save at once (warm page cache)")
     try:

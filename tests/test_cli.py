@@ -1,0 +1,62 @@
+"""The dcp-atomic command line on a real checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_atomic import AtomicStorageWriter
+from dcp_atomic.cli import main
+
+RUN = "exp"
+
+
+def _save(root, step):
+    dcp.save({"w": torch.randn(64, 64), "meta": {"step": step}}, storage_writer=AtomicStorageWriter(root, RUN, step))
+
+
+def test_ls_show_verify_json(root, capsys):
+    _save(root, 1)
+    _save(root, 2)
+    assert main(["--json", "ls", root, RUN]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert listing["latest"] == 2 and [s["step"] for s in listing["steps"]] == [1, 2]
+    assert all(s["committed"] for s in listing["steps"])
+    assert main(["--json", "show", root, RUN, "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 1
+    assert main(["--json", "verify", root, RUN, "--all"]) == 0
+    assert all(r["problems"] == [] for r in json.loads(capsys.readouterr().out))
+
+
+def test_verify_names_the_flipped_file_and_exits_nonzero(root, capsys):
+    _save(root, 1)
+    step_dir = os.path.join(root, RUN, "step_0000000001")
+    attempt = os.path.join(step_dir, json.load(open(os.path.join(step_dir, "COMMITTED")))["save_id"])
+    victim = max((f for f in os.listdir(attempt) if f.endswith(".distcp")),
+                 key=lambda f: os.path.getsize(os.path.join(attempt, f)))
+    path = os.path.join(attempt, victim)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x40
+    open(path, "wb").write(data)
+    assert main(["verify", root, RUN, "1"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and victim in out and "checksum mismatch" in out
+
+
+def test_ls_marks_partial_attempts_and_module_entry_point_works(root):
+    _save(root, 1)
+    os.makedirs(os.path.join(root, RUN, "step_0000000002", "20260101T000000Z-deadbeef"))
+    out = subprocess.run([sys.executable, "-m", "dcp_atomic", "ls", root, RUN], capture_output=True, text=True,
+                         check=True).stdout
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert "committed" in lines["1"] and "partial" in lines["2"]
+
+
+def test_invalid_run_id_is_refused(root, capsys):
+    assert main(["ls", root, "../etc"]) == 2
+    assert "invalid run_id" in capsys.readouterr().err
