@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import math
 import os
 import platform
@@ -48,17 +49,18 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import dcp_atomic  # noqa: E402
-from dcp_atomic import AtomicStorageReader, AtomicStorageWriter  # noqa: E402
+import dcp_atomic
+from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
 
+# Single process, no process group: DCP says so on every call, dcp_atomic on every load (no Parallelism given).
 warnings.filterwarnings("ignore", message=r".*assuming the intent is to (save|load) in a single process")
+logging.getLogger("dcp_atomic.reshard").addFilter(lambda record: "layout check skipped" not in record.getMessage())
 
 GB = 1e9
 HIDDEN = 2048
@@ -154,7 +156,8 @@ def assert_bit_exact(expected, actual, where: str = "") -> None:
 
 @dataclass
 class Contender:
-    """Saves checkpoint number ``index`` under ``workdir`` and loads it back; returns the path to delete."""
+    """``save(state_dict, workdir, number)`` writes checkpoint ``number`` and returns the path to delete;
+    ``load(state_dict, workdir, number)`` reads it back into ``state_dict``."""
 
     name: str
     save: Callable[[dict, str, int], str]
@@ -254,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             report("warm-up", contender, *seconds, "  (not counted; loaded values verified bit-exact)")
         for repeat in range(args.repeats):
             for contender in contenders if repeat % 2 == 0 else contenders[::-1]:
-                save_seconds, load_seconds = save_then_load(contender, target)
+                save_seconds, load_seconds = save_then_load(contender, target)  # into the verified target
                 contender.save_seconds.append(save_seconds)
                 contender.load_seconds.append(load_seconds)
                 report(f"{repeat + 1}/{args.repeats}", contender, save_seconds, load_seconds)

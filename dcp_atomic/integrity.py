@@ -68,17 +68,26 @@ class HashingWriter:
     """Write-through wrapper: counts and hashes every byte on its way to ``raw``.
 
     ``begin_item`` / ``end_item`` delimit one DCP item so its digests are
-    item-relative.  It implements just what ``torch.save`` needs of a stream.
+    item-relative.  For each item it also keeps the first bytes and the
+    (offset, length) of every write call, from which :mod:`.container` proves
+    where a tensor payload landed.  It implements what ``torch.save`` needs.
     """
 
-    def __init__(self, raw: IO[bytes], block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, raw: IO[bytes], block_size: int = BLOCK_SIZE, prefix_capture: int = 64 << 10) -> None:
         self.raw = raw
         self.block_size = block_size
+        self.prefix_capture = prefix_capture
         self.position = 0
+        self.prefix = bytearray()
+        self.writes: list[tuple[int, int]] = []
         self._hasher: BlockHasher | None = None
+        self._item_start = 0
 
     def begin_item(self) -> int:
         self._hasher = BlockHasher(self.block_size)
+        self._item_start = self.position
+        self.prefix = bytearray()
+        self.writes = []
         return self.position
 
     def end_item(self) -> tuple[int, list[str]]:
@@ -90,6 +99,10 @@ class HashingWriter:
         view = memoryview(data).cast("B")
         if self._hasher is not None:
             self._hasher.update(view)
+            relative = self.position - self._item_start
+            self.writes.append((relative, len(view)))
+            if len(self.prefix) < self.prefix_capture:
+                self.prefix += view[: self.prefix_capture - len(self.prefix)]
         self.raw.write(view)
         self.position += len(view)
         return len(view)
@@ -104,6 +117,44 @@ class HashingWriter:
         return self.position
 
 
+def verify_segments(segments: list, digests: list[str], block_size: int, *, what: str) -> None:
+    """Check one item's bytes given as consecutive pieces (header, payload read in place, trailer).
+
+    Blocks straddle piece boundaries, so each block is hashed as a stream over
+    whatever pieces it covers; no piece is copied.
+    """
+    views = [memoryview(s).cast("B") for s in segments]
+    total = sum(len(v) for v in views)
+    count = max(1, -(-total // block_size))
+    if count != len(digests):
+        raise CorruptCheckpointError(f"{what}: {total} bytes do not match {len(digests)} recorded blocks", what=what)
+    hasher = xxhash.xxh3_64()
+    block, filled = 0, 0
+    for view in views:
+        while view:
+            take = min(block_size - filled, len(view))
+            hasher.update(view[:take])
+            filled += take
+            view = view[take:]
+            if filled == block_size:
+                _compare(hasher.hexdigest(), digests[block], block, block_size, what)
+                hasher.reset()
+                block, filled = block + 1, 0
+    if filled or total == 0:
+        _compare(hasher.hexdigest(), digests[block], block, block_size, what)
+
+
+def _compare(actual: str, expected: str, block: int, block_size: int, what: str) -> None:
+    if actual != expected:
+        raise CorruptCheckpointError(
+            f"{what}: checksum mismatch in block {block} (bytes {block * block_size}..): expected {ALGORITHM} "
+            f"{expected}, got {actual}; the file was modified or damaged after it was written — restore it or "
+            "load another step",
+            what=what,
+            block=block,
+        )
+
+
 def verify_blocks(data, digests: list[str], block_size: int, *, what: str, first_block: int = 0) -> None:
     """Check ``data`` (starting at block ``first_block`` of an item) against recorded digests."""
     view = memoryview(data).cast("B")
@@ -114,13 +165,5 @@ def verify_blocks(data, digests: list[str], block_size: int, *, what: str, first
             what=what,
         )
     for i in range(count):
-        expected = digests[first_block + i]
         actual = block_digest(view[i * block_size : (i + 1) * block_size])
-        if actual != expected:
-            raise CorruptCheckpointError(
-                f"{what}: checksum mismatch in block {first_block + i} "
-                f"(bytes {(first_block + i) * block_size}..): expected {ALGORITHM} {expected}, got {actual}; "
-                "the file was modified or damaged after it was written — restore it or load another step",
-                what=what,
-                block=first_block + i,
-            )
+        _compare(actual, digests[first_block + i], first_block + i, block_size, what)

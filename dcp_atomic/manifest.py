@@ -34,6 +34,7 @@ class ItemExtent:
     length: int
     checksums: list[str]
     block_size: int
+    payload: int | None = None  # offset of raw tensor bytes inside a torch_save item (see container.py)
 
 
 @dataclass
@@ -122,11 +123,14 @@ def _parse_extent(raw: dict, file_size: int) -> ItemExtent:
         length=_nonneg(raw["length"]),
         checksums=[str(c) for c in raw["checksums"]],
         block_size=_nonneg(raw["block_size"]),
+        payload=None if raw.get("payload") is None else _nonneg(raw["payload"]),
     )
     if item.kind not in ("tensor", "bytes") or item.format not in ("torch_save", "raw"):
         raise ValueError(f"unknown item kind/format {item.kind}/{item.format}")
     if item.block_size <= 0 or item.pos + item.length > file_size:
         raise ValueError(f"extent of {item.key!r} lies outside its file")
+    if item.payload is not None and item.payload > item.length:
+        raise ValueError(f"payload offset of {item.key!r} lies outside the item")
     if len(item.checksums) != max(1, -(-item.length // item.block_size)):
         raise ValueError(f"wrong number of checksums for {item.key!r}")
     return item

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import logging
@@ -36,7 +37,7 @@ from . import failpoints
 from .catalog import DEFAULT_TIMEOUT, resolve
 from .commit import Committed
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
-from .integrity import sha256_hex, verify_blocks
+from .integrity import sha256_hex, verify_blocks, verify_segments
 from .layout import DCP_METADATA, RunLayout, validate_data_file_name
 from .manifest import ItemExtent
 from .parallelism import Parallelism
@@ -102,6 +103,7 @@ class AtomicStorageReader(StorageReader):
         self.committed: Committed | None = None
         self.rank = 0
         self._storage_data: dict = {}
+        self._metadata: Metadata | None = None
         self._extents: dict[tuple[str, int], ItemExtent] = {}
 
     # -- resolution (usable on its own: typed errors, no DCP wrapping) ---------------
@@ -154,6 +156,7 @@ class AtomicStorageReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.rank = kwargs.get("rank", 0 if is_coordinator else -1)
         self._storage_data = metadata.storage_data or {}
+        self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         committed = self.committed
@@ -232,6 +235,8 @@ class AtomicStorageReader(StorageReader):
             what = f"{path} item {item.storage_index.fqn!r}"
             if extent is None or extent.length != info.length:
                 raise CorruptCheckpointError(f"{what}: DCP metadata names an extent the manifest does not", path=path)
+            if self._read_in_place(path, item, extent, planner, planner_lock, what):
+                continue
             try:
                 data = self.storage.read_range(path, extent.pos, extent.length)
             except FileNotFoundError:
@@ -244,6 +249,45 @@ class AtomicStorageReader(StorageReader):
             if self.verify:
                 verify_blocks(data, extent.checksums, extent.block_size, what=what)
             self._deliver(item, extent, data, planner, planner_lock, what)
+
+    def _read_in_place(self, path: str, item: ReadItem, extent: ItemExtent, planner: LoadPlanner,
+                       planner_lock: threading.Lock, what: str) -> bool:
+        """Read a whole stored chunk's payload straight into its destination tensor.
+
+        Applies when the item is a torch.save container whose payload offset
+        was recorded (see :mod:`.container`) and the destination is a
+        contiguous CPU tensor of the stored dtype and shape.  Header, payload
+        and trailer are then verified as one stream: no temporary tensor, one copy.
+        Returns False (nothing read) when it does not apply.
+        """
+        if item.type != LoadItemType.TENSOR or extent.payload is None or any(item.storage_offsets):
+            return False
+        stored = self._metadata.state_dict_metadata.get(item.storage_index.fqn) if self._metadata else None
+        chunk = next((c for c in getattr(stored, "chunks", ()) if c.offsets == item.storage_index.offset), None)
+        if chunk is None or tuple(chunk.sizes) != tuple(item.lengths):
+            return False
+        with planner_lock:
+            target = planner.resolve_tensor(item).detach()
+        if (target.device.type != "cpu" or not target.is_contiguous() or target.dtype != stored.properties.dtype
+                or tuple(target.shape) != tuple(item.lengths)):
+            return False
+        nbytes = target.nbytes
+        tail_start = extent.payload + nbytes
+        if tail_start > extent.length:
+            raise CorruptCheckpointError(f"{what}: recorded payload does not fit its item", path=path)
+        head = self.storage.read_range(path, extent.pos, extent.payload)
+        payload = (ctypes.c_char * nbytes).from_address(target.data_ptr()) if nbytes else bytearray()
+        got = self.storage.readinto_range(path, extent.pos + extent.payload, memoryview(payload).cast("B"))
+        tail = self.storage.read_range(path, extent.pos + tail_start, extent.length - tail_start)
+        if len(head) != extent.payload or got != nbytes or len(tail) != extent.length - tail_start:
+            raise CorruptCheckpointError(
+                f"{what}: file is truncated (item of {extent.length} bytes at offset {extent.pos})", path=path
+            )
+        if self.verify:
+            verify_segments([head, payload, tail], extent.checksums, extent.block_size, what=what)
+        with planner_lock:
+            planner.commit_tensor(item, target)
+        return True
 
     def _deliver(self, item: ReadItem, extent: ItemExtent, data: bytes, planner: LoadPlanner,
                  planner_lock: threading.Lock, what: str) -> None:

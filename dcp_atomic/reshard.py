@@ -15,15 +15,16 @@ from .errors import ReshardError
 from .parallelism import Parallelism
 
 log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def check_layout(*, saved: dict[str, Any] | None, current: Parallelism | None, allow_reshard: bool, where: str) -> None:
     if saved is None or current is None:
-        log.warning(
-            "%s: parallel layout check skipped (%s has no declared Parallelism)",
-            where,
-            "the checkpoint" if saved is None else "this job",
-        )
+        missing = "the checkpoint" if saved is None else "this job"
+        if missing not in _warned:  # once per process: a warning on every load would be noise
+            _warned.add(missing)
+            log.warning("%s: parallel layout check skipped (%s has no declared or inferable Parallelism)",
+                        where, missing)
         return
     before = Parallelism.from_dict(saved)
     if (before.tp, before.pp) == (current.tp, current.pp):

@@ -62,6 +62,12 @@ class Storage:
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         raise NotImplementedError
 
+    def readinto_range(self, path: str, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` from ``offset`` (no intermediate copy where the backend allows)."""
+        data = self.read_range(path, offset, len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
     def size(self, path: str) -> int:
         raise NotImplementedError
 

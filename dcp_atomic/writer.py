@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import commit, failpoints
 from .catalog import DEFAULT_TIMEOUT
+from .container import find_payload
 from .errors import CommitConflictError, ConfigurationError, StorageError
 from .identity import check_identities, local_identity
 from .integrity import BLOCK_SIZE, HashingWriter
@@ -82,6 +83,7 @@ class _WrittenItem:
     format: str
     checksums: list[str]
     block_size: int
+    payload: int | None = None
 
 
 @dataclass
@@ -294,6 +296,7 @@ class AtomicStorageWriter(StorageWriter):
                     length=written.length,
                     checksums=written.checksums,
                     block_size=written.block_size,
+                    payload=written.payload,
                 )
             )
         for entry in files.values():
@@ -387,16 +390,19 @@ class _RankWrite:
     def _write_item(self, out: HashingWriter, name: str, item: WriteItem) -> WriteResult:
         data = self.planner.resolve_data(item)
         start = out.begin_item()
+        payload = None
         if item.type == WriteItemType.BYTE_IO:
             assert isinstance(data, io.BytesIO), "BYTE_IO items resolve to BytesIO"
             out.write(data.getbuffer())
             kind = "bytes"
         else:
-            torch.save(_host_copy(data), out)
+            tensor = _host_copy(data)
+            torch.save(tensor, out)
+            payload = find_payload(bytes(out.prefix), out.writes, tensor.nbytes)
             kind = "tensor"
         length, checksums = out.end_item()
         written = _WrittenItem(name, start, length, kind, "torch_save" if kind == "tensor" else "raw",
-                               checksums, self.writer.block_size)
+                               checksums, self.writer.block_size, payload)
         return WriteResult(index=item.index, size_in_bytes=length, storage_data=written)
 
 
