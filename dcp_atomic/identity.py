@@ -20,7 +20,7 @@ from .errors import RankConsistencyError
 _ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
-def local_identity(group_rank: int, parallelism: dict | None) -> dict[str, Any]:
+def local_identity(group_rank: int, parallelism: dict | None, *, declared: bool = True) -> dict[str, Any]:
     """This rank's identity as plain data (it travels in the plan and the manifest)."""
     initialized = dist.is_available() and dist.is_initialized()
     return {
@@ -31,6 +31,7 @@ def local_identity(group_rank: int, parallelism: dict | None) -> dict[str, Any]:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "parallelism": parallelism,
+        "parallelism_source": ("declared" if declared else "inferred") if parallelism else None,
     }
 
 
@@ -82,7 +83,7 @@ def check_identities(identities: list[dict[str, Any]]) -> None:
             + "; ".join(f"{_who(i)}: {i['parallelism']}" for i in identities)
         )
     declared = identities[0]["parallelism"] if identities else None
-    if declared:
+    if declared and identities[0].get("parallelism_source") == "declared":
         size = declared["tp"] * declared["dp"] * declared["pp"]
         if size != world:
             problems.append(

@@ -1,21 +1,73 @@
 """Thin DCP planners for what the storage layer cannot see.
 
 Storage hooks see item indexes, shapes and dtypes but never tensor contents or
-the state dict.  These subclasses of DCP's default planners exist so checks
-that need the state dict have a home; they also turn off DCP's plan caching,
-which would replay an old ``save_id`` past dcp_atomic's checks.
+the state dict.  These subclasses of DCP's default planners add only that:
+
+* :class:`AtomicSavePlanner` summarises each key's content (sampled
+  fingerprints) and infers the layout from DTensor meshes, and hands both to
+  the writer in ``SavePlan.storage_data``; the writer's coordinator runs the
+  checks in :mod:`.reshard`.  It also disables DCP's plan caching, which would
+  replay an old ``save_id`` past those checks.
+* :class:`AtomicLoadPlanner` infers this job's layout, then checks every key
+  against the checkpoint before DCP starts (DCP's default planner raises at the
+  first size mismatch; this one lists them all).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Iterable
+
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+from .reshard import LoadContext, SaveReport, infer_parallelism, summarize_state_dict
+
+LOAD_CONTEXT_ATTR = "dcp_atomic_load_context"  # set on DCP's Metadata by AtomicStorageReader
 
 
 class AtomicSavePlanner(DefaultSavePlanner):
-    def __init__(self, *args, **kwargs) -> None:
+    """Args:
+        divergence: ``"raise"`` (default) refuses keys whose copies differ across ranks;
+            ``"warn"`` saves them (DCP keeps rank 0's copy), logs them and marks them per-rank.
+        layout_dependent: globs of keys whose layout depends on tensor_parallel_size
+            (e.g. ``"*.qkv_proj.weight"``); recorded so a later tp change refuses them.
+    """
+
+    def __init__(self, *args, divergence: str = "raise", layout_dependent: Iterable[str] = (), **kwargs) -> None:
+        if divergence not in ("raise", "warn"):
+            raise ValueError(f"divergence must be 'raise' or 'warn', got {divergence!r}")
         kwargs["enable_plan_caching"] = False
         super().__init__(*args, **kwargs)
+        self.divergence = divergence
+        self.layout_dependent = tuple(layout_dependent)
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        report = SaveReport(
+            keys=summarize_state_dict(self.state_dict),
+            parallelism=infer_parallelism(self.state_dict),
+            divergence=self.divergence,
+            layout_dependent=self.layout_dependent,
+        )
+        return dataclasses.replace(plan, storage_data=report)
 
 
 class AtomicLoadPlanner(DefaultLoadPlanner):
-    pass
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        context: LoadContext | None = getattr(metadata, LOAD_CONTEXT_ATTR, None)
+        if context is not None and context.current is None:
+            context.current = infer_parallelism(self.state_dict)
+
+    def create_local_plan(self):
+        context: LoadContext | None = getattr(self.metadata, LOAD_CONTEXT_ATTR, None)
+        if context is not None:
+            requested = {}
+            for fqn, value in self.state_dict.items():
+                if isinstance(value, torch.Tensor):  # DTensor.shape is the global shape
+                    requested[fqn] = (tuple(value.shape), value.dtype)
+                else:
+                    requested[fqn] = None
+            context.check_keys(requested)
+        return super().create_local_plan()

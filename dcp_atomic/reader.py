@@ -24,7 +24,7 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch.futures import Future
@@ -41,7 +41,8 @@ from .integrity import sha256_hex, verify_blocks, verify_segments
 from .layout import DCP_METADATA, RunLayout, validate_data_file_name
 from .manifest import ItemExtent
 from .parallelism import Parallelism
-from .reshard import check_layout
+from .planners import LOAD_CONTEXT_ATTR
+from .reshard import LoadContext
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata
 from .storage import open_storage
@@ -88,6 +89,7 @@ class AtomicStorageReader(StorageReader):
         timeout: float = DEFAULT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
         thread_count: int | None = None,
+        layout_dependent: Iterable[str] = (),
     ) -> None:
         super().__init__()
         self.storage = open_storage(root, storage_options)
@@ -98,6 +100,8 @@ class AtomicStorageReader(StorageReader):
         self.verify = verify
         self.timeout = timeout
         self.thread_count = thread_count or max(1, min(4, os.cpu_count() or 1))
+        self.layout_dependent = tuple(layout_dependent)
+        self._context: LoadContext | None = None
         self.step: int | None = None
         self.save_id: str | None = None
         self.committed: Committed | None = None
@@ -111,12 +115,16 @@ class AtomicStorageReader(StorageReader):
     def resolve(self) -> Committed:
         """Find and verify the checkpoint this reader will load; raises dcp_atomic's own errors."""
         committed = resolve(self.layout, self.requested_step, Deadline(self.timeout))
-        check_layout(
+        self._context = LoadContext(
+            where=f"run {self.layout.run_id!r} step {committed.step}",
             saved=committed.manifest.parallelism,
             current=self.parallelism,
             allow_reshard=self.allow_reshard,
-            where=f"run {self.layout.run_id!r} step {committed.step}",
+            keys=committed.manifest.keys,
+            layout_dependent=self.layout_dependent,
         )
+        if self.parallelism is not None:  # declared: check now, raising our own type
+            self._context.check_layout()
         self.committed = committed
         self.step = committed.step
         self.save_id = committed.save_id
@@ -151,6 +159,7 @@ class AtomicStorageReader(StorageReader):
             save_id=committed.save_id,
             load_id=uuid.uuid4().hex,
         )
+        setattr(metadata, LOAD_CONTEXT_ATTR, self._context)  # AtomicLoadPlanner reads it
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -159,8 +168,11 @@ class AtomicStorageReader(StorageReader):
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        committed = self.committed
-        assert committed is not None, "prepare_local_plan() before read_metadata()"
+        committed, context = self.committed, self._context
+        assert committed is not None and context is not None, "prepare_local_plan() before read_metadata()"
+        context.check_layout()  # the layout may have been inferred by AtomicLoadPlanner meanwhile
+        if not context.keys_checked:  # without AtomicLoadPlanner: per-key checks on what this rank reads
+            context.check_keys({item.dest_index.fqn: None for item in plan.items})
         view = _LoadView(self.rank, socket.gethostname(), os.getpid(), committed.step, committed.save_id,
                          committed.manifest_sha256)
         return dataclasses.replace(plan, storage_data=view)

@@ -47,6 +47,7 @@ from .integrity import BLOCK_SIZE, HashingWriter
 from .layout import ATTEMPT, RunLayout, data_file_name, new_save_id, validate_step
 from .manifest import FileEntry, ItemExtent, Manifest, now
 from .parallelism import Parallelism
+from .reshard import SaveReport, check_save, summarize_items
 from .storage import open_storage
 from .version import __version__
 
@@ -61,6 +62,8 @@ class _LocalPlanData:
     """What a rank tells the coordinator about itself (travels in ``SavePlan.storage_data``)."""
 
     identity: dict[str, Any]
+    items: dict[str, dict[str, Any]]  # per key: kind, global shape, dtype, chunks (see reshard.summarize_items)
+    report: SaveReport | None  # content summary from AtomicSavePlanner, if used
 
 
 @dataclass
@@ -159,6 +162,7 @@ class AtomicStorageWriter(StorageWriter):
         self.is_coordinator = True
         self.last_marker = None
         self._identities: list[dict] = []
+        self._keys: dict[str, dict] = {}
         self._started_at = 0.0
 
     # -- DCP lifecycle -----------------------------------------------------------------
@@ -180,8 +184,12 @@ class AtomicStorageWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         _refuse_cached_plan(plan, self.rank)
-        identity = local_identity(self.rank, self.parallelism.to_dict() if self.parallelism else None)
-        return dataclasses.replace(plan, storage_data=_LocalPlanData(identity=identity))
+        report = plan.storage_data if isinstance(plan.storage_data, SaveReport) else None
+        layout = self.parallelism or (report.parallelism if report else None)
+        identity = local_identity(self.rank, layout.to_dict() if layout else None,
+                                  declared=self.parallelism is not None)
+        local = _LocalPlanData(identity=identity, items=summarize_items(plan.items), report=report)
+        return dataclasses.replace(plan, storage_data=local)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         failpoints.hit("plan.before_checks", self.rank)
@@ -194,6 +202,7 @@ class AtomicStorageWriter(StorageWriter):
                 )
         self._identities = [plan.storage_data.identity for plan in plans]
         check_identities(self._identities)
+        self._keys = check_save([p.storage_data.items for p in plans], [p.storage_data.report for p in plans])
         if not self.overwrite:
             self._refuse_committed_step()
         save_id = new_save_id()
@@ -306,7 +315,7 @@ class AtomicStorageWriter(StorageWriter):
             step=self.step,
             save_id=save_id,
             world_size=world,
-            parallelism=self.parallelism.to_dict() if self.parallelism else None,
+            parallelism=self._identities[0]["parallelism"] if self._identities else None,
             ranks=self._identities,
             files=sorted(files.values(), key=lambda f: (f.rank, f.name)),
             dcp_metadata={"name": ".metadata", "size": len(metadata_bytes), "sha256": sha256_hex(metadata_bytes)},
@@ -314,6 +323,7 @@ class AtomicStorageWriter(StorageWriter):
             started_at=self._started_at,
             written_at=now(),
             stats=sorted((dataclasses.asdict(s) for s in stats), key=lambda s: s["rank"]),
+            keys=self._keys,
         )
 
 

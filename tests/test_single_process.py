@@ -256,7 +256,7 @@ def test_tp_change_needs_consent(root):
 
     writer = AtomicStorageWriter(root, RUN, 1, parallelism=Parallelism(tp=1))
     dcp.save(_state(), storage_writer=writer)
-    with pytest.raises(ReshardError, match="saved with tensor_parallel_size=1 .*this job has tensor_parallel_size=2"):
+    with pytest.raises(ReshardError, match="saved with tensor_parallel_size=1 .*; this job has tensor_parallel_size=2 .*; pass allow_reshard=True if intended"):
         AtomicStorageReader(root, RUN, parallelism=Parallelism(tp=2, dp=1), timeout=1).resolve()
     assert AtomicStorageReader(root, RUN, parallelism=Parallelism(tp=2), allow_reshard=True, timeout=1).resolve().step == 1
 
