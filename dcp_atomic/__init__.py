@@ -12,9 +12,11 @@ from .errors import (
     ConfigurationError,
     CorruptCheckpointError,
     RankConsistencyError,
+    RankFailureError,
     ReshardError,
     StorageError,
 )
+from .manager import CheckpointManager
 from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
 from .reader import AtomicStorageReader
@@ -35,6 +37,8 @@ __all__ = [
     "ConfigurationError",
     "CorruptCheckpointError",
     "RankConsistencyError",
+    "RankFailureError",
+    "CheckpointManager",
     "ReshardError",
     "StorageError",
     "__version__",

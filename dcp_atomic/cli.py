@@ -1,7 +1,8 @@
 """``dcp-atomic``: look at, verify and demo checkpoints without writing Python.
 
 Subcommands: ``ls ROOT [RUN]``, ``show ROOT RUN [STEP]``, ``verify ROOT RUN
-[STEP|--all]``, ``demo``.  ``--json`` prints machine-readable output.  The CLI
+[STEP|--all]``, ``gc ROOT RUN --keep-last N [--dry-run]``, ``export ROOT RUN STEP
+OUT.pt``, ``demo``.  ``--json`` prints machine-readable output.  The CLI
 is one process, so it may scan (list) the run directory; training ranks never do.
 """
 
@@ -191,6 +192,49 @@ def cmd_verify(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_gc(args) -> int:
+    from .retention import apply_gc, plan_gc
+
+    layout = _layout(args)
+    plan = plan_gc(layout, args.keep_last, lease_seconds=args.lease_hours * 3600)
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "delete_steps": plan.delete_steps,
+                          "delete_attempts": [list(a) for a in plan.delete_attempts], "kept_steps": plan.kept_steps}))
+    else:
+        verb = "would delete" if args.dry_run else "deleting"
+        for step in plan.delete_steps:
+            print(f"{verb} committed step {step}")
+        for step, save_id in plan.delete_attempts:
+            print(f"{verb} abandoned attempt {save_id} of step {step}")
+        print(f"keeping steps {plan.kept_steps}" + ("" if not plan.empty else " (nothing to collect)"))
+    if not args.dry_run:
+        apply_gc(layout, plan)
+    return 0
+
+
+def cmd_export(args) -> int:
+    """One torch.save file holding the whole (unsharded) state dict of a step."""
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from .reader import AtomicStorageReader
+
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+    reader = AtomicStorageReader(args.root, args.run, args.step, timeout=args.timeout,
+                                 storage_options=json.loads(args.storage_options) if args.storage_options else None)
+    try:
+        reader.resolve()
+        state = _load_state_dict_from_keys(storage_reader=reader)
+    except CheckpointError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    torch.save(state, args.out)
+    print(f"exported run {args.run} step {reader.step} (save {reader.save_id}) to {args.out}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -224,6 +268,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every committed step")
     p.add_argument("--threads", type=int, default=4)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gc", help="delete old committed steps and abandoned attempts")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("--keep-last", type=int, required=True)
+    p.add_argument("--lease-hours", type=float, default=6.0, help="age after which an uncommitted attempt is abandoned")
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("export", help="write one step as a single torch.save file")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("step", type=int)
+    p.add_argument("out")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("demo", help="train, crash a save, resume (the README's first command)")
     p.add_argument("--root", default=DEFAULT_ROOT)

@@ -57,3 +57,7 @@ class StorageError(CheckpointError):
 
 class ConfigurationError(CheckpointError):
     """The writer or reader was used in a way the protocol cannot make safe."""
+
+
+class RankFailureError(CheckpointError):
+    """A peer died or froze inside a collective (seen through the process group)."""

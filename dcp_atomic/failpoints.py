@@ -9,7 +9,8 @@ through the environment variable ``DCP_ATOMIC_FAILPOINTS``::
 
     DCP_ATOMIC_FAILPOINTS="commit.after_manifest=kill;write.mid_data@1=raise"
 
-``name@rank`` limits a point to one rank.  Actions: ``kill`` (SIGKILL self),
+``name@rank`` limits a point to one rank; ``name#N`` (or ``name@rank#N``) fires
+only on the N-th time the point is reached in this process.  Actions: ``kill`` (SIGKILL self),
 ``stop`` (SIGSTOP self, a frozen rank), ``raise`` (an ``OSError(EIO)``, an
 injected I/O error), ``sleep:SECONDS``.
 """
@@ -38,17 +39,19 @@ POINTS = frozenset(
     }
 )
 
-_armed: dict[tuple[str, int | None], str] = {}
+_armed: dict[tuple[str, int | None], tuple[str, int | None]] = {}  # (name, rank) -> (action, on hit N)
+_hits: dict[str, int] = {}
 
 
-def _parse(spec: str) -> dict[tuple[str, int | None], str]:
-    armed: dict[tuple[str, int | None], str] = {}
+def _parse(spec: str) -> dict[tuple[str, int | None], tuple[str, int | None]]:
+    armed: dict[tuple[str, int | None], tuple[str, int | None]] = {}
     for entry in filter(None, (part.strip() for part in spec.split(";"))):
         target, _, action = entry.partition("=")
+        target, _, nth = target.partition("#")
         name, _, rank = target.partition("@")
         if name not in POINTS:
             raise ValueError(f"unknown failpoint {name!r} in {ENV_VAR}; known: {sorted(POINTS)}")
-        armed[(name, int(rank) if rank else None)] = action or "raise"
+        armed[(name, int(rank) if rank else None)] = (action or "raise", int(nth) if nth else None)
     return armed
 
 
@@ -59,14 +62,19 @@ def arm(name: str, action: str = "raise", rank: int | None = None) -> None:
 
 def disarm_all() -> None:
     _armed.clear()
+    _hits.clear()
 
 
 def hit(name: str, rank: int | None = None) -> None:
     """Run the action armed for ``name`` (and this rank), if any."""
     if not _armed:
         return
-    action = _armed.get((name, rank)) or _armed.get((name, None))
-    if action is None:
+    armed = _armed.get((name, rank)) or _armed.get((name, None))
+    if armed is None:
+        return
+    action, nth = armed
+    _hits[name] = _hits.get(name, 0) + 1
+    if nth is not None and _hits[name] != nth:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -82,7 +90,7 @@ def hit(name: str, rank: int | None = None) -> None:
 
 def load_from_env() -> None:
     """(Re)read ``DCP_ATOMIC_FAILPOINTS``; for processes forked before it was set."""
-    _armed.clear()
+    disarm_all()
     _armed.update(_parse(os.environ.get(ENV_VAR, "")))
 
 

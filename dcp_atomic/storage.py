@@ -293,4 +293,8 @@ def open_storage(root: str | os.PathLike, storage_options: dict[str, Any] | None
         return LocalStorage(root)
     if root.startswith("file://") and not storage_options:
         return LocalStorage(root[len("file://") :])
+    if root.startswith(("s3://", "s3a://")):
+        from .s3 import S3Storage  # lazy: s3fs is an optional dependency
+
+        return S3Storage(root, storage_options)
     return FsspecStorage(root, storage_options)

@@ -161,6 +161,7 @@ class AtomicStorageWriter(StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self.last_marker = None
+        self.last_stats: dict[str, Any] | None = None  # coordinator only, after a commit
         self._identities: list[dict] = []
         self._keys: dict[str, dict] = {}
         self._started_at = 0.0
@@ -255,6 +256,8 @@ class AtomicStorageWriter(StorageWriter):
         manifest = self._manifest(save_id, items, stats, len(results), metadata_bytes)
         started = time.monotonic()
         self.last_marker = commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite, rank=self.rank)
+        self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
+                           "commit_seconds": time.monotonic() - started, "ranks": manifest.stats}
         log.info(
             "committed run %s step %d save %s: %d files, %.1f MiB, commit %.3fs",
             self.layout.run_id, self.step, save_id, len(manifest.files), manifest.total_bytes / 2**20,

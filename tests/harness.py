@@ -156,12 +156,15 @@ def run_world(
     timeout: float = 90.0,
     pg_timeout: float = 30.0,
     no_process_group: bool = False,
+    wait_for: list[int] | None = None,
 ) -> list[Outcome]:
     """Run ``fn`` on every rank of a fresh gloo world; return one Outcome per rank.
 
     ``env`` applies to all ranks, ``rank_env(rank)`` per rank (a value of None
     removes the variable).  ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` are set to
-    the true values unless overridden.  The world is always torn down.
+    the true values unless overridden.  ``wait_for`` lists the ranks whose
+    answer ends the run (default: all); the others (say, a SIGSTOPped rank) are
+    killed then.  The world is always torn down.
     """
     port = free_port()
     procs, conns = [], []
@@ -183,7 +186,8 @@ def run_world(
     deadline = time.monotonic() + timeout
     try:
         pending = set(range(world_size))
-        while pending and time.monotonic() < deadline:
+        awaited = set(range(world_size) if wait_for is None else wait_for)
+        while pending & awaited and time.monotonic() < deadline:
             for rank in list(pending):
                 conn, proc = conns[rank], procs[rank]
                 if conn.poll(0.05):
@@ -196,7 +200,9 @@ def run_world(
                     outcomes[rank] = Outcome(rank, error_type="ProcessDied", error=f"exit code {proc.exitcode}")
                     pending.discard(rank)
         for rank in pending:
-            outcomes[rank] = Outcome(rank, error_type="HarnessTimeout", error=f"no result within {timeout}s")
+            late = rank in awaited
+            outcomes[rank] = Outcome(rank, error_type="HarnessTimeout" if late else "NotAwaited",
+                                     error=f"no result within {timeout}s" if late else "not awaited")
         for p in procs:  # ranks that answered exit on their own right after
             p.join(max(0.0, min(5.0, deadline - time.monotonic())))
     finally:

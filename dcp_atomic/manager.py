@@ -1,0 +1,377 @@
+"""``CheckpointManager``: save every N steps in the background, keep the last K, resume.
+
+What it adds over the storage writer and reader:
+
+* one gloo process group of its own, created with ``timeout`` (plus a second
+  one for background saves: DCP's ``async_save`` deadlocks when it shares a
+  group with collectives on the main thread), so a dead or frozen peer inside
+  DCP's collectives ends in bounded time and becomes a :class:`RankFailureError`
+  naming the silent ranks (P8);
+* step resolution by global rank 0 alone (``LATEST``, else a scan) broadcast to
+  the others, so all ranks load one version without every rank listing;
+* one save in flight; ``LATEST`` and retention move only after a save has
+  *committed* (never when ``async_save`` merely returned);
+* typed errors: DCP's ``CheckpointException`` is unwrapped to our own classes,
+  and a save DCP reports as failed after ``finish`` may have committed is
+  settled by reading the marker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step, most_recent, scan_markers
+from .commit import _read_marker_once
+from .errors import (CheckpointError, CheckpointNotFoundError, ConfigurationError, RankFailureError)
+from .layout import RunLayout, validate_step
+from .parallelism import Parallelism
+from .planners import AtomicLoadPlanner, AtomicSavePlanner
+from .reader import AtomicStorageReader
+from .retention import DEFAULT_LEASE_SECONDS, apply_gc, plan_gc
+from .storage import open_storage
+from .writer import AtomicStorageWriter
+
+log = logging.getLogger(__name__)
+
+SaveCallback = Callable[[dict[str, Any]], None]
+
+
+class CheckpointManager:
+    """Args:
+        root, run_id, storage_options: where checkpoints live (see AtomicStorageWriter).
+        parallelism: this job's layout (None: inferred from DTensor meshes where possible).
+        keep_last: keep this many most recently committed steps (None: keep all).
+        compression: passed to the writer.
+        timeout: seconds for every wait, and the timeout of the manager's process groups.
+        process_group: use this group instead of creating one (the manager then cannot
+            create a separate group for background saves and uses this one for both).
+        on_saved: callback receiving per-save statistics (rank 0 only).
+        lease_seconds: age after which an uncommitted attempt counts as abandoned.
+    """
+
+    _instances = 0
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        run_id: str,
+        *,
+        parallelism: Parallelism | None = None,
+        keep_last: int | None = None,
+        compression: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        storage_options: dict[str, Any] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        thread_count: int | None = None,
+        on_saved: SaveCallback | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        allow_divergence: bool = False,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.root, self.run_id = root, run_id
+        self.storage_options = storage_options
+        self.layout = RunLayout(open_storage(root, storage_options), run_id)
+        self.parallelism = parallelism
+        self.keep_last = keep_last
+        self.compression = compression
+        self.timeout = timeout
+        self.thread_count = thread_count
+        self.on_saved = on_saved
+        self.lease_seconds = lease_seconds
+        self.divergence = "warn" if allow_divergence else "raise"
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._owned_groups: list[dist.ProcessGroup] = []
+        if not self._distributed:
+            self._group = self._async_group = None
+        elif process_group is not None:
+            self._group = self._async_group = process_group
+        else:
+            pg_timeout = timedelta(seconds=timeout)
+            self._group = dist.new_group(backend="gloo", timeout=pg_timeout)
+            self._async_group = dist.new_group(backend="gloo", timeout=pg_timeout)
+            self._owned_groups = [self._group, self._async_group]
+        self.rank = dist.get_rank(self._group) if self._distributed else 0
+        self.world_size = dist.get_world_size(self._group) if self._distributed else 1
+        self._inflight: concurrent.futures.Future | None = None
+        self._lock = threading.Lock()
+        self._ops = 0  # operation counter: identical on all ranks (SPMD), names liveness keys
+        CheckpointManager._instances += 1
+        self._instance = CheckpointManager._instances
+        self._closed = False
+
+    # -- saving --------------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: dict[str, Any]) -> int:
+        """Save and commit ``step`` synchronously; returns the step."""
+        self._check_open()
+        self._drain()
+        writer = self._writer(step)
+        started = time.perf_counter()
+        try:
+            dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(), process_group=self._group)
+        except BaseException as e:  # CheckpointException is a BaseException
+            self._settle_failed_save(e, step, writer, self._ops)
+        self._after_commit(step, writer, time.perf_counter() - started, stage_seconds=0.0)
+        return step
+
+    def async_save(self, step: int, state_dict: dict[str, Any]) -> concurrent.futures.Future:
+        """Stage ``state_dict`` to host memory now, write and commit in the background.
+
+        Returns a future that resolves to ``step`` once the save has *committed*
+        (and retention ran), or raises the typed error.  A second call first
+        waits for the previous save.
+        """
+        self._check_open()
+        self._drain()
+        writer = self._writer(step)
+        op = self._ops
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        started = time.perf_counter()
+        try:
+            pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(),
+                                     process_group=self._async_group)
+        except BaseException as e:
+            self._settle_failed_save(e, step, writer, op)
+        stage_seconds = time.perf_counter() - started
+        pending = getattr(pending, "upload_completion", pending)  # AsyncSaveResponse in some torch versions
+
+        def finished(done) -> None:
+            try:
+                try:
+                    done.result()
+                except BaseException as e:
+                    self._settle_failed_save(e, step, writer, op)
+                self._after_commit(step, writer, time.perf_counter() - started, stage_seconds)
+                result.set_result(step)
+            except BaseException as e:
+                result.set_exception(e)
+
+        pending.add_done_callback(finished)
+        with self._lock:
+            self._inflight = result
+        return result
+
+    def wait(self) -> int | None:
+        """Wait for the in-flight save; raise its error if it failed. Returns its step."""
+        with self._lock:
+            inflight, self._inflight = self._inflight, None
+        return inflight.result() if inflight is not None else None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._drain()
+        finally:
+            self._closed = True
+            for group in self._owned_groups:
+                try:
+                    dist.destroy_process_group(group)
+                except Exception:  # a dead peer can make teardown fail; nothing to save anymore
+                    pass
+            self._owned_groups = []
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- loading and listing -------------------------------------------------------------
+
+    def load(self, state_dict: dict[str, Any], step: int | None = None, allow_reshard: bool = False) -> int:
+        """Load ``step`` (default: the most recent commit) into ``state_dict``; returns the step loaded."""
+        self._check_open()
+        self._drain()
+        chosen = self._on_rank0(lambda: self._resolve_step(step), "resolve the step to load")
+        if chosen is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint for run {self.run_id!r} under {self.layout.storage.describe()}",
+                run_id=self.run_id,
+            )
+        reader = AtomicStorageReader(self.root, self.run_id, chosen, parallelism=self.parallelism,
+                                     allow_reshard=allow_reshard, timeout=self.timeout,
+                                     storage_options=self.storage_options, thread_count=self.thread_count)
+        reader.resolve()  # typed errors (not found, corrupt manifest, tp change) before DCP wraps them
+        try:
+            dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
+        except BaseException as e:
+            raise self._translate(e, f"loading step {chosen}") from None
+        log.info("loaded run %r step %d (save %s)", self.run_id, chosen, reader.save_id)
+        return chosen
+
+    def latest_step(self) -> int | None:
+        """The most recently committed step (global rank 0 scans, the others are told)."""
+        self._check_open()
+        return self._on_rank0(lambda: scan_latest_step(self.root, self.run_id, self.storage_options),
+                              "find the latest step")
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (global rank 0 scans, the others are told)."""
+        self._check_open()
+        return self._on_rank0(lambda: [m.step for m in scan_markers(self.layout)], "list committed steps")
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigurationError("this CheckpointManager is closed")
+        self._ops += 1
+
+    def _writer(self, step: int) -> AtomicStorageWriter:
+        validate_step(step)
+        return AtomicStorageWriter(self.root, self.run_id, step, parallelism=self.parallelism,
+                                   compression=self.compression, thread_count=self.thread_count,
+                                   timeout=self.timeout, storage_options=self.storage_options)
+
+    def _save_planner(self) -> AtomicSavePlanner:
+        return AtomicSavePlanner(divergence=self.divergence)
+
+    def _drain(self) -> None:
+        """Wait for a previous background save; its failure was reported through its future."""
+        with self._lock:
+            inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            try:
+                inflight.result()
+            except BaseException as e:
+                log.warning("previous async save failed: %s", e)
+
+    def _resolve_step(self, step: int | None) -> int | None:
+        if step is not None:
+            validate_step(step)
+            return step
+        return scan_latest_step(self.root, self.run_id, self.storage_options)
+
+    def _on_rank0(self, compute: Callable[[], Any], what: str) -> Any:
+        """Compute on global rank 0 only and broadcast; errors there reach every rank."""
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                outcome[0] = ("ok", compute())
+            except CheckpointError as e:
+                outcome[0] = ("error", e)
+        if self._distributed and self.world_size > 1:
+            try:
+                dist.broadcast_object_list(outcome, src=dist.get_global_rank(self._group, 0), group=self._group)
+            except BaseException as e:
+                raise self._translate(e, what) from None
+        status, value = outcome[0]
+        if status == "error":
+            raise value
+        return value
+
+    def _after_commit(self, step: int, writer: AtomicStorageWriter, seconds: float, stage_seconds: float) -> None:
+        if self.rank != 0:
+            return
+        committed = [m.step for m in scan_markers(self.layout) if m.step > step]
+        if committed:
+            log.info("step %d saved below committed step(s) %s: a new branch starts (rollback restart)", step,
+                     committed[:5])
+        if self.keep_last is not None:
+            plan = plan_gc(self.layout, self.keep_last, lease_seconds=self.lease_seconds)
+            if not plan.empty:
+                apply_gc(self.layout, plan)
+        stats = {"step": step, "save_id": writer.save_id, "seconds": seconds, "stage_seconds": stage_seconds,
+                 **(writer.last_stats or {})}
+        if stats.get("bytes"):
+            stats["gb_per_s"] = stats["bytes"] / max(seconds, 1e-9) / 1e9
+        log.info("run %r step %d committed: %s", self.run_id, step,
+                 ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
+                           if k != "ranks"))
+        if self.on_saved is not None:
+            self.on_saved(stats)
+
+    def _settle_failed_save(self, error: BaseException, step: int, writer: AtomicStorageWriter, op: int) -> None:
+        """DCP said the save failed; if our marker exists anyway, it committed (returns), else raise typed."""
+        if writer.save_id is not None:
+            try:
+                marker = _read_marker_once(self.layout, step)
+                if marker.save_id == writer.save_id:
+                    log.warning("step %d: DCP reported a failure (%s) after the commit; the marker names this "
+                                "save (%s), so the checkpoint IS committed", step, _first_line(error), writer.save_id)
+                    return
+            except Exception:
+                pass
+        raise self._translate(error, f"saving step {step}", op) from None
+
+    def _translate(self, error: BaseException, what: str, op: int | None = None) -> BaseException:
+        """Our own error type for anything DCP or the process group raised."""
+        if isinstance(error, CheckpointError):
+            return error
+        if isinstance(error, CheckpointException):
+            inner = [w[0] if isinstance(w, tuple) else w for w in error.failures.values()]
+            ours = [e for e in inner if isinstance(e, CheckpointError)]
+            if ours:
+                return ours[0]
+            peers = [e for e in inner if _is_peer_failure(e)]
+            if peers:
+                return self._peer_failure(peers[0], what, op)
+            ranks = sorted(error.failures)
+            return CheckpointError(f"{what} failed on rank(s) {ranks}: {_first_line(inner[0])}", ranks=ranks)
+        if _is_peer_failure(error):
+            return self._peer_failure(error, what, op)
+        return error
+
+    def _peer_failure(self, error: BaseException, what: str, op: int | None) -> RankFailureError:
+        silent = self._silent_ranks(self._ops if op is None else op)
+        return RankFailureError(
+            f"{what}: a peer died or stopped responding inside a collective (seen by rank {self.rank} on "
+            f"{socket.gethostname()}); silent rank(s): {silent}. Nothing new is committed unless the step's "
+            f"marker names this save; restart the job and resume from the latest committed step. "
+            f"Cause: {_first_line(error)}",
+            rank=self.rank,
+            silent=silent,
+        )
+
+    def _silent_ranks(self, op: int) -> str:
+        """Which global ranks never check in on the rendezvous store within a short, bounded window.
+
+        The process group is unusable after a peer failure, but the TCP store
+        (hosted by global rank 0) still is, unless rank 0 itself is gone.  Every
+        live rank reports under the failing operation's id; the missing ones
+        are the dead or frozen ranks.
+        """
+        if not self._distributed:
+            return "none (single process)"
+        world, me = dist.get_world_size(), dist.get_rank()
+        prefix = f"dcp_atomic/{self.run_id}/{self._instance}/op{op}"
+        keys = [f"{prefix}/{r}" for r in range(world)]
+        deadline = time.monotonic() + min(10.0, max(1.0, self.timeout / 2))
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(keys[me], "alive")
+            while True:
+                present = [r for r, key in enumerate(keys) if store.check([key])]
+                if len(present) == world or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Exception:
+            return "0 (the rendezvous store on global rank 0 is unreachable: rank 0 is dead or frozen)"
+        silent = sorted(set(range(world)) - set(present))
+        return ", ".join(map(str, silent)) if silent else "none (all ranks checked in; a transient network failure?)"
+
+
+def _is_peer_failure(error: BaseException) -> bool:
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
+                                      "timeout", "Broken pipe", "connection refused")
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1][:300] if lines else ''}"

@@ -1,0 +1,98 @@
+"""Retention and garbage collection, run by one process (global rank 0 or the CLI).
+
+Known failures elsewhere: cleanup that counted half-written directories, that
+deleted the previous good checkpoint as soon as an async save *returned*, or
+that kept the highest step numbers after a rollback restart.  Here:
+
+* only committed steps count, ordered by commit time, not step number;
+* the step ``LATEST`` names is never deleted;
+* a step is un-committed first (marker removed), then its data deleted, so a
+  crash half-way leaves debris, never a committed step with missing files;
+* attempts without a marker (crashed or in-flight saves) are deleted only once
+  their lease has expired (their ``ATTEMPT`` record is older than ``lease_seconds``).
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from .catalog import scan_markers
+from .commit import read_latest
+from .layout import ATTEMPT, MARKER, RunLayout, parse_step_dir
+from .retry import Deadline
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_SECONDS = 6 * 3600.0
+
+
+@dataclass
+class GcPlan:
+    delete_steps: list[int] = field(default_factory=list)
+    delete_attempts: list[tuple[int, str]] = field(default_factory=list)  # (step, save_id)
+    kept_steps: list[int] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.delete_steps and not self.delete_attempts
+
+
+def _attempt_started(layout: RunLayout, step: int, save_id: str) -> float | None:
+    try:
+        return float(json.loads(layout.storage.read_file(layout.attempt_file(step, save_id, ATTEMPT)))["started_at"])
+    except Exception:
+        return None  # unreadable or missing claim: judged by its save_id timestamp below
+
+
+def _save_id_time(save_id: str) -> float | None:
+    try:
+        return float(calendar.timegm(time.strptime(save_id[:16], "%Y%m%dT%H%M%SZ")))
+    except ValueError:
+        return None
+
+
+def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = DEFAULT_LEASE_SECONDS,
+            now: float | None = None) -> GcPlan:
+    now = time.time() if now is None else now
+    markers = scan_markers(layout)
+    newest_first = sorted(markers, key=lambda m: (m.committed_at, m.step), reverse=True)
+    keep = {m.step for m in (newest_first if keep_last is None else newest_first[:keep_last])}
+    try:
+        keep.add(read_latest(layout, Deadline(0)).step)
+    except Exception:
+        pass
+    plan = GcPlan(kept_steps=sorted(keep))
+    plan.delete_steps = sorted(m.step for m in markers if m.step not in keep)
+    committed = {m.step: m.save_id for m in markers}
+    for name in layout.storage.list_dir(layout.run_dir):
+        step = parse_step_dir(name)
+        if step is None or step in plan.delete_steps:
+            continue
+        for entry in layout.storage.list_dir(layout.step_dir(step)):
+            if entry == MARKER or entry.startswith(".") or entry == committed.get(step):
+                continue
+            started = _attempt_started(layout, step, entry) or _save_id_time(entry)
+            if started is not None and now - started > lease_seconds:
+                plan.delete_attempts.append((step, entry))
+    return plan
+
+
+def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
+    storage = layout.storage
+    for step in plan.delete_steps:
+        storage.remove(layout.marker(step))  # un-commit first
+        storage.sync_dir(layout.step_dir(step))
+        storage.remove(layout.step_dir(step))
+        log.info("gc: deleted step %d of run %r", step, layout.run_id)
+    for step, save_id in plan.delete_attempts:
+        storage.remove(layout.storage.join(layout.step_dir(step), save_id))
+        log.info("gc: deleted abandoned attempt %s of step %d", save_id, step)
+        if not storage.list_dir(layout.step_dir(step)):
+            storage.remove(layout.step_dir(step))
+    abort = getattr(storage, "abort_stale_uploads", None)
+    if abort is not None:
+        abort(layout.run_dir)

@@ -1,0 +1,772 @@
+"""S3 and S3-compatible object stores: the commit by conditional PUTs.
+
+Object stores have no rename and no ``link()``; what they do have, since 2024
+on AWS (and on MinIO, SeaweedFS, Ceph RGW, ...), are *conditional writes*:
+
+* ``PUT`` with ``If-None-Match: *`` creates a key only if it does not exist
+  (HTTP 412 otherwise) — the put-if-absent that ``create_exclusive`` needs, so
+  two jobs committing one step cannot both win;
+* ``PUT`` with ``If-Match: <etag>`` replaces a key only if it still holds the
+  version we read — the compare-and-swap an ``overwrite=True`` re-save needs
+  to replace a marker.
+
+Everything else is a single PUT of a complete object (data, ``.metadata``,
+``manifest.json``, ``LATEST``), which S3 makes visible atomically.  Large data
+objects go up as multipart uploads, parts in parallel with a per-rank bound;
+an upload is completed only by :meth:`S3Storage.close_write`, so a failing
+writer aborts its upload instead of publishing a truncated object.
+
+"Already exists" is recognised from the HTTP status (412) / error code
+(``PreconditionFailed``) on the exception chain, never from the exception
+type: s3fs maps the same 412 to ``FileExistsError`` on one server and to
+``OSError(EINVAL)`` on another.
+
+Some stores accept the conditional headers and silently ignore them, which
+would turn the commit into last-writer-wins.  The first control-file write of
+a root in a process therefore *probes* the store (a throwaway conditional
+create, twice, and a mismatching ``If-Match``) and refuses to go on if a
+condition was ignored — unless the caller opts into
+``storage_options={"dcp_atomic_unsafe_single_writer": True}``.
+
+Requests that fail with throttling (429/503 SlowDown), a 5xx or a dropped
+connection are retried with exponential backoff and jitter, a bounded number of
+times (s3fs's and botocore's own retry loops are switched off so there is
+exactly one, visible policy).  When the budget is spent the caller gets a
+:class:`~dcp_atomic.errors.StorageError` naming the rank, the key, the HTTP
+status and what to do.
+
+``storage_options`` keys read here (removed before the rest goes to s3fs):
+
+``dcp_atomic_unsafe_single_writer`` (False)
+    skip the probe and use unconditional PUTs (check-then-put for the marker);
+    correct only if a single job ever writes the root.
+``dcp_atomic_max_attempts`` (8), ``dcp_atomic_backoff_s`` (0.1), ``dcp_atomic_max_backoff_s`` (10)
+    the retry budget: attempts per request, first delay, delay cap (doubling).
+``dcp_atomic_part_size`` (16 MiB, at least 5 MiB)
+    multipart part size and ranged-read chunk size.
+``dcp_atomic_max_concurrency`` (8)
+    part uploads (and ranged reads) in flight per rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import posixpath
+import random
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar
+
+from .errors import CommitConflictError, ConfigurationError, StorageError
+from .layout import MARKER
+from .storage import FsspecStorage, Storage
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+UNSAFE_SINGLE_WRITER = "dcp_atomic_unsafe_single_writer"
+MIN_PART_SIZE = 5 << 20  # S3's minimum for every part but the last
+DEFAULT_PART_SIZE = 16 << 20
+MAX_PARTS = 10_000
+PROBE_PREFIX = ".dcp-atomic-probe-"
+
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+RETRYABLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
+    "ConditionalRequestConflict",  # AWS: a concurrent conditional write on the key is in progress; retry
+})
+
+_probed: dict[tuple[str, str], float] = {}  # (endpoint, root) -> when the probe passed, per process
+_probe_lock = threading.Lock()
+_warned_unsafe: set[tuple[str, str]] = set()
+
+
+# -- classifying failures ----------------------------------------------------------------
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def http_error(exc: BaseException) -> tuple[int | None, str | None, str]:
+    """(HTTP status, S3 error code, message) of the S3 response behind ``exc``, if any.
+
+    s3fs translates botocore's ``ClientError`` into builtin exceptions but keeps
+    it as ``__cause__``; the response there is the only reliable evidence.
+    """
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and ("Error" in response or "ResponseMetadata" in response):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            error = response.get("Error", {}) or {}
+            return status, error.get("Code"), str(error.get("Message") or e)
+    return None, None, str(exc)
+
+
+def is_precondition_failed(exc: BaseException) -> bool:
+    status, code, _ = http_error(exc)
+    return status == 412 or code == "PreconditionFailed"
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, asyncio.TimeoutError)
+    try:
+        from s3fs.core import S3_RETRYABLE_ERRORS  # socket timeouts, botocore HTTP/parse errors, aiohttp payload
+
+        errors += tuple(S3_RETRYABLE_ERRORS)
+    except ImportError:  # pragma: no cover - s3fs is required for S3Storage anyway
+        pass
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+
+        errors += (BotoConnectionError,)
+    except ImportError:  # pragma: no cover
+        pass
+    return errors
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Throttling, 5xx, and transport failures (reset, timeout, garbled response) are worth another try."""
+    status, code, _ = http_error(exc)
+    if status is not None or code is not None:
+        return status in RETRYABLE_STATUS or code in RETRYABLE_CODES
+    transport = _transport_errors()
+    return any(isinstance(e, transport) for e in _chain(exc))
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    status, code, _ = http_error(exc)
+    if code == "NoSuchBucket":
+        return False
+    if status == 404 or code in ("NoSuchKey", "NoSuchUpload", "404", "NotFound"):
+        return True
+    return status is None and any(isinstance(e, FileNotFoundError) for e in _chain(exc))
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # noqa: BLE001 - identity for a message only
+        pass
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+class _PreconditionFailed(Exception):
+    """HTTP 412: the condition of a conditional write did not hold (internal)."""
+
+    def __init__(self, attempts: int) -> None:
+        super().__init__(f"precondition failed after {attempts} attempt(s)")
+        self.attempts = attempts
+
+
+# -- the storage ---------------------------------------------------------------------------
+
+
+class S3Storage(FsspecStorage):
+    """S3 through s3fs, with conditional PUTs for the commit, bounded retries and multipart uploads.
+
+    One instance per writer / reader / catalog call: the underlying
+    ``S3FileSystem`` is never shared between saves (``skip_instance_cache``)
+    and never caches listings, so nothing stale outlives one operation.
+    """
+
+    exclusive_create_is_atomic = True
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        options = dict(storage_options or {})  # never mutate the caller's dict
+        self.unsafe_single_writer = bool(options.pop(UNSAFE_SINGLE_WRITER, False))
+        self.max_attempts = int(options.pop("dcp_atomic_max_attempts", 8))
+        self.backoff_s = float(options.pop("dcp_atomic_backoff_s", 0.1))
+        self.max_backoff_s = float(options.pop("dcp_atomic_max_backoff_s", 10.0))
+        self.part_size = int(options.pop("dcp_atomic_part_size", DEFAULT_PART_SIZE))
+        self.max_concurrency = int(options.pop("dcp_atomic_max_concurrency", 8))
+        if self.max_attempts < 1 or self.max_concurrency < 1:
+            raise ConfigurationError("dcp_atomic_max_attempts and dcp_atomic_max_concurrency must be >= 1")
+        if self.part_size < MIN_PART_SIZE:
+            raise ConfigurationError(
+                f"dcp_atomic_part_size={self.part_size} is below S3's 5 MiB minimum part size ({MIN_PART_SIZE})"
+            )
+        # No listing cache and no shared instance: a reused S3FileSystem would carry another save's state.
+        options["use_listings_cache"] = False
+        options["skip_instance_cache"] = True
+        # One retry policy, ours: botocore's loop off here, s3fs's below (its `retries` counts attempts).
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1})
+        config.setdefault("max_pool_connections", max(10, 2 * self.max_concurrency))
+        options["config_kwargs"] = config
+        super().__init__(url, options)
+        self.fs.retries = 1
+        if self.unsafe_single_writer:
+            self.exclusive_create_is_atomic = False
+        self._etags: dict[str, str] = {}  # marker path -> ETag of the version last read (for If-Match)
+        self._part_slots = threading.BoundedSemaphore(self.max_concurrency)
+        self._read_slots: asyncio.Semaphore | None = None
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return (getattr(self.fs, "endpoint_url", None) or self.fs.client_kwargs.get("endpoint_url")
+                or "aws")
+
+    def _split(self, path: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(path)
+        return bucket, key
+
+    def _url(self, path: str) -> str:
+        return f"s3://{path}"
+
+    def _run(self, coro: Awaitable[T]) -> T:
+        """Run a coroutine on s3fs's event loop thread and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
+
+    def _delay(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+
+    async def _retrying(self, what: str, path: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run ``call`` with the retry budget; typed failure when it is spent.
+
+        A 412 becomes :class:`_PreconditionFailed` (carrying how many attempts
+        were made: a 412 after a retried conditional PUT may be our own write),
+        a 404 becomes ``FileNotFoundError`` (callers wait out visibility lag on
+        it), anything else that is final becomes :class:`StorageError`.
+        """
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await call()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - classified below
+                if is_precondition_failed(e):
+                    raise _PreconditionFailed(attempt) from e
+                if _is_not_found(e):
+                    raise FileNotFoundError(errno.ENOENT, f"no such object: {self._url(path)}", path) from e
+                retryable = is_retryable(e)
+                if retryable and attempt < self.max_attempts:
+                    delay = self._delay(attempt)
+                    log.debug("retrying %s of %s in %.2fs after: %s", what, path, delay, e)
+                    await asyncio.sleep(delay)
+                    continue
+                if not retryable and http_error(e)[0] is None and http_error(e)[1] is None:
+                    raise  # not the store's answer: a local bug or misconfiguration, keep its own type
+                raise self._storage_error(what, path, e, attempt, time.monotonic() - started) from e
+
+    def _storage_error(self, what: str, path: str, e: BaseException, attempts: int, seconds: float) -> StorageError:
+        status, code, message = http_error(e)
+        rank = _rank()
+        if code == "NoSuchBucket":
+            hint = "the bucket does not exist: create it or fix the root URL"
+        elif status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            hint = "the credentials in storage_options / the environment may not write or read this bucket"
+        elif is_retryable(e):
+            hint = ("the store kept throttling or failing (or the connection kept dropping) after "
+                    f"{attempts} attempts over {seconds:.1f}s; retry the save later, or raise "
+                    "dcp_atomic_max_attempts / lower dcp_atomic_max_concurrency in storage_options")
+        else:
+            hint = "the store refused the request; check the endpoint, bucket and permissions"
+        reply = f"HTTP {status} {code or ''}".strip() if status or code else type(e).__name__
+        return StorageError(
+            f"rank {rank} on {socket.gethostname()}: S3 {what} of {self._url(path)} at {self.endpoint} failed: "
+            f"{reply}: {message}. {hint}. Nothing of this save is committed; the previous checkpoint is intact.",
+            rank=rank,
+            path=self._url(path),
+            status=status,
+            code=code,
+            attempts=attempts,
+        )
+
+    async def _call(self, what: str, path: str, method: str, **kwargs: Any) -> dict:
+        return await self._retrying(what, path, lambda: self.fs._call_s3(method, **kwargs))
+
+    async def _put(self, path: str, data: bytes, **conditions: str) -> dict:
+        bucket, key = self._split(path)
+        return await self._call("PUT", path, "put_object", Bucket=bucket, Key=key, Body=data, **conditions)
+
+    async def _get(self, path: str, offset: int | None = None, length: int | None = None) -> tuple[bytes, str | None]:
+        bucket, key = self._split(path)
+        extra = {} if offset is None else {"Range": f"bytes={offset}-{offset + length - 1}"}
+
+        async def once() -> tuple[bytes, str | None]:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+            try:
+                return await response["Body"].read(), response.get("ETag")
+            finally:
+                response["Body"].close()
+
+        try:
+            return await self._retrying("GET", path, once)
+        except StorageError as e:
+            if e.details.get("status") == 416:  # range starts at or past the end: EOF, like pread
+                return b"", None
+            raise
+
+    # -- conditional-write probe ---------------------------------------------------------
+
+    def require_conditional_writes(self) -> None:
+        """Probe once per (endpoint, root) per process that conditional writes are enforced.
+
+        Fails closed with :class:`ConfigurationError`; skipped in unsafe single-writer mode.
+        """
+        key = (self.endpoint, self.root)
+        if self.unsafe_single_writer:
+            if key not in _warned_unsafe:
+                _warned_unsafe.add(key)
+                log.warning(
+                    "%s: dcp_atomic_unsafe_single_writer=True: commit markers are written without conditional "
+                    "PUTs; two jobs writing this root at once could both commit one step", self.describe())
+            return
+        with _probe_lock:
+            if key in _probed:
+                return
+            self._probe()
+            _probed[key] = time.time()
+
+    def _probe(self) -> None:
+        path = self.join(self.root, f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+        advice = (
+            f"dcp_atomic commits a checkpoint on S3 with conditional PUTs (If-None-Match: * creates the commit "
+            f"marker, If-Match replaces it); without them two jobs saving one step could both commit. Use a "
+            f"store that enforces conditional writes (AWS S3, MinIO, SeaweedFS, Ceph RGW recent releases), or, "
+            f"if exactly one job ever writes this root, pass storage_options={{'{UNSAFE_SINGLE_WRITER}': True}}."
+        )
+        try:
+            try:
+                self._run(self._put(path, b"probe-1", IfNoneMatch="*"))
+            except _PreconditionFailed:
+                pass  # the random key exists already: the condition is evidently enforced
+            except StorageError as e:
+                raise ConfigurationError(
+                    f"S3 store at {self.endpoint} rejected a conditional PUT (If-None-Match: *) of "
+                    f"{self._url(path)}: {e.message} {advice}", endpoint=self.endpoint, root=self.root,
+                ) from e
+            ignored = []
+            try:
+                self._run(self._put(path, b"probe-2", IfNoneMatch="*"))
+                ignored.append("If-None-Match: * (a second create of an existing key succeeded)")
+            except _PreconditionFailed:
+                pass
+            try:
+                self._run(self._put(path, b"probe-3", IfMatch='"00000000000000000000000000000000"'))
+                ignored.append("If-Match (a replace with a wrong ETag succeeded)")
+            except (_PreconditionFailed, FileNotFoundError):
+                pass
+            except StorageError as e:
+                raise ConfigurationError(
+                    f"S3 store at {self.endpoint} rejected a conditional PUT (If-Match) of {self._url(path)}: "
+                    f"{e.message} {advice}", endpoint=self.endpoint, root=self.root,
+                ) from e
+            if ignored:
+                raise ConfigurationError(
+                    f"S3 store at {self.endpoint} ignores conditional writes: {'; '.join(ignored)} when probing "
+                    f"{self._url(path)}. Refusing to save to {self.describe()}. {advice}",
+                    endpoint=self.endpoint, root=self.root, ignored=ignored,
+                )
+        finally:
+            bucket, key = self._split(path)
+            try:
+                self._run(self._call("DELETE", path, "delete_object", Bucket=bucket, Key=key))
+            except Exception as e:  # noqa: BLE001 - a leftover probe object is harmless
+                log.debug("could not delete probe object %s: %s", path, e)
+
+    # -- Storage primitives --------------------------------------------------------------
+
+    def makedirs(self, path: str) -> None:
+        """Object stores have no directories (and s3fs's makedirs would LIST on every rank)."""
+
+    def open_write(self, path: str) -> "S3ObjectWriter":
+        return S3ObjectWriter(self, path)
+
+    def close_write(self, stream: "S3ObjectWriter") -> None:
+        stream.commit()
+
+    def read_file(self, path: str) -> bytes:
+        data, etag = self._run(self._get(path))
+        if posixpath.basename(path) == MARKER and etag:
+            self._etags[path] = etag  # the version an overwrite=True replace must still find
+        return data
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        if length <= self.part_size:
+            return self._run(self._get(path, offset, length))[0]
+        return self._run(self._get_chunked(path, offset, length))
+
+    async def _get_chunked(self, path: str, offset: int, length: int) -> bytearray:
+        """A large range as parallel ranged GETs (bounded per rank), assembled in order."""
+        if self._read_slots is None:
+            self._read_slots = asyncio.Semaphore(self.max_concurrency)
+        slots = self._read_slots
+        out = bytearray(length)
+        ends: list[int] = []  # where a short read says the object ends
+
+        async def chunk(start: int) -> None:
+            size = min(self.part_size, length - start)
+            async with slots:
+                data, _ = await self._get(path, offset + start, size)
+            out[start : start + len(data)] = data
+            if len(data) < size:
+                ends.append(start + len(data))
+
+        tasks = [asyncio.ensure_future(chunk(start)) for start in range(0, length, self.part_size)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        return out[: min(ends)] if ends else out
+
+    def size(self, path: str) -> int:
+        bucket, key = self._split(path)
+        head = self._run(self._call("HEAD", path, "head_object", Bucket=bucket, Key=key))
+        return int(head["ContentLength"])
+
+    def publish(self, path: str, data: bytes) -> None:
+        self.require_conditional_writes()
+        self._run(self._put(path, data))
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """``If-None-Match: *``; False on 412.  A 412 after a retried PUT may be our own
+        earlier attempt: the commit protocol reads the marker back and recognises its save_id."""
+        self.require_conditional_writes()
+        if self.unsafe_single_writer:
+            if self._exists(path):
+                return False
+            self._run(self._put(path, data))
+            return True
+        try:
+            self._run(self._put(path, data, IfNoneMatch="*"))
+        except _PreconditionFailed:
+            return False
+        return True
+
+    def replace(self, path: str, data: bytes) -> None:
+        """Plain PUT, except for a commit marker: ``If-Match`` on the version last read.
+
+        The commit protocol replaces a marker only for ``overwrite=True`` after
+        reading it; if another job replaced (or removed) it in between, this
+        save must not silently win: :class:`CommitConflictError`.
+        """
+        self.require_conditional_writes()
+        if self.unsafe_single_writer or posixpath.basename(path) != MARKER:
+            self._run(self._put(path, data))
+            return
+        etag = self._etags.get(path) or self._head_etag(path)
+        try:
+            if etag is None:
+                self._run(self._put(path, data, IfNoneMatch="*"))
+            else:
+                self._run(self._put(path, data, IfMatch=etag))
+        except (_PreconditionFailed, FileNotFoundError) as e:
+            retried = isinstance(e, _PreconditionFailed) and e.attempts > 1
+            if retried and self._current(path) == data:
+                return  # our own earlier attempt went through; its reply was lost
+            raise CommitConflictError(
+                f"{self._url(path)}: the commit marker changed while this save was replacing it (PUT with "
+                f"If-Match: {etag} failed): another job re-saved or removed this step at the same time. Nothing "
+                "of this save is visible. Read the step again and re-save with overwrite=True if you still "
+                "want to replace it.",
+                path=self._url(path),
+            ) from None
+        self._etags.pop(path, None)
+
+    def _current(self, path: str) -> bytes | None:
+        try:
+            return self._run(self._get(path))[0]
+        except FileNotFoundError:
+            return None
+
+    def _head_etag(self, path: str) -> str | None:
+        bucket, key = self._split(path)
+        try:
+            return self._run(self._call("HEAD", path, "head_object", Bucket=bucket, Key=key)).get("ETag")
+        except FileNotFoundError:
+            return None
+
+    def _exists(self, path: str) -> bool:
+        return self._head_etag(path) is not None
+
+    def list_dir(self, path: str) -> list[str]:
+        """One LIST with delimiter (paginated).  Only global rank 0 and the CLI call this."""
+        bucket, key = self._split(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+        names: set[str] = set()
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+            if token:
+                kwargs["ContinuationToken"] = token
+            try:
+                page = self._run(self._call("LIST", path, "list_objects_v2", **kwargs))
+            except FileNotFoundError:
+                return []
+            names.update(p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", []) or [])
+            names.update(o["Key"][len(prefix):] for o in page.get("Contents", []) or [])
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                break
+        names.discard("")
+        return sorted(names)
+
+    def _list_keys(self, bucket: str, prefix: str, path: str) -> list[str]:
+        keys: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._run(self._call("LIST", path, "list_objects_v2", **kwargs))
+            keys.extend(o["Key"] for o in page.get("Contents", []) or [])
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return keys
+
+    def remove(self, path: str) -> None:
+        """Delete the object ``path`` and everything under ``path/`` (gc, tools; never a training rank)."""
+        bucket, key = self._split(path)
+        if not key:
+            raise ValueError(f"refusing to remove a whole bucket: {path}")
+        keys = [key] + self._list_keys(bucket, key.rstrip("/") + "/", path)
+        for i in range(0, len(keys), 1000):
+            batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+            reply = self._run(self._call("DELETE", path, "delete_objects", Bucket=bucket, Delete=batch))
+            failed = [err for err in reply.get("Errors", []) or [] if err.get("Code") != "NoSuchKey"]
+            if failed:
+                raise StorageError(
+                    f"S3 delete under {self._url(path)} failed for {len(failed)} object(s), e.g. "
+                    f"{failed[0].get('Key')}: {failed[0].get('Code')} {failed[0].get('Message')}",
+                    path=self._url(path),
+                )
+
+    def describe(self) -> str:
+        return self.url
+
+
+class S3ObjectWriter:
+    """A new object written as a stream; visible only after :meth:`commit` (``close_write``).
+
+    Up to one part it is a single PUT at commit.  Beyond that, a multipart
+    upload: created as soon as the first part is full (so a killed rank leaves
+    an upload ``abort_stale_uploads`` can find), parts sent in the background
+    with at most ``max_concurrency`` in flight per rank (the writer blocks when
+    all slots are busy, which bounds memory), completed at commit.  A plain
+    :meth:`close` without commit — the writer's error path — aborts the upload.
+    """
+
+    def __init__(self, storage: S3Storage, path: str) -> None:
+        self.storage = storage
+        self.path = path
+        self.bucket, self.key = storage._split(path)
+        self.size = 0
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._pending: list[tuple[int, Future]] = []
+        self._etags: dict[int, str] = {}
+        self._next_part = 1
+        self._closed = False
+
+    def writable(self) -> bool:
+        return True
+
+    def _part_size(self) -> int:
+        # Double the part size every 1000 parts so one object can outgrow S3's 10,000-part limit.
+        return self.storage.part_size << min((self._next_part - 1) // 1000, 12)
+
+    def write(self, data) -> int:
+        if self._closed:
+            raise ValueError(f"write to closed S3 object writer {self.path}")
+        view = memoryview(data).cast("B")
+        n = len(view)
+        while view:
+            room = self._part_size() - len(self._buffer)
+            self._buffer += view[:room]
+            view = view[room:]
+            if len(self._buffer) >= self._part_size():
+                self._send_part()
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def tell(self) -> int:
+        return self.size
+
+    def _collect(self, wait: bool) -> None:
+        """Record finished parts; raise the first failure."""
+        still = []
+        for number, future in self._pending:
+            if wait or future.done():
+                self._etags[number] = future.result()["ETag"]
+            else:
+                still.append((number, future))
+        self._pending = still
+
+    def _send_part(self) -> None:
+        storage = self.storage
+        self._collect(wait=False)
+        if self._upload_id is None:
+            reply = storage._run(storage._call("create multipart upload", self.path, "create_multipart_upload",
+                                               Bucket=self.bucket, Key=self.key))
+            self._upload_id = reply["UploadId"]
+        if self._next_part > MAX_PARTS:
+            raise StorageError(f"{storage._url(self.path)}: more than {MAX_PARTS} parts", path=self.path)
+        number, body = self._next_part, bytes(self._buffer)
+        self._next_part += 1
+        self._buffer = bytearray()
+        storage._part_slots.acquire()  # backpressure: at most max_concurrency parts in flight per rank
+        try:
+            future = asyncio.run_coroutine_threadsafe(
+                storage._call(f"upload of part {number}", self.path, "upload_part", Bucket=self.bucket,
+                              Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=body),
+                storage.fs.loop,
+            )
+        except BaseException:
+            storage._part_slots.release()
+            raise
+        future.add_done_callback(lambda _: storage._part_slots.release())
+        self._pending.append((number, future))
+
+    def commit(self) -> None:
+        """Make the object visible: one PUT, or the final part and CompleteMultipartUpload."""
+        if self._closed:
+            raise ValueError(f"S3 object writer {self.path} is already closed")
+        storage = self.storage
+        try:
+            if self._upload_id is None:
+                storage._run(storage._put(self.path, bytes(self._buffer)))
+            else:
+                if self._buffer:
+                    self._send_part()
+                self._collect(wait=True)
+                self._complete()
+            self._closed = True
+            self._buffer = bytearray()
+        except BaseException:
+            self.close()
+            raise
+
+    def _complete(self) -> None:
+        storage = self.storage
+        parts = [{"PartNumber": n, "ETag": self._etags[n]} for n in sorted(self._etags)]
+        try:
+            storage._run(storage._call("complete multipart upload", self.path, "complete_multipart_upload",
+                                       Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                                       MultipartUpload={"Parts": parts}))
+        except FileNotFoundError:
+            # NoSuchUpload on a retry: an earlier attempt completed it and its reply was lost.
+            try:
+                if storage.size(self.path) == self.size:
+                    self._upload_id = None
+                    return
+            except FileNotFoundError:
+                pass
+            raise
+        self._upload_id = None
+
+    def close(self) -> None:
+        """Without :meth:`commit`: abandon the object (abort the multipart upload, best effort)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._buffer = bytearray()
+        for _, future in self._pending:
+            future.cancel()
+        for _, future in self._pending:
+            try:
+                future.result(timeout=30)
+            except BaseException:  # noqa: BLE001 - cancelled or failed: either way, abort below
+                pass
+        self._pending = []
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            storage = self.storage
+            try:
+                storage._run(storage._call("abort multipart upload", self.path, "abort_multipart_upload",
+                                           Bucket=self.bucket, Key=self.key, UploadId=upload_id))
+            except FileNotFoundError:
+                pass
+            except Exception as e:  # noqa: BLE001 - we are already failing; gc aborts what is left
+                log.warning("could not abort multipart upload %s of %s (gc's abort_stale_uploads will): %s",
+                            upload_id, storage._url(self.path), e)
+
+    def __enter__(self) -> "S3ObjectWriter":
+        return self
+
+    def __exit__(self, exc_type, *_: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.close()
+
+
+# -- multipart cleanup (gc) ----------------------------------------------------------------
+
+
+@dataclass
+class StaleUpload:
+    """An incomplete multipart upload that :func:`abort_stale_uploads` aborted."""
+
+    path: str
+    upload_id: str
+    age_s: float
+
+
+def abort_stale_uploads(storage: Storage, prefix: str, older_than_s: float) -> list[StaleUpload]:
+    """Abort incomplete multipart uploads under ``prefix`` started more than ``older_than_s`` ago.
+
+    A rank killed mid-save cannot abort its own uploads; their parts are billed
+    until someone does.  ``prefix`` is a storage path (e.g. ``layout.run_dir``);
+    only keys under ``prefix/`` are touched.  ``older_than_s`` is the lease that
+    protects saves still running: make it longer than any save (and than the
+    clock skew between this machine and the store, whose clock dates uploads).
+    Returns what was aborted; a no-op (empty list) on storage without multipart uploads.
+    """
+    if not isinstance(storage, S3Storage):
+        return []
+    bucket, key = storage._split(prefix)
+    key_prefix = key.rstrip("/") + "/" if key else ""
+    now = time.time()
+    aborted: list[StaleUpload] = []
+    markers: dict[str, str] = {}
+    while True:
+        page = storage._run(storage._call("list multipart uploads", prefix, "list_multipart_uploads",
+                                          Bucket=bucket, Prefix=key_prefix, **markers))
+        for upload in page.get("Uploads", []) or []:
+            initiated = upload.get("Initiated")
+            age = now - initiated.timestamp() if initiated is not None else float("inf")
+            if age < older_than_s:
+                continue
+            path = f"{bucket}/{upload['Key']}"
+            try:
+                storage._run(storage._call("abort multipart upload", path, "abort_multipart_upload",
+                                           Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]))
+            except FileNotFoundError:
+                continue  # completed or aborted meanwhile
+            aborted.append(StaleUpload(path=f"s3://{path}", upload_id=upload["UploadId"], age_s=age))
+        if not page.get("IsTruncated"):
+            return aborted
+        markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}

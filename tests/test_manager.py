@@ -1,0 +1,211 @@
+"""CheckpointManager on real gloo worlds: async saves, retention, typed failures, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from dcp_atomic import list_steps
+from tests.harness import assert_all_ok, run_world
+
+RUN = "exp"
+
+
+class _AppState:
+    """A Stateful wrapper, as training loops hand to DCP."""
+
+    def __init__(self, model, optim) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _fsdp_app(world_size: int, seed: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optim
+
+
+def _train_step(model, optim, step):
+    torch.manual_seed(100 + step)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _full(model):
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def _train_with_async_saves(ctx, steps, keep_last):
+    from dcp_atomic import CheckpointManager
+
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    manager = CheckpointManager(ctx.root, RUN, keep_last=keep_last, timeout=30)
+    seen_latest = []
+    futures = []
+    for step in range(1, steps + 1):
+        _train_step(model, optim, step)
+        if step % 2 == 0:
+            futures.append(manager.async_save(step, {"app": _AppState(model, optim), "progress": {"step": step}}))
+            latest = json.load(open(os.path.join(ctx.root, RUN, "LATEST")))["step"] if os.path.exists(
+                os.path.join(ctx.root, RUN, "LATEST")) else None
+            seen_latest.append((step, latest))
+    manager.wait()
+    results = [f.result() for f in futures]
+    steps_now = manager.steps()
+    latest = manager.latest_step()
+    manager.close()
+    return {"results": results, "steps": steps_now, "latest": latest, "full": _full(model), "seen": seen_latest}
+
+
+def _resume(ctx, expect_step):
+    from dcp_atomic import CheckpointManager
+
+    model, optim = _fsdp_app(ctx.world_size, 42)
+    with CheckpointManager(ctx.root, RUN, timeout=30) as manager:
+        state = {"app": _AppState(model, optim), "progress": {"step": -1}}
+        step = manager.load(state)
+    assert step == expect_step and state["progress"]["step"] == expect_step, (step, state["progress"])
+    return _full(model)
+
+
+def test_async_saves_commit_in_order_keep_last_and_resume_exactly(root):
+    out = assert_all_ok(run_world(_train_with_async_saves, 2, root, args=(8, 2)))
+    for rank_out in out:
+        assert rank_out["results"] == [2, 4, 6, 8]
+        assert rank_out["steps"] == [6, 8] and rank_out["latest"] == 8
+    for step, latest in out[0]["seen"]:  # LATEST never names a step before its commit
+        assert latest is None or latest < step or latest == step
+    assert list_steps(root, RUN) == [6, 8]
+    resumed = assert_all_ok(run_world(_resume, 2, root, args=(8,)))
+    for full in resumed:
+        for key, value in out[0]["full"].items():
+            assert torch.equal(full[key], value), key
+
+
+def _async_save_then_die(ctx):
+    from dcp_atomic import CheckpointManager, RankFailureError
+
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    manager = CheckpointManager(ctx.root, RUN, timeout=8)
+    manager.save(2, {"app": _AppState(model, optim), "progress": {"step": 2}})
+    _train_step(model, optim, 3)
+    future = manager.async_save(4, {"app": _AppState(model, optim), "progress": {"step": 4}})
+    try:
+        future.result(timeout=60)
+    except RankFailureError as e:
+        return {"error": "RankFailureError", "silent": e.details["silent"], "message": str(e)}
+    except Exception as e:  # noqa: BLE001 - report the type to the test
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+def test_async_save_racing_a_killed_rank_fails_typed_and_latest_stays_on_the_commit(root):
+    outcomes = run_world(_async_save_then_die, 2, root,
+                         rank_env=lambda r: {"DCP_ATOMIC_FAILPOINTS": "write.mid_data@1#2=kill"} if r == 1 else {},
+                         pg_timeout=8, timeout=90)
+    assert outcomes[1].killed
+    survivor = outcomes[0].value
+    assert outcomes[0].ok, outcomes[0].error
+    assert survivor["error"] == "RankFailureError", survivor
+    assert survivor["silent"].startswith("1"), survivor
+    assert json.load(open(os.path.join(root, RUN, "LATEST")))["step"] == 2
+    assert list_steps(root, RUN) == [2]
+    assert_all_ok(run_world(_resume, 2, root, args=(2,)))
+
+
+def _save_with_frozen_peer(ctx):
+    from dcp_atomic import CheckpointManager, RankFailureError
+
+    manager = CheckpointManager(ctx.root, RUN, timeout=4)
+    started = time.monotonic()
+    try:
+        manager.save(1, {f"x{ctx.rank}": torch.ones(1000)})
+    except RankFailureError as e:
+        return {"silent": e.details["silent"], "seconds": time.monotonic() - started}
+    return {"silent": None}
+
+
+def test_frozen_rank_surfaces_as_typed_error_naming_it(root):
+    outcomes = run_world(_save_with_frozen_peer, 2, root,
+                         rank_env=lambda r: {"DCP_ATOMIC_FAILPOINTS": "write.before_data@1=stop"} if r == 1 else {},
+                         pg_timeout=60, timeout=90, wait_for=[0])
+    assert outcomes[0].ok, outcomes[0].error
+    assert outcomes[0].value["silent"] == "1", outcomes[0].value
+    assert outcomes[0].value["seconds"] < 30, "bounded by the manager's timeout, not the launcher's"
+    assert outcomes[1].error_type == "NotAwaited"
+    assert list_steps(root, RUN) == []
+
+
+def _load_nothing(ctx):
+    from dcp_atomic import CheckpointManager, CheckpointNotFoundError
+
+    with CheckpointManager(ctx.root, RUN, timeout=5) as manager:
+        try:
+            manager.load({"x": torch.zeros(2)})
+        except CheckpointNotFoundError as e:
+            return str(e)
+    return None
+
+
+def test_load_without_any_checkpoint_raises_not_found_on_every_rank(root):
+    for message in assert_all_ok(run_world(_load_nothing, 2, root)):
+        assert message and "no committed checkpoint for run 'exp'" in message
+
+
+def _save_steps(ctx, steps, keep_last, failpoint_step=None):
+    from dcp_atomic import CheckpointManager
+
+    with CheckpointManager(ctx.root, RUN, keep_last=keep_last, timeout=20) as manager:
+        for step in steps:
+            manager.save(step, {f"x{ctx.rank}": torch.full((4,), float(step))})
+        return manager.steps()
+
+
+def test_retention_counts_commit_time_not_step_number_after_a_rollback(root):
+    assert_all_ok(run_world(_save_steps, 2, root, args=([10, 20, 30], None)))
+    # restart from step 10: the live branch saves 15 and 25 with keep_last=2
+    result = assert_all_ok(run_world(_save_steps, 2, root, args=([15, 25], 2)))[0]
+    assert result == [15, 25]
+    assert list_steps(root, RUN) == [15, 25]
+
+
+def test_retention_ignores_and_keeps_fresh_partial_attempts(root):
+    partial = os.path.join(root, RUN, "step_0000000040", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-0000beef")
+    os.makedirs(partial)
+    assert_all_ok(run_world(_save_steps, 2, root, args=([1, 2, 3], 2)))
+    assert list_steps(root, RUN) == [2, 3]
+    assert os.path.isdir(partial), "an attempt within its lease may be an in-flight save: never deleted"
+
+
+def _save_where_finish_fails_after_commit(ctx):
+    from dcp_atomic import CheckpointManager
+
+    with CheckpointManager(ctx.root, RUN, timeout=20) as manager:
+        return manager.save(5, {f"x{ctx.rank}": torch.ones(3)})
+
+
+def test_failure_reported_after_the_commit_is_settled_by_the_marker(root):
+    results = assert_all_ok(run_world(_save_where_finish_fails_after_commit, 2, root,
+                                      env={"DCP_ATOMIC_FAILPOINTS": "commit.after_latest@0=raise"}))
+    assert results == [5, 5]
+    assert list_steps(root, RUN) == [5]
