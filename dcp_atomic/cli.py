@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="train, crash a save, resume (the README's first command)")
     p.add_argument("--root", default=DEFAULT_ROOT)
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=int, default=4)
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -341,15 +341,16 @@ class CheckpointManager:
 
         The process group is unusable after a peer failure, but the TCP store
         (hosted by global rank 0) still is, unless rank 0 itself is gone.  Every
-        live rank reports under the failing operation's id; the missing ones
-        are the dead or frozen ranks.
+        live rank reports under the failing operation's id; the ones missing
+        after the group timeout are the dead or frozen ranks.
         """
         if not self._distributed:
             return "none (single process)"
         world, me = dist.get_world_size(), dist.get_rank()
         prefix = f"dcp_atomic/{self.run_id}/{self._instance}/op{op}"
         keys = [f"{prefix}/{r}" for r in range(world)]
-        deadline = time.monotonic() + min(10.0, max(1.0, self.timeout / 2))
+        # Live ranks still blocked in the broken collective only notice at the group timeout: wait that long.
+        deadline = time.monotonic() + self.timeout + 1.0
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set(keys[me], "alive")

@@ -102,6 +102,7 @@ class AtomicStorageReader(StorageReader):
         self.thread_count = thread_count or max(1, min(4, os.cpu_count() or 1))
         self.layout_dependent = tuple(layout_dependent)
         self._context: LoadContext | None = None
+        self._fresh = False
         self.step: int | None = None
         self.save_id: str | None = None
         self.committed: Committed | None = None
@@ -126,6 +127,7 @@ class AtomicStorageReader(StorageReader):
         if self.parallelism is not None:  # declared: check now, raising our own type
             self._context.check_layout()
         self.committed = committed
+        self._fresh = True
         self.step = committed.step
         self.save_id = committed.save_id
         self._extents = committed.manifest.extent_index()
@@ -140,7 +142,9 @@ class AtomicStorageReader(StorageReader):
             )
 
     def read_metadata(self) -> Metadata:
-        committed = self.resolve()
+        # A resolve() the caller just made (the manager does, for typed errors) is used once, not repeated.
+        committed = self.committed if self._fresh else self.resolve()
+        self._fresh = False
         expected = committed.manifest.dcp_metadata
         path = self.layout.attempt_file(committed.step, committed.save_id, DCP_METADATA)
         try:

@@ -634,7 +634,7 @@ class S3ObjectWriter:
             self._upload_id = reply["UploadId"]
         if self._next_part > MAX_PARTS:
             raise StorageError(f"{storage._url(self.path)}: more than {MAX_PARTS} parts", path=self.path)
-        number, body = self._next_part, bytes(self._buffer)
+        number, body = self._next_part, self._buffer  # handed over, never touched again: no copy
         self._next_part += 1
         self._buffer = bytearray()
         storage._part_slots.acquire()  # backpressure: at most max_concurrency parts in flight per rank
@@ -657,7 +657,7 @@ class S3ObjectWriter:
         storage = self.storage
         try:
             if self._upload_id is None:
-                storage._run(storage._put(self.path, bytes(self._buffer)))
+                storage._run(storage._put(self.path, self._buffer))
             else:
                 if self._buffer:
                     self._send_part()
