@@ -60,3 +60,37 @@ def test_ls_marks_partial_attempts_and_module_entry_point_works(root):
 def test_invalid_run_id_is_refused(root, capsys):
     assert main(["ls", root, "../etc"]) == 2
     assert "invalid run_id" in capsys.readouterr().err
+
+
+def test_gc_dry_run_then_delete_keeps_latest_and_fresh_attempts(root, capsys):
+    for step in (1, 2, 3):
+        _save(root, step)
+    stale = os.path.join(root, RUN, "step_0000000003", "20200101T000000Z-0badc0de")
+    fresh = os.path.join(root, RUN, "step_0000000009", time_id())
+    os.makedirs(stale)
+    os.makedirs(fresh)
+    assert main(["--json", "gc", root, RUN, "--keep-last", "1", "--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["delete_steps"] == [1, 2] and plan["kept_steps"] == [3]
+    assert plan["delete_attempts"] == [[3, "20200101T000000Z-0badc0de"]]
+    assert sorted(os.listdir(os.path.join(root, RUN))) == ["LATEST"] + [f"step_{s:010d}" for s in (1, 2, 3, 9)]
+    assert main(["gc", root, RUN, "--keep-last", "1"]) == 0
+    assert sorted(os.listdir(os.path.join(root, RUN))) == ["LATEST", "step_0000000003", "step_0000000009"]
+    assert not os.path.exists(stale) and os.path.exists(fresh)
+    assert main(["verify", root, RUN, "3"]) == 0
+
+
+def time_id() -> str:
+    import time
+
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-00000001"
+
+
+def test_export_writes_one_loadable_unsharded_file(root, tmp_path):
+    torch.manual_seed(0)
+    weights = torch.randn(64, 64)
+    dcp.save({"model": {"w": weights}, "meta": {"step": 7}}, storage_writer=AtomicStorageWriter(root, RUN, 7))
+    out = tmp_path / "model.pt"
+    assert main(["export", root, RUN, "7", str(out)]) == 0
+    exported = torch.load(out, weights_only=False)
+    assert torch.equal(exported["model"]["w"], weights) and exported["meta"] == {"step": 7}
