@@ -107,6 +107,12 @@ class HashingWriter:
         self.position += len(view)
         return len(view)
 
+    def write_unhashed(self, data) -> None:
+        """For frames whose digests the caller computes itself (raw items)."""
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        self.position += len(view)
+
     def writable(self) -> bool:
         return True
 

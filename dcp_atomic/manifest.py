@@ -35,6 +35,22 @@ class ItemExtent:
     checksums: list[str]
     block_size: int
     payload: int | None = None  # offset of raw tensor bytes inside a torch_save item (see container.py)
+    codec: str = "none"  # raw items: "none" | "zstd" (see codec.py)
+    planes: int = 1  # raw+zstd items: bytes per element split into planes
+    logical_length: int | None = None  # raw items: tensor bytes before compression
+    frames: list[int] | None = None  # raw+zstd items: stored length of each block's frame
+
+    @property
+    def logical(self) -> int:
+        return self.length if self.logical_length is None else self.logical_length
+
+    def frame_offsets(self) -> list[int]:
+        """Stored offset (item-relative) of each frame, plus the end."""
+        sizes = self.frames or [min(self.block_size, self.length - i) for i in range(0, self.length, self.block_size)]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        return offsets
 
 
 @dataclass
@@ -124,6 +140,10 @@ def _parse_extent(raw: dict, file_size: int) -> ItemExtent:
         checksums=[str(c) for c in raw["checksums"]],
         block_size=_nonneg(raw["block_size"]),
         payload=None if raw.get("payload") is None else _nonneg(raw["payload"]),
+        codec=raw.get("codec", "none"),
+        planes=_nonneg(raw.get("planes", 1)),
+        logical_length=None if raw.get("logical_length") is None else _nonneg(raw["logical_length"]),
+        frames=None if raw.get("frames") is None else [_nonneg(x) for x in raw["frames"]],
     )
     if item.kind not in ("tensor", "bytes") or item.format not in ("torch_save", "raw"):
         raise ValueError(f"unknown item kind/format {item.kind}/{item.format}")
@@ -131,8 +151,14 @@ def _parse_extent(raw: dict, file_size: int) -> ItemExtent:
         raise ValueError(f"extent of {item.key!r} lies outside its file")
     if item.payload is not None and item.payload > item.length:
         raise ValueError(f"payload offset of {item.key!r} lies outside the item")
-    if len(item.checksums) != max(1, -(-item.length // item.block_size)):
+    if item.codec not in ("none", "zstd") or item.planes not in (1, 2, 4, 8):
+        raise ValueError(f"unknown codec {item.codec!r} / planes {item.planes} for {item.key!r}")
+    if len(item.checksums) != max(1, -(-item.logical // item.block_size)):
         raise ValueError(f"wrong number of checksums for {item.key!r}")
+    if item.frames is not None and (len(item.frames) != len(item.checksums) or sum(item.frames) != item.length):
+        raise ValueError(f"frames of {item.key!r} do not add up to its stored length")
+    if item.codec == "none" and item.logical != item.length:
+        raise ValueError(f"uncompressed item {item.key!r} with differing stored and logical lengths")
     return item
 
 

@@ -14,9 +14,9 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import io
+import math
 import logging
 import os
 import socket
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+import zstandard
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -35,6 +36,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from . import failpoints
 from .catalog import DEFAULT_TIMEOUT, resolve
+from .codec import Decoder, tensor_bytes
 from .commit import Committed
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
 from .integrity import sha256_hex, verify_blocks, verify_segments
@@ -103,6 +105,7 @@ class AtomicStorageReader(StorageReader):
         self.layout_dependent = tuple(layout_dependent)
         self._context: LoadContext | None = None
         self._fresh = False
+        self._decoders = threading.local()
         self.step: int | None = None
         self.save_id: str | None = None
         self.committed: Committed | None = None
@@ -251,6 +254,9 @@ class AtomicStorageReader(StorageReader):
             what = f"{path} item {item.storage_index.fqn!r}"
             if extent is None or extent.length != info.length:
                 raise CorruptCheckpointError(f"{what}: DCP metadata names an extent the manifest does not", path=path)
+            if extent.format == "raw" and extent.kind == "tensor":
+                self._read_raw(path, item, extent, planner, planner_lock, what)
+                continue
             if self._read_in_place(path, item, extent, planner, planner_lock, what):
                 continue
             try:
@@ -265,6 +271,77 @@ class AtomicStorageReader(StorageReader):
             if self.verify:
                 verify_blocks(data, extent.checksums, extent.block_size, what=what)
             self._deliver(item, extent, data, planner, planner_lock, what)
+
+    def _read_raw(self, path: str, item: ReadItem, extent: ItemExtent, planner: LoadPlanner,
+                  planner_lock: threading.Lock, what: str) -> None:
+        """Raw-format tensor: decode only the blocks this read needs, into the destination if it can take them.
+
+        A read that narrows only the first dimension (the usual resharding
+        case: another rank count along dim 0) is a contiguous byte range of the
+        stored chunk, so only the frames covering it are read and verified.
+        """
+        stored = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        chunk = next(c for c in stored.chunks if c.offsets == item.storage_index.offset)
+        dtype, sizes = stored.properties.dtype, tuple(chunk.sizes)
+        offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        with planner_lock:
+            target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != lengths:
+            raise CorruptCheckpointError(f"{what}: destination shape {tuple(target.shape)} != read {lengths}")
+        element = torch.empty((), dtype=dtype).element_size()
+        dim0_only = all(o == 0 and n == c for o, n, c in zip(offsets[1:], lengths[1:], sizes[1:]))
+        if dim0_only:
+            row = element * math.prod(sizes[1:])
+            lo = offsets[0] * row if sizes else 0
+            fits = (target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype)
+            dest = target if fits else torch.empty(lengths, dtype=dtype)
+            self._decode(path, extent, lo, lo + dest.nbytes, tensor_bytes(dest), what)
+            if dest is not target:
+                target.copy_(dest)
+        else:
+            whole = torch.empty(sizes, dtype=dtype)
+            self._decode(path, extent, 0, extent.logical, tensor_bytes(whole), what)
+            target.copy_(narrow_tensor_by_index(whole, offsets, lengths))
+        with planner_lock:
+            planner.commit_tensor(item, target)
+
+    def _decode(self, path: str, extent: ItemExtent, lo: int, hi: int, out: memoryview, what: str) -> None:
+        """Logical bytes [lo, hi) of a raw item into ``out``: read covering frames, verify each, decode."""
+        if hi <= lo:
+            return
+        size = extent.block_size
+        first, last = lo // size, (hi - 1) // size
+        bounds = extent.frame_offsets()
+        start, end = bounds[first], bounds[last + 1]
+        data = self.storage.read_range(path, extent.pos + start, end - start)
+        if len(data) != end - start:
+            raise CorruptCheckpointError(
+                f"{what}: file is truncated (read {len(data)} of {end - start} bytes at offset {extent.pos + start})",
+                path=path,
+            )
+        view = memoryview(data)
+        decoder = self._decoder()
+        for i in range(first, last + 1):
+            frame = view[bounds[i] - start : bounds[i + 1] - start]
+            if self.verify:
+                verify_blocks(frame, [extent.checksums[i]], len(frame) or 1, what=f"{what} frame {i}")
+            block_lo, block_hi = i * size, min((i + 1) * size, extent.logical)
+            want_lo, want_hi = max(lo, block_lo), min(hi, block_hi)
+            try:
+                if (want_lo, want_hi) == (block_lo, block_hi):
+                    decoder.decode_into(frame, extent.planes, out[block_lo - lo : block_hi - lo])
+                else:
+                    scratch = bytearray(block_hi - block_lo)
+                    decoder.decode_into(frame, extent.planes, memoryview(scratch))
+                    out[want_lo - lo : want_hi - lo] = scratch[want_lo - block_lo : want_hi - block_lo]
+            except (ValueError, zstandard.ZstdError) as e:
+                raise CorruptCheckpointError(f"{what}: frame {i} cannot be decoded ({e})", path=path) from None
+
+    def _decoder(self) -> Decoder:
+        decoder = getattr(self._decoders, "decoder", None)
+        if decoder is None:
+            decoder = self._decoders.decoder = Decoder()
+        return decoder
 
     def _read_in_place(self, path: str, item: ReadItem, extent: ItemExtent, planner: LoadPlanner,
                        planner_lock: threading.Lock, what: str) -> bool:
@@ -292,8 +369,8 @@ class AtomicStorageReader(StorageReader):
         if tail_start > extent.length:
             raise CorruptCheckpointError(f"{what}: recorded payload does not fit its item", path=path)
         head = self.storage.read_range(path, extent.pos, extent.payload)
-        payload = (ctypes.c_char * nbytes).from_address(target.data_ptr()) if nbytes else bytearray()
-        got = self.storage.readinto_range(path, extent.pos + extent.payload, memoryview(payload).cast("B"))
+        payload = tensor_bytes(target)
+        got = self.storage.readinto_range(path, extent.pos + extent.payload, payload)
         tail = self.storage.read_range(path, extent.pos + tail_start, extent.length - tail_start)
         if len(head) != extent.payload or got != nbytes or len(tail) != extent.length - tail_start:
             raise CorruptCheckpointError(

@@ -168,7 +168,7 @@ def check_save(item_summaries: list[dict], reports: list[SaveReport | None]) -> 
         for fqn, record in summary.items():
             holders[fqn][rank] = record
     have_content = all(r is not None for r in reports)
-    if not have_content:
+    if not have_content and len(reports) > 1:
         _warn_once("planner", "dcp_atomic: content checks (plain tensors, per-rank objects, diverged replicas) "
                    "need dcp.save(..., planner=AtomicSavePlanner()); only shapes and dtypes were compared")
     divergence = reports[0].divergence if have_content else "raise"

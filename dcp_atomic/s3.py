@@ -77,6 +77,8 @@ MIN_PART_SIZE = 5 << 20  # S3's minimum for every part but the last
 DEFAULT_PART_SIZE = 16 << 20
 MAX_PARTS = 10_000
 PROBE_PREFIX = ".dcp-atomic-probe-"
+READ_AHEAD = 1 << 20  # what a small ranged read fetches (see S3Storage._read_ahead)
+DEFAULT_UPLOAD_LEASE_S = 6 * 3600.0  # gc's default lease: no save runs longer than this
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 RETRYABLE_CODES = frozenset({
@@ -156,6 +158,12 @@ def _is_not_found(exc: BaseException) -> bool:
     return status is None and any(isinstance(e, FileNotFoundError) for e in _chain(exc))
 
 
+def _rejects_conditions(error: StorageError) -> bool:
+    """A store that does not implement a conditional header says 400 / 501 (not 412, not 5xx)."""
+    return error.details.get("status") in (400, 405, 501) or error.details.get("code") in (
+        "NotImplemented", "InvalidArgument", "InvalidRequest")
+
+
 def _rank() -> int:
     try:
         import torch.distributed as dist
@@ -220,6 +228,7 @@ class S3Storage(FsspecStorage):
         self._etags: dict[str, str] = {}  # marker path -> ETag of the version last read (for If-Match)
         self._part_slots = threading.BoundedSemaphore(self.max_concurrency)
         self._read_slots: asyncio.Semaphore | None = None
+        self._window = threading.local()  # per reader thread: path, start, data, eof of its read-ahead
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -282,14 +291,20 @@ class S3Storage(FsspecStorage):
             hint = "the credentials in storage_options / the environment may not write or read this bucket"
         elif is_retryable(e):
             hint = ("the store kept throttling or failing (or the connection kept dropping) after "
-                    f"{attempts} attempts over {seconds:.1f}s; retry the save later, or raise "
-                    "dcp_atomic_max_attempts / lower dcp_atomic_max_concurrency in storage_options")
+                    f"{attempts} attempts over {seconds:.1f}s; retry later, or raise dcp_atomic_max_attempts / "
+                    "lower dcp_atomic_max_concurrency in storage_options")
         else:
             hint = "the store refused the request; check the endpoint, bucket and permissions"
+        if what in ("GET", "HEAD"):
+            consequence = "Nothing was loaded from it."
+        elif what in ("LIST", "DELETE", "list multipart uploads", "abort multipart upload"):
+            consequence = "No checkpoint was changed by the failed request."
+        else:
+            consequence = "Nothing of this save is committed; the previous checkpoint is intact."
         reply = f"HTTP {status} {code or ''}".strip() if status or code else type(e).__name__
         return StorageError(
             f"rank {rank} on {socket.gethostname()}: S3 {what} of {self._url(path)} at {self.endpoint} failed: "
-            f"{reply}: {message}. {hint}. Nothing of this save is committed; the previous checkpoint is intact.",
+            f"{reply}: {message}. {hint}. {consequence}",
             rank=rank,
             path=self._url(path),
             status=status,
@@ -357,6 +372,8 @@ class S3Storage(FsspecStorage):
             except _PreconditionFailed:
                 pass  # the random key exists already: the condition is evidently enforced
             except StorageError as e:
+                if not _rejects_conditions(e):
+                    raise  # throttling, 5xx, credentials: the store's state, not its features
                 raise ConfigurationError(
                     f"S3 store at {self.endpoint} rejected a conditional PUT (If-None-Match: *) of "
                     f"{self._url(path)}: {e.message} {advice}", endpoint=self.endpoint, root=self.root,
@@ -373,6 +390,8 @@ class S3Storage(FsspecStorage):
             except (_PreconditionFailed, FileNotFoundError):
                 pass
             except StorageError as e:
+                if not _rejects_conditions(e):
+                    raise
                 raise ConfigurationError(
                     f"S3 store at {self.endpoint} rejected a conditional PUT (If-Match) of {self._url(path)}: "
                     f"{e.message} {advice}", endpoint=self.endpoint, root=self.root,
@@ -380,7 +399,7 @@ class S3Storage(FsspecStorage):
             if ignored:
                 raise ConfigurationError(
                     f"S3 store at {self.endpoint} ignores conditional writes: {'; '.join(ignored)} when probing "
-                    f"{self._url(path)}. Refusing to save to {self.describe()}. {advice}",
+                    f"{self._url(path)}. Refusing to write checkpoints to {self.describe()}. {advice}",
                     endpoint=self.endpoint, root=self.root, ignored=ignored,
                 )
         finally:
@@ -410,23 +429,59 @@ class S3Storage(FsspecStorage):
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        if length <= self.part_size:
-            return self._run(self._get(path, offset, length))[0]
-        return self._run(self._get_chunked(path, offset, length))
+        hit = self._from_window(path, offset, length)
+        if hit is not None and (len(hit) == length or self._window.eof):
+            return bytes(hit)
+        if length < READ_AHEAD // 4:
+            return bytes(self._read_ahead(path, offset)[:length])
+        out = bytearray(length)
+        filled = self._run(self._get_into(path, offset, memoryview(out)))
+        return out if filled == length else out[:filled]
 
-    async def _get_chunked(self, path: str, offset: int, length: int) -> bytearray:
-        """A large range as parallel ranged GETs (bounded per rank), assembled in order."""
+    def readinto_range(self, path: str, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` by parallel ranged GETs straight into it; short only at the object's end."""
+        buffer = memoryview(buffer).cast("B")
+        done = 0
+        hit = self._from_window(path, offset, len(buffer))
+        if hit is not None:  # the read-ahead of the item's header already holds its first bytes
+            buffer[: len(hit)] = hit
+            done = len(hit)
+            if done == len(buffer) or self._window.eof:
+                return done
+        return done + self._run(self._get_into(path, offset + done, buffer[done:]))
+
+    def _from_window(self, path: str, offset: int, length: int) -> memoryview | None:
+        """The leading part of [offset, offset + length) that this thread's read-ahead window holds."""
+        window = self._window
+        if getattr(window, "path", None) != path or not window.start <= offset < window.start + len(window.data):
+            return None
+        lo = offset - window.start
+        return memoryview(window.data)[lo : lo + length]
+
+    def _read_ahead(self, path: str, offset: int) -> bytes:
+        """Small reads (an item's header, a small tensor) fetch READ_AHEAD bytes: the reader goes on
+        sequentially through the same object, so the next reads are served from memory.  Safe to keep:
+        data objects are immutable (a new save_id for every attempt)."""
+        data = self._run(self._get(path, offset, READ_AHEAD))[0]
+        window = self._window
+        window.path, window.start, window.data, window.eof = path, offset, data, len(data) < READ_AHEAD
+        return data
+
+    async def _get_into(self, path: str, offset: int, view: memoryview) -> int:
+        """``view`` from ``offset`` as ranged GETs of ``part_size``, at most ``max_concurrency`` in flight."""
+        length = len(view)
+        if length == 0:
+            return 0
         if self._read_slots is None:
             self._read_slots = asyncio.Semaphore(self.max_concurrency)
         slots = self._read_slots
-        out = bytearray(length)
         ends: list[int] = []  # where a short read says the object ends
 
         async def chunk(start: int) -> None:
             size = min(self.part_size, length - start)
             async with slots:
                 data, _ = await self._get(path, offset + start, size)
-            out[start : start + len(data)] = data
+            view[start : start + len(data)] = data
             if len(data) < size:
                 ends.append(start + len(data))
 
@@ -437,7 +492,7 @@ class S3Storage(FsspecStorage):
             for task in tasks:
                 task.cancel()
             raise
-        return out[: min(ends)] if ends else out
+        return min(ends) if ends else length
 
     def size(self, path: str) -> int:
         bucket, key = self._split(path)
@@ -563,6 +618,10 @@ class S3Storage(FsspecStorage):
 
     def describe(self) -> str:
         return self.url
+
+    def abort_stale_uploads(self, prefix: str, older_than_s: float = DEFAULT_UPLOAD_LEASE_S) -> list["StaleUpload"]:
+        """Method form of :func:`abort_stale_uploads` (what ``retention.apply_gc`` looks up)."""
+        return abort_stale_uploads(self, prefix, older_than_s)
 
 
 class S3ObjectWriter:

@@ -40,10 +40,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import commit, failpoints
 from .catalog import DEFAULT_TIMEOUT
+from .codec import Encoder, Staging, host_blocks, plane_width
 from .container import find_payload
 from .errors import CommitConflictError, ConfigurationError, StorageError
 from .identity import check_identities, local_identity
-from .integrity import BLOCK_SIZE, HashingWriter
+from .integrity import BLOCK_SIZE, HashingWriter, block_digest
 from .layout import ATTEMPT, RunLayout, data_file_name, new_save_id, validate_step
 from .manifest import FileEntry, ItemExtent, Manifest, now
 from .parallelism import Parallelism
@@ -87,6 +88,10 @@ class _WrittenItem:
     checksums: list[str]
     block_size: int
     payload: int | None = None
+    codec: str = "none"
+    planes: int = 1
+    logical_length: int | None = None
+    frames: list[int] | None = None
 
 
 @dataclass
@@ -113,10 +118,13 @@ class AtomicStorageWriter(StorageWriter):
         run_id: run name; ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
         step: training step; the checkpoint lands in ``<root>/<run_id>/step_{step:010d}/``.
         parallelism: the job's layout, recorded for reshard checks at load.
-        compression: ``None`` (only uncompressed storage is available in this version).
+        compression: ``None`` or ``"zstd"`` (byte-plane grouped, per-block frames; implies the raw format).
+        compression_level: ``None`` for the tuned fast profile (see codec.py), or a zstd level.
         thread_count: files (and writer threads) per rank.
         overwrite: replace an already committed step (after the new attempt is complete).
-        stock_readable: write torch.load-able items so torch's FileSystemReader opens the attempt.
+        stock_readable: ``True`` writes each tensor as a torch.save container so torch's own
+            FileSystemReader opens the attempt; ``False`` writes raw blocks. Default: True
+            unless compression is on (see README, "Speed", for the measurements).
         timeout: seconds any wait of this writer may take.
         storage_options: fsspec options (e.g. an S3 endpoint).
     """
@@ -129,21 +137,23 @@ class AtomicStorageWriter(StorageWriter):
         *,
         parallelism: Parallelism | None = None,
         compression: str | None = None,
+        compression_level: int | None = None,
         thread_count: int | None = None,
         overwrite: bool = False,
-        stock_readable: bool = True,
+        stock_readable: bool | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
         block_size: int = BLOCK_SIZE,
     ) -> None:
         super().__init__()
-        if compression is not None:
+        if compression not in (None, "zstd"):
+            raise ConfigurationError(f"compression must be None or 'zstd', got {compression!r}")
+        if stock_readable is None:
+            stock_readable = compression is None
+        if stock_readable and compression is not None:
             raise ConfigurationError(
-                f"compression={compression!r} is not available in dcp_atomic {__version__}; use compression=None"
-            )
-        if not stock_readable:
-            raise ConfigurationError(
-                f"stock_readable=False (raw format) is not available in dcp_atomic {__version__}"
+                "stock_readable=True cannot be compressed: torch's FileSystemReader only reads torch.save "
+                "containers; use compression=None, or stock_readable=False"
             )
         if parallelism is not None and not isinstance(parallelism, Parallelism):
             raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
@@ -152,6 +162,7 @@ class AtomicStorageWriter(StorageWriter):
         self.step = validate_step(step)
         self.parallelism = parallelism
         self.compression = compression
+        self.compression_level = compression_level
         self.thread_count = thread_count or _default_thread_count()
         self.overwrite = overwrite
         self.stock_readable = stock_readable
@@ -309,6 +320,10 @@ class AtomicStorageWriter(StorageWriter):
                     checksums=written.checksums,
                     block_size=written.block_size,
                     payload=written.payload,
+                    codec=written.codec,
+                    planes=written.planes,
+                    logical_length=written.logical_length,
+                    frames=written.frames,
                 )
             )
         for entry in files.values():
@@ -339,6 +354,7 @@ class _RankWrite:
         self.rank = assigned.rank
         self.attempt = writer.layout.attempt_dir(assigned.step, assigned.save_id)
         self.stats = _RankStats(rank=self.rank, host=socket.gethostname(), threads=writer.thread_count)
+        self._staging = threading.local()  # per writer thread: one host buffer for device tensors
         self._first_item = threading.Event()
         self._lock = threading.Lock()
         self._failed = threading.Event()
@@ -369,6 +385,7 @@ class _RankWrite:
         storage = self.writer.storage
         name = data_file_name(self.rank, k)
         path = storage.join(self.attempt, name)
+        encoder = Encoder(self.writer.compression or "none", self.writer.compression_level)
         results = []
         try:
             raw = storage.open_write(path)
@@ -377,7 +394,7 @@ class _RankWrite:
                 for item in bucket:
                     if self._failed.is_set():
                         raise _Aborted()
-                    results.append(self._write_item(out, name, item))
+                    results.append(self._write_item(out, name, item, encoder))
                     if not self._first_item.is_set():
                         self._first_item.set()
                         failpoints.hit("write.mid_data", self.rank)
@@ -400,23 +417,53 @@ class _RankWrite:
             raise
         return results
 
-    def _write_item(self, out: HashingWriter, name: str, item: WriteItem) -> WriteResult:
+    def _write_item(self, out: HashingWriter, name: str, item: WriteItem, encoder: Encoder) -> WriteResult:
         data = self.planner.resolve_data(item)
-        start = out.begin_item()
-        payload = None
+        block_size = self.writer.block_size
         if item.type == WriteItemType.BYTE_IO:
             assert isinstance(data, io.BytesIO), "BYTE_IO items resolve to BytesIO"
+            start = out.begin_item()
             out.write(data.getbuffer())
-            kind = "bytes"
-        else:
+            length, checksums = out.end_item()
+            written = _WrittenItem(name, start, length, "bytes", "raw", checksums, block_size)
+        elif self.writer.stock_readable:
+            start = out.begin_item()
             tensor = _host_copy(data)
             torch.save(tensor, out)
             payload = find_payload(bytes(out.prefix), out.writes, tensor.nbytes)
-            kind = "tensor"
-        length, checksums = out.end_item()
-        written = _WrittenItem(name, start, length, kind, "torch_save" if kind == "tensor" else "raw",
-                               checksums, self.writer.block_size, payload)
-        return WriteResult(index=item.index, size_in_bytes=length, storage_data=written)
+            length, checksums = out.end_item()
+            written = _WrittenItem(name, start, length, "tensor", "torch_save", checksums, block_size, payload)
+        else:
+            written = self._write_raw_tensor(out, name, data, encoder)
+        return WriteResult(index=item.index, size_in_bytes=written.length, storage_data=written)
+
+    def _write_raw_tensor(self, out: HashingWriter, name: str, tensor: torch.Tensor, encoder: Encoder) -> _WrittenItem:
+        """Block by block: stage (device tensors), encode, hash the stored frame, write."""
+        tensor = tensor.detach()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        width = plane_width(tensor.dtype) if encoder.codec == "zstd" else 1
+        block_size = self.writer.block_size
+        start = out.position
+        frames: list[int] = []
+        checksums: list[str] = []
+        compressed = False
+        staging = None
+        if tensor.device.type != "cpu":
+            staging = getattr(self._staging, "buffer", None) or Staging(block_size)
+            self._staging.buffer = staging
+        for block in host_blocks(tensor, block_size, staging):
+            stored = encoder.encode(block, width)
+            compressed |= len(stored) != len(block)
+            checksums.append(block_digest(stored))
+            frames.append(len(stored))
+            out.write_unhashed(stored)
+        if not frames:  # zero-size tensor: one empty block
+            checksums, frames = [block_digest(b"")], [0]
+        length = out.position - start
+        return _WrittenItem(name, start, length, "tensor", "raw", checksums, block_size, None,
+                            codec="zstd" if compressed else "none", planes=width if compressed else 1,
+                            logical_length=tensor.nbytes, frames=frames if compressed else None)
 
 
 class _Aborted(Exception):

@@ -1,0 +1,196 @@
+"""The raw item format: tensor bytes in fixed-size blocks, optionally zstd with byte planes.
+
+Why raw: a ``torch.save`` container per item (stock DCP's format) costs a zip
+writer pass and a CRC32 over every byte on save; raw blocks are written as they
+lie in memory.  Why blocks: each block (``block_size`` logical bytes, 4 MiB by
+default) is one checksum and one compression frame, so a ranged read under
+resharding reads, verifies and decompresses exactly the blocks it touches.
+
+Why byte planes: in a float tensor the high bytes (sign, exponent) of
+neighbouring elements are alike while the low mantissa bytes are noise.  Stored
+element by element, zstd sees them interleaved; grouped into planes (all first
+bytes, then all second bytes, ...) the exponent planes compress well.  Measured
+on real MiniLM weights: bf16 1.28x plain, 1.46x planes; fp32 1.09x / 1.21x.
+
+A frame whose stored length equals its logical length is stored raw (zstd
+did not help it): that rule needs no flag and makes per-frame fallback free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import Iterator
+
+import torch
+import zstandard
+
+#: a frame compressing worse than this is stored raw instead
+RAW_FALLBACK_RATIO = 0.97
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Writable byte view of a contiguous CPU tensor's memory (no copy, any dtype)."""
+    assert tensor.device.type == "cpu" and tensor.is_contiguous()
+    if tensor.nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def plane_width(dtype: torch.dtype) -> int:
+    """Bytes per element to split into planes; 1 means no split."""
+    if dtype.is_floating_point and not dtype.is_complex:
+        size = torch.empty((), dtype=dtype).element_size()
+        return size if size > 1 else 1
+    return 1
+
+
+_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def to_planes(block: memoryview, width: int) -> torch.Tensor:
+    """Plane-grouped copy of ``block`` (the caller keeps the tensor alive while using its bytes).
+
+    Bit shifts on the integer view are vectorised; a strided byte transpose is 4x slower.
+    """
+    words = torch.frombuffer(block, dtype=_INT_OF_WIDTH[width])
+    planes = torch.empty((width, words.numel()), dtype=torch.uint8)
+    for j in range(width):
+        planes[j] = ((words >> (8 * j)) & 0xFF).to(torch.uint8)
+    return planes
+
+
+def from_planes(data: memoryview, width: int, out: memoryview) -> None:
+    """Interleave planes back into ``out`` (len(out) == len(data))."""
+    if width == 1:
+        out[:] = data
+        return
+    kind = _INT_OF_WIDTH[width]
+    planes = torch.frombuffer(data, dtype=torch.uint8).view(width, -1)
+    words = torch.frombuffer(out, dtype=kind)
+    words.copy_(planes[0])
+    for j in range(1, width):
+        words |= planes[j].to(kind) << (8 * j)
+
+
+def _default_params() -> zstandard.ZstdCompressionParameters:
+    """zstd's "fast" strategy with a tiny hash table and long minimum matches.
+
+    Exponent planes are low-entropy but have few long matches, so zstd's level 1
+    match finder spends its time for nothing.  Measured on the MiniLM bf16
+    exponent plane here: level 1 0.31 GB/s at 2.71x; this profile ~1.0-1.3 GB/s
+    at 2.93x.  An explicit ``compression_level`` selects zstd's own levels instead.
+    """
+    return zstandard.ZstdCompressionParameters(strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6,
+                                               min_match=7, chain_log=6, search_log=1, target_length=0)
+
+
+_PLANE_HEADER = struct.Struct("<I")  # stored length of one plane's segment
+
+
+class Encoder:
+    """Encodes one block into one frame.  Per writer thread (zstd contexts are not thread-safe).
+
+    Frame layout: for ``width == 1``, a zstd frame (or the raw block).  For byte
+    planes, ``width`` little-endian uint32 segment lengths, then each plane's
+    segment: zstd, or the raw plane where zstd does not help (the noisy
+    mantissa planes).  If the whole frame would not be smaller, the raw block.
+    """
+
+    def __init__(self, codec: str, level: int | None = None) -> None:
+        self.codec = codec
+        if codec == "zstd":
+            self._zstd = (zstandard.ZstdCompressor(compression_params=_default_params()) if level is None
+                          else zstandard.ZstdCompressor(level=level))
+        else:
+            self._zstd = None
+
+    def _squeeze(self, data) -> bytes | memoryview:
+        packed = self._zstd.compress(data)
+        return packed if len(packed) < RAW_FALLBACK_RATIO * len(data) else data
+
+    def encode(self, block: memoryview, width: int) -> bytes | memoryview:
+        if self._zstd is None:
+            return block
+        if width == 1:
+            return self._squeeze(block)
+        planes = to_planes(block, width)
+        view = tensor_bytes(planes)
+        n = len(block) // width
+        segments = [self._squeeze(view[j * n : (j + 1) * n]) for j in range(width)]
+        size = width * _PLANE_HEADER.size + sum(len(seg) for seg in segments)
+        if size >= RAW_FALLBACK_RATIO * len(block):
+            return block
+        return b"".join([_PLANE_HEADER.pack(len(seg)) for seg in segments] + [bytes(seg) for seg in segments])
+
+
+class Decoder:
+    """Per reader thread; decodes a frame into the destination's memory."""
+
+    def __init__(self) -> None:
+        self._zstd = zstandard.ZstdDecompressor()
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def _inflate_into(self, stored, out: memoryview) -> None:
+        if len(stored) == len(out):  # stored raw
+            out[:] = stored
+            return
+        filled = 0
+        with self._zstd.stream_reader(stored) as reader:
+            while filled < len(out):
+                n = reader.readinto(out[filled:])
+                if not n:
+                    break
+                filled += n
+            if filled != len(out) or reader.read(1):
+                raise ValueError(f"frame does not decompress to its recorded {len(out)} bytes")
+
+    def decode_into(self, stored: bytes | memoryview, width: int, out: memoryview) -> None:
+        """Fill ``out`` (one frame's logical bytes) from its stored form."""
+        stored = memoryview(stored).cast("B")
+        if width == 1 or len(stored) == len(out):
+            self._inflate_into(stored, out)
+            return
+        if self._scratch.numel() < len(out):
+            self._scratch = torch.empty(len(out), dtype=torch.uint8)
+        planes = tensor_bytes(self._scratch)[: len(out)]
+        n = len(out) // width
+        header = width * _PLANE_HEADER.size
+        lengths = [_PLANE_HEADER.unpack_from(stored, j * _PLANE_HEADER.size)[0] for j in range(width)]
+        if header + sum(lengths) != len(stored):
+            raise ValueError("frame's plane lengths do not add up to its stored size")
+        position = header
+        for j, length in enumerate(lengths):
+            self._inflate_into(stored[position : position + length], planes[j * n : (j + 1) * n])
+            position += length
+        from_planes(planes, width, out)
+
+
+def host_blocks(tensor: torch.Tensor, block_size: int, staging: "Staging | None" = None) -> Iterator[memoryview]:
+    """The tensor's bytes in ``block_size`` pieces, on the host.
+
+    CPU tensors are viewed in place.  Device tensors are copied block by block
+    through one reusable (pinned, when CUDA is present) buffer, so the extra
+    host memory per writer thread is one block, not a copy of the state.
+    """
+    nbytes = tensor.nbytes
+    if tensor.device.type == "cpu":
+        view = tensor_bytes(tensor)
+        for start in range(0, nbytes, block_size):
+            yield view[start : start + block_size]
+        return
+    staging = staging or Staging(block_size)
+    flat = tensor.reshape(-1).view(torch.uint8)
+    for start in range(0, nbytes, block_size):
+        piece = flat[start : start + block_size]
+        host = staging.buffer[: piece.numel()]
+        host.copy_(piece, non_blocking=False)  # synchronous: the buffer is reused right after
+        yield tensor_bytes(host)
+
+
+class Staging:
+    """One host buffer per writer thread for device-to-host copies (pinned if CUDA is available)."""
+
+    def __init__(self, block_size: int) -> None:
+        pin = torch.cuda.is_available()
+        self.buffer = torch.empty(block_size, dtype=torch.uint8, pin_memory=pin)
