@@ -57,7 +57,8 @@ class Committed:
         return self.marker.save_id
 
 
-def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overwrite: bool, rank: int = 0) -> Marker:
+def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overwrite: bool, timeout: float,
+            rank: int = 0) -> Marker:
     """Run steps 2-4 above; returns the marker that is now visible."""
     storage = layout.storage
     step, save_id = manifest.step, manifest.save_id
@@ -84,7 +85,8 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
     )
     marker_path = layout.marker(step)
     if not storage.create_exclusive(marker_path, marker.to_json()):
-        existing = _read_marker_once(layout, step)
+        # It exists on the server; this client may not see it yet (NFS negative-lookup cache): wait it out.
+        existing = read_marker(layout, step, Deadline(timeout))
         if existing.save_id == save_id:
             log.info("commit marker for step %d already names save %s (an earlier retry)", step, save_id)
         elif overwrite:

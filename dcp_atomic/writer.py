@@ -266,7 +266,8 @@ class AtomicStorageWriter(StorageWriter):
         metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         manifest = self._manifest(save_id, items, stats, len(results), metadata_bytes)
         started = time.monotonic()
-        self.last_marker = commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite, rank=self.rank)
+        self.last_marker = commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite,
+                                          timeout=self.timeout, rank=self.rank)
         self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
                            "commit_seconds": time.monotonic() - started, "ranks": manifest.stats}
         log.info(
