@@ -327,3 +327,26 @@ def test_ranks_resolving_different_versions_fail_together_naming_who_saw_what(ro
     for outcome in outcomes:
         assert "RankConsistencyError" in outcome.error_chain, outcome.error
         assert "rank 1" in outcome.error and "20200101T000000Z-00000000" in outcome.error
+
+
+def _plain_async_save(ctx):
+    """dcp.async_save with the writer alone (no manager), on its own gloo group as DCP requires."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicSavePlanner, AtomicStorageWriter
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    writer = AtomicStorageWriter(ctx.root, RUN, 9, timeout=20)
+    future = dcp.async_save(_mixed_state(ctx.rank, 9), storage_writer=writer, planner=AtomicSavePlanner(),
+                            process_group=group)
+    getattr(future, "upload_completion", future).result(timeout=60)
+    return writer.save_id
+
+
+def test_plain_dcp_async_save_commits_in_the_background(root):
+    ids = assert_all_ok(run_world(_plain_async_save, 2, root))
+    assert ids[0] == ids[1] and list_steps(root, RUN) == [9]
+    assert [r["step"] for r in assert_all_ok(run_world(_load_mixed, 2, root))] == [9, 9]
