@@ -15,8 +15,8 @@ import os
 import time
 from typing import Any
 
-from .commit import Committed, read_committed, read_latest, write_latest, _read_marker_once
-from .errors import CorruptCheckpointError
+from .commit import Committed, read_committed, read_latest, read_marker, write_latest
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .layout import RunLayout, parse_step_dir
 from .manifest import Marker
 from .retry import Deadline
@@ -25,20 +25,33 @@ from .storage import open_storage
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 120.0
+SCAN_RETRY_SECONDS = 1.0  # how long a scan re-reads a marker that looks torn
 
 
-def scan_markers(layout: RunLayout) -> list[Marker]:
-    """Every valid commit marker of the run, ascending by step (one process only)."""
+def scan_markers(layout: RunLayout, *, strict: bool = False) -> list[Marker]:
+    """Every valid commit marker of the run, ascending by step (one process only).
+
+    A marker that fails validation is re-read for a moment (it may be a torn
+    read of one being replaced); if it stays bad it is skipped with a warning,
+    or, with ``strict``, raised: a resume decision must not quietly fall back
+    to an older step because the newest marker is damaged.
+    """
     markers = []
     for name in layout.storage.list_dir(layout.run_dir):
         step = parse_step_dir(name)
         if step is None:
             continue
         try:
-            markers.append(_read_marker_once(layout, step))
+            markers.append(read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True))
         except FileNotFoundError:
             continue  # an attempt that never committed
         except CorruptCheckpointError as e:
+            if strict:
+                raise CorruptCheckpointError(
+                    f"{e.message}. The newest commit cannot be determined while this marker is damaged: restore "
+                    f"it, delete that step (dcp-atomic gc / rm), or load an explicit step",
+                    **e.details,
+                ) from None
             log.warning("ignoring step %d: %s", step, e)
     return sorted(markers, key=lambda m: m.step)
 
@@ -47,57 +60,79 @@ def most_recent(markers: list[Marker]) -> Marker | None:
     return max(markers, key=lambda m: (m.committed_at, m.step), default=None)
 
 
-def resolve(layout: RunLayout, step: int | None, deadline: Deadline) -> Committed:
+def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id: str | None = None) -> Committed:
     """The committed checkpoint to load: ``step`` itself, or the one ``LATEST`` names.
 
-    A marker older than the ``LATEST`` that led to it is a stale cached read
-    (NFS): it is re-read until the two agree or the deadline passes.
+    A marker older than the ``LATEST`` that led to it, or not naming the
+    ``save_id`` the caller was told to load, is a stale cached read (NFS): it is
+    re-read until it agrees or the deadline passes.
     """
-    if step is not None:
-        return read_committed(layout, step, deadline)
     while True:
-        latest = read_latest(layout, deadline)
-        committed = read_committed(layout, latest.step, deadline)
-        marker = committed.marker
-        if marker.save_id == latest.save_id or marker.committed_at >= latest.committed_at:
+        if step is None:
+            latest = read_latest(layout, deadline)
+            committed = read_committed(layout, latest.step, deadline)
+            marker = committed.marker
+            current = marker.save_id == latest.save_id or marker.committed_at >= latest.committed_at
+            expected = f"LATEST names save {latest.save_id} of step {latest.step}"
+        else:
+            committed = read_committed(layout, step, deadline)
+            current = save_id is None or committed.save_id == save_id
+            expected = f"save {save_id} was committed for step {step}"
+        if current:
             return committed
         if deadline.expired():
-            raise CorruptCheckpointError(
-                f"{layout.latest()} names save {latest.save_id} of step {latest.step}, but the step's marker "
-                f"still names the older save {marker.save_id} after {deadline.seconds:.0f}s "
-                "(a storage cache that does not expire?)",
-                path=layout.latest(),
+            raise CheckpointNotFoundError(
+                f"{expected}, but this process still reads a marker naming save {committed.save_id} after "
+                f"{deadline.seconds:.0f}s (a storage cache that does not expire?)",
+                path=layout.marker(committed.step),
             )
         time.sleep(min(0.05, deadline.remaining()))
 
 
 def list_steps(root: str | os.PathLike, run_id: str, storage_options: dict[str, Any] | None = None) -> list[int]:
-    """Committed steps of ``run_id``, ascending."""
+    """Committed steps of ``run_id``, ascending (damaged markers are skipped with a warning)."""
     layout = RunLayout(open_storage(root, storage_options), run_id)
     return [m.step for m in scan_markers(layout)]
 
 
 def latest_step(
-    root: str | os.PathLike, run_id: str, storage_options: dict[str, Any] | None = None, *, repair: bool = True
+    root: str | os.PathLike,
+    run_id: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    repair: bool = True,
+    timeout: float = 10.0,
 ) -> int | None:
-    """The most recently committed step, or None.  Rewrites a stale ``LATEST`` when ``repair``."""
+    """The most recently committed step, or None.
+
+    Scans the markers (one process), and also reads ``LATEST`` by exact name:
+    a client with stale caches may not list a marker that ``LATEST`` already
+    names, so a ``LATEST`` newer than the scan is verified against its marker
+    and believed.  ``repair`` rewrites a ``LATEST`` that lags behind the
+    newest commit, and only ever moves it forward.  A damaged marker raises
+    :class:`CorruptCheckpointError` rather than silently choosing an older step.
+    """
     layout = RunLayout(open_storage(root, storage_options), run_id)
-    newest = most_recent(scan_markers(layout))
+    newest = most_recent(scan_markers(layout, strict=True))
+    try:
+        current = read_latest(layout, Deadline(min(timeout, SCAN_RETRY_SECONDS)))
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        current = None
+    if current is not None and (newest is None or _order(current) > _order(newest)):
+        try:
+            marker = read_marker(layout, current.step, Deadline(timeout))
+            if marker.save_id == current.save_id or marker.committed_at >= current.committed_at:
+                return current.step  # the scan is behind (stale listing); LATEST is verified by its marker
+        except CheckpointNotFoundError:
+            log.warning("LATEST of run %r names step %d, whose marker does not exist", run_id, current.step)
     if newest is None:
         return None
-    if repair:
-        try:
-            current = read_latest(layout, Deadline(0))
-            stale = (current.step, current.save_id) != (newest.step, newest.save_id)
-        except Exception:
-            current, stale = None, True
-        if stale:
-            log.warning(
-                "LATEST of run %r named %s; repairing it to step %d (save %s)",
-                run_id,
-                f"step {current.step}" if current else "nothing readable",
-                newest.step,
-                newest.save_id,
-            )
-            write_latest(layout, newest)
+    if repair and (current is None or _order(newest) > _order(current)):
+        log.warning("LATEST of run %r named %s; moving it forward to step %d (save %s)", run_id,
+                    f"step {current.step}" if current else "nothing readable", newest.step, newest.save_id)
+        write_latest(layout, newest)
     return newest.step
+
+
+def _order(record) -> tuple[float, int]:
+    return (record.committed_at, record.step)

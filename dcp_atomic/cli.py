@@ -199,13 +199,16 @@ def cmd_gc(args) -> int:
     plan = plan_gc(layout, args.keep_last, lease_seconds=args.lease_hours * 3600)
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "delete_steps": plan.delete_steps,
-                          "delete_attempts": [list(a) for a in plan.delete_attempts], "kept_steps": plan.kept_steps}))
+                          "delete_attempts": [list(a) for a in plan.delete_attempts],
+                          "delete_temps": plan.delete_temps, "kept_steps": plan.kept_steps}))
     else:
         verb = "would delete" if args.dry_run else "deleting"
         for step in plan.delete_steps:
             print(f"{verb} committed step {step}")
         for step, save_id in plan.delete_attempts:
             print(f"{verb} abandoned attempt {save_id} of step {step}")
+        for path in plan.delete_temps:
+            print(f"{verb} leftover temp file {path}")
         print(f"keeping steps {plan.kept_steps}" + ("" if not plan.empty else " (nothing to collect)"))
     if not args.dry_run:
         apply_gc(layout, plan)

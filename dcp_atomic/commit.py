@@ -118,16 +118,19 @@ def _read_marker_once(layout: RunLayout, step: int) -> Marker:
     return Marker.from_json(layout.storage.read_file(path), where=path)
 
 
-def read_marker(layout: RunLayout, step: int, deadline: Deadline) -> Marker:
-    """The step's marker, waiting out visibility lag and torn reads until ``deadline``."""
+def read_marker(layout: RunLayout, step: int, deadline: Deadline, *, missing_ok: bool = False) -> Marker:
+    """The step's marker, waiting out visibility lag and torn reads until ``deadline``.
+
+    With ``missing_ok`` a missing marker is not waited for (a scan of steps that
+    may simply be uncommitted) and surfaces as ``FileNotFoundError``.
+    """
     path = layout.marker(step)
+    retry_on: tuple = (CorruptCheckpointError,) if missing_ok else (FileNotFoundError, CorruptCheckpointError)
     try:
-        marker = retry_until(
-            lambda: _read_marker_once(layout, step),
-            deadline=deadline,
-            retry_on=(FileNotFoundError, CorruptCheckpointError),
-        )
+        marker = retry_until(lambda: _read_marker_once(layout, step), deadline=deadline, retry_on=retry_on)
     except FileNotFoundError:
+        if missing_ok:
+            raise
         raise CheckpointNotFoundError(
             f"step {step} of run {layout.run_id!r} is not committed: no {path} after waiting "
             f"{deadline.seconds:.0f}s (crashed or unfinished save, or a storage cache that is still stale)",

@@ -32,7 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step, most_recent, scan_markers
-from .commit import _read_marker_once
+from .commit import read_marker
+from .retry import Deadline
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigurationError, RankFailureError)
 from .layout import RunLayout, validate_step
 from .parallelism import Parallelism
@@ -195,16 +196,18 @@ class CheckpointManager:
         """Load ``step`` (default: the most recent commit) into ``state_dict``; returns the step loaded."""
         self._check_open()
         self._drain()
-        chosen = self._on_rank0(lambda: self._resolve_step(step), "resolve the step to load")
+        chosen, save_id = self._on_rank0(lambda: self._resolve_step(step), "resolve the step to load")
         if chosen is None:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint for run {self.run_id!r} under {self.layout.storage.describe()}",
                 run_id=self.run_id,
             )
-        reader = AtomicStorageReader(self.root, self.run_id, chosen, parallelism=self.parallelism,
-                                     allow_reshard=allow_reshard, timeout=self.timeout,
+        # Visibility waits get half the group timeout, so a rank that gives up still reaches the
+        # exchange of outcomes in _resolve_everywhere before its peers' collective times out.
+        reader = AtomicStorageReader(self.root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
+                                     allow_reshard=allow_reshard, timeout=self.timeout / 2,
                                      storage_options=self.storage_options, thread_count=self.thread_count)
-        reader.resolve()  # typed errors (not found, corrupt manifest, tp change) before DCP wraps them
+        self._resolve_everywhere(reader, chosen)
         try:
             dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
         except BaseException as e:
@@ -215,8 +218,9 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The most recently committed step (global rank 0 scans, the others are told)."""
         self._check_open()
-        return self._on_rank0(lambda: scan_latest_step(self.root, self.run_id, self.storage_options),
-                              "find the latest step")
+        return self._on_rank0(
+            lambda: scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout),
+            "find the latest step")
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (global rank 0 scans, the others are told)."""
@@ -249,11 +253,42 @@ class CheckpointManager:
             except BaseException as e:
                 log.warning("previous async save failed: %s", e)
 
-    def _resolve_step(self, step: int | None) -> int | None:
-        if step is not None:
-            validate_step(step)
-            return step
-        return scan_latest_step(self.root, self.run_id, self.storage_options)
+    def _resolve_step(self, step: int | None) -> tuple[int | None, str | None]:
+        """(step, save_id) to load, decided by rank 0: every rank then waits for that exact attempt."""
+        if step is None:
+            step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout)
+            if step is None:
+                return None, None
+        validate_step(step)
+        return step, read_marker(self.layout, step, Deadline(self.timeout)).save_id
+
+    def _resolve_everywhere(self, reader: AtomicStorageReader, step: int) -> None:
+        """Every rank resolves on its own; if any rank cannot, all raise, naming who saw what (P5).
+
+        Done before DCP starts, so a rank that fails here does not leave the
+        others waiting in DCP's collectives until the group timeout.
+        """
+        try:
+            reader.resolve()
+            mine: CheckpointError | None = None
+        except CheckpointError as e:
+            mine = e
+        outcomes = [mine]
+        if self._distributed and self.world_size > 1:
+            outcomes = [None] * self.world_size
+            try:
+                dist.all_gather_object(outcomes, mine, group=self._group)
+            except BaseException as e:
+                raise self._translate(e, f"resolving step {step}") from None
+        failed = [(rank, error) for rank, error in enumerate(outcomes) if error is not None]
+        if not failed:
+            return
+        if mine is not None and len(failed) == 1:
+            raise mine
+        rank, first = failed[0]
+        summary = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        raise type(first)(f"{len(failed)} of {len(outcomes)} rank(s) could not resolve step {step} of run "
+                          f"{self.run_id!r}, so no rank loads it: {summary}", ranks=[r for r, _ in failed])
 
     def _on_rank0(self, compute: Callable[[], Any], what: str) -> Any:
         """Compute on global rank 0 only and broadcast; errors there reach every rank."""
@@ -297,8 +332,8 @@ class CheckpointManager:
     def _settle_failed_save(self, error: BaseException, step: int, writer: AtomicStorageWriter, op: int) -> None:
         """DCP said the save failed; if our marker exists anyway, it committed (returns), else raise typed."""
         if writer.save_id is not None:
-            try:
-                marker = _read_marker_once(self.layout, step)
+            try:  # rank 0 may have just created it on another client: allow for visibility lag
+                marker = read_marker(self.layout, step, Deadline(min(self.timeout, 5.0)))
                 if marker.save_id == writer.save_id:
                     log.warning("step %d: DCP reported a failure (%s) after the commit; the marker names this "
                                 "save (%s), so the checkpoint IS committed", step, _first_line(error), writer.save_id)
@@ -350,17 +385,25 @@ class CheckpointManager:
         prefix = f"dcp_atomic/{self.run_id}/{self._instance}/op{op}"
         keys = [f"{prefix}/{r}" for r in range(world)]
         # Live ranks still blocked in the broken collective only notice at the group timeout: wait that long.
-        deadline = time.monotonic() + self.timeout + 1.0
-        try:
+        window = self.timeout + 1.0
+        present: list[int] = []
+
+        def check_in() -> None:
             store = dist.distributed_c10d._get_default_store()
             store.set(keys[me], "alive")
+            deadline = time.monotonic() + window
             while True:
-                present = [r for r, key in enumerate(keys) if store.check([key])]
+                present[:] = [r for r, key in enumerate(keys) if store.check([key])]
                 if len(present) == world or time.monotonic() > deadline:
-                    break
+                    return
                 time.sleep(0.05)
-        except Exception:
-            return "0 (the rendezvous store on global rank 0 is unreachable: rank 0 is dead or frozen)"
+
+        # A frozen rank 0 freezes its store too, and store calls then never return: bound them from outside.
+        worker = threading.Thread(target=check_in, name="dcp-atomic-liveness", daemon=True)
+        worker.start()
+        worker.join(window + 2.0)
+        if worker.is_alive() or me not in present:
+            return "0 (the rendezvous store on global rank 0 does not answer: rank 0 is dead or frozen)"
         silent = sorted(set(range(world)) - set(present))
         return ", ".join(map(str, silent)) if silent else "none (all ranks checked in; a transient network failure?)"
 

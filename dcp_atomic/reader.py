@@ -75,6 +75,8 @@ class AtomicStorageReader(StorageReader):
         verify: check every block's checksum (default True).
         timeout: seconds any wait (visibility lag, retries) may take.
         thread_count: files read in parallel per rank.
+        layout_dependent: globs of keys refused when tp / pp changes (besides those declared at save).
+        save_id: load exactly this attempt of ``step`` (waits, bounded, until the marker names it).
 
     After a load, ``reader.step`` and ``reader.save_id`` say what was loaded.
     """
@@ -92,11 +94,13 @@ class AtomicStorageReader(StorageReader):
         storage_options: dict[str, Any] | None = None,
         thread_count: int | None = None,
         layout_dependent: Iterable[str] = (),
+        save_id: str | None = None,
     ) -> None:
         super().__init__()
         self.storage = open_storage(root, storage_options)
         self.layout = RunLayout(self.storage, run_id)
         self.requested_step = step
+        self.requested_save_id = save_id
         self.parallelism = parallelism
         self.allow_reshard = allow_reshard
         self.verify = verify
@@ -112,14 +116,21 @@ class AtomicStorageReader(StorageReader):
         self.rank = 0
         self._storage_data: dict = {}
         self._metadata: Metadata | None = None
+        self._decoded: Metadata | None = None
         self._extents: dict[tuple[str, int], ItemExtent] = {}
+        self._file_sizes: dict[str, int] = {}
 
     # -- resolution (usable on its own: typed errors, no DCP wrapping) ---------------
 
     def resolve(self) -> Committed:
-        """Find and verify the checkpoint this reader will load; raises dcp_atomic's own errors."""
-        committed = resolve(self.layout, self.requested_step, Deadline(self.timeout))
-        self._context = LoadContext(
+        """Find and verify the checkpoint this reader will load; raises dcp_atomic's own errors.
+
+        Marker, manifest and DCP ``.metadata`` are all read and cross-checked
+        here, so every refusal has its own type (through ``dcp.load`` torch
+        would turn a ``read_metadata`` error into an ``AssertionError``).
+        """
+        committed = resolve(self.layout, self.requested_step, Deadline(self.timeout), save_id=self.requested_save_id)
+        context = LoadContext(
             where=f"run {self.layout.run_id!r} step {committed.step}",
             saved=committed.manifest.parallelism,
             current=self.parallelism,
@@ -128,26 +139,17 @@ class AtomicStorageReader(StorageReader):
             layout_dependent=self.layout_dependent,
         )
         if self.parallelism is not None:  # declared: check now, raising our own type
-            self._context.check_layout()
+            context.check_layout()
+        self._decoded = self._read_dcp_metadata(committed)
+        self._context = context
         self.committed = committed
         self._fresh = True
         self.step = committed.step
         self.save_id = committed.save_id
-        self._extents = committed.manifest.extent_index()
         return committed
 
-    # -- DCP lifecycle -----------------------------------------------------------------
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            raise ConfigurationError(
-                "AtomicStorageReader finds its checkpoint from root/run_id/step; do not pass checkpoint_id to dcp.load"
-            )
-
-    def read_metadata(self) -> Metadata:
-        # A resolve() the caller just made (the manager does, for typed errors) is used once, not repeated.
-        committed = self.committed if self._fresh else self.resolve()
-        self._fresh = False
+    def _read_dcp_metadata(self, committed: Committed) -> Metadata:
+        """``.metadata``, opened only if its digest is the manifest's, and every extent it names checked."""
         expected = committed.manifest.dcp_metadata
         path = self.layout.attempt_file(committed.step, committed.save_id, DCP_METADATA)
         try:
@@ -161,6 +163,34 @@ class AtomicStorageReader(StorageReader):
                 path=path,
             )
         metadata = load_dcp_metadata(data, where=path)
+        extents = committed.manifest.extent_index()
+        for index, info in (metadata.storage_data or {}).items():
+            name = getattr(info, "relative_path", None)
+            extent = extents.get((name, getattr(info, "offset", None)))
+            if extent is None or extent.length != getattr(info, "length", None):
+                raise CorruptCheckpointError(
+                    f"{path}: entry {getattr(index, 'fqn', index)!r} names {name!r} at offset "
+                    f"{getattr(info, 'offset', None)}, which the manifest does not record; refusing to read it",
+                    path=path,
+                )
+        self._extents = extents
+        self._file_sizes = {f.name: f.size for f in committed.manifest.files}
+        return metadata
+
+    # -- DCP lifecycle -----------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ConfigurationError(
+                "AtomicStorageReader finds its checkpoint from root/run_id/step; do not pass checkpoint_id to dcp.load"
+            )
+
+    def read_metadata(self) -> Metadata:
+        # A resolve() the caller just made (the manager does, for typed errors) is used once, not repeated.
+        if not self._fresh:
+            self.resolve()
+        self._fresh = False
+        committed, metadata = self.committed, self._decoded
         metadata.storage_meta = StorageMeta(
             checkpoint_id=self.layout.attempt_dir(committed.step, committed.save_id),
             save_id=committed.save_id,
@@ -247,7 +277,17 @@ class AtomicStorageReader(StorageReader):
     def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner, planner_lock: threading.Lock) -> None:
         committed = self.committed
         assert committed is not None
-        path = self.layout.data_file(committed.step, committed.save_id, validate_data_file_name(name))
+        path = self.layout.data_file(committed.step, committed.save_id, name)
+        try:
+            actual = self.storage.size(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: data file named by the manifest is missing", path=path) from None
+        if actual != self._file_sizes.get(name):
+            raise CorruptCheckpointError(
+                f"{path}: file has {actual} bytes, the manifest recorded {self._file_sizes.get(name)} "
+                "(truncated or replaced); restore it or load another step",
+                path=path,
+            )
         for item in sorted(items, key=lambda i: self._storage_info(i).offset):
             info = self._storage_info(item)
             extent = self._extents.get((name, info.offset))

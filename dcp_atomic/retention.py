@@ -34,11 +34,13 @@ DEFAULT_LEASE_SECONDS = 6 * 3600.0
 class GcPlan:
     delete_steps: list[int] = field(default_factory=list)
     delete_attempts: list[tuple[int, str]] = field(default_factory=list)  # (step, save_id)
+    delete_temps: list[str] = field(default_factory=list)  # control-file temps of crashed commits
     kept_steps: list[int] = field(default_factory=list)
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
 
     @property
     def empty(self) -> bool:
-        return not self.delete_steps and not self.delete_attempts
+        return not self.delete_steps and not self.delete_attempts and not self.delete_temps
 
 
 def _attempt_started(layout: RunLayout, step: int, save_id: str) -> float | None:
@@ -65,14 +67,28 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
         keep.add(read_latest(layout, Deadline(0)).step)
     except Exception:
         pass
-    plan = GcPlan(kept_steps=sorted(keep))
+    plan = GcPlan(kept_steps=sorted(keep), lease_seconds=lease_seconds)
     plan.delete_steps = sorted(m.step for m in markers if m.step not in keep)
     committed = {m.step: m.save_id for m in markers}
-    for name in layout.storage.list_dir(layout.run_dir):
+    storage = layout.storage
+
+    def stale_temp(directory: str, entry: str) -> bool:
+        """A control-file temp (".NAME.<pid>.<hex>.tmp") a crashed commit left behind."""
+        if not (entry.startswith(".") and entry.endswith(".tmp")):
+            return False
+        stamp = storage.modified(storage.join(directory, entry))
+        return stamp is not None and now - stamp > lease_seconds
+
+    plan.delete_temps = [storage.join(layout.run_dir, e) for e in storage.list_dir(layout.run_dir)
+                         if stale_temp(layout.run_dir, e)]
+    for name in storage.list_dir(layout.run_dir):
         step = parse_step_dir(name)
         if step is None or step in plan.delete_steps:
             continue
-        for entry in layout.storage.list_dir(layout.step_dir(step)):
+        for entry in storage.list_dir(layout.step_dir(step)):
+            if stale_temp(layout.step_dir(step), entry):
+                plan.delete_temps.append(storage.join(layout.step_dir(step), entry))
+                continue
             if entry == MARKER or entry.startswith(".") or entry == committed.get(step):
                 continue
             started = _attempt_started(layout, step, entry) or _save_id_time(entry)
@@ -93,6 +109,9 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
         log.info("gc: deleted abandoned attempt %s of step %d", save_id, step)
         if not storage.list_dir(layout.step_dir(step)):
             storage.remove(layout.step_dir(step))
+    for path in plan.delete_temps:
+        storage.remove(path)
+        log.info("gc: deleted leftover temp file %s", path)
     abort = getattr(storage, "abort_stale_uploads", None)
     if abort is not None:
-        abort(layout.run_dir)
+        abort(layout.run_dir, older_than_s=plan.lease_seconds)

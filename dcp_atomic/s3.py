@@ -158,6 +158,27 @@ def _is_not_found(exc: BaseException) -> bool:
     return status is None and any(isinstance(e, FileNotFoundError) for e in _chain(exc))
 
 
+_sessions: dict[tuple[int, str], Any] = {}
+_sessions_lock = threading.Lock()
+
+
+def _shared_session(kwargs: dict[str, Any]) -> Any:
+    """One aiobotocore session per process and session options (profile, ...).
+
+    A session only holds configuration and the parsed service model; every
+    S3Storage still builds its own client and connections from it, so nothing
+    a save could leave behind is shared.
+    """
+    import aiobotocore.session
+
+    key = (os.getpid(), repr(sorted(kwargs.items())))
+    with _sessions_lock:
+        session = _sessions.get(key)
+        if session is None:
+            session = _sessions[key] = aiobotocore.session.AioSession(**kwargs)
+        return session
+
+
 def _rejects_conditions(error: StorageError) -> bool:
     """A store that does not implement a conditional header says 400 / 501 (not 412, not 5xx)."""
     return error.details.get("status") in (400, 405, 501) or error.details.get("code") in (
@@ -223,6 +244,9 @@ class S3Storage(FsspecStorage):
         options["config_kwargs"] = config
         super().__init__(url, options)
         self.fs.retries = 1
+        if self.fs.session is None:  # botocore's model loading costs ~50 ms per fresh session: share one
+            self.fs.session = _shared_session(self.fs.kwargs)
+            self.fs._session_is_owned = False  # s3fs must not close it with this filesystem
         if self.unsafe_single_writer:
             self.exclusive_create_is_atomic = False
         self._etags: dict[str, str] = {}  # marker path -> ETag of the version last read (for If-Match)
@@ -286,15 +310,15 @@ class S3Storage(FsspecStorage):
         status, code, message = http_error(e)
         rank = _rank()
         if code == "NoSuchBucket":
-            hint = "the bucket does not exist: create it or fix the root URL"
+            hint = "The bucket does not exist: create it or fix the root URL"
         elif status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            hint = "the credentials in storage_options / the environment may not write or read this bucket"
+            hint = "The credentials in storage_options / the environment may not write or read this bucket"
         elif is_retryable(e):
-            hint = ("the store kept throttling or failing (or the connection kept dropping) after "
+            hint = ("The store kept throttling or failing (or the connection kept dropping) after "
                     f"{attempts} attempts over {seconds:.1f}s; retry later, or raise dcp_atomic_max_attempts / "
                     "lower dcp_atomic_max_concurrency in storage_options")
         else:
-            hint = "the store refused the request; check the endpoint, bucket and permissions"
+            hint = "The store refused the request; check the endpoint, bucket and permissions"
         if what in ("GET", "HEAD"):
             consequence = "Nothing was loaded from it."
         elif what in ("LIST", "DELETE", "list multipart uploads", "abort multipart upload"):
@@ -304,7 +328,7 @@ class S3Storage(FsspecStorage):
         reply = f"HTTP {status} {code or ''}".strip() if status or code else type(e).__name__
         return StorageError(
             f"rank {rank} on {socket.gethostname()}: S3 {what} of {self._url(path)} at {self.endpoint} failed: "
-            f"{reply}: {message}. {hint}. {consequence}",
+            f"{reply}: {message.rstrip('.')}. {hint}. {consequence}",
             rank=rank,
             path=self._url(path),
             status=status,
@@ -448,6 +472,11 @@ class S3Storage(FsspecStorage):
             done = len(hit)
             if done == len(buffer) or self._window.eof:
                 return done
+        rest = len(buffer) - done
+        if rest < READ_AHEAD // 4:  # a small tensor straddling the window: read ahead again
+            data = self._read_ahead(path, offset + done)[:rest]
+            buffer[done : done + len(data)] = data
+            return done + len(data)
         return done + self._run(self._get_into(path, offset + done, buffer[done:]))
 
     def _from_window(self, path: str, offset: int, length: int) -> memoryview | None:
@@ -498,6 +527,15 @@ class S3Storage(FsspecStorage):
         bucket, key = self._split(path)
         head = self._run(self._call("HEAD", path, "head_object", Bucket=bucket, Key=key))
         return int(head["ContentLength"])
+
+    def modified(self, path: str) -> float | None:
+        bucket, key = self._split(path)
+        try:
+            head = self._run(self._call("HEAD", path, "head_object", Bucket=bucket, Key=key))
+        except FileNotFoundError:
+            return None  # a missing key, or a "directory" (a prefix has no time on S3)
+        stamp = head.get("LastModified")
+        return stamp.timestamp() if stamp is not None else None
 
     def publish(self, path: str, data: bytes) -> None:
         self.require_conditional_writes()

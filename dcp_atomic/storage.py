@@ -56,6 +56,10 @@ class Storage:
     def close_write(self, stream: IO[bytes]) -> None:
         raise NotImplementedError
 
+    def abort_write(self, stream: IO[bytes]) -> None:
+        """Give up on a stream after an error: never publish what was written so far."""
+        stream.close()
+
     def read_file(self, path: str) -> bytes:
         raise NotImplementedError
 
@@ -70,6 +74,10 @@ class Storage:
 
     def size(self, path: str) -> int:
         raise NotImplementedError
+
+    def modified(self, path: str) -> float | None:
+        """Last modification time (epoch seconds), or None if unknown or missing."""
+        return None
 
     def publish(self, path: str, data: bytes) -> None:
         raise NotImplementedError
@@ -144,6 +152,12 @@ class LocalStorage(Storage):
     def size(self, path: str) -> int:
         return os.stat(path).st_size
 
+    def modified(self, path: str) -> float | None:
+        try:
+            return os.stat(path).st_mtime
+        except FileNotFoundError:
+            return None
+
     def _write_temp(self, path: str, data: bytes) -> str:
         tmp = _temp_name(path)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -152,8 +166,11 @@ class LocalStorage(Storage):
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
-        finally:
+        except BaseException:  # ENOSPC and friends: leave no debris behind
             os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(fd)
         return tmp
 
     def publish(self, path: str, data: bytes) -> None:
@@ -243,6 +260,14 @@ class FsspecStorage(Storage):
     def close_write(self, stream: IO[bytes]) -> None:
         stream.close()
 
+    def abort_write(self, stream: IO[bytes]) -> None:
+        # On object stores close() would *complete* the upload and publish a truncated object.
+        discard = getattr(stream, "discard", None)
+        if discard is not None:
+            discard()
+        else:
+            stream.close()
+
     def read_file(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
@@ -253,6 +278,13 @@ class FsspecStorage(Storage):
 
     def size(self, path: str) -> int:
         return int(self.fs.info(path)["size"])
+
+    def modified(self, path: str) -> float | None:
+        try:
+            stamp = self.fs.modified(path)
+        except (FileNotFoundError, NotImplementedError, OSError):
+            return None
+        return stamp.timestamp() if hasattr(stamp, "timestamp") else None
 
     def publish(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data)

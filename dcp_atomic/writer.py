@@ -266,8 +266,11 @@ class AtomicStorageWriter(StorageWriter):
         metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         manifest = self._manifest(save_id, items, stats, len(results), metadata_bytes)
         started = time.monotonic()
-        self.last_marker = commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite,
-                                          timeout=self.timeout, rank=self.rank)
+        try:
+            self.last_marker = commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite,
+                                              timeout=self.timeout, rank=self.rank)
+        except OSError as e:
+            raise _storage_error(e, self.rank, e.filename or attempt, phase="committing") from e
         self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
                            "commit_seconds": time.monotonic() - started, "ranks": manifest.stats}
         log.info(
@@ -400,7 +403,7 @@ class _RankWrite:
                         self._first_item.set()
                         failpoints.hit("write.mid_data", self.rank)
             except BaseException:
-                raw.close()
+                storage.abort_write(raw)
                 raise
             fsync_started = time.monotonic()
             storage.close_write(raw)
@@ -509,7 +512,7 @@ def _refuse_cached_plan(plan: SavePlan, rank: int) -> None:
         )
 
 
-def _storage_error(e: OSError, rank: int, path: str) -> StorageError:
+def _storage_error(e: OSError, rank: int, path: str, phase: str = "writing") -> StorageError:
     hint = {
         errno.ENOSPC: "the filesystem is full: free space or point root elsewhere",
         errno.EDQUOT: "the disk quota is exhausted",
@@ -517,7 +520,7 @@ def _storage_error(e: OSError, rank: int, path: str) -> StorageError:
         errno.EEXIST: "the file already exists (two saves with one save_id?)",
     }.get(e.errno or 0, "check the storage and retry the save")
     return StorageError(
-        f"rank {rank} on {socket.gethostname()} failed writing {path}: {e.strerror or e} "
+        f"rank {rank} on {socket.gethostname()} failed {phase} {path}: {e.strerror or e} "
         f"(errno {e.errno}); {hint}. Nothing was committed; the previous checkpoint is intact.",
         rank=rank,
         path=path,

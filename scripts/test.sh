@@ -2,5 +2,9 @@
 # The test suite: set up (if needed), then run every test, fault tests included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The fault tests need two bindfs FUSE mounts (NFS-like stale clients) and tmpfs; install them when we can.
+if [ "$(id -u)" = 0 ] && ! command -v bindfs >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bindfs fuse3) >/dev/null
+fi
 DCP_ATOMIC_EXTRAS=test,s3 bash scripts/bootstrap.sh
 exec .venv/bin/python -m pytest "$@"

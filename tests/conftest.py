@@ -5,6 +5,8 @@ import warnings
 
 import pytest
 
+pytest_plugins = ["tests.s3_servers", "tests.fault_fixtures"]
+
 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
 warnings.filterwarnings("ignore", message=".*Failed to initialize NumPy.*")
 

