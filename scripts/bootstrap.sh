@@ -9,9 +9,23 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+
+pip_install() {  # quiet unless it fails; drops this machine's harmless "Location ... is ignored" lines
+    local log
+    log=$(mktemp)
+    if ! "$VPY" -m pip install -q --disable-pip-version-check "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        echo "bootstrap: pip install $* failed" >&2
+        exit 1
+    fi
+    grep -v -e "is ignored: it is neither" -e "does not provide the extra" "$log" || true
+    rm -f "$log"
+}
+
 if ! "$VPY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-    "$VPY" -m pip install -q --disable-pip-version-check torch==2.13.0
+    pip_install torch==2.13.0
 fi
 EXTRAS=${DCP_ATOMIC_EXTRAS:-}
-"$VPY" -m pip install -q --disable-pip-version-check -e ".${EXTRAS:+[$EXTRAS]}" 2>&1 | grep -v "is ignored: it is neither" || true
+pip_install -e ".${EXTRAS:+[$EXTRAS]}"
 "$VPY" -c 'import dcp_atomic, torch; print(f"dcp_atomic {dcp_atomic.__version__} with torch {torch.__version__} in .venv")'
