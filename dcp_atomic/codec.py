@@ -48,19 +48,24 @@ def plane_width(dtype: torch.dtype) -> int:
 _INT_OF_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def to_planes(block: memoryview, width: int) -> torch.Tensor:
-    """Plane-grouped copy of ``block`` (the caller keeps the tensor alive while using its bytes).
+def to_planes(block: memoryview, width: int, out: torch.Tensor | None = None,
+              work: torch.Tensor | None = None) -> torch.Tensor:
+    """Plane-grouped copy of ``block``: ``width`` rows, row j holding byte j of every element.
 
-    Bit shifts on the integer view are vectorised; a strided byte transpose is 4x slower.
+    Bit shifts on the integer view are vectorised (a strided byte transpose is
+    ~4x slower); ``out`` / ``work`` let a caller reuse buffers across blocks.
     """
     words = torch.frombuffer(block, dtype=_INT_OF_WIDTH[width])
-    planes = torch.empty((width, words.numel()), dtype=torch.uint8)
+    n = words.numel()
+    planes = out[: width * n].view(width, n) if out is not None else torch.empty((width, n), dtype=torch.uint8)
+    shifted = work[:n] if work is not None else torch.empty_like(words)
     for j in range(width):
-        planes[j] = ((words >> (8 * j)) & 0xFF).to(torch.uint8)
+        torch.bitwise_right_shift(words, 8 * j, out=shifted)
+        planes[j].copy_(shifted.bitwise_and_(0xFF))
     return planes
 
 
-def from_planes(data: memoryview, width: int, out: memoryview) -> None:
+def from_planes(data: memoryview, width: int, out: memoryview, work: torch.Tensor | None = None) -> None:
     """Interleave planes back into ``out`` (len(out) == len(data))."""
     if width == 1:
         out[:] = data
@@ -68,9 +73,19 @@ def from_planes(data: memoryview, width: int, out: memoryview) -> None:
     kind = _INT_OF_WIDTH[width]
     planes = torch.frombuffer(data, dtype=torch.uint8).view(width, -1)
     words = torch.frombuffer(out, dtype=kind)
+    shifted = work[: words.numel()] if work is not None else torch.empty_like(words)
     words.copy_(planes[0])
     for j in range(1, width):
-        words |= planes[j].to(kind) << (8 * j)
+        shifted.copy_(planes[j])
+        words.bitwise_or_(shifted.bitwise_left_shift_(8 * j))
+
+
+def _scratch(cache: dict[int, torch.Tensor], width: int, n: int) -> torch.Tensor:
+    """A reusable integer buffer of at least ``n`` elements of ``width`` bytes."""
+    buffer = cache.get(width)
+    if buffer is None or buffer.numel() < n:
+        buffer = cache[width] = torch.empty(n, dtype=_INT_OF_WIDTH[width])
+    return buffer
 
 
 def _default_params() -> zstandard.ZstdCompressionParameters:
@@ -104,6 +119,8 @@ class Encoder:
                           else zstandard.ZstdCompressor(level=level))
         else:
             self._zstd = None
+        self._planes = torch.empty(0, dtype=torch.uint8)  # reused across blocks: no per-block allocations
+        self._work: dict[int, torch.Tensor] = {}
 
     def _squeeze(self, data) -> bytes | memoryview:
         packed = self._zstd.compress(data)
@@ -114,7 +131,10 @@ class Encoder:
             return block
         if width == 1:
             return self._squeeze(block)
-        planes = to_planes(block, width)
+        if self._planes.numel() < len(block):
+            self._planes = torch.empty(len(block), dtype=torch.uint8)
+        work = _scratch(self._work, width, len(block) // width)
+        planes = to_planes(block, width, self._planes, work)
         view = tensor_bytes(planes)
         n = len(block) // width
         segments = [self._squeeze(view[j * n : (j + 1) * n]) for j in range(width)]
@@ -130,6 +150,7 @@ class Decoder:
     def __init__(self) -> None:
         self._zstd = zstandard.ZstdDecompressor()
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._work: dict[int, torch.Tensor] = {}
 
     def _inflate_into(self, stored, out: memoryview) -> None:
         if len(stored) == len(out):  # stored raw
@@ -163,7 +184,7 @@ class Decoder:
         for j, length in enumerate(lengths):
             self._inflate_into(stored[position : position + length], planes[j * n : (j + 1) * n])
             position += length
-        from_planes(planes, width, out)
+        from_planes(planes, width, out, _scratch(self._work, width, n))
 
 
 def host_blocks(tensor: torch.Tensor, block_size: int, staging: "Staging | None" = None) -> Iterator[memoryview]:

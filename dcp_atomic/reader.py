@@ -346,25 +346,40 @@ class AtomicStorageReader(StorageReader):
             planner.commit_tensor(item, target)
 
     def _decode(self, path: str, extent: ItemExtent, lo: int, hi: int, out: memoryview, what: str) -> None:
-        """Logical bytes [lo, hi) of a raw item into ``out``: read covering frames, verify each, decode."""
+        """Logical bytes [lo, hi) of a raw item into ``out``: read covering frames, verify each, decode.
+
+        Uncompressed blocks that lie wholly inside the range are read straight
+        into ``out`` and verified there; only edge blocks and compressed
+        frames pass through a buffer.
+        """
         if hi <= lo:
             return
         size = extent.block_size
         first, last = lo // size, (hi - 1) // size
-        bounds = extent.frame_offsets()
-        start, end = bounds[first], bounds[last + 1]
-        data = self.storage.read_range(path, extent.pos + start, end - start)
-        if len(data) != end - start:
-            raise CorruptCheckpointError(
-                f"{what}: file is truncated (read {len(data)} of {end - start} bytes at offset {extent.pos + start})",
-                path=path,
-            )
-        view = memoryview(data)
-        decoder = self._decoder()
-        for i in range(first, last + 1):
-            frame = view[bounds[i] - start : bounds[i + 1] - start]
+        inside = [i for i in range(first, last + 1) if i * size >= lo and min((i + 1) * size, extent.logical) <= hi]
+        if extent.codec == "none" and inside:
+            start, end = inside[0] * size, min((inside[-1] + 1) * size, extent.logical)
+            target = out[start - lo : end - lo]
+            got = self.storage.readinto_range(path, extent.pos + start, target)
+            if got != end - start:
+                raise CorruptCheckpointError(
+                    f"{what}: file is truncated (read {got} of {end - start} bytes at offset {extent.pos + start})",
+                    path=path,
+                )
             if self.verify:
-                verify_blocks(frame, [extent.checksums[i]], len(frame) or 1, what=f"{what} frame {i}")
+                verify_blocks(target, extent.checksums, size, what=what, first_block=inside[0])
+            edges = [i for i in (first, last) if i not in inside]
+        else:
+            edges = list(range(first, last + 1))
+        bounds = extent.frame_offsets()
+        decoder = self._decoder()
+        for i in sorted(set(edges)):
+            frame = self.storage.read_range(path, extent.pos + bounds[i], bounds[i + 1] - bounds[i])
+            if len(frame) != bounds[i + 1] - bounds[i]:
+                raise CorruptCheckpointError(f"{what}: file is truncated (frame {i} at offset "
+                                             f"{extent.pos + bounds[i]} is short)", path=path)
+            if self.verify:
+                verify_blocks(frame, extent.checksums, size, what=what, first_block=i)
             block_lo, block_hi = i * size, min((i + 1) * size, extent.logical)
             want_lo, want_hi = max(lo, block_lo), min(hi, block_hi)
             try:

@@ -18,6 +18,7 @@ does, so torch's own ``FileSystemReader`` can open an attempt directory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import io
@@ -395,13 +396,14 @@ class _RankWrite:
             raw = storage.open_write(path)
             try:
                 out = HashingWriter(raw, self.writer.block_size)
-                for item in bucket:
-                    if self._failed.is_set():
-                        raise _Aborted()
-                    results.append(self._write_item(out, name, item, encoder))
-                    if not self._first_item.is_set():
-                        self._first_item.set()
-                        failpoints.hit("write.mid_data", self.rank)
+                with _without_zip_crc32():
+                    for item in bucket:
+                        if self._failed.is_set():
+                            raise _Aborted()
+                        results.append(self._write_item(out, name, item, encoder))
+                        if not self._first_item.is_set():
+                            self._first_item.set()
+                            failpoints.hit("write.mid_data", self.rank)
             except BaseException:
                 storage.abort_write(raw)
                 raise
@@ -468,6 +470,23 @@ class _RankWrite:
         return _WrittenItem(name, start, length, "tensor", "raw", checksums, block_size, None,
                             codec="zstd" if compressed else "none", planes=width if compressed else 1,
                             logical_length=tensor.nbytes, frames=frames if compressed else None)
+
+
+@contextlib.contextmanager
+def _without_zip_crc32():
+    """torch.save's zip CRC32 is a third of its CPU time, and redundant: every block already has an
+    xxh3 digest, and torch.load does not check the CRC.  The option is per thread in torch 2.13;
+    it is restored afterwards in case another version makes it global."""
+    setter = getattr(torch.serialization, "set_crc32_options", None)
+    if setter is None:
+        yield
+        return
+    previous = torch.serialization.get_crc32_options()
+    setter(False)
+    try:
+        yield
+    finally:
+        setter(previous)
 
 
 class _Aborted(Exception):
