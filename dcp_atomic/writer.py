@@ -12,8 +12,9 @@ Lifecycle, as DCP calls it (names follow DCP's hooks):
 * ``finish`` (coordinator, only if every rank succeeded) runs the commit
   protocol of :mod:`dcp_atomic.commit`.
 
-Tensor items are written as ``torch.save`` containers, exactly as stock DCP
-does, so torch's own ``FileSystemReader`` can open an attempt directory.
+Tensor items are raw blocks by default (:mod:`.codec`: the faster format, optionally
+zstd-compressed); with ``stock_readable=True`` they are ``torch.save`` containers, exactly
+as stock DCP writes them, so torch's own ``FileSystemReader`` can open an attempt directory.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ class AtomicStorageWriter(StorageWriter):
         thread_count: files (and writer threads) per rank.
         overwrite: replace an already committed step (after the new attempt is complete).
         stock_readable: ``True`` writes each tensor as a torch.save container so torch's own
-            FileSystemReader opens the attempt; ``False`` writes raw blocks. Default: True
-            unless compression is on (see README, "Speed", for the measurements).
+            FileSystemReader opens the attempt (interop); the default ``False`` writes raw blocks,
+            the faster format (see README, "Formats and compression", for the measurements).
         timeout: seconds any wait of this writer may take.
         storage_options: fsspec options (e.g. an S3 endpoint).
     """
@@ -141,7 +142,7 @@ class AtomicStorageWriter(StorageWriter):
         compression_level: int | None = None,
         thread_count: int | None = None,
         overwrite: bool = False,
-        stock_readable: bool | None = None,
+        stock_readable: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
         block_size: int = BLOCK_SIZE,
@@ -149,8 +150,6 @@ class AtomicStorageWriter(StorageWriter):
         super().__init__()
         if compression not in (None, "zstd"):
             raise ConfigurationError(f"compression must be None or 'zstd', got {compression!r}")
-        if stock_readable is None:
-            stock_readable = compression is None
         if stock_readable and compression is not None:
             raise ConfigurationError(
                 "stock_readable=True cannot be compressed: torch's FileSystemReader only reads torch.save "

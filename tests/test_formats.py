@@ -21,8 +21,8 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
 DTYPES += [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
            if hasattr(torch, name)]
 MODES = {
-    "torch_save": {},
-    "raw": {"stock_readable": False},
+    "torch_save": {"stock_readable": True},
+    "raw": {},
     "zstd": {"compression": "zstd"},
     "zstd-level3": {"compression": "zstd", "compression_level": 3},
 }

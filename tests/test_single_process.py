@@ -81,7 +81,7 @@ def test_round_trip_is_bit_exact_and_reports_the_step(root):
 
 
 def test_stock_filesystem_reader_opens_the_attempt_directory(root):
-    _save(root, 1, seed=1)
+    _save(root, 1, seed=1, stock_readable=True)
     target = _zeros_like(_state())
     dcp.load(target, storage_reader=FileSystemReader(_attempt(root, 1)))
     for key in ("big", "small", "bf16"):
