@@ -38,6 +38,7 @@ from .retry import Deadline, retry_until
 from .version import __version__
 
 log = logging.getLogger(__name__)
+_warned_roots: set[str] = set()
 
 
 @dataclass
@@ -84,6 +85,10 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
         library_version=__version__,
     )
     marker_path = layout.marker(step)
+    if not storage.exclusive_create_is_atomic and storage.describe() not in _warned_roots:
+        _warned_roots.add(storage.describe())
+        log.warning("%s offers no put-if-absent: the commit marker is created check-then-put, which is safe "
+                    "for one job per run but cannot arbitrate two jobs committing one step", storage.describe())
     if not storage.create_exclusive(marker_path, marker.to_json()):
         # It exists on the server; this client may not see it yet (NFS negative-lookup cache): wait it out.
         existing = read_marker(layout, step, Deadline(timeout))

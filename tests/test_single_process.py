@@ -293,3 +293,19 @@ def test_marker_roundtrip_and_foreign_manifest_path_refused():
     marker.manifest = "../other/manifest.json"
     with pytest.raises(CorruptCheckpointError, match="foreign manifest"):
         Marker.from_json(marker.to_json(), where="m")
+
+
+def test_any_fsspec_filesystem_round_trips_through_the_fsspec_backend():
+    import uuid
+
+    from dcp_atomic.storage import FsspecStorage, open_storage
+
+    root = f"memory://dcp-atomic-{uuid.uuid4().hex}"
+    assert isinstance(open_storage(root), FsspecStorage)
+    dcp.save(_state(4), storage_writer=AtomicStorageWriter(root, RUN, 4, block_size=256 << 10))
+    dcp.save(_state(5), storage_writer=AtomicStorageWriter(root, RUN, 5, compression="zstd"))
+    assert list_steps(root, RUN) == [4, 5] and latest_step(root, RUN) == 5
+    for step in (4, 5):
+        target = _zeros_like(_state())
+        dcp.load(target, storage_reader=AtomicStorageReader(root, RUN, step, timeout=1))
+        assert torch.equal(target["big"], _state(step)["big"]) and target["meta"] == _state(step)["meta"]
