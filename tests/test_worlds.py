@@ -350,3 +350,31 @@ def test_plain_dcp_async_save_commits_in_the_background(root):
     ids = assert_all_ok(run_world(_plain_async_save, 2, root))
     assert ids[0] == ids[1] and list_steps(root, RUN) == [9]
     assert [r["step"] for r in assert_all_ok(run_world(_load_mixed, 2, root))] == [9, 9]
+
+
+def _process_executor_async_save(ctx):
+    """DCP's process-based async executor pickles the writer and rewrites RANK/WORLD_SIZE in its worker."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from dcp_atomic import AtomicSavePlanner, AtomicStorageWriter
+
+    writer = AtomicStorageWriter(ctx.root, RUN, 3, timeout=20)
+    future = dcp.async_save(_mixed_state(ctx.rank, 3), storage_writer=writer, planner=AtomicSavePlanner(),
+                            async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    getattr(future, "upload_completion", future).result(timeout=120)
+    return True
+
+
+def test_process_based_async_executor_is_supported(root):
+    assert_all_ok(run_world(_process_executor_async_save, 2, root, timeout=150))
+    assert list_steps(root, RUN) == [3]
+    manifest_ranks = _manifest_ranks(root, 3)
+    assert [r["rank"] for r in manifest_ranks] == [0, 1]  # identities checked in the executor's workers
+    assert [r["step"] for r in assert_all_ok(run_world(_load_mixed, 2, root))] == [3, 3]
+
+
+def _manifest_ranks(root, step):
+    step_dir = os.path.join(root, RUN, f"step_{step:010d}")
+    save_id = json.load(open(os.path.join(step_dir, "COMMITTED")))["save_id"]
+    return json.load(open(os.path.join(step_dir, save_id, "manifest.json")))["ranks"]
