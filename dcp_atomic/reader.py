@@ -39,6 +39,7 @@ from .catalog import DEFAULT_TIMEOUT, resolve
 from .codec import Decoder, tensor_bytes
 from .commit import Committed
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
+from .identity import default_thread_count
 from .integrity import sha256_hex, verify_blocks, verify_segments
 from .layout import DCP_METADATA, RunLayout, validate_data_file_name
 from .manifest import ItemExtent
@@ -105,7 +106,7 @@ class AtomicStorageReader(StorageReader):
         self.allow_reshard = allow_reshard
         self.verify = verify
         self.timeout = timeout
-        self.thread_count = thread_count or max(1, min(4, os.cpu_count() or 1))
+        self.thread_count = thread_count or default_thread_count()
         self.layout_dependent = tuple(layout_dependent)
         self._context: LoadContext | None = None
         self._fresh = False

@@ -45,7 +45,7 @@ from .catalog import DEFAULT_TIMEOUT
 from .codec import Encoder, Staging, host_blocks, plane_width
 from .container import find_payload
 from .errors import CommitConflictError, ConfigurationError, StorageError
-from .identity import check_identities, local_identity
+from .identity import check_identities, default_thread_count, local_identity
 from .integrity import BLOCK_SIZE, HashingWriter, block_digest
 from .layout import ATTEMPT, RunLayout, data_file_name, new_save_id, validate_step
 from .manifest import FileEntry, ItemExtent, Manifest, now
@@ -108,10 +108,6 @@ class _RankStats:
     threads: int = 1
 
 
-def _default_thread_count() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
-
-
 class AtomicStorageWriter(StorageWriter):
     """Write one DCP checkpoint as an immutable attempt, committed by global rank 0 alone.
 
@@ -163,7 +159,7 @@ class AtomicStorageWriter(StorageWriter):
         self.parallelism = parallelism
         self.compression = compression
         self.compression_level = compression_level
-        self.thread_count = thread_count or _default_thread_count()
+        self.thread_count = thread_count or default_thread_count()
         self.overwrite = overwrite
         self.stock_readable = stock_readable
         self.timeout = timeout
