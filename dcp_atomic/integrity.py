@@ -117,7 +117,7 @@ class HashingWriter:
         return True
 
     def flush(self) -> None:
-        pass
+        self.raw.flush()
 
     def tell(self) -> int:
         return self.position

