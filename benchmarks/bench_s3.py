@@ -69,6 +69,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 import dcp_atomic  # noqa: E402
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter  # noqa: E402
 from dcp_atomic.storage import open_storage  # noqa: E402
+from bench import assert_bit_exact, zeroed_like  # noqa: E402  (benchmarks/bench.py, the main benchmark)
 
 
 warnings.filterwarnings("ignore", message=r".*assuming the intent is to (save|load) in a single process")
@@ -121,29 +122,6 @@ def tensors_of(tree) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [t for value in tree.values() for t in tensors_of(value)]
     return []
-
-
-def zeroed_like(tree):
-    if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree)
-    if isinstance(tree, dict):
-        return {key: zeroed_like(value) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [zeroed_like(value) for value in tree]
-    return None
-
-
-def assert_bit_exact(expected, actual, where: str = "") -> None:
-    if isinstance(expected, torch.Tensor):
-        if not (isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype and torch.equal(actual, expected)):
-            raise AssertionError(f"loaded value differs from the saved one at {where or '<root>'}")
-    elif isinstance(expected, dict):
-        if not isinstance(actual, dict) or actual.keys() != expected.keys():
-            raise AssertionError(f"loaded keys differ from the saved ones at {where or '<root>'}")
-        for key in expected:
-            assert_bit_exact(expected[key], actual[key], f"{where}.{key}" if where else str(key))
-    elif actual != expected:
-        raise AssertionError(f"loaded {actual!r} != saved {expected!r} at {where or '<root>'}")
 
 
 @dataclass
