@@ -311,12 +311,13 @@ class CheckpointManager:
     def _after_commit(self, step: int, writer: AtomicStorageWriter, seconds: float, stage_seconds: float) -> None:
         if self.rank != 0:
             return
-        committed = [m.step for m in scan_markers(self.layout) if m.step > step]
+        markers = scan_markers(self.layout)  # one scan serves the branch check and retention
+        committed = [m.step for m in markers if m.step > step]
         if committed:
             log.info("step %d saved below committed step(s) %s: a new branch starts (rollback restart)", step,
                      committed[:5])
         if self.keep_last is not None:
-            plan = plan_gc(self.layout, self.keep_last, lease_seconds=self.lease_seconds)
+            plan = plan_gc(self.layout, self.keep_last, lease_seconds=self.lease_seconds, markers=markers)
             if not plan.empty:
                 apply_gc(self.layout, plan)
         stats = {"step": step, "save_id": writer.save_id, "seconds": seconds, "stage_seconds": stage_seconds,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from .catalog import scan_markers
 from .commit import read_latest
 from .layout import ATTEMPT, MARKER, RunLayout, parse_step_dir
+from .manifest import Marker
 from .retry import Deadline
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,9 @@ def _save_id_time(save_id: str) -> float | None:
 
 
 def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = DEFAULT_LEASE_SECONDS,
-            now: float | None = None) -> GcPlan:
+            now: float | None = None, markers: list[Marker] | None = None) -> GcPlan:
     now = time.time() if now is None else now
-    markers = scan_markers(layout)
+    markers = scan_markers(layout) if markers is None else markers  # callers that just scanned pass theirs
     newest_first = sorted(markers, key=lambda m: (m.committed_at, m.step), reverse=True)
     keep = {m.step for m in (newest_first if keep_last is None else newest_first[:keep_last])}
     try:
