@@ -19,7 +19,8 @@ from .audit import audit_step
 from .catalog import most_recent, scan_markers
 from .commit import read_committed
 from .errors import CheckpointError
-from .layout import RunLayout, parse_step_dir
+from .layout import RunLayout, parse_step_dir, validate_run_id
+from .retention import apply_gc, plan_gc
 from .retry import Deadline
 from .storage import open_storage
 
@@ -193,8 +194,6 @@ def cmd_verify(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .retention import apply_gc, plan_gc
-
     layout = _layout(args)
     plan = plan_gc(layout, args.keep_last, lease_seconds=args.lease_hours * 3600)
     if args.json:
@@ -297,8 +296,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(args, "run") and args.run is not None:
-        from .layout import validate_run_id
-
         try:
             validate_run_id(args.run)
         except ValueError as e:

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import errno
 import io
+import json
 import logging
 import os
 import pickle
@@ -46,7 +47,7 @@ from .codec import Encoder, Staging, host_blocks, plane_width
 from .container import find_payload
 from .errors import CommitConflictError, ConfigurationError, StorageError
 from .identity import check_identities, default_thread_count, local_identity
-from .integrity import BLOCK_SIZE, HashingWriter, block_digest
+from .integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
 from .layout import ATTEMPT, RunLayout, data_file_name, new_save_id, validate_step
 from .manifest import FileEntry, ItemExtent, Manifest, now
 from .parallelism import Parallelism
@@ -301,8 +302,6 @@ class AtomicStorageWriter(StorageWriter):
         )
 
     def _manifest(self, save_id: str, items: dict, stats: list[_RankStats], world: int, metadata_bytes: bytes) -> Manifest:
-        from .integrity import sha256_hex
-
         files: dict[str, FileEntry] = {}
         for s in stats:
             for name, size in s.files.items():
@@ -543,6 +542,4 @@ def _storage_error(e: OSError, rank: int, path: str, phase: str = "writing") -> 
 
 
 def _json(value: dict) -> bytes:
-    import json
-
     return json.dumps(value, indent=1, sort_keys=True).encode()
