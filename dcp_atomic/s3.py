@@ -23,35 +23,54 @@ type: s3fs maps the same 412 to ``FileExistsError`` on one server and to
 
 Some stores accept the conditional headers and silently ignore them, which
 would turn the commit into last-writer-wins.  The first control-file write of
-a root in a process therefore *probes* the store (a throwaway conditional
-create, twice, and a mismatching ``If-Match``) and refuses to go on if a
-condition was ignored — unless the caller opts into
-``storage_options={"dcp_atomic_unsafe_single_writer": True}``.
+a root in a process therefore *probes* the store, next to that first write
+(under the run's prefix, where a scoped IAM policy allows writes): a throwaway
+conditional create, twice, and a mismatching ``If-Match``.  ``If-None-Match``
+must hold for every save; ``If-Match`` only for replacing a marker
+(``overwrite=True``).  A probe that fails says why: credentials, permissions,
+KMS, the request checksum mode, or conditional writes not implemented —
+unless the caller opts out with ``storage_options={"dcp_atomic_unsafe_single_writer": True}``.
 
-Requests that fail with throttling (429/503 SlowDown), a 5xx or a dropped
-connection are retried with exponential backoff and jitter, a bounded number of
-times (s3fs's and botocore's own retry loops are switched off so there is
-exactly one, visible policy).  When the budget is spent the caller gets a
-:class:`~dcp_atomic.errors.StorageError` naming the rank, the key, the HTTP
-status and what to do.
+Requests that fail with throttling (429/503 SlowDown), a 5xx, a dropped
+connection or a stall are retried with exponential backoff and jitter until a
+*time* budget is spent (S3 answers SlowDown for minutes while it re-partitions
+a prefix); s3fs's and botocore's own retry loops are switched off so there is
+exactly one, visible policy.  Each rank also adapts how many requests it keeps
+in flight: throttling halves it, successes win it back one at a time.  When the
+budget is spent the caller gets a :class:`~dcp_atomic.errors.StorageError`
+naming the rank, the key, the HTTP status and what to do.
 
 ``storage_options`` keys read here (removed before the rest goes to s3fs):
 
 ``dcp_atomic_unsafe_single_writer`` (False)
     skip the probe and use unconditional PUTs (check-then-put for the marker);
     correct only if a single job ever writes the root.
-``dcp_atomic_max_attempts`` (8), ``dcp_atomic_backoff_s`` (0.1), ``dcp_atomic_max_backoff_s`` (10)
-    the retry budget: attempts per request, first delay, delay cap (doubling).
+``dcp_atomic_retry_budget_s`` (600)
+    how long one request is retried before the save fails.
+``dcp_atomic_max_attempts`` (no limit)
+    an optional cap on attempts per request, on top of the time budget.
+``dcp_atomic_backoff_s`` (0.1), ``dcp_atomic_max_backoff_s`` (10)
+    first delay between attempts and its cap (doubling, with jitter).
+``dcp_atomic_stall_timeout_s`` (60)
+    an attempt that has not completed after this many seconds, plus 4 s per
+    MiB it carries, is cancelled and retried (a stalled connection must not
+    hang one rank while the others wait in a collective).
+``dcp_atomic_checksum_mode`` (botocore's default, ``"when_supported"``)
+    ``"when_required"`` stops botocore >= 1.36 from sending ``aws-chunked``
+    bodies with trailing checksums over ``https://``, which MinIO, Ceph RGW,
+    GCS, OCI and others reject.
 ``dcp_atomic_part_size`` (16 MiB, at least 5 MiB)
     multipart part size and ranged-read chunk size.
 ``dcp_atomic_max_concurrency`` (8)
-    part uploads (and ranged reads) in flight per rank.
+    part uploads (and ranged reads) in flight per rank, at most; throttling lowers it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import errno
+import hashlib
 import logging
 import os
 import posixpath
@@ -64,7 +83,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
-from .errors import CommitConflictError, ConfigurationError, StorageError
+from .errors import CheckpointError, CommitConflictError, ConfigurationError, StorageError
 from .layout import MARKER
 from .storage import FsspecStorage, Storage
 
@@ -80,16 +99,39 @@ PROBE_PREFIX = ".dcp-atomic-probe-"
 READ_AHEAD = 1 << 20  # what a small ranged read fetches (see S3Storage._read_ahead)
 DEFAULT_UPLOAD_LEASE_S = 6 * 3600.0  # gc's default lease: no save runs longer than this
 
+RETRY_BUDGET_S = 600.0  # S3 answers SlowDown for minutes while it re-partitions a prefix
+STALL_TIMEOUT_S = 60.0
+STALL_BYTES_PER_S = 256 << 10  # an attempt's deadline grows by 4 s per MiB it uploads or downloads
+CHECKSUM_MODE = "dcp_atomic_checksum_mode"
+CHECKSUM_MODES = ("when_supported", "when_required")
+MIN_BOTOCORE = "1.35.69"  # the first botocore whose PutObject knows IfMatch (IfNoneMatch came earlier)
+
+NOTHING_COMMITTED = "Nothing of this save is committed; the previous checkpoint is intact."
+THROTTLE_STATUS = frozenset({429, 503})
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests",
+                            "RequestLimitExceeded"})
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
-RETRYABLE_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
+RETRYABLE_CODES = THROTTLE_CODES | {
     "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
     "ConditionalRequestConflict",  # AWS: a concurrent conditional write on the key is in progress; retry
-})
+}
+AUTH_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                        "TokenRefreshRequired", "AuthorizationHeaderMalformed", "InvalidSecurity"})
+CHECKSUM_WORDS = ("checksum", "chunked", "trailer", "content-sha256", "content-md5", "baddigest",
+                  "invaliddigest", "streaming")
 
-_probed: dict[tuple[str, str], float] = {}  # (endpoint, root) -> when the probe passed, per process
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe proved about a store: ``If-None-Match: *`` is always required, ``If-Match`` only to replace."""
+
+    if_match: bool
+
+
+_probed: dict[tuple[str, str], ProbeResult] = {}  # (endpoint, root) -> what the probe found, per process
 _probe_lock = threading.Lock()
 _warned_unsafe: set[tuple[str, str]] = set()
+_put_object_parameters: set[str] | None = None
 
 
 # -- classifying failures ----------------------------------------------------------------
@@ -140,6 +182,11 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return errors
 
 
+def is_throttled(exc: BaseException) -> bool:
+    status, code, _ = http_error(exc)
+    return status in THROTTLE_STATUS or code in THROTTLE_CODES
+
+
 def is_retryable(exc: BaseException) -> bool:
     """Throttling, 5xx, and transport failures (reset, timeout, garbled response) are worth another try."""
     status, code, _ = http_error(exc)
@@ -179,10 +226,102 @@ def _shared_session(kwargs: dict[str, Any]) -> Any:
         return session
 
 
-def _rejects_conditions(error: StorageError) -> bool:
-    """A store that does not implement a conditional header says 400 / 501 (not 412, not 5xx)."""
+def _rejects_request(error: StorageError) -> bool:
+    """400 / 405 / 501: the store refused the request's form (a header, a checksum), not its state."""
     return error.details.get("status") in (400, 405, 501) or error.details.get("code") in (
         "NotImplemented", "InvalidArgument", "InvalidRequest")
+
+
+def _probe_failure_class(error: StorageError) -> str | None:
+    """Which cause a failed probe request points to: auth, permissions, kms, checksum; None if unclear."""
+    status, code = error.details.get("status"), error.details.get("code") or ""
+    text = f"{code} {error.details.get('reply_message', '')}".lower()
+    if code.startswith("KMS") or "kms" in text:
+        return "kms"
+    if code in AUTH_CODES or status == 401:
+        return "auth"
+    if status == 403 or code in ("AccessDenied", "AllAccessDisabled"):
+        return "permissions"
+    if _rejects_request(error) and any(word in text for word in CHECKSUM_WORDS):
+        return "checksum"
+    return None
+
+
+def _put_object_knows_conditions() -> set[str]:
+    """The conditional PutObject parameters the installed botocore knows (older ones drop them silently)."""
+    global _put_object_parameters
+    if _put_object_parameters is None:
+        import botocore.loaders
+
+        model = botocore.loaders.create_loader().load_service_model("s3", "service-2")
+        members = model["shapes"][model["operations"]["PutObject"]["input"]["shape"]]["members"]
+        _put_object_parameters = {"IfNoneMatch", "IfMatch"} & set(members)
+    return _put_object_parameters
+
+
+def _require_botocore_conditions() -> None:
+    missing = sorted({"IfNoneMatch", "IfMatch"} - _put_object_knows_conditions())
+    if missing:
+        import botocore
+
+        raise ConfigurationError(
+            f"the installed botocore {botocore.__version__} does not know {' and '.join(missing)} on PutObject: "
+            f"it would send the commit marker without its condition, and two jobs could both commit a step. "
+            f"Upgrade to botocore >= {MIN_BOTOCORE} (pip install -U s3fs aiobotocore boto3 pulls a matching set).",
+            botocore_version=botocore.__version__, missing=missing,
+        )
+
+
+def _add_content_md5(request, **_: Any) -> None:
+    """DeleteObjects with Content-MD5: botocore >= 1.36 sends a CRC32 instead, which MinIO, Ceph RGW and
+    other stores that predate flexible checksums refuse."""
+    body = request.body
+    if isinstance(body, (bytes, bytearray)) and "Content-MD5" not in request.headers:
+        request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body).digest()).decode()
+
+
+class _RequestStalled(TimeoutError):
+    """An attempt that did not complete within its stall deadline (cancelled, then retried)."""
+
+
+class AdaptiveLimit:
+    """Requests in flight per rank, adapted to the store: halve on throttling, +1 per window of successes.
+
+    Lives on s3fs's event loop (every method runs there), so it needs no lock.
+    A throttled attempt cuts the limit only if it started after the last cut:
+    a burst of SlowDowns from one round of requests counts once.
+    """
+
+    def __init__(self, ceiling: int) -> None:
+        self.ceiling = ceiling
+        self.limit = ceiling
+        self.in_flight = 0
+        self.epoch = 0  # how many cuts so far
+        self._successes = 0
+        self._changed: asyncio.Condition | None = None
+
+    async def acquire(self) -> int:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.in_flight < self.limit)
+            self.in_flight += 1
+        return self.epoch
+
+    async def release(self, epoch: int, *, ok: bool, throttled: bool) -> None:
+        async with self._changed:
+            self.in_flight -= 1
+            if throttled and epoch == self.epoch:
+                self.limit = max(1, self.limit // 2)
+                self.epoch += 1
+                self._successes = 0
+                log.info("S3 throttling: at most %d request(s) in flight on this rank now", self.limit)
+            elif ok and self.limit < self.ceiling:
+                self._successes += 1
+                if self._successes >= self.limit:
+                    self.limit += 1
+                    self._successes = 0
+            self._changed.notify_all()
 
 
 def _rank() -> int:
@@ -222,18 +361,29 @@ class S3Storage(FsspecStorage):
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         options = dict(storage_options or {})  # never mutate the caller's dict
+        self._init_args = (url, dict(options))  # what a pickle carries (see __reduce__)
         self.unsafe_single_writer = bool(options.pop(UNSAFE_SINGLE_WRITER, False))
-        self.max_attempts = int(options.pop("dcp_atomic_max_attempts", 8))
+        attempts = options.pop("dcp_atomic_max_attempts", None)
+        self.max_attempts = None if attempts is None else int(attempts)
+        self.retry_budget_s = float(options.pop("dcp_atomic_retry_budget_s", RETRY_BUDGET_S))
+        self.stall_timeout_s = float(options.pop("dcp_atomic_stall_timeout_s", STALL_TIMEOUT_S))
         self.backoff_s = float(options.pop("dcp_atomic_backoff_s", 0.1))
         self.max_backoff_s = float(options.pop("dcp_atomic_max_backoff_s", 10.0))
         self.part_size = int(options.pop("dcp_atomic_part_size", DEFAULT_PART_SIZE))
         self.max_concurrency = int(options.pop("dcp_atomic_max_concurrency", 8))
-        if self.max_attempts < 1 or self.max_concurrency < 1:
+        self.checksum_mode = options.pop(CHECKSUM_MODE, None)
+        if (self.max_attempts is not None and self.max_attempts < 1) or self.max_concurrency < 1:
             raise ConfigurationError("dcp_atomic_max_attempts and dcp_atomic_max_concurrency must be >= 1")
+        if self.retry_budget_s <= 0 or self.stall_timeout_s <= 0:
+            raise ConfigurationError("dcp_atomic_retry_budget_s and dcp_atomic_stall_timeout_s must be > 0 seconds")
+        if self.checksum_mode not in (None, *CHECKSUM_MODES):
+            raise ConfigurationError(f"{CHECKSUM_MODE} must be one of {CHECKSUM_MODES}, got {self.checksum_mode!r}")
         if self.part_size < MIN_PART_SIZE:
             raise ConfigurationError(
                 f"dcp_atomic_part_size={self.part_size} is below S3's 5 MiB minimum part size ({MIN_PART_SIZE})"
             )
+        if not self.unsafe_single_writer:
+            _require_botocore_conditions()
         # No listing cache and no shared instance: a reused S3FileSystem would carry another save's state.
         options["use_listings_cache"] = False
         options["skip_instance_cache"] = True
@@ -241,6 +391,9 @@ class S3Storage(FsspecStorage):
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"total_max_attempts": 1})
         config.setdefault("max_pool_connections", max(10, 2 * self.max_concurrency))
+        if self.checksum_mode is not None:
+            config.setdefault("request_checksum_calculation", self.checksum_mode)
+            config.setdefault("response_checksum_validation", self.checksum_mode)
         options["config_kwargs"] = config
         super().__init__(url, options)
         self.fs.retries = 1
@@ -250,8 +403,8 @@ class S3Storage(FsspecStorage):
         if self.unsafe_single_writer:
             self.exclusive_create_is_atomic = False
         self._etags: dict[str, str] = {}  # marker path -> ETag of the version last read (for If-Match)
-        self._part_slots = threading.BoundedSemaphore(self.max_concurrency)
-        self._read_slots: asyncio.Semaphore | None = None
+        self._part_slots = threading.BoundedSemaphore(self.max_concurrency)  # parts buffered: bounds memory
+        self.requests = AdaptiveLimit(self.max_concurrency)  # requests in flight: adapts to throttling
         self._window = threading.local()  # per reader thread: path, start, data, eof of its read-ahead
 
     # -- plumbing ------------------------------------------------------------------------
@@ -272,51 +425,77 @@ class S3Storage(FsspecStorage):
         """Run a coroutine on s3fs's event loop thread and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
 
+    def __reduce__(self):
+        """Pickle to URL + options (DCP's process-based async executor pickles the writer): the copy
+        builds its own client, event loop and limits; nothing of a save in progress travels."""
+        return (type(self), self._init_args)
+
     def _delay(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
 
-    async def _retrying(self, what: str, path: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Run ``call`` with the retry budget; typed failure when it is spent.
+    async def _attempt(self, call: Callable[[], Awaitable[T]], nbytes: int) -> T:
+        deadline = self.stall_timeout_s + nbytes / STALL_BYTES_PER_S
+        try:
+            return await asyncio.wait_for(call(), deadline)
+        except asyncio.TimeoutError as e:
+            raise _RequestStalled(
+                f"no complete reply within {deadline:.0f}s (dcp_atomic_stall_timeout_s={self.stall_timeout_s:g} "
+                f"plus 4 s per MiB): the request was cancelled") from e
 
-        A 412 becomes :class:`_PreconditionFailed` (carrying how many attempts
-        were made: a 412 after a retried conditional PUT may be our own write),
-        a 404 becomes ``FileNotFoundError`` (callers wait out visibility lag on
-        it), anything else that is final becomes :class:`StorageError`.
+    async def _retrying(self, what: str, path: str, call: Callable[[], Awaitable[T]], nbytes: int = 0) -> T:
+        """Run ``call`` until it succeeds or the retry budget (time, optionally attempts) is spent.
+
+        Each attempt holds a slot of the rank's adaptive limit and has its own
+        stall deadline.  A 412 becomes :class:`_PreconditionFailed` (carrying how
+        many attempts were made: a 412 after a retried conditional PUT may be our
+        own write), a 404 becomes ``FileNotFoundError`` (callers wait out
+        visibility lag on it), anything else that is final becomes :class:`StorageError`.
         """
         started = time.monotonic()
         attempt = 0
         while True:
             attempt += 1
+            epoch = await self.requests.acquire()
             try:
-                return await call()
+                result = await self._attempt(call, nbytes)
             except asyncio.CancelledError:
+                await self.requests.release(epoch, ok=False, throttled=False)
                 raise
             except Exception as e:  # noqa: BLE001 - classified below
+                await self.requests.release(epoch, ok=False, throttled=is_throttled(e))
                 if is_precondition_failed(e):
                     raise _PreconditionFailed(attempt) from e
                 if _is_not_found(e):
                     raise FileNotFoundError(errno.ENOENT, f"no such object: {self._url(path)}", path) from e
                 retryable = is_retryable(e)
-                if retryable and attempt < self.max_attempts:
-                    delay = self._delay(attempt)
+                delay = self._delay(attempt)
+                in_budget = (time.monotonic() - started + delay < self.retry_budget_s
+                             and (self.max_attempts is None or attempt < self.max_attempts))
+                if retryable and in_budget:
                     log.debug("retrying %s of %s in %.2fs after: %s", what, path, delay, e)
                     await asyncio.sleep(delay)
                     continue
                 if not retryable and http_error(e)[0] is None and http_error(e)[1] is None:
                     raise  # not the store's answer: a local bug or misconfiguration, keep its own type
                 raise self._storage_error(what, path, e, attempt, time.monotonic() - started) from e
+            await self.requests.release(epoch, ok=True, throttled=False)
+            return result
 
     def _storage_error(self, what: str, path: str, e: BaseException, attempts: int, seconds: float) -> StorageError:
         status, code, message = http_error(e)
         rank = _rank()
         if code == "NoSuchBucket":
             hint = "The bucket does not exist: create it or fix the root URL"
-        elif status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        elif status in (401, 403) or code in AUTH_CODES or code == "AccessDenied":
             hint = "The credentials in storage_options / the environment may not write or read this bucket"
         elif is_retryable(e):
-            hint = ("The store kept throttling or failing (or the connection kept dropping) after "
-                    f"{attempts} attempts over {seconds:.1f}s; retry later, or raise dcp_atomic_max_attempts / "
-                    "lower dcp_atomic_max_concurrency in storage_options")
+            hint = (f"The store kept throttling or failing (or the connection kept dropping or stalling) after "
+                    f"{attempts} attempts over {seconds:.1f}s; retry later, or raise dcp_atomic_retry_budget_s "
+                    f"(now {self.retry_budget_s:g}) / lower dcp_atomic_max_concurrency in storage_options")
+        elif status in (400, 501) and self.checksum_mode != "when_required":
+            hint = (f"The store may not accept the request checksums botocore >= 1.36 sends (aws-chunked bodies "
+                    f"with trailing checksums over https): pass storage_options={{'{CHECKSUM_MODE}': "
+                    f"'when_required'}}; otherwise check the endpoint, bucket and permissions")
         else:
             hint = "The store refused the request; check the endpoint, bucket and permissions"
         if what in ("GET", "HEAD"):
@@ -324,7 +503,7 @@ class S3Storage(FsspecStorage):
         elif what in ("LIST", "DELETE", "list multipart uploads", "abort multipart upload"):
             consequence = "No checkpoint was changed by the failed request."
         else:
-            consequence = "Nothing of this save is committed; the previous checkpoint is intact."
+            consequence = NOTHING_COMMITTED
         reply = f"HTTP {status} {code or ''}".strip() if status or code else type(e).__name__
         return StorageError(
             f"rank {rank} on {socket.gethostname()}: S3 {what} of {self._url(path)} at {self.endpoint} failed: "
@@ -333,11 +512,14 @@ class S3Storage(FsspecStorage):
             path=self._url(path),
             status=status,
             code=code,
+            reply_message=message,
             attempts=attempts,
         )
 
     async def _call(self, what: str, path: str, method: str, **kwargs: Any) -> dict:
-        return await self._retrying(what, path, lambda: self.fs._call_s3(method, **kwargs))
+        body = kwargs.get("Body")
+        return await self._retrying(what, path, lambda: self.fs._call_s3(method, **kwargs),
+                                    len(body) if body is not None else 0)
 
     async def _put(self, path: str, data: bytes, **conditions: str) -> dict:
         bucket, key = self._split(path)
@@ -355,7 +537,7 @@ class S3Storage(FsspecStorage):
                 response["Body"].close()
 
         try:
-            return await self._retrying("GET", path, once)
+            return await self._retrying("GET", path, once, length or 0)
         except StorageError as e:
             if e.details.get("status") == 416:  # range starts at or past the end: EOF, like pread
                 return b"", None
@@ -363,10 +545,17 @@ class S3Storage(FsspecStorage):
 
     # -- conditional-write probe ---------------------------------------------------------
 
-    def require_conditional_writes(self) -> None:
+    def check_commit_support(self, directory: str, *, overwrite: bool = False) -> None:
+        """Before a save writes a byte: the store must enforce the conditions its commit will use."""
+        self.require_conditional_writes(self.join(directory, "probe"), if_match=overwrite)  # probes in ``directory``
+
+    def require_conditional_writes(self, near: str, *, if_match: bool = False) -> None:
         """Probe once per (endpoint, root) per process that conditional writes are enforced.
 
-        Fails closed with :class:`ConfigurationError`; skipped in unsafe single-writer mode.
+        The probe object goes beside ``near`` (the path about to be written, under
+        the run's prefix).  ``If-None-Match`` is always required; ``If-Match`` only
+        where ``if_match`` (replacing a marker).  Fails closed with
+        :class:`ConfigurationError`; skipped in unsafe single-writer mode.
         """
         key = (self.endpoint, self.root)
         if self.unsafe_single_writer:
@@ -377,61 +566,104 @@ class S3Storage(FsspecStorage):
                     "PUTs; two jobs writing this root at once could both commit one step", self.describe())
             return
         with _probe_lock:
-            if key in _probed:
-                return
-            self._probe()
-            _probed[key] = time.time()
+            result = _probed.get(key)
+            if result is None:
+                result = _probed[key] = self._probe(posixpath.dirname(near))
+        if if_match and not result.if_match:
+            raise ConfigurationError(
+                f"S3 store at {self.endpoint} enforces If-None-Match but not If-Match (probed under "
+                f"{self.describe()}): an overwrite=True save replaces a commit marker with If-Match, and without it "
+                f"two jobs re-saving one step could both win. Save to a new step instead, or, if exactly one job "
+                f"ever writes this root, pass storage_options={{'{UNSAFE_SINGLE_WRITER}': True}}.",
+                endpoint=self.endpoint, root=self.root, missing="If-Match",
+            )
 
-    def _probe(self) -> None:
-        path = self.join(self.root, f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-        advice = (
-            f"dcp_atomic commits a checkpoint on S3 with conditional PUTs (If-None-Match: * creates the commit "
-            f"marker, If-Match replaces it); without them two jobs saving one step could both commit. Use a "
-            f"store that enforces conditional writes (AWS S3, MinIO, SeaweedFS, Ceph RGW recent releases), or, "
-            f"if exactly one job ever writes this root, pass storage_options={{'{UNSAFE_SINGLE_WRITER}': True}}."
-        )
+    def _probe(self, directory: str) -> ProbeResult:
+        path = self.join(directory, f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         try:
             try:
                 self._run(self._put(path, b"probe-1", IfNoneMatch="*"))
             except _PreconditionFailed:
                 pass  # the random key exists already: the condition is evidently enforced
             except StorageError as e:
-                if not _rejects_conditions(e):
-                    raise  # throttling, 5xx, credentials: the store's state, not its features
-                raise ConfigurationError(
-                    f"S3 store at {self.endpoint} rejected a conditional PUT (If-None-Match: *) of "
-                    f"{self._url(path)}: {e.message} {advice}", endpoint=self.endpoint, root=self.root,
-                ) from e
-            ignored = []
+                raise self._probe_failure(path, "If-None-Match: *", e) from e
             try:
                 self._run(self._put(path, b"probe-2", IfNoneMatch="*"))
-                ignored.append("If-None-Match: * (a second create of an existing key succeeded)")
+                raise ConfigurationError(
+                    f"S3 store at {self.endpoint} ignores conditional writes: If-None-Match: * (a second create of "
+                    f"{self._url(path)} succeeded). Refusing to write checkpoints to {self.describe()}. "
+                    f"{self._advice()}", endpoint=self.endpoint, root=self.root, cause="ignored",
+                )
             except _PreconditionFailed:
                 pass
+            if_match = False
             try:
                 self._run(self._put(path, b"probe-3", IfMatch='"00000000000000000000000000000000"'))
-                ignored.append("If-Match (a replace with a wrong ETag succeeded)")
             except (_PreconditionFailed, FileNotFoundError):
-                pass
+                if_match = True
             except StorageError as e:
-                if not _rejects_conditions(e):
-                    raise
-                raise ConfigurationError(
-                    f"S3 store at {self.endpoint} rejected a conditional PUT (If-Match) of {self._url(path)}: "
-                    f"{e.message} {advice}", endpoint=self.endpoint, root=self.root,
-                ) from e
-            if ignored:
-                raise ConfigurationError(
-                    f"S3 store at {self.endpoint} ignores conditional writes: {'; '.join(ignored)} when probing "
-                    f"{self._url(path)}. Refusing to write checkpoints to {self.describe()}. {advice}",
-                    endpoint=self.endpoint, root=self.root, ignored=ignored,
-                )
+                failure = self._probe_failure(path, "If-Match", e)
+                if not (isinstance(failure, ConfigurationError) and failure.details["cause"] == "not supported"):
+                    raise failure from e
+            if not if_match:
+                log.warning("S3 store at %s enforces If-None-Match but not If-Match: saves work, overwrite=True "
+                            "saves under %s will be refused", self.endpoint, self.describe())
+            return ProbeResult(if_match=if_match)
         finally:
             bucket, key = self._split(path)
             try:
                 self._run(self._call("DELETE", path, "delete_object", Bucket=bucket, Key=key))
-            except Exception as e:  # noqa: BLE001 - a leftover probe object is harmless
-                log.debug("could not delete probe object %s: %s", path, e)
+            except Exception as e:  # noqa: BLE001 - a leftover probe object is harmless (gc removes its attempt)
+                log.warning("could not delete the probe object %s (it is harmless; delete it by hand or let "
+                            "gc remove it): %s", self._url(path), e)
+
+    def _authenticates(self, path: str) -> bool:
+        """Whether a bodiless request (HEAD) with these credentials gets past authentication."""
+        try:
+            self._head_etag(path)
+        except StorageError:
+            return False
+        return True
+
+    def _advice(self) -> str:
+        return (f"dcp_atomic commits a checkpoint on S3 with conditional PUTs (If-None-Match: * creates the commit "
+                f"marker, If-Match replaces it); without them two jobs saving one step could both commit. Use a "
+                f"store that enforces conditional writes (AWS S3, MinIO, SeaweedFS, Ceph RGW recent releases), or, "
+                f"if exactly one job ever writes this root, pass storage_options={{'{UNSAFE_SINGLE_WRITER}': True}}.")
+
+    def _probe_failure(self, path: str, header: str, error: StorageError) -> CheckpointError:
+        """The true cause of a failed probe PUT, as a :class:`ConfigurationError` (or ``error`` if it is the
+        store's state — throttling, 5xx, a missing bucket — rather than its setup)."""
+        cause = _probe_failure_class(error)
+        if cause == "auth" and self.checksum_mode != "when_required" and self._authenticates(path):
+            cause = "checksum"  # the same credentials pass a HEAD: the store misreads the PUT's (chunked) form
+        if cause is None and _rejects_request(error):
+            try:  # the condition, or anything in any PUT (a checksum header)? A plain PUT tells.
+                self._run(self._put(path, b"probe-plain"))
+                cause = "not supported"
+            except StorageError as plain:
+                cause = _probe_failure_class(plain) or (
+                    "checksum" if _rejects_request(plain) and self.checksum_mode != "when_required" else None)
+        reply = f"HTTP {error.details.get('status')} {error.details.get('code') or ''}".strip()
+        where = f"S3 store at {self.endpoint} refused the probe PUT ({header}) of {self._url(path)}: {reply}: " \
+                f"{error.details.get('reply_message')}."
+        advice = {
+            "auth": "The credentials were not accepted: check key / secret / token in storage_options or the "
+                    "environment, and the endpoint and region they belong to.",
+            "permissions": f"These credentials may not write under {self._url(posixpath.dirname(path))}: grant "
+                           "s3:PutObject, s3:GetObject, s3:DeleteObject, s3:ListBucket, s3:AbortMultipartUpload "
+                           "and s3:ListBucketMultipartUploads on the checkpoint prefix.",
+            "kms": "The bucket encrypts with a KMS key these credentials cannot use: grant kms:GenerateDataKey and "
+                   "kms:Decrypt on it, or change the bucket's default encryption.",
+            "checksum": f"The store rejects the request checksums botocore >= 1.36 sends by default (aws-chunked "
+                        f"bodies with trailing checksums over https, x-amz-checksum-* headers): pass "
+                        f"storage_options={{'{CHECKSUM_MODE}': 'when_required'}}.",
+            "not supported": f"The store does not implement conditional writes ({header}). {self._advice()}",
+        }.get(cause)
+        if advice is None:
+            return error
+        return ConfigurationError(f"{where} {advice}", endpoint=self.endpoint, root=self.root, cause=cause,
+                                  status=error.details.get("status"), code=error.details.get("code"))
 
     # -- Storage primitives --------------------------------------------------------------
 
@@ -501,15 +733,11 @@ class S3Storage(FsspecStorage):
         length = len(view)
         if length == 0:
             return 0
-        if self._read_slots is None:
-            self._read_slots = asyncio.Semaphore(self.max_concurrency)
-        slots = self._read_slots
         ends: list[int] = []  # where a short read says the object ends
 
-        async def chunk(start: int) -> None:
+        async def chunk(start: int) -> None:  # in flight: bounded by self.requests
             size = min(self.part_size, length - start)
-            async with slots:
-                data, _ = await self._get(path, offset + start, size)
+            data, _ = await self._get(path, offset + start, size)
             view[start : start + len(data)] = data
             if len(data) < size:
                 ends.append(start + len(data))
@@ -538,23 +766,51 @@ class S3Storage(FsspecStorage):
         return stamp.timestamp() if stamp is not None else None
 
     def publish(self, path: str, data: bytes) -> None:
-        self.require_conditional_writes()
+        self.require_conditional_writes(path)
         self._run(self._put(path, data))
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """``If-None-Match: *``; False on 412.  A 412 after a retried PUT may be our own
         earlier attempt: the commit protocol reads the marker back and recognises its save_id."""
-        self.require_conditional_writes()
+        self.require_conditional_writes(path)
         if self.unsafe_single_writer:
             if self._exists(path):
                 return False
-            self._run(self._put(path, data))
+            self._put_settled(path, data)
             return True
         try:
-            self._run(self._put(path, data, IfNoneMatch="*"))
+            self._put_settled(path, data, IfNoneMatch="*")
         except _PreconditionFailed:
             return False
         return True
+
+    def _put_settled(self, path: str, data: bytes, **conditions: str) -> None:
+        """PUT a commit marker; after a final failure, read it back and report the truth.
+
+        An attempt may be applied with its reply lost, and the retries then fail
+        (5xx): "nothing committed" would be a lie if the marker names this save.
+        """
+        try:
+            self._run(self._put(path, data, **conditions))
+        except StorageError as e:
+            try:
+                current = self._current(path)
+            except Exception as read_error:  # noqa: BLE001 - reported in the error below
+                raise StorageError(
+                    f"{e.message.replace(NOTHING_COMMITTED, '')}Whether the marker was written is "
+                    f"UNKNOWN: reading {self._url(path)} back failed too ({read_error}). Check with `dcp-atomic "
+                    f"show` before re-saving this step.", **{**e.details, "committed": None},
+                ) from e
+            if current == data:
+                log.warning("%s: the PUT reported failure (%s), but the marker holds exactly this save's: an "
+                            "earlier attempt was applied and its reply lost; committed", self._url(path),
+                            e.details.get("status"))
+                return
+            if current is not None and "IfNoneMatch" in conditions:
+                raise _PreconditionFailed(e.details.get("attempts") or 1) from e  # another save's marker is there
+            found = "does not exist" if current is None else "still holds another save's marker"
+            raise StorageError(f"{e.message} (Read back: {self._url(path)} {found}: this save is not committed.)",
+                               **{**e.details, "committed": False}) from e
 
     def replace(self, path: str, data: bytes) -> None:
         """Plain PUT, except for a commit marker: ``If-Match`` on the version last read.
@@ -563,16 +819,20 @@ class S3Storage(FsspecStorage):
         reading it; if another job replaced (or removed) it in between, this
         save must not silently win: :class:`CommitConflictError`.
         """
-        self.require_conditional_writes()
-        if self.unsafe_single_writer or posixpath.basename(path) != MARKER:
+        marker = posixpath.basename(path) == MARKER
+        self.require_conditional_writes(path, if_match=marker)
+        if not marker:
             self._run(self._put(path, data))
+            return
+        if self.unsafe_single_writer:
+            self._put_settled(path, data)
             return
         etag = self._etags.get(path) or self._head_etag(path)
         try:
             if etag is None:
-                self._run(self._put(path, data, IfNoneMatch="*"))
+                self._put_settled(path, data, IfNoneMatch="*")
             else:
-                self._run(self._put(path, data, IfMatch=etag))
+                self._put_settled(path, data, IfMatch=etag)
         except (_PreconditionFailed, FileNotFoundError) as e:
             retried = isinstance(e, _PreconditionFailed) and e.attempts > 1
             if retried and self._current(path) == data:
@@ -607,35 +867,41 @@ class S3Storage(FsspecStorage):
         bucket, key = self._split(path)
         prefix = key.rstrip("/") + "/" if key else ""
         names: set[str] = set()
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
-            if token:
-                kwargs["ContinuationToken"] = token
-            try:
-                page = self._run(self._call("LIST", path, "list_objects_v2", **kwargs))
-            except FileNotFoundError:
-                return []
-            names.update(p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", []) or [])
-            names.update(o["Key"][len(prefix):] for o in page.get("Contents", []) or [])
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                break
+        try:
+            for page in self._pages("LIST", path, "list_objects_v2", {"ContinuationToken": "NextContinuationToken"},
+                                    Bucket=bucket, Prefix=prefix, Delimiter="/"):
+                names.update(p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", []) or [])
+                names.update(o["Key"][len(prefix):] for o in page.get("Contents", []) or [])
+        except FileNotFoundError:
+            return []
         names.discard("")
         return sorted(names)
 
     def _list_keys(self, bucket: str, prefix: str, path: str) -> list[str]:
-        keys: list[str] = []
-        token: str | None = None
+        return [o["Key"] for page in self._pages("LIST", path, "list_objects_v2",
+                                                 {"ContinuationToken": "NextContinuationToken"},
+                                                 Bucket=bucket, Prefix=prefix)
+                for o in page.get("Contents", []) or []]
+
+    def _pages(self, what: str, path: str, method: str, markers: dict[str, str], **kwargs: Any):
+        """The pages of a listing.  ``markers`` maps each request parameter to the reply field that
+        continues it; a store that says "truncated" without a new marker ends the listing with a
+        warning instead of looping forever."""
+        seen: set[tuple] = set()
         while True:
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-            if token:
-                kwargs["ContinuationToken"] = token
-            page = self._run(self._call("LIST", path, "list_objects_v2", **kwargs))
-            keys.extend(o["Key"] for o in page.get("Contents", []) or [])
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return keys
+            page = self._run(self._call(what, path, method, **kwargs))
+            yield page
+            if not page.get("IsTruncated"):
+                return
+            following = {param: page[reply] for param, reply in markers.items() if page.get(reply)}
+            position = tuple(sorted(following.items()))
+            if not following or position in seen:
+                log.warning("S3 %s of %s at %s: the reply says the listing is truncated but gives no new "
+                            "continuation marker (%s); stopping after %d page(s), the listing may be incomplete",
+                            what, self._url(path), self.endpoint, ", ".join(markers.values()), len(seen) + 1)
+                return
+            seen.add(position)
+            kwargs.update(following)
 
     def remove(self, path: str) -> None:
         """Delete the object ``path`` and everything under ``path/`` (gc, tools; never a training rank)."""
@@ -643,6 +909,9 @@ class S3Storage(FsspecStorage):
         if not key:
             raise ValueError(f"refusing to remove a whole bucket: {path}")
         keys = [key] + self._list_keys(bucket, key.rstrip("/") + "/", path)
+        self._run(self.fs.set_session())
+        self.fs.s3.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5,
+                                        unique_id="dcp-atomic-content-md5")
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
             reply = self._run(self._call("DELETE", path, "delete_objects", Bucket=bucket, Delete=batch))
@@ -849,11 +1118,13 @@ def abort_stale_uploads(storage: Storage, prefix: str, older_than_s: float) -> l
     key_prefix = key.rstrip("/") + "/" if key else ""
     now = time.time()
     aborted: list[StaleUpload] = []
-    markers: dict[str, str] = {}
-    while True:
-        page = storage._run(storage._call("list multipart uploads", prefix, "list_multipart_uploads",
-                                          Bucket=bucket, Prefix=key_prefix, **markers))
+    # No Prefix parameter: MinIO, for one, matches it only against whole keys; filter here instead.
+    pages = storage._pages("list multipart uploads", prefix, "list_multipart_uploads",
+                           {"KeyMarker": "NextKeyMarker", "UploadIdMarker": "NextUploadIdMarker"}, Bucket=bucket)
+    for page in pages:
         for upload in page.get("Uploads", []) or []:
+            if not upload["Key"].startswith(key_prefix):
+                continue
             initiated = upload.get("Initiated")
             age = now - initiated.timestamp() if initiated is not None else float("inf")
             if age < older_than_s:
@@ -865,6 +1136,4 @@ def abort_stale_uploads(storage: Storage, prefix: str, older_than_s: float) -> l
             except FileNotFoundError:
                 continue  # completed or aborted meanwhile
             aborted.append(StaleUpload(path=f"s3://{path}", upload_id=upload["UploadId"], age_s=age))
-        if not page.get("IsTruncated"):
-            return aborted
-        markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+    return aborted

@@ -12,11 +12,22 @@ can produce what real stores do on a bad day, over real HTTP:
   answer matching requests with an S3 error instead of forwarding them
   (throttling, 5xx); ``after_forward=True`` forwards first and then reports
   the failure (a PUT that was applied but whose reply was lost);
+  ``for_s=8`` makes a rule a storm that ends after 8 s; ``stall_s`` holds the
+  request that long before answering (``status=None``: then forward it);
 * ``proxy.ignore_conditions = True``: strip ``If-None-Match`` / ``If-Match``
-  (a store that silently ignores conditional writes);
+  (a store that silently ignores conditional writes); a set such as
+  ``{"if-match"}`` strips only those;
+* ``proxy.reject_chunked = True``: answer 501 to ``aws-chunked`` bodies and
+  ``x-amz-trailer`` checksums (MinIO, GCS, OCI, ... over https);
+  ``proxy.require_content_md5 = True``: answer 400 to DeleteObjects without ``Content-MD5``;
+* ``proxy.rewrite(op, fn)``: replace the reply body of ``op`` by ``fn(query, body)``;
 * ``proxy.records``: every request with its operation, key, conditional
-  headers and status, to assert who listed, what was retried, and the
-  multipart uploads' concurrency (``proxy.max_in_flight``).
+  headers, status and the requests of its kind in flight when it arrived, to
+  assert who listed, what was retried, and the concurrency
+  (``proxy.max_in_flight``).
+
+``S3Proxy(upstream, ssl_context=...)`` serves https (see :func:`tls_ca`), so the
+client's https path (botocore's checksums, certificate checks) runs for real.
 
 Also usable outside pytest (``benchmarks/bench_s3.py``): :func:`moto_server`
 and :func:`seaweedfs_server` are context managers yielding an endpoint URL.
@@ -33,6 +44,7 @@ import re
 import secrets
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -217,33 +229,44 @@ class Record:
     injected: bool
     conditions: dict[str, str]
     agent: str  # User-Agent: tests tag each rank's client through config_kwargs={"user_agent_extra": ...}
+    concurrent: int = 1  # requests of this op in flight when it arrived, itself included
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class Rule:
     op: str | None
     key: re.Pattern | None
-    status: int
+    status: int | None  # None: forward (after stall_s)
     code: str
     times: int | None
     after_forward: bool
+    until: float | None = None  # time.monotonic() after which the rule no longer matches
+    message: str = "injected by the test proxy"
+    stall_s: float = 0.0
+    header: str | None = None  # only requests carrying this header (lower case)
     hits: int = 0
 
-    def matches(self, op: str, key: str) -> bool:
+    def matches(self, op: str, key: str, headers: dict[str, str]) -> bool:
         return ((self.op is None or self.op == op) and (self.key is None or bool(self.key.search(key)))
-                and (self.times is None or self.hits < self.times))
+                and (self.header is None or self.header in headers)
+                and (self.times is None or self.hits < self.times)
+                and (self.until is None or time.monotonic() < self.until))
 
 
 class S3Proxy:
     """Reverse proxy on 127.0.0.1 in front of one S3 server; see the module docstring."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, ssl_context=None) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         self.upstream = (parsed.hostname, parsed.port)
         self.lock = threading.Lock()
         self.rules: list[Rule] = []
         self.records: list[Record] = []
-        self.ignore_conditions = False
+        self.rewrites: dict[str, object] = {}
+        self.ignore_conditions: bool | set[str] = False
+        self.reject_chunked = False
+        self.require_content_md5 = False
         self.in_flight: dict[str, int] = {}
         self.max_in_flight: dict[str, int] = {}
         proxy = self
@@ -261,25 +284,41 @@ class S3Proxy:
 
         self.server = _QuietServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server.ssl_context = ssl_context
+        scheme = "https" if ssl_context is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="s3-proxy", daemon=True)
         self.thread.start()
 
     # -- test API ---------------------------------------------------------------------
 
-    def fail(self, op: str | None = None, key: str | None = None, *, status: int = 503, code: str = "SlowDown",
-             times: int | None = None, after_forward: bool = False) -> Rule:
-        """Answer requests of ``op`` whose key matches the regex ``key`` with an S3 error (``times`` of them)."""
-        rule = Rule(op, re.compile(key) if key else None, status, code, times, after_forward)
+    def fail(self, op: str | None = None, key: str | None = None, *, status: int | None = 503,
+             code: str = "SlowDown", times: int | None = None, after_forward: bool = False,
+             for_s: float | None = None, message: str = "injected by the test proxy", stall_s: float = 0.0,
+             header: str | None = None) -> Rule:
+        """Answer requests of ``op`` whose key matches the regex ``key`` (and that carry ``header``) with an
+        S3 error (``times`` of them, or all of them for ``for_s`` seconds from now), after holding each for
+        ``stall_s``."""
+        until = time.monotonic() + for_s if for_s is not None else None
+        rule = Rule(op, re.compile(key) if key else None, status, code, times, after_forward, until, message, stall_s,
+                    header)
         with self.lock:
             self.rules.append(rule)
         return rule
+
+    def rewrite(self, op: str, fn) -> None:
+        """Replace the body of upstream replies to ``op`` by ``fn(query: dict, body: bytes) -> bytes``."""
+        with self.lock:
+            self.rewrites[op] = fn
 
     def reset(self) -> None:
         with self.lock:
             self.rules.clear()
             self.records.clear()
+            self.rewrites.clear()
             self.ignore_conditions = False
+            self.reject_chunked = False
+            self.require_content_md5 = False
             self.in_flight.clear()
             self.max_in_flight.clear()
 
@@ -304,29 +343,44 @@ class S3Proxy:
         query = urllib.parse.parse_qs(split.query, keep_blank_values=True)
         op = classify(method, key, query)
         conditions = {h: handler.headers[h] for h in CONDITIONAL if handler.headers.get(h) is not None}
+        all_headers = {k.lower(): v for k, v in handler.headers.items()}
         with self.lock:
-            rule = next((r for r in self.rules if r.matches(op, key)), None)
+            rule = next((r for r in self.rules if r.matches(op, key, all_headers)), None)
             if rule is not None:
                 rule.hits += 1
-            strip = self.ignore_conditions
+            elif self.reject_chunked and ("aws-chunked" in all_headers.get("content-encoding", "")
+                                          or "x-amz-trailer" in all_headers):
+                rule = Rule(op, None, 501, "NotImplemented", None, False,
+                            message="A header you provided implies functionality that is not implemented")
+            elif self.require_content_md5 and op == "DELETE_OBJECTS" and "content-md5" not in all_headers:
+                rule = Rule(op, None, 400, "InvalidRequest", None, False,
+                            message="Missing required header for this request: Content-MD5")
+            strip = {h for h in CONDITIONAL if self.ignore_conditions is True
+                     or (self.ignore_conditions and h in self.ignore_conditions)}
+            rewrite = self.rewrites.get(op)
             self.in_flight[op] = self.in_flight.get(op, 0) + 1
-            self.max_in_flight[op] = max(self.max_in_flight.get(op, 0), self.in_flight[op])
+            concurrent = self.in_flight[op]
+            self.max_in_flight[op] = max(self.max_in_flight.get(op, 0), concurrent)
         upstream, status = None, 599  # 599: the upstream server could not be reached
         try:
-            if rule is None or rule.after_forward:
+            if rule is not None and rule.stall_s:
+                time.sleep(rule.stall_s)
+            if rule is None or rule.after_forward or rule.status is None:
                 headers = {k: v for k, v in handler.headers.items()
-                           if k.lower() not in HOP_BY_HOP and not (strip and k.lower() in CONDITIONAL)}
+                           if k.lower() not in HOP_BY_HOP and k.lower() not in strip}
                 if body or method in ("PUT", "POST"):
                     headers["Content-Length"] = str(len(body))
                 upstream = self._forward(method, handler.path, headers, body)
+                if rewrite is not None:
+                    upstream = (upstream[0], upstream[1], rewrite(query, upstream[2]))
             # with after_forward, the request was applied upstream but the client hears of a failure
-            status = rule.status if rule is not None else upstream[0]
+            status = rule.status if rule is not None and rule.status is not None else upstream[0]
         finally:
             with self.lock:  # recorded before the client can see the reply, so records keep request order
                 self.in_flight[op] -= 1
                 self.records.append(Record(op, bucket, key, status, rule is not None, conditions,
-                                           handler.headers.get("User-Agent", "")))
-        if rule is not None:
+                                           handler.headers.get("User-Agent", ""), concurrent, all_headers))
+        if rule is not None and rule.status is not None:
             _send_error(handler, rule, f"/{bucket}/{key}")
             return
         status, reply_headers, reply_body = upstream
@@ -352,9 +406,17 @@ class S3Proxy:
 
 
 class _QuietServer(ThreadingHTTPServer):
+    ssl_context = None
+
+    def finish_request(self, request, client_address) -> None:
+        # TLS handshake here, in the request's own thread: in accept() one silent client would block the server.
+        if self.ssl_context is not None:
+            request = self.ssl_context.wrap_socket(request, server_side=True)
+        super().finish_request(request, client_address)
+
     def handle_error(self, request, client_address) -> None:
         # A client that hung up (a cancelled request, a killed rank) is part of the tests, not an error.
-        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError, http.client.HTTPException)):
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError, http.client.HTTPException, ssl.SSLError)):
             super().handle_error(request, client_address)
 
 
@@ -374,8 +436,8 @@ def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
 
 
 def _send_error(handler: BaseHTTPRequestHandler, rule: Rule, resource: str) -> None:
-    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{rule.code}</Code><Message>injected by the test '
-            f"proxy</Message><Resource>{resource}</Resource><RequestId>proxy-{secrets.token_hex(4)}</RequestId>"
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{rule.code}</Code><Message>{rule.message}'
+            f"</Message><Resource>{resource}</Resource><RequestId>proxy-{secrets.token_hex(4)}</RequestId>"
             "</Error>").encode()
     handler.send_response(rule.status)
     handler.send_header("Content-Type", "application/xml")
@@ -527,3 +589,35 @@ def s3(request):
     target = _new_target(request.param, *server)
     yield target
     _drop_target(target)
+
+
+# -- https in front of the same servers ---------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tls_ca(tmp_path_factory):
+    """(server SSL context for 127.0.0.1, path of the CA certificate clients trust): a throwaway trustme CA."""
+    _require_module("trustme", "pip install trustme")
+    import trustme
+
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
+    ca_path = tmp_path_factory.mktemp("tls") / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_path))
+    return context, str(ca_path)
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3_tls(request, tls_ca):
+    """A fresh bucket on each server in turn, reached over https through its own TLS proxy."""
+    endpoint, _ = request.getfixturevalue(f"s3_{request.param}_server")
+    context, ca_path = tls_ca
+    proxy = S3Proxy(endpoint, ssl_context=context)
+    target = _new_target(request.param, endpoint, proxy)
+    target.extra_options = {"client_kwargs": {"region_name": REGION, "verify": ca_path}}
+    try:
+        yield target
+    finally:
+        _drop_target(target)
+        proxy.close()
