@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -45,7 +46,7 @@ from . import commit, failpoints
 from .catalog import DEFAULT_TIMEOUT
 from .codec import Encoder, Staging, host_blocks, plane_width
 from .container import find_payload
-from .errors import CommitConflictError, ConfigurationError, StorageError
+from .errors import CheckpointError, CommitConflictError, ConfigurationError, StorageError
 from .identity import check_identities, default_thread_count, local_identity
 from .integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
 from .layout import ATTEMPT, RunLayout, data_file_name, new_save_id, validate_step
@@ -95,6 +96,7 @@ class _WrittenItem:
     planes: int = 1
     logical_length: int | None = None
     frames: list[int] | None = None
+    dtype: str | None = None  # the dtype stored, when the planner resolved another than it planned
 
 
 @dataclass
@@ -168,6 +170,7 @@ class AtomicStorageWriter(StorageWriter):
         self.save_id: str | None = None
         self.rank = 0
         self.is_coordinator = True
+        self.use_collectives = True
         self.last_marker = None
         self.last_stats: dict[str, Any] | None = None  # coordinator only, after a commit
         self._identities: list[dict] = []
@@ -186,6 +189,7 @@ class AtomicStorageWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", 0 if is_coordinator else -1)
+        self.use_collectives = kwargs.get("use_collectives", True)
         self.save_id = None
         self.last_marker = None
         self._identities = []
@@ -210,16 +214,21 @@ class AtomicStorageWriter(StorageWriter):
                     "every rank must save with an AtomicStorageWriter"
                 )
         self._identities = [plan.storage_data.identity for plan in plans]
+        self._refuse_partial_world(len(plans))
         check_identities(self._identities)
         self._keys = check_save([p.storage_data.items for p in plans], [p.storage_data.report for p in plans])
         if not self.overwrite:
             self._refuse_committed_step()
         save_id = new_save_id()
         attempt = self.layout.attempt_dir(self.step, save_id)
-        self.storage.makedirs(attempt)
         claim = {"save_id": save_id, "step": self.step, "host": socket.gethostname(), "pid": os.getpid(),
                  "started_at": self._started_at, "world_size": len(plans), "library_version": __version__}
-        self.storage.publish(self.storage.join(attempt, ATTEMPT), _json(claim))
+        try:
+            self.storage.makedirs(attempt)
+            self.storage.check_commit_support(attempt, overwrite=self.overwrite)  # refuse now, not after all the data
+            self.storage.publish(self.storage.join(attempt, ATTEMPT), _json(claim))
+        except OSError as e:
+            raise _storage_error(e, self.rank, e.filename or attempt, phase="creating the attempt") from e
         return [
             dataclasses.replace(plan, storage_data=_AssignedPlanData(save_id=save_id, rank=i, step=self.step))
             for i, plan in enumerate(plans)
@@ -289,6 +298,21 @@ class AtomicStorageWriter(StorageWriter):
 
     # -- helpers -----------------------------------------------------------------------
 
+    def _refuse_partial_world(self, plans: int) -> None:
+        """One commit must hold every rank's shards; DCP's modes that plan per rank would commit a part as whole."""
+        if not (dist.is_available() and dist.is_initialized()) or plans == dist.get_world_size():
+            return
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mode = ("use_collectives=False" if not self.use_collectives
+                else "no_dist=True (or a process group smaller than the world)")
+        raise ConfigurationError(
+            f"global rank {rank} on {socket.gethostname()}: dcp.save(..., {mode}) plans {plans} of the {world} "
+            "ranks, so its checkpoint would hold only their shards and still load as complete. Call dcp.save on "
+            "every rank with use_collectives=True, without no_dist, on a process group spanning every rank (DCP "
+            "writes replicated tensors once). Nothing was written.",
+            rank=rank, plans=plans, world_size=world,
+        )
+
     def _refuse_committed_step(self) -> None:
         try:
             marker = commit._read_marker_once(self.layout, self.step)
@@ -323,6 +347,7 @@ class AtomicStorageWriter(StorageWriter):
                     planes=written.planes,
                     logical_length=written.logical_length,
                     frames=written.frames,
+                    dtype=written.dtype,
                 )
             )
         for entry in files.values():
@@ -361,7 +386,10 @@ class _RankWrite:
     def run(self, items: list[WriteItem]) -> tuple[list[WriteResult], _RankStats]:
         storage = self.writer.storage
         failpoints.hit("write.before_data", self.rank)
-        storage.makedirs(self.attempt)
+        try:
+            storage.makedirs(self.attempt)
+        except OSError as e:
+            raise _storage_error(e, self.rank, e.filename or self.attempt) from e
         buckets = [b for b in _split_by_size(items, self.writer.thread_count) if b] or [[]]
         started = time.monotonic()
         results: list[WriteResult] = []
@@ -374,11 +402,25 @@ class _RankWrite:
                 except BaseException as e:  # collect all, raise the first
                     errors.append(e)
         if errors:
-            raise errors[0]
+            raise self._first_cause(errors)
         self.stats.write_seconds = time.monotonic() - started
         self.stats.items = len(items)
         failpoints.hit("write.after_data", self.rank)
         return results, self.stats
+
+    def _first_cause(self, errors: list[BaseException]) -> BaseException:
+        """The failure that stopped this rank, never the ``_Aborted`` it caused in the other threads."""
+        real = [e for e in errors if not isinstance(e, _Aborted)] or errors
+        first, others = real[0], real[1:]
+        if not others:
+            return first
+        also = f" ({len(others)} more writer thread(s) of rank {self.rank} failed too; the next: {others[0]})"
+        if isinstance(first, CheckpointError):
+            amended = type(first)(first.message + also, **first.details)
+            amended.__cause__ = first
+            return amended
+        first.add_note(also.strip(" ()"))
+        return first
 
     def _write_file(self, k: int, bucket: list[WriteItem]) -> list[WriteResult]:
         storage = self.writer.storage
@@ -399,7 +441,10 @@ class _RankWrite:
                             self._first_item.set()
                             failpoints.hit("write.mid_data", self.rank)
             except BaseException:
-                storage.abort_write(raw)
+                # Closing flushes what is buffered: on a full disk that fails again and would hide (or, for
+                # _Aborted, impersonate) what stopped this file.  The file is abandoned either way.
+                with contextlib.suppress(OSError):
+                    storage.abort_write(raw)
                 raise
             fsync_started = time.monotonic()
             storage.close_write(raw)
@@ -421,21 +466,45 @@ class _RankWrite:
         data = self.planner.resolve_data(item)
         block_size = self.writer.block_size
         if item.type == WriteItemType.BYTE_IO:
-            assert isinstance(data, io.BytesIO), "BYTE_IO items resolve to BytesIO"
+            if not isinstance(data, io.BytesIO):
+                raise self._refuse_resolved(item, data, "io.BytesIO")
             start = out.begin_item()
             out.write(data.getbuffer())
             length, checksums = out.end_item()
             written = _WrittenItem(name, start, length, "bytes", "raw", checksums, block_size)
-        elif self.writer.stock_readable:
-            start = out.begin_item()
-            tensor = _host_copy(data)
-            torch.save(tensor, out)
-            payload = find_payload(bytes(out.prefix), out.writes, tensor.nbytes)
-            length, checksums = out.end_item()
-            written = _WrittenItem(name, start, length, "tensor", "torch_save", checksums, block_size, payload)
         else:
-            written = self._write_raw_tensor(out, name, data, encoder)
+            tensor = self._as_planned(item, data)
+            if self.writer.stock_readable:
+                start = out.begin_item()
+                tensor = _host_copy(tensor)
+                torch.save(tensor, out)
+                payload = find_payload(bytes(out.prefix), out.writes, tensor.nbytes)
+                length, checksums = out.end_item()
+                written = _WrittenItem(name, start, length, "tensor", "torch_save", checksums, block_size, payload)
+            else:
+                written = self._write_raw_tensor(out, name, tensor, encoder)
+            if tensor.dtype != item.tensor_data.properties.dtype:
+                written.dtype = str(tensor.dtype)
         return WriteResult(index=item.index, size_in_bytes=written.length, storage_data=written)
+
+    def _as_planned(self, item: WriteItem, data: Any) -> torch.Tensor:
+        """The resolved tensor in the planned shape.  ``.metadata`` records the plan; a planner may resolve
+        another dtype ("save as bf16": recorded, cast at load as stock DCP does) or shape (stored as planned,
+        same bytes), but other elements than planned could only load as garbage."""
+        sizes = item.tensor_data.chunk.sizes
+        if not isinstance(data, torch.Tensor) or data.numel() != sizes.numel():
+            raise self._refuse_resolved(item, data, f"{item.tensor_data.properties.dtype} {tuple(sizes)}")
+        return data if data.shape == sizes else data.reshape(sizes)
+
+    def _refuse_resolved(self, item: WriteItem, data: Any, planned: str) -> ConfigurationError:
+        got = f"{data.dtype} {tuple(data.shape)}" if isinstance(data, torch.Tensor) else f"a {type(data).__name__}"
+        where = "" if item.index.offset is None else f" (chunk at {tuple(item.index.offset)})"
+        return ConfigurationError(
+            f"rank {self.rank}: {type(self.planner).__name__}.resolve_data returned {got} for {item.index.fqn!r}"
+            f"{where}, planned as {planned}. A planner may resolve another dtype or shape, never other elements: "
+            "fix resolve_data. Nothing was committed.",
+            rank=self.rank, key=item.index.fqn,
+        )
 
     def _write_raw_tensor(self, out: HashingWriter, name: str, tensor: torch.Tensor, encoder: Encoder) -> _WrittenItem:
         """Block by block: stage (device tensors), encode, hash the stored frame, write."""
