@@ -11,14 +11,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+import zstandard
+
+from .codec import Decoder
 from .commit import read_committed
 from .errors import CheckpointError
 from .integrity import sha256_hex, verify_blocks
 from .layout import DCP_METADATA, RunLayout
-from .manifest import FileEntry
+from .manifest import FileEntry, ItemExtent
 from .retry import Deadline
+from .storage import Storage
 
-READ_CHUNK_BLOCKS = 16  # read 16 blocks (64 MiB with 4 MiB blocks) per request
+READ_CHUNK_BLOCKS = 16  # read up to 16 frames (64 MiB with 4 MiB blocks) per request
 
 
 @dataclass
@@ -51,32 +55,56 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
 
     def check(entry: FileEntry) -> list[str]:
         path = layout.data_file(step, committed.save_id, entry.name)
-        found = []
         try:
             actual = layout.storage.size(path)
         except FileNotFoundError:
             return [f"{path}: missing"]
-        if actual != entry.size:
-            found.append(f"{path}: size {actual}, manifest says {entry.size}")
+        found = [f"{path}: size {actual}, manifest says {entry.size}"] if actual != entry.size else []
+        decoder = Decoder()
         for item in entry.items:
-            span = READ_CHUNK_BLOCKS * item.block_size
-            for start in range(0, max(item.length, 1), span):
-                length = min(span, item.length - start)
-                data = layout.storage.read_range(path, item.pos + start, length)
-                if len(data) != length:
-                    found.append(f"{path}: item {item.key!r} truncated at byte {item.pos + start + len(data)}")
-                    break
-                try:
-                    verify_blocks(data, item.checksums, item.block_size, what=f"{path} item {item.key!r}",
-                                  first_block=start // item.block_size)
-                except CheckpointError as e:
-                    found.append(e.message)
-                    break
-                if progress:
-                    progress(length)
+            problem = _check_item(layout.storage, path, item, decoder, progress)
+            if problem:
+                found.append(problem)
         return found
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         for found in pool.map(check, manifest.files):
             problems.extend(found)
     return AuditReport(step, committed.save_id, len(manifest.files), manifest.total_bytes, problems)
+
+
+def _check_item(storage: Storage, path: str, item: ItemExtent, decoder: Decoder,
+                progress: Callable[[int], None] | None) -> str | None:
+    """Walk the item's frames as the reader does: each frame's digest, then its decoded length.
+
+    Frames are located by :meth:`ItemExtent.frame_offsets`, the reader's own
+    routine, and compressed frames are decoded, so ``verify`` cannot pass an
+    item the reader would refuse (or refuse one it reads).
+    """
+    what = f"{path} item {item.key!r}"
+    bounds = item.frame_offsets() if item.length else [0, 0]  # an empty item is one empty block
+    frames = len(bounds) - 1
+    if frames != len(item.checksums):
+        return f"{what}: {frames} stored frame(s) for {len(item.checksums)} recorded block digest(s)"
+    scratch = memoryview(bytearray(item.block_size if item.codec != "none" else 0))
+    for first in range(0, frames, READ_CHUNK_BLOCKS):
+        last = min(first + READ_CHUNK_BLOCKS, frames)
+        data = storage.read_range(path, item.pos + bounds[first], bounds[last] - bounds[first])
+        if len(data) != bounds[last] - bounds[first]:
+            return f"{what}: truncated at byte {item.pos + bounds[first] + len(data)}"
+        view = memoryview(data)
+        for i in range(first, last):
+            frame = view[bounds[i] - bounds[first] : bounds[i + 1] - bounds[first]]
+            try:
+                verify_blocks(frame, item.checksums, item.block_size, what=what, first_block=i)
+            except CheckpointError as e:
+                return e.message
+            if item.codec != "none":
+                logical = min(item.block_size, item.logical - i * item.block_size)
+                try:
+                    decoder.decode_into(frame, item.planes, scratch[:logical])
+                except (ValueError, zstandard.ZstdError) as e:
+                    return f"{what}: frame {i} cannot be decoded to its {logical} logical bytes ({e})"
+        if progress:
+            progress(len(data))
+    return None

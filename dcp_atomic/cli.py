@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -18,11 +19,36 @@ from typing import Any
 from .audit import audit_step
 from .catalog import most_recent, scan_markers
 from .commit import read_committed
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import RunLayout, parse_step_dir, validate_run_id
 from .retention import apply_gc, plan_gc
 from .retry import Deadline
-from .storage import open_storage
+from .storage import LocalStorage, Storage, _temp_name, _unlink_quietly, open_storage
+
+
+class CliError(Exception):
+    """A failure the command reports as one message (one JSON object with ``--json``), never a traceback."""
+
+    def __init__(self, message: str, code: int = 1, kind: str = "Error") -> None:
+        super().__init__(message)
+        self.message, self.code, self.kind = message, code, kind
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors become :class:`CliError`, so that ``--json`` gets them as JSON too."""
+
+    def error(self, message: str):
+        raise CliError(f"{self.prog}: {message}", code=2, kind="UsageError")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 class Progress:
@@ -51,8 +77,39 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def _storage(args) -> Storage:
+    """The root's storage; a root that does not exist is an error, not an empty listing."""
+    options = None
+    if args.storage_options:
+        try:
+            options = json.loads(args.storage_options)
+        except ValueError as e:
+            raise CliError(f"--storage-options is not valid JSON ({e})", code=2, kind="UsageError") from None
+        if not isinstance(options, dict):
+            raise CliError("--storage-options must be a JSON object", code=2, kind="UsageError")
+    storage = open_storage(args.root, options)
+    if not storage.is_dir(storage.root):
+        raise CliError(f"{args.root}: no such checkpoint root (nothing there)", kind="NotFound")
+    return storage
+
+
 def _layout(args) -> RunLayout:
-    return RunLayout(open_storage(args.root, json.loads(args.storage_options) if args.storage_options else None), args.run)
+    layout = RunLayout(_storage(args), args.run)
+    if not layout.storage.is_dir(layout.run_dir):
+        raise CliError(f"no run {args.run!r} under {args.root}", kind="NotFound")
+    return layout
+
+
+def _require_step(layout: RunLayout, step: int) -> None:
+    """An explicit step with no directory at all is reported at once, not after ``--timeout``."""
+    if not layout.storage.is_dir(layout.step_dir(step)):
+        raise CheckpointNotFoundError(
+            f"run {layout.run_id!r} has no step {step} ({layout.step_dir(step)} does not exist)", step=step
+        )
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def _age(seconds: float) -> str:
@@ -84,14 +141,52 @@ def _step_rows(layout: RunLayout) -> list[dict[str, Any]]:
     return rows
 
 
+def _run_rows(storage: Storage) -> list[dict[str, Any]]:
+    """Each run under the root: committed step count, latest step, bytes of its committed steps, age."""
+    rows = []
+    now = time.time()
+    for name in storage.list_dir(storage.root):
+        layout = RunLayout(storage, name) if _is_run_id(name) else None
+        if layout is None or not storage.is_dir(layout.run_dir):
+            continue  # dot-files, temps, anything that is not a run
+        markers = scan_markers(layout)
+        newest = most_recent(markers)
+        size, unreadable = 0, 0
+        for marker in markers:
+            try:
+                size += read_committed(layout, marker.step, Deadline(0)).manifest.total_bytes
+            except CheckpointError:
+                unreadable += 1
+        rows.append({"run": name, "committed_steps": len(markers), "latest_step": newest.step if newest else None,
+                     "bytes": size, "unreadable_manifests": unreadable,
+                     "latest_committed_at": newest.committed_at if newest else None,
+                     "age_seconds": now - newest.committed_at if newest else None})
+    return rows
+
+
+def _is_run_id(name: str) -> bool:
+    try:
+        validate_run_id(name)
+    except ValueError:
+        return False
+    return True
+
+
 def cmd_ls(args) -> int:
-    storage = open_storage(args.root, json.loads(args.storage_options) if args.storage_options else None)
     if not args.run:
-        runs = [r for r in storage.list_dir(storage.root) if not r.startswith(".")]
+        rows = _run_rows(_storage(args))
         if args.json:
-            print(json.dumps({"runs": runs}))
+            print(json.dumps({"root": args.root, "runs": rows}, indent=1))
+        elif not rows:
+            print(f"no runs under {args.root}")
         else:
-            print("\n".join(runs) if runs else f"no runs under {args.root}")
+            print(f"{'run':<30} {'steps':>5} {'latest':>10} {'size':>12} {'age':>6}")
+            for row in rows:
+                committed = row["latest_step"] is not None
+                damaged = f"  ({row['unreadable_manifests']} unreadable)" if row["unreadable_manifests"] else ""
+                print(f"{row['run']:<30} {row['committed_steps']:>5} {row['latest_step'] if committed else '-':>10} "
+                      f"{_mib(row['bytes']) if committed else '-':>12} "
+                      f"{_age(row['age_seconds']) if committed else '-':>6}{damaged}")
         return 0
     layout = _layout(args)
     rows = _step_rows(layout)
@@ -106,7 +201,7 @@ def cmd_ls(args) -> int:
     print(f"{'step':>10}  {'state':<10} {'size':>10}  {'age':>6}  {'world':>5}  layout              save_id")
     for row in rows:
         state = "committed" if row["committed"] else "partial"
-        size = f"{row['bytes'] / 2**20:.1f} MiB" if "bytes" in row else "-"
+        size = _mib(row["bytes"]) if "bytes" in row else "-"
         age = _age(now - row["committed_at"]) if "committed_at" in row else "-"
         par = row.get("parallelism") or {}
         lay = f"tp={par.get('tp')} dp={par.get('dp')} pp={par.get('pp')}" if par else "-"
@@ -123,15 +218,10 @@ def cmd_show(args) -> int:
     if step is None:
         newest = most_recent(scan_markers(layout))
         if newest is None:
-            print(f"no committed step in {layout.run_dir}", file=sys.stderr)
-            return 1
+            raise CheckpointNotFoundError(f"no committed step in {layout.run_dir}")
         step = newest.step
-    try:
-        committed = read_committed(layout, step, Deadline(args.timeout))
-    except CheckpointError as e:
-        print(str(e), file=sys.stderr)
-        return 1
-    manifest = committed.manifest
+    _require_step(layout, step)
+    manifest = read_committed(layout, step, Deadline(args.timeout)).manifest
     if args.json:
         print(manifest.to_json().decode())
         return 0
@@ -163,13 +253,13 @@ def cmd_verify(args) -> int:
     if args.all:
         steps = [m.step for m in scan_markers(layout)]
     elif args.step is not None:
+        _require_step(layout, args.step)
         steps = [args.step]
     else:
         newest = most_recent(scan_markers(layout))
         steps = [newest.step] if newest else []
     if not steps:
-        print(f"no committed step to verify in {layout.run_dir}", file=sys.stderr)
-        return 1
+        raise CheckpointNotFoundError(f"no committed step to verify in {layout.run_dir}")
     reports = []
     for step in steps:
         total = 0
@@ -196,10 +286,12 @@ def cmd_verify(args) -> int:
 def cmd_gc(args) -> int:
     layout = _layout(args)
     plan = plan_gc(layout, args.keep_last, lease_seconds=args.lease_hours * 3600)
+    unreadable = getattr(plan, "unreadable_steps", [])  # markers that exist but cannot be validated: never touched
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "delete_steps": plan.delete_steps,
                           "delete_attempts": [list(a) for a in plan.delete_attempts],
-                          "delete_temps": plan.delete_temps, "kept_steps": plan.kept_steps}))
+                          "delete_temps": plan.delete_temps, "kept_steps": plan.kept_steps,
+                          "unreadable_steps": [list(u) for u in unreadable]}))
     else:
         verb = "would delete" if args.dry_run else "deleting"
         for step in plan.delete_steps:
@@ -209,32 +301,57 @@ def cmd_gc(args) -> int:
         for path in plan.delete_temps:
             print(f"{verb} leftover temp file {path}")
         print(f"keeping steps {plan.kept_steps}" + ("" if not plan.empty else " (nothing to collect)"))
+        for step, reason in unreadable:
+            print(f"step {step}: its marker exists but cannot be validated, so gc left the whole step alone "
+                  f"({reason}); inspect it, restore the marker, or delete the step by hand", file=sys.stderr)
     if not args.dry_run:
         apply_gc(layout, plan)
-    return 0
+    return 1 if unreadable else 0
 
 
 def cmd_export(args) -> int:
     """One torch.save file holding the whole (unsharded) state dict of a step."""
     import warnings
 
-    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     from .reader import AtomicStorageReader
 
+    out = os.path.abspath(args.out)
+    if not os.path.isdir(os.path.dirname(out)):
+        raise CliError(f"cannot export to {args.out}: directory {os.path.dirname(out)} does not exist")
     warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+    layout = _layout(args)
+    _require_step(layout, args.step)
     reader = AtomicStorageReader(args.root, args.run, args.step, timeout=args.timeout,
                                  storage_options=json.loads(args.storage_options) if args.storage_options else None)
+    reader.resolve()
     try:
-        reader.resolve()
         state = _load_state_dict_from_keys(storage_reader=reader)
-    except CheckpointError as e:
-        print(str(e), file=sys.stderr)
-        return 1
-    torch.save(state, args.out)
+    except CheckpointException as e:  # DCP wraps each rank's failure as (exception, traceback)
+        causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        raise CliError("; ".join(str(c) for c in causes), kind=type(causes[0]).__name__ if causes else "Error") from None
+    _save_atomically(state, out)
     print(f"exported run {args.run} step {reader.step} (save {reader.save_id}) to {args.out}")
     return 0
+
+
+def _save_atomically(state: Any, path: str) -> None:
+    """``torch.save`` into a temp file beside ``path``, fsync, rename: no reader ever sees half an export."""
+    import torch
+
+    tmp = _temp_name(path)
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    LocalStorage(os.path.dirname(path)).sync_dir(os.path.dirname(path))
 
 
 def cmd_demo(args) -> int:
@@ -246,7 +363,7 @@ def cmd_demo(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .demo import DEFAULT_ROOT
 
-    parser = argparse.ArgumentParser(prog="dcp-atomic", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="dcp-atomic", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--storage-options", help="fsspec options as JSON, e.g. an S3 endpoint")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for visibility")
@@ -268,13 +385,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run")
     p.add_argument("step", nargs="?", type=int)
     p.add_argument("--all", action="store_true", help="every committed step")
-    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--threads", type=_positive_int, default=4)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("gc", help="delete old committed steps and abandoned attempts")
     p.add_argument("root")
     p.add_argument("run")
-    p.add_argument("--keep-last", type=int, required=True)
+    p.add_argument("--keep-last", type=_positive_int, required=True, help="committed steps to keep (>= 1)")
     p.add_argument("--lease-hours", type=float, default=6.0, help="age after which an uncommitted attempt is abandoned")
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=cmd_gc)
@@ -294,14 +411,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if hasattr(args, "run") and args.run is not None:
-        try:
-            validate_run_id(args.run)
-        except ValueError as e:
-            print(f"dcp-atomic: {e}", file=sys.stderr)
-            return 2
-    return args.func(args)
+    argv = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in argv  # known before parsing, so that usage errors are JSON too
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "run", None) is not None:
+            try:
+                validate_run_id(args.run)
+            except ValueError as e:
+                raise CliError(str(e), code=2, kind="UsageError") from None
+        return args.func(args)
+    except CliError as e:
+        return _report(as_json, e.kind, e.message, e.code)
+    except CheckpointError as e:
+        return _report(as_json, type(e).__name__, e.message, 1)
+    except (OSError, ValueError) as e:  # storage and configuration failures: a message, not a traceback
+        return _report(as_json, type(e).__name__, str(e), 1)
+
+
+def _report(as_json: bool, kind: str, message: str, code: int) -> int:
+    if as_json:
+        print(json.dumps({"error": {"type": kind, "message": message}}))
+    else:
+        print(f"dcp-atomic: {kind}: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import fnmatch
 import logging
 import math
 import pickle
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,11 +104,39 @@ def summarize_state_dict(state_dict: dict[str, Any]) -> dict[str, dict[str, Any]
             summary[fqn] = {"kind": "plain", **_tensor_fingerprint(value)}
         else:
             try:
-                blob = pickle.dumps(value, protocol=4)
+                blob = canonical_bytes(value)
             except Exception:  # unpicklable objects are DCP's problem, not a content check's
                 continue
             summary[fqn] = {"kind": "object", "fingerprint": xxhash.xxh3_64_hexdigest(blob)}
     return summary
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """An encoding equal for equal values on every rank, whatever each rank's hash seed or insertion order.
+
+    A pickle of a set (or of a dict built by iterating one) lists elements in hash
+    order, which depends on ``PYTHONHASHSEED``: equal objects would look diverged.
+    Sets and dict items are therefore sorted by their own encodings; types are
+    tagged (``1``, ``1.0`` and ``True`` stay distinct, as their pickles are); any
+    other type falls back to its pickle.
+    """
+    def part(tag: bytes, body: bytes) -> bytes:
+        return tag + len(body).to_bytes(8, "little") + body
+
+    kind = type(value)
+    if kind in _SCALARS:
+        return part(kind.__name__.encode(), repr(value).encode())
+    if kind in (set, frozenset):
+        return part(kind.__name__.encode(), b"".join(sorted(canonical_bytes(v) for v in value)))
+    if kind in (dict, OrderedDict):  # a dict's order is not part of its value; an OrderedDict's is
+        items = [canonical_bytes(k) + canonical_bytes(v) for k, v in value.items()]
+        return part(kind.__name__.encode(), b"".join(sorted(items) if kind is dict else items))
+    if kind in (list, tuple):
+        return part(kind.__name__.encode(), b"".join(canonical_bytes(v) for v in value))
+    return part(b"pickle", pickle.dumps(value, protocol=4))
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 
 def infer_parallelism(state_dict: dict[str, Any]) -> Parallelism | None:

@@ -1,16 +1,23 @@
-"""Decode DCP's pickled ``.metadata`` without letting it run code.
+"""Decode DCP's pickled ``.metadata`` and non-tensor items without letting them run code (P11).
 
 DCP stores its ``Metadata`` as a pickle, and ``pickle.load`` on a crafted file
 executes arbitrary code.  Two layers keep that from happening: the reader only
 opens a ``.metadata`` whose sha256 matches the committed manifest, and it decodes
 it with this unpickler, which resolves only the handful of classes DCP's
 metadata is made of.  Anything else is refused by name.
+
+Non-tensor items (optimizer ``param_groups``, RNG and dataloader state), which
+DCP's planners would ``torch.load(weights_only=False)``, are decoded by
+:func:`safe_byte_item` with torch's weights-only allow-list instead; users
+extend it with ``torch.serialization.add_safe_globals``.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
+import threading
 from typing import Any
 
 import torch
@@ -56,3 +63,68 @@ def load_dcp_metadata(data: bytes, *, where: str):
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{where}: decoded {type(metadata).__name__}, not DCP Metadata", path=where)
     return metadata
+
+
+# -- non-tensor items (DCP's BYTE_IO: optimizer param_groups, RNG and dataloader state) ---------------------------
+
+_decode_lock = threading.Lock()  # safe_globals() edits torch's process-wide allow-list
+
+
+@functools.cache
+def _dcp_state_globals() -> list:
+    """What DCP state dicts hold beyond torch's weights-only defaults: numpy RNG state and scalars, module extra state."""
+    extras: list = [frozenset, io.BytesIO]  # BytesIO: a module's opaque ``_extra_state`` (Transformer Engine)
+    try:
+        import numpy
+    except ImportError:
+        return extras
+    multiarray = numpy.core.multiarray if not hasattr(numpy, "_core") else numpy._core.multiarray
+    for name in ("_reconstruct", "scalar"):  # pickles name the module of the numpy that wrote them
+        function = getattr(multiarray, name)
+        extras += [(function, f"numpy.core.multiarray.{name}"), (function, f"numpy._core.multiarray.{name}")]
+    extras += [numpy.ndarray, numpy.dtype]
+    extras += [getattr(numpy.dtypes, n) for n in getattr(numpy.dtypes, "__all__", ())]
+    return extras
+
+
+def safe_byte_item(data: bytes, *, key: str, where: str) -> io.BytesIO:
+    """Decode a non-tensor item without running code (P11); return a stream for ``planner.load_bytes``.
+
+    DCP's planners decode these items with ``torch.load(weights_only=False)``,
+    so a crafted item (every digest recomputed) would run code.  This decodes
+    them with torch's weights-only unpickler, which honours the user's
+    ``torch.serialization.add_safe_globals`` / ``safe_globals`` (the opt-in for
+    their own classes), plus what DCP state dicts hold.  The returned stream
+    is the decoded object saved again, so the planner's unpickler only ever
+    sees bytes this process wrote, never the stored ones.
+    """
+    with _decode_lock:
+        missing = [g for g in _dcp_state_globals() if g not in torch.serialization.get_safe_globals()]
+        try:
+            with torch.serialization.safe_globals(missing):
+                value = torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CorruptCheckpointError(
+                f"{where}: refusing to decode non-tensor item {key!r}: {_refusal(e)}. Decoding it in full could run "
+                "code, so it was not loaded. If you trust this checkpoint and the type, allow it with "
+                "torch.serialization.add_safe_globals([...]) or the torch.serialization.safe_globals([...]) "
+                "context manager around the load",
+                key=key, path=where,
+            ) from None
+        except Exception as e:  # not a torch.save archive, truncated, a device this host lacks
+            raise CorruptCheckpointError(f"{where}: cannot decode non-tensor item {key!r} ({e})",
+                                         key=key, path=where) from None
+    stream = io.BytesIO()
+    torch.save(value, stream)
+    stream.seek(0)
+    return stream
+
+
+_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation", "(1)", "(2)")
+
+
+def _refusal(error: Exception) -> str:
+    """The line of torch's message that says what was refused, without its advice to load unsafely."""
+    lines = [line.strip().removeprefix("WeightsUnpickler error:").strip() for line in str(error).splitlines()]
+    relevant = [line for line in lines if line and not line.startswith(_BOILERPLATE)]
+    return (relevant or [type(error).__name__])[0].rstrip(".")
