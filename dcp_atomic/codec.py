@@ -167,8 +167,16 @@ class Decoder:
                 raise ValueError(f"frame does not decompress to its recorded {len(out)} bytes")
 
     def decode_into(self, stored: bytes | memoryview, width: int, out: memoryview) -> None:
-        """Fill ``out`` (one frame's logical bytes) from its stored form."""
-        stored = memoryview(stored).cast("B")
+        """Fill ``out`` (one frame's logical bytes) from its stored form; any damage is a ``ValueError``.
+
+        The reader and ``verify`` both decode through here, so they cannot disagree on what is damaged.
+        """
+        try:
+            self._decode_into(memoryview(stored).cast("B"), width, out)
+        except (RuntimeError, struct.error, zstandard.ZstdError) as e:
+            raise ValueError(f"{type(e).__name__}: {e}") from None
+
+    def _decode_into(self, stored: memoryview, width: int, out: memoryview) -> None:
         if width == 1 or len(stored) == len(out):
             self._inflate_into(stored, out)
             return

@@ -20,6 +20,7 @@ import math
 import logging
 import os
 import socket
+import struct
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,28 +28,28 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-import zstandard
 from torch.futures import Future
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from . import failpoints
 from .catalog import DEFAULT_TIMEOUT, resolve
-from .codec import Decoder, tensor_bytes
+from .codec import Decoder, plane_width, tensor_bytes
 from .commit import Committed
+from .container import find_payload
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
 from .identity import default_thread_count
 from .integrity import sha256_hex, verify_blocks, verify_segments
-from .layout import DCP_METADATA, RunLayout, validate_data_file_name
+from .layout import DCP_METADATA, RunLayout
 from .manifest import ItemExtent
 from .parallelism import Parallelism
 from .planners import LOAD_CONTEXT_ATTR
 from .reshard import LoadContext
 from .retry import Deadline
-from .safe_pickle import load_dcp_metadata
-from .storage import open_storage
+from .safe_pickle import load_dcp_metadata, safe_byte_item
+from .storage import RangeReader, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ class AtomicStorageReader(StorageReader):
         self._storage_data: dict = {}
         self._metadata: Metadata | None = None
         self._decoded: Metadata | None = None
-        self._extents: dict[tuple[str, int], ItemExtent] = {}
+        self._extents: dict[tuple, tuple[str, ItemExtent]] = {}  # (key, chunk offset) -> (file, extent)
+        self._chunks: dict[tuple, _Chunk] = {}  # (key, chunk offset) -> stored sizes and dtype
         self._file_sizes: dict[str, int] = {}
 
     # -- resolution (usable on its own: typed errors, no DCP wrapping) ---------------
@@ -150,7 +152,14 @@ class AtomicStorageReader(StorageReader):
         return committed
 
     def _read_dcp_metadata(self, committed: Committed) -> Metadata:
-        """``.metadata``, opened only if its digest is the manifest's, and every extent it names checked."""
+        """``.metadata``, opened only if its digest is the manifest's, then checked against the manifest.
+
+        Every stored item must be the one the manifest records (file, offset,
+        length, kind) and hold exactly its chunk's bytes in the stored dtype;
+        every tensor's chunks must tile its global shape.  All of this is
+        checked before a byte of data is read, so a bad item never half-fills
+        a destination.
+        """
         expected = committed.manifest.dcp_metadata
         path = self.layout.attempt_file(committed.step, committed.save_id, DCP_METADATA)
         try:
@@ -165,16 +174,29 @@ class AtomicStorageReader(StorageReader):
             )
         metadata = load_dcp_metadata(data, where=path)
         extents = committed.manifest.extent_index()
-        for index, info in (metadata.storage_data or {}).items():
-            name = getattr(info, "relative_path", None)
-            extent = extents.get((name, getattr(info, "offset", None)))
-            if extent is None or extent.length != getattr(info, "length", None):
-                raise CorruptCheckpointError(
-                    f"{path}: entry {getattr(index, 'fqn', index)!r} names {name!r} at offset "
-                    f"{getattr(info, 'offset', None)}, which the manifest does not record; refusing to read it",
-                    path=path,
-                )
+        try:
+            chunks, problems = _check_items(metadata, extents)
+            holes = _check_coverage(metadata)
+        except (AttributeError, TypeError, ValueError) as e:  # a .metadata of the right classes, wrongly built
+            raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path) from None
+        if problems:
+            raise CorruptCheckpointError(
+                f"{path}: {len(problems)} stored item(s) do not match the manifest; refusing to read them:\n  - "
+                + "\n  - ".join(text for _, text in problems[:20]) + ("\n  - ..." if len(problems) > 20 else ""),
+                path=path,
+                keys=sorted({key for key, _ in problems}),
+            )
+        if holes:
+            raise CorruptCheckpointError(
+                f"{path}: the stored chunks of {len(holes)} key(s) do not cover their tensors exactly (a partial "
+                "checkpoint, e.g. saved without collectives); loading would leave parts of them unset:\n  - "
+                + "\n  - ".join(f"{key!r}: {why}" for key, why in sorted(holes.items()))
+                + "\nLoad another step, or save again with every rank taking part.",
+                path=path,
+                keys=sorted(holes),
+            )
         self._extents = extents
+        self._chunks = chunks
         self._file_sizes = {f.name: f.size for f in committed.manifest.files}
         return metadata
 
@@ -276,77 +298,83 @@ class AtomicStorageReader(StorageReader):
             ) from None
 
     def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner, planner_lock: threading.Lock) -> None:
+        """Every item this rank reads from one data file, through one open handle (one NFS open, not one per item)."""
         committed = self.committed
         assert committed is not None
         path = self.layout.data_file(committed.step, committed.save_id, name)
         try:
-            actual = self.storage.size(path)
+            with self.storage.open_reader(path) as source:
+                actual = source.size()
+                if actual != self._file_sizes.get(name):
+                    raise CorruptCheckpointError(
+                        f"{path}: file has {actual} bytes, the manifest recorded {self._file_sizes.get(name)} "
+                        "(truncated or replaced); restore it or load another step",
+                        path=path,
+                    )
+                for item in sorted(items, key=lambda i: self._storage_info(i).offset):
+                    self._read_item(source, path, item, planner, planner_lock)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: data file named by the manifest is missing", path=path) from None
-        if actual != self._file_sizes.get(name):
+
+    def _read_item(self, source: RangeReader, path: str, item: ReadItem, planner: LoadPlanner,
+                   planner_lock: threading.Lock) -> None:
+        fqn = item.storage_index.fqn
+        ident = _item_id(item.storage_index)
+        extent = self._extents.get(ident, (None, None))[1]
+        what = f"{path} item {fqn!r}"
+        if extent is None or (item.type == LoadItemType.TENSOR and ident not in self._chunks):
+            raise CorruptCheckpointError(f"{what}: DCP metadata names an item the manifest does not", path=path, key=fqn)
+        if extent.format == "raw" and extent.kind == "tensor":
+            self._read_raw(source, item, extent, planner, planner_lock, what)
+            return
+        if self._read_in_place(source, item, extent, planner, planner_lock, what):
+            return
+        data = source.read_range(extent.pos, extent.length)
+        if len(data) != extent.length:
             raise CorruptCheckpointError(
-                f"{path}: file has {actual} bytes, the manifest recorded {self._file_sizes.get(name)} "
-                "(truncated or replaced); restore it or load another step",
+                f"{what}: file is truncated (read {len(data)} of {extent.length} bytes at offset {extent.pos})",
                 path=path,
             )
-        for item in sorted(items, key=lambda i: self._storage_info(i).offset):
-            info = self._storage_info(item)
-            extent = self._extents.get((name, info.offset))
-            what = f"{path} item {item.storage_index.fqn!r}"
-            if extent is None or extent.length != info.length:
-                raise CorruptCheckpointError(f"{what}: DCP metadata names an extent the manifest does not", path=path)
-            if extent.format == "raw" and extent.kind == "tensor":
-                self._read_raw(path, item, extent, planner, planner_lock, what)
-                continue
-            if self._read_in_place(path, item, extent, planner, planner_lock, what):
-                continue
-            try:
-                data = self.storage.read_range(path, extent.pos, extent.length)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"{path}: data file named by the manifest is missing", path=path) from None
-            if len(data) != extent.length:
-                raise CorruptCheckpointError(
-                    f"{what}: file is truncated (read {len(data)} of {extent.length} bytes at offset {extent.pos})",
-                    path=path,
-                )
-            if self.verify:
-                verify_blocks(data, extent.checksums, extent.block_size, what=what)
-            self._deliver(item, extent, data, planner, planner_lock, what)
+        if self.verify:
+            verify_blocks(data, extent.checksums, extent.block_size, what=what)
+        self._deliver(item, data, planner, planner_lock, what)
 
-    def _read_raw(self, path: str, item: ReadItem, extent: ItemExtent, planner: LoadPlanner,
+    def _read_raw(self, source: RangeReader, item: ReadItem, extent: ItemExtent, planner: LoadPlanner,
                   planner_lock: threading.Lock, what: str) -> None:
         """Raw-format tensor: decode only the blocks this read needs, into the destination if it can take them.
 
         A read that narrows only the first dimension (the usual resharding
         case: another rank count along dim 0) is a contiguous byte range of the
         stored chunk, so only the frames covering it are read and verified.
+        Elements are stored in the chunk's stored dtype (another than the
+        destination's when a planner cast at save); they are cast on copy, as
+        stock DCP does.
         """
-        stored = self._metadata.state_dict_metadata[item.storage_index.fqn]
-        chunk = next(c for c in stored.chunks if c.offsets == item.storage_index.offset)
-        dtype, sizes = stored.properties.dtype, tuple(chunk.sizes)
+        chunk = self._chunks[_item_id(item.storage_index)]
+        dtype, sizes = chunk.dtype, chunk.sizes
         offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
         with planner_lock:
             target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != lengths:
-            raise CorruptCheckpointError(f"{what}: destination shape {tuple(target.shape)} != read {lengths}")
-        element = torch.empty((), dtype=dtype).element_size()
+            raise CorruptCheckpointError(f"{what}: destination shape {tuple(target.shape)} != read {lengths}",
+                                         key=item.storage_index.fqn)
         dim0_only = all(o == 0 and n == c for o, n, c in zip(offsets[1:], lengths[1:], sizes[1:]))
         if dim0_only:
-            row = element * math.prod(sizes[1:])
+            row = dtype.itemsize * math.prod(sizes[1:])
             lo = offsets[0] * row if sizes else 0
             fits = (target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype)
             dest = target if fits else torch.empty(lengths, dtype=dtype)
-            self._decode(path, extent, lo, lo + dest.nbytes, tensor_bytes(dest), what)
+            self._decode(source, extent, lo, lo + dest.nbytes, tensor_bytes(dest), what)
             if dest is not target:
                 target.copy_(dest)
         else:
             whole = torch.empty(sizes, dtype=dtype)
-            self._decode(path, extent, 0, extent.logical, tensor_bytes(whole), what)
+            self._decode(source, extent, 0, extent.logical, tensor_bytes(whole), what)
             target.copy_(narrow_tensor_by_index(whole, offsets, lengths))
         with planner_lock:
             planner.commit_tensor(item, target)
 
-    def _decode(self, path: str, extent: ItemExtent, lo: int, hi: int, out: memoryview, what: str) -> None:
+    def _decode(self, source: RangeReader, extent: ItemExtent, lo: int, hi: int, out: memoryview, what: str) -> None:
         """Logical bytes [lo, hi) of a raw item into ``out``: read covering frames, verify each, decode.
 
         Uncompressed blocks that lie wholly inside the range are read straight
@@ -355,13 +383,14 @@ class AtomicStorageReader(StorageReader):
         """
         if hi <= lo:
             return
+        path = source.path
         size = extent.block_size
         first, last = lo // size, (hi - 1) // size
         inside = [i for i in range(first, last + 1) if i * size >= lo and min((i + 1) * size, extent.logical) <= hi]
         if extent.codec == "none" and inside:
             start, end = inside[0] * size, min((inside[-1] + 1) * size, extent.logical)
             target = out[start - lo : end - lo]
-            got = self.storage.readinto_range(path, extent.pos + start, target)
+            got = source.readinto_range(extent.pos + start, target)
             if got != end - start:
                 raise CorruptCheckpointError(
                     f"{what}: file is truncated (read {got} of {end - start} bytes at offset {extent.pos + start})",
@@ -375,7 +404,7 @@ class AtomicStorageReader(StorageReader):
         bounds = extent.frame_offsets()
         decoder = self._decoder()
         for i in sorted(set(edges)):
-            frame = self.storage.read_range(path, extent.pos + bounds[i], bounds[i + 1] - bounds[i])
+            frame = source.read_range(extent.pos + bounds[i], bounds[i + 1] - bounds[i])
             if len(frame) != bounds[i + 1] - bounds[i]:
                 raise CorruptCheckpointError(f"{what}: file is truncated (frame {i} at offset "
                                              f"{extent.pos + bounds[i]} is short)", path=path)
@@ -390,7 +419,8 @@ class AtomicStorageReader(StorageReader):
                     scratch = bytearray(block_hi - block_lo)
                     decoder.decode_into(frame, extent.planes, memoryview(scratch))
                     out[want_lo - lo : want_hi - lo] = scratch[want_lo - block_lo : want_hi - block_lo]
-            except (ValueError, zstandard.ZstdError) as e:
+            except ValueError as e:
+                # the frame matched its digest, so its recorded layout (block size, planes) is what is wrong
                 raise CorruptCheckpointError(f"{what}: frame {i} cannot be decoded ({e})", path=path) from None
 
     def _decoder(self) -> Decoder:
@@ -399,38 +429,43 @@ class AtomicStorageReader(StorageReader):
             decoder = self._decoders.decoder = Decoder()
         return decoder
 
-    def _read_in_place(self, path: str, item: ReadItem, extent: ItemExtent, planner: LoadPlanner,
+    def _read_in_place(self, source: RangeReader, item: ReadItem, extent: ItemExtent, planner: LoadPlanner,
                        planner_lock: threading.Lock, what: str) -> bool:
         """Read a whole stored chunk's payload straight into its destination tensor.
 
         Applies when the item is a torch.save container whose payload offset
         was recorded (see :mod:`.container`) and the destination is a
-        contiguous CPU tensor of the stored dtype and shape.  Header, payload
-        and trailer are then verified as one stream: no temporary tensor, one copy.
-        Returns False (nothing read) when it does not apply.
+        contiguous CPU tensor of the stored dtype and shape.  The offset is
+        trusted only if the zip entry ``data/0`` provably spans exactly
+        ``[payload, payload + nbytes)`` (local header before it, data
+        descriptor after it).  Header, payload and trailer are then verified
+        as one stream: no temporary tensor, one copy.  Returns False (nothing
+        delivered) when it does not apply: the item then loads the stock way.
         """
         if item.type != LoadItemType.TENSOR or extent.payload is None or any(item.storage_offsets):
             return False
-        stored = self._metadata.state_dict_metadata.get(item.storage_index.fqn) if self._metadata else None
-        chunk = next((c for c in getattr(stored, "chunks", ()) if c.offsets == item.storage_index.offset), None)
-        if chunk is None or tuple(chunk.sizes) != tuple(item.lengths):
+        chunk = self._chunks[_item_id(item.storage_index)]
+        if chunk.sizes != tuple(item.lengths):
             return False
         with planner_lock:
             target = planner.resolve_tensor(item).detach()
-        if (target.device.type != "cpu" or not target.is_contiguous() or target.dtype != stored.properties.dtype
-                or tuple(target.shape) != tuple(item.lengths)):
+        if (target.device.type != "cpu" or not target.is_contiguous() or target.dtype != chunk.dtype
+                or tuple(target.shape) != chunk.sizes):
             return False
         nbytes = target.nbytes
         tail_start = extent.payload + nbytes
-        if tail_start > extent.length:
-            raise CorruptCheckpointError(f"{what}: recorded payload does not fit its item", path=path)
-        head = self.storage.read_range(path, extent.pos, extent.payload)
-        payload = tensor_bytes(target)
-        got = self.storage.readinto_range(path, extent.pos + extent.payload, payload)
-        tail = self.storage.read_range(path, extent.pos + tail_start, extent.length - tail_start)
-        if len(head) != extent.payload or got != nbytes or len(tail) != extent.length - tail_start:
+        head = source.read_range(extent.pos, extent.payload)
+        tail = source.read_range(extent.pos + tail_start, extent.length - tail_start)
+        if len(head) != extent.payload or len(tail) != extent.length - tail_start:
             raise CorruptCheckpointError(
-                f"{what}: file is truncated (item of {extent.length} bytes at offset {extent.pos})", path=path
+                f"{what}: file is truncated (item of {extent.length} bytes at offset {extent.pos})", path=source.path
+            )
+        if not _payload_proven(head, tail, extent.payload, nbytes):
+            return False
+        payload = tensor_bytes(target)
+        if source.readinto_range(extent.pos + extent.payload, payload) != nbytes:
+            raise CorruptCheckpointError(
+                f"{what}: file is truncated (item of {extent.length} bytes at offset {extent.pos})", path=source.path
             )
         if self.verify:
             verify_segments([head, payload, tail], extent.checksums, extent.block_size, what=what)
@@ -438,24 +473,180 @@ class AtomicStorageReader(StorageReader):
             planner.commit_tensor(item, target)
         return True
 
-    def _deliver(self, item: ReadItem, extent: ItemExtent, data: bytes, planner: LoadPlanner,
-                 planner_lock: threading.Lock, what: str) -> None:
+    def _deliver(self, item: ReadItem, data: bytes, planner: LoadPlanner, planner_lock: threading.Lock,
+                 what: str) -> None:
+        fqn = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
             with planner_lock:
-                planner.load_bytes(item, io.BytesIO(data))
+                planner.load_bytes(item, safe_byte_item(data, key=fqn, where=what))  # P11: no code runs
             return
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
-            raise CorruptCheckpointError(f"{what}: cannot decode tensor ({e})", key=item.storage_index.fqn) from None
+            raise CorruptCheckpointError(f"{what}: cannot decode tensor ({e})", key=fqn) from None
+        chunk = self._chunks[_item_id(item.storage_index)]
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != chunk.dtype or tuple(tensor.shape) != chunk.sizes:
+            found = (f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
+                     else type(tensor).__name__)
+            raise CorruptCheckpointError(
+                f"{what}: stored chunk is {found}, the checkpoint records {chunk.dtype} {chunk.sizes}", key=fqn
+            )
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         with planner_lock:
             target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
             raise CorruptCheckpointError(
                 f"{what}: stored chunk has shape {tuple(tensor.size())}, destination expects {tuple(target.size())}",
-                key=item.storage_index.fqn,
+                key=fqn,
             )
         target.copy_(tensor)
         with planner_lock:
             planner.commit_tensor(item, target)
+
+
+# -- checks of .metadata against the manifest (before any data is read) ----------------------------------
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One stored tensor chunk as .metadata and the manifest together describe it."""
+
+    sizes: tuple[int, ...]
+    dtype: torch.dtype  # as stored: the manifest's ItemExtent.dtype where a planner cast, else .metadata's
+
+
+def _item_id(index: MetadataIndex) -> tuple[str, tuple[int, ...] | None]:
+    """An item's identity, as ``Manifest.extent_index`` keys it: (key, chunk offset)."""
+    return index.fqn, None if index.offset is None else tuple(index.offset)
+
+
+def _stored_dtype(name: str | None, planned: torch.dtype) -> torch.dtype | None:
+    if name is None:
+        return planned
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _check_items(metadata: Metadata, extents: dict) -> tuple[dict[tuple, _Chunk], list[tuple[str, str]]]:
+    """Each stored item against the manifest's record of it; returns the tensor chunks and every (key, problem)."""
+    described: dict[tuple, tuple[Any, tuple[int, ...] | None]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            described.update({(fqn, tuple(c.offsets)): (md, tuple(c.sizes)) for c in md.chunks})
+        else:
+            described[(fqn, None)] = (md, None)
+    chunks: dict[tuple, _Chunk] = {}
+    problems: list[tuple[str, str]] = []
+    storage = metadata.storage_data or {}
+    for index, info in storage.items():
+        ident, fqn = _item_id(index), index.fqn
+        name, extent = extents.get(ident, (None, None))
+        where = f"{fqn!r}" + ("" if index.offset is None else f" chunk {list(index.offset)}")
+        if extent is None or (name, extent.pos, extent.length) != (info.relative_path, info.offset, info.length):
+            problems.append((fqn, f"{where}: .metadata names {info.relative_path!r} at offset {info.offset} "
+                                 f"({info.length} bytes), which the manifest does not record"))
+            continue
+        md, sizes = described.get(ident, (None, None))
+        if md is None:
+            problems.append((fqn, f"{where}: stored in {name} but not described by .metadata"))
+            continue
+        kind = "tensor" if sizes is not None else "bytes"
+        if extent.kind != kind:
+            problems.append((fqn, f"{where}: the manifest records {extent.kind}, .metadata {kind}"))
+            continue
+        if sizes is None:
+            continue
+        dtype = _stored_dtype(extent.dtype, md.properties.dtype)
+        if dtype is None:
+            problems.append((fqn, f"{where}: unknown stored dtype {extent.dtype!r}"))
+            continue
+        nbytes = math.prod(sizes) * dtype.itemsize
+        if extent.format == "raw" and extent.logical != nbytes:
+            problems.append((fqn, f"{where}: holds {extent.logical} bytes; its chunk {list(sizes)} of {dtype} "
+                                 f"is {nbytes}"))
+        elif extent.format == "raw" and extent.codec == "zstd" and extent.planes != plane_width(dtype):
+            problems.append((fqn, f"{where}: {extent.planes} byte planes recorded for {dtype}"))
+        elif extent.format == "torch_save" and extent.payload is not None and extent.payload + nbytes > extent.length:
+            problems.append((fqn, f"{where}: payload of {nbytes} bytes at {extent.payload} overruns the "
+                                 f"{extent.length}-byte item"))
+        else:
+            chunks[ident] = _Chunk(sizes, dtype)
+    unnamed = sorted(set(extents) - {_item_id(i) for i in storage}, key=str)
+    if unnamed:
+        problems.append((unnamed[0][0], f"the manifest records {len(unnamed)} item(s) that .metadata does not name, "
+                                  f"e.g. {unnamed[0][0]!r}"))
+    return chunks, problems
+
+
+def _check_coverage(metadata: Metadata) -> dict[str, str]:
+    """Keys whose stored chunks do not tile the global shape exactly: key -> what is wrong."""
+    stored = {_item_id(i) for i in (metadata.storage_data or {})}
+    holes: dict[str, str] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            if (fqn, None) not in stored:
+                holes[fqn] = "not stored"
+            continue
+        missing = [list(c.offsets) for c in md.chunks if (fqn, tuple(c.offsets)) not in stored]
+        why = (f"{len(missing)} chunk(s) described but not stored, at {missing[:3]}" if missing
+               else _tiling_problem(tuple(md.size), md.chunks))
+        if why:
+            holes[fqn] = why
+    return holes
+
+
+def _tiling_problem(shape: tuple[int, ...], chunks) -> str | None:
+    """Why ``chunks`` do not tile ``shape`` exactly (all in bounds, volumes add up, no overlap), or None."""
+    total, covered, boxes = math.prod(shape), 0, []
+    for c in chunks:
+        offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+        if (len(offsets), len(sizes)) != (len(shape), len(shape)) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+            return f"chunk at {list(offsets)} of size {list(sizes)} lies outside the shape {list(shape)}"
+        volume = math.prod(sizes)
+        if volume:
+            covered += volume
+            boxes.append((offsets, sizes))
+    if covered != total:
+        return f"stored chunks hold {covered} of its {total} elements"
+    if _overlap(boxes):
+        return "stored chunks overlap, so other elements are missing"
+    return None
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether any two non-empty boxes intersect.
+
+    A sweep along the dimension with the most distinct offsets: row shards,
+    column shards and dp x tp grids cost O(n log n) plus, per box, the few
+    boxes that share its slab, so 1,000+ chunks per key stay cheap.
+    """
+    if len(boxes) < 2:
+        return False
+    ndim = len(boxes[0][0])
+    axis = max(range(ndim), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, sizes in sorted(boxes, key=lambda b: b[0][axis]):
+        active = [(o, s) for o, s in active if o[axis] + s[axis] > offsets[axis]]
+        for o, s in active:
+            if all(o[d] < offsets[d] + sizes[d] and offsets[d] < o[d] + s[d] for d in range(ndim)):
+                return True
+        active.append((offsets, sizes))
+    return False
+
+
+_DATA_DESCRIPTOR = b"PK\x07\x08"
+
+
+def _payload_proven(head: bytes, tail: bytes, payload: int, nbytes: int) -> bool:
+    """Whether the zip entry ``data/0`` of a torch.save item spans exactly ``[payload, payload + nbytes)``.
+
+    The local header must end exactly at ``payload`` (the writer's own proof,
+    :func:`.container.find_payload`), and the data descriptor torch writes
+    right after the entry must record ``nbytes`` (32- or 64-bit sizes).
+    """
+    if find_payload(head, [(payload, nbytes)], nbytes) != payload or not tail.startswith(_DATA_DESCRIPTOR):
+        return False
+    small = len(tail) >= 16 and struct.unpack_from("<II", tail, 8) == (nbytes, nbytes)
+    large = len(tail) >= 24 and struct.unpack_from("<QQ", tail, 8) == (nbytes, nbytes)
+    return small or large

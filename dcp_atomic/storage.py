@@ -14,9 +14,11 @@ small and explicit — how to publish a small control file:
   clients, ``rename`` does not);
 * ``replace``: publish over an existing name (POSIX: ``rename`` over it).
 
-Plain paths and ``file://`` URLs take the direct POSIX path (:class:`LocalStorage`);
-any other protocol, including a user's own fsspec filesystem, goes through the
-fsspec object (:class:`FsspecStorage`).
+Plain paths and ``file://`` URLs take the direct POSIX path (:class:`LocalStorage`;
+``storage_options`` it cannot honour are refused, not silently dropped); any
+other protocol, including a user's own fsspec filesystem, goes through the
+fsspec object (:class:`FsspecStorage`), with a warning naming what is lost
+(fsync, exclusive ``link()``) when that filesystem is a local-style one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ import os
 import posixpath
 import secrets
 import shutil
+import warnings
 from typing import IO, Any
+
+from .errors import ConfigurationError
 
 WRITE_BUFFER = 1 << 20
 
@@ -86,6 +91,15 @@ class Storage(abc.ABC):
     def size(self, path: str) -> int:
         """Size in bytes; ``FileNotFoundError`` if missing."""
 
+    def open_reader(self, path: str) -> "RangeReader":
+        """One handle for many ranged reads of ``path`` (one open, not one per item).
+
+        The default delegates to the path-based methods, which is right for
+        object stores (every ranged GET stands alone); ``LocalStorage`` keeps
+        one descriptor.  ``FileNotFoundError`` if missing, here or at first use.
+        """
+        return RangeReader(self, path)
+
     def modified(self, path: str) -> float | None:
         """Last modification time (epoch seconds), or None if unknown or missing."""
         return None
@@ -105,6 +119,16 @@ class Storage(abc.ABC):
     def sync_dir(self, path: str) -> None:
         """Make directory entries durable (the default: backends without directories need nothing)."""
 
+    def check_commit_support(self, directory: str, *, overwrite: bool = False) -> None:
+        """Refuse, before any data is written, a store the commit cannot work on (default: nothing to probe).
+
+        ``overwrite``: the commit will replace an existing marker (object stores need ``If-Match`` for it).
+        """
+
+    def is_dir(self, path: str) -> bool:
+        """Whether ``path`` exists as a directory (object stores: whether anything lies under the prefix)."""
+        return bool(self.list_dir(path))
+
     @abc.abstractmethod
     def list_dir(self, path: str) -> list[str]:
         """Names directly under ``path``; empty if it does not exist."""
@@ -117,17 +141,109 @@ class Storage(abc.ABC):
         return self.root
 
 
+class RangeReader:
+    """Ranged reads of one file through its storage's path-based methods (see ``Storage.open_reader``)."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage, self.path = storage, path
+
+    def read_range(self, offset: int, length: int) -> bytes:
+        """``length`` bytes from ``offset`` (fewer only at end of file)."""
+        return self.storage.read_range(self.path, offset, length) if length else b""
+
+    def readinto_range(self, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` from ``offset``; returns bytes read (short only at end of file)."""
+        return self.storage.readinto_range(self.path, offset, buffer) if len(buffer) else 0
+
+    def size(self) -> int:
+        return self.storage.size(self.path)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "RangeReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _LocalRangeReader(RangeReader):
+    """One descriptor for all reads of a file: on NFS every open is a server round trip."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read_range(self, offset: int, length: int) -> bytes:
+        buffer = bytearray(length)
+        return bytes(buffer[: self.readinto_range(offset, memoryview(buffer))])
+
+    def readinto_range(self, offset: int, buffer: memoryview) -> int:
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(self.fd, [buffer[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class LocalStorage(Storage):
     """POSIX files: local disks and NFS mounts."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
+        self._links_supported: set[int] = set()  # st_dev of filesystems whose link() probe passed
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
 
     def makedirs(self, path: str) -> None:
+        """``mkdir -p``, then fsync the parent of each directory created, so the marker never outlives its dirs."""
+        created = []
+        head = os.path.abspath(path)
+        while not os.path.isdir(head):
+            created.append(head)
+            head = os.path.dirname(head)
         os.makedirs(path, exist_ok=True)
+        for directory in reversed(created):
+            self.sync_dir(os.path.dirname(directory))
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def check_commit_support(self, directory: str, *, overwrite: bool = False) -> None:
+        """Probe ``link()`` once per filesystem: without hard links the commit would fail after all data is written."""
+        device = os.stat(directory).st_dev
+        if device in self._links_supported:
+            return
+        probe, linked = _temp_name(os.path.join(directory, "link-probe")), _temp_name(os.path.join(directory, "linked"))
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        try:
+            os.link(probe, linked)
+        except OSError as e:
+            if e.errno not in _NO_LINK_ERRNOS:
+                raise
+            raise ConfigurationError(
+                f"{directory}: this filesystem does not support hard links (link() failed: {e.strerror}), which "
+                "dcp_atomic's commit needs (the marker is published by link(), exclusive across clients). Object "
+                "storage mounts (gcsfuse, blobfuse) and some CIFS shares lack them: use a POSIX filesystem (local "
+                "disk, NFS) or the object store's URL (s3://...) as root",
+                path=directory,
+            ) from None
+        finally:
+            _unlink_quietly(probe)
+            _unlink_quietly(linked)
+        self._links_supported.add(device)
 
     def open_write(self, path: str) -> IO[bytes]:
         # "x": a data file is always new (P1), never truncates anything that exists.
@@ -164,6 +280,9 @@ class LocalStorage(Storage):
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
+
+    def open_reader(self, path: str) -> RangeReader:
+        return _LocalRangeReader(path)
 
     def modified(self, path: str) -> float | None:
         try:
@@ -235,6 +354,12 @@ class LocalStorage(Storage):
             pass
 
 
+_NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV}
+
+#: fsspec options that only tune fsspec's own caching or directory creation: the POSIX path honours them
+_LOCAL_OPTIONS = {"auto_mkdir", "skip_instance_cache", "use_listings_cache", "listings_expiry_time"}
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -255,7 +380,18 @@ class FsspecStorage(Storage):
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         import fsspec
 
+        from fsspec.implementations.local import LocalFileSystem
+
         fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        if isinstance(fs, LocalFileSystem):
+            warnings.warn(
+                f"{url}: {type(fs).__name__} is a local-style fsspec filesystem, so it goes through fsspec like any "
+                "other: data files and directories are not fsync()ed before the commit (a power loss can leave a "
+                "committed step with missing or empty files), and the marker is created by check-then-put instead "
+                "of an exclusive link() (not safe against two jobs committing the same step). Use a plain path or a "
+                "file:// URL for local disks and NFS",
+                stacklevel=3,
+            )
         self.fs = fs
         self.protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
         self.root = path.rstrip("/") or path
@@ -336,7 +472,15 @@ def open_storage(root: str | os.PathLike, storage_options: dict[str, Any] | None
         raise ValueError(f"root must be a non-empty path or URL, got {root!r}")
     if "://" not in root:
         return LocalStorage(root)
-    if root.startswith("file://") and not storage_options:
+    if root.startswith("file://"):
+        unsupported = sorted(set(storage_options or {}) - _LOCAL_OPTIONS)
+        if unsupported:
+            raise ConfigurationError(
+                f"{root}: storage_options {unsupported} cannot be honoured on the direct POSIX path (fsync, link()), "
+                f"and routing a file:// root through fsspec would lose both; drop them (accepted: "
+                f"{sorted(_LOCAL_OPTIONS)})",
+                root=root,
+            )
         return LocalStorage(root[len("file://") :])
     if root.startswith(("s3://", "s3a://")):
         from .s3 import S3Storage  # lazy: s3fs is an optional dependency

@@ -1,0 +1,332 @@
+"""Every manifest field checked: one-field mutations of a re-sealed manifest never load wrong values.
+
+Someone with write access (or a buggy tool) can recompute every control-file
+digest: the manifest's sha256 in the marker and the marker's self-checksum are
+identities, not MACs.  So each case here changes one field of ``manifest.json``
+(every field of every item and file, and the top-level ones), re-seals the
+chain, and loads through the reader in this process (no process group).  A load
+must either raise one of our typed errors (possibly wrapped by DCP) or give
+exactly the saved values; the manifest parser, ``audit_step`` (``verify``) and
+the CLI's ``show`` must never raise anything but our typed errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import io
+import json
+import os
+import pickle
+import random
+import time
+
+import pytest
+import torch
+
+RUN = "exp"
+
+
+# -- re-sealing (what anyone with write access can compute) ----------------------------------------------
+
+
+def seal(body: dict) -> bytes:
+    body = {k: v for k, v in body.items() if k != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps({**body, "checksum": hashlib.sha256(canonical).hexdigest()}, indent=1).encode()
+
+
+class Sealed:
+    """One committed step's control files, rewritten consistently: .metadata -> manifest -> marker."""
+
+    def __init__(self, root: str, step: int) -> None:
+        self.step_dir = os.path.join(root, RUN, f"step_{step:010d}")
+        self.marker_path = os.path.join(self.step_dir, "COMMITTED")
+        self.marker = json.load(open(self.marker_path))
+        self.attempt = os.path.join(self.step_dir, self.marker["save_id"])
+        self.manifest_path = os.path.join(self.attempt, "manifest.json")
+        self.manifest_bytes = open(self.manifest_path, "rb").read()
+        self.manifest = json.loads(self.manifest_bytes)
+        self.metadata_path = os.path.join(self.attempt, ".metadata")
+
+    def metadata(self):
+        return pickle.loads(open(self.metadata_path, "rb").read())  # our own, untampered file
+
+    def write_metadata(self, metadata) -> None:
+        data = pickle.dumps(metadata)
+        with open(self.metadata_path, "wb") as f:
+            f.write(data)
+        self.manifest["dcp_metadata"].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        self.write_manifest()
+
+    def write_manifest(self, data: bytes | None = None) -> bytes:
+        data = json.dumps(self.manifest, indent=1, sort_keys=True).encode() if data is None else data
+        with open(self.manifest_path, "wb") as f:
+            f.write(data)
+        self.marker["manifest_sha256"] = hashlib.sha256(data).hexdigest()
+        with open(self.marker_path, "wb") as f:
+            f.write(seal(self.marker))
+        return data
+
+    def items(self):
+        return [(entry, item) for entry in self.manifest["files"] for item in entry["items"]]
+
+
+# -- the checkpoints --------------------------------------------------------------------------------------
+
+FORMATS = {"raw": {}, "stock_readable": {"stock_readable": True}, "zstd": {"compression": "zstd"}}
+BLOCK = 256
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(11)
+    return {
+        "smooth": torch.linspace(-3, 3, 700),  # compressible: zstd frames with byte planes
+        "ones": torch.ones(48),  # compressible, one frame
+        "noise": torch.randn(13, 11, generator=g).to(torch.bfloat16),
+        "ints": torch.arange(90, dtype=torch.int64) * 7,
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(1.25),
+        "meta": {"epoch": 3, "tags": ["a", "b"]},
+    }
+
+
+def _template() -> dict:
+    return {"smooth": torch.full((700,), -7.0), "ones": torch.full((48,), -7.0), "noise": torch.full((13, 11), -7.0, dtype=torch.bfloat16),
+            "ints": torch.full((90,), -7, dtype=torch.int64), "empty": torch.zeros(0, 3),
+            "scalar": torch.tensor(-7.0), "meta": {"epoch": -1, "tags": []}}
+
+
+def _exact(got: dict) -> bool:
+    want = _state()
+    tensors = all(torch.equal(got[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))
+    return tensors and got["meta"] == want["meta"]
+
+
+def _save(root: str, step: int, options: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    dcp.save(_state(), storage_writer=AtomicStorageWriter(root, RUN, step, block_size=BLOCK, thread_count=2, **options))
+
+
+def typed(exc: BaseException) -> bool:
+    """One of our errors, raised directly or wrapped by DCP (CheckpointException, or torch 2.13's
+    AssertionError around a read_metadata failure, whose text carries our error's name)."""
+    from dcp_atomic import CheckpointError
+
+    seen, stack = set(), [exc]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, tuple):
+            e = e[0]
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CheckpointError):
+            return True
+        if isinstance(e, AssertionError) and "read failed: " in str(e) and "Error: " in str(e):
+            return True
+        stack += list((getattr(e, "failures", None) or {}).values()) + [e.__cause__, e.__context__]
+    return False
+
+
+def _load(root: str, step: int) -> tuple[str, str]:
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader
+
+    got = _template()
+    try:
+        reader = AtomicStorageReader(root, RUN, step, timeout=0.05, thread_count=2)
+        dcp.load(got, storage_reader=reader)
+    except BaseException as e:  # noqa: BLE001 - classified here
+        return ("refused" if typed(e) else "untyped"), f"{type(e).__name__}: {str(e)[-400:]}"
+    return ("exact" if _exact(got) else "silent"), ""
+
+
+def _side_tools(root: str, step: int, data: bytes, where: str) -> list[str]:
+    """Parser, audit and ``show`` on the mutated manifest: only our typed errors may escape."""
+    from dcp_atomic import CheckpointError, cli
+    from dcp_atomic.audit import audit_step
+    from dcp_atomic.layout import RunLayout
+    from dcp_atomic.manifest import Manifest
+    from dcp_atomic.storage import open_storage
+
+    problems = []
+    tools = {
+        "Manifest.from_json": lambda: Manifest.from_json(data, where=where),
+        "audit_step": lambda: audit_step(RunLayout(open_storage(root), RUN), step, threads=1, timeout=0.05),
+        "show": lambda: cli.main(["--timeout", "0.05", "show", root, RUN, str(step)]),
+    }
+    for name, tool in tools.items():
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                tool()
+        except CheckpointError:
+            pass
+        except BaseException as e:  # noqa: BLE001
+            problems.append(f"{name}: {type(e).__name__}: {e}")
+    return problems
+
+
+# -- mutations --------------------------------------------------------------------------------------------
+
+_ODD_VALUES = [None, -1, 0, 1, 2**40, 1.5, True, "x", [], {}, [1, 2], {"a": 1}]
+
+
+def _paths(manifest: dict) -> list[tuple]:
+    """Every field: top-level keys, nested records one level down, every file field, every item field."""
+    paths = []
+    for key, value in manifest.items():
+        if key == "files":
+            continue
+        paths.append((key,))
+        if isinstance(value, dict):
+            paths += [(key, k) for k in value]
+        elif isinstance(value, list):
+            paths += [(key, i) for i in range(len(value))]
+    for f, entry in enumerate(manifest["files"]):
+        paths += [("files", f, k) for k in entry if k != "items"] + [("files", f, "items")]
+        for i, item in enumerate(entry["items"]):
+            paths += [("files", f, "items", i, k) for k in item]
+    return paths
+
+
+def _siblings(manifest: dict, field: str) -> list:
+    """Values the same item field takes elsewhere in the manifest (a plausible swap)."""
+    return [item[field] for entry in manifest["files"] for item in entry["items"] if field in item]
+
+
+def _relabels(manifest: dict, item: dict) -> list[str]:
+    """Stored dtypes a garbled ``dtype`` field could name: other element sizes, and no dtype at all.
+
+    A relabel to another dtype of the same element size (bf16 -> fp16) is left
+    out on purpose: it is exactly what a planner casting to that dtype records,
+    and with every digest recomputed nothing else in the checkpoint tells the
+    two apart (as with re-sealed different data).
+    """
+    stored = item.get("dtype") or (manifest.get("keys", {}).get(item.get("key")) or {}).get("dtype")
+    size = getattr(torch, str(stored).removeprefix("torch."), torch.float32).itemsize
+    names = ["torch.float16", "torch.bfloat16", "torch.int8", "torch.float32", "torch.float64", "torch.int64"]
+    return [n for n in names if getattr(torch, n[6:]).itemsize != size] + ["torch.nope"]
+
+
+def _mutate(rng: random.Random, manifest: dict, path: tuple) -> str:
+    parent = manifest
+    for part in path[:-1]:
+        parent = parent[part]
+    last, old = path[-1], parent[path[-1]]
+    choices = ["odd", "delete"]
+    if isinstance(old, bool):
+        choices += ["flip"]
+    elif isinstance(old, int):
+        choices += ["nudge", "nudge", "nudge"]
+    if isinstance(old, str):
+        choices += ["swap", "swap", "string"]
+    if isinstance(old, list) and old:
+        choices += ["drop", "duplicate", "reverse"]
+    if isinstance(old, dict) and old:
+        choices += ["drop_key"]
+    if len(path) == 5:
+        choices += ["swap", "swap"]
+    kind = rng.choice(choices)
+    if kind == "odd":
+        new = rng.choice(_ODD_VALUES)
+    elif kind == "delete":
+        if isinstance(parent, list):
+            del parent[last]
+            return f"delete {path}"
+        del parent[last]
+        return f"delete {path}"
+    elif kind == "flip":
+        new = not old
+    elif kind == "nudge":
+        new = old + rng.choice([-64, -4, -2, -1, 1, 2, 4, 8, 64, 256])
+    elif kind == "swap":
+        pool = [v for v in _siblings(manifest, last) if v != old] if len(path) == 5 else []
+        pool += {"format": ["raw", "torch_save"], "codec": ["none", "zstd"], "kind": ["tensor", "bytes"],
+                 "dtype": _relabels(manifest, parent)}.get(last, [])
+        pool = [v for v in pool if v != old]
+        new = rng.choice(pool) if pool else rng.choice(_ODD_VALUES)
+    elif kind == "string":
+        new = old[:-1] if old else "x"
+    elif kind == "drop":
+        new = old[: rng.randrange(len(old))] + old[rng.randrange(len(old)) + 1:] if len(old) > 1 else []
+    elif kind == "duplicate":
+        new = old + [copy.deepcopy(rng.choice(old))]
+    elif kind == "reverse":
+        new = list(reversed(old)) if len(old) > 1 else old + old
+    else:  # drop_key
+        new = dict(old)
+        del new[rng.choice(sorted(new))]
+    parent[last] = new
+    return f"{kind} {path}: {str(old)[:60]} -> {str(new)[:60]}"
+
+
+def _fuzz(root: str, seed: int, rounds: int) -> list[dict]:
+    results = []
+    for step, (fmt, options) in enumerate(FORMATS.items()):
+        _save(root, step, options)
+        pristine = Sealed(root, step)
+        marker_bytes = open(pristine.marker_path, "rb").read()
+        assert _load(root, step)[0] == "exact", f"{fmt}: the pristine checkpoint must load"
+        paths = _paths(pristine.manifest)
+        for case in range(rounds * len(paths)):
+            rng = random.Random(f"{seed}/{fmt}/{case}")
+            path = paths[case % len(paths)]
+            ck = Sealed(root, step)
+            what = _mutate(rng, ck.manifest, path)
+            data = ck.write_manifest()
+            try:
+                outcome, detail = _load(root, step)
+                problems = _side_tools(root, step, data, ck.manifest_path)
+            finally:
+                with open(ck.manifest_path, "wb") as f:
+                    f.write(pristine.manifest_bytes)
+                with open(ck.marker_path, "wb") as f:
+                    f.write(marker_bytes)
+            results.append({"format": fmt, "mutation": what, "outcome": outcome, "detail": detail,
+                            "tools": problems})
+        assert _load(root, step)[0] == "exact", f"{fmt}: the checkpoint must be pristine again"
+    return results
+
+
+def test_one_field_mutations_of_a_resealed_manifest_never_load_wrong_values(root):
+    started = time.monotonic()
+    results = _fuzz(root, seed=20261130, rounds=2)
+    silent = [r for r in results if r["outcome"] == "silent"]
+    untyped = [r for r in results if r["outcome"] == "untyped"]
+    crashed = [r for r in results if r["tools"]]
+    assert not silent, f"{len(silent)} silent wrong loads, e.g. {silent[:5]}"
+    assert not untyped, f"{len(untyped)} loads failed without our typed error, e.g. {untyped[:5]}"
+    assert not crashed, f"{len(crashed)} tool crashes, e.g. {crashed[:5]}"
+    assert len(results) >= 300, len(results)
+    refused = sum(r["outcome"] == "refused" for r in results)
+    formats = {r["format"] for r in results if r["outcome"] == "refused"}
+    assert refused >= len(results) // 2 and formats == set(FORMATS), (refused, formats)
+    print(f"{len(results)} mutations, {refused} refused, {time.monotonic() - started:.1f}s")
+
+
+@pytest.mark.parametrize("case", ["payload_shifted", "format_flipped", "zstd_logical_length_missing"])
+def test_the_reviewers_silent_cases_are_refused_or_exact(root, case):
+    """The three one-field changes the outside review found loading wrong values silently."""
+    fmt = "zstd" if case.startswith("zstd") else "stock_readable"
+    _save(root, 1, FORMATS[fmt])
+    ck = Sealed(root, 1)
+    key = "ones" if fmt == "zstd" else "smooth"
+    item = next(i for _, i in ck.items() if i["key"] == key)
+    if case == "payload_shifted":
+        item["payload"] += 2
+    elif case == "format_flipped":
+        item["format"] = "raw"
+    else:
+        assert item["codec"] == "zstd" and len(item["checksums"]) == 1, "a one-frame compressed item"
+        del item["logical_length"]
+    ck.write_manifest()
+    outcome, detail = _load(root, 1)
+    assert outcome in ("refused", "exact"), (outcome, detail)
+    if case != "payload_shifted":  # a payload offset that cannot be proven loads the stock way, exactly
+        assert outcome == "refused" and key in detail, detail
