@@ -7,18 +7,26 @@ What it adds over the storage writer and reader:
   group with collectives on the main thread), so a dead or frozen peer inside
   DCP's collectives ends in bounded time and becomes a :class:`RankFailureError`
   naming the silent ranks (P8);
+* slow is not dead (P8): each rank's share of the work (planning, writing,
+  reading) ends at a barrier on the rendezvous store where peers are judged by
+  heartbeat within ``timeout`` and waited for up to ``work_timeout``, so DCP's
+  collectives start only when every rank is there (:mod:`.liveness`);
 * step resolution by global rank 0 alone (``LATEST``, else a scan) broadcast to
   the others, so all ranks load one version without every rank listing;
 * one save in flight; ``LATEST`` and retention move only after a save has
   *committed* (never when ``async_save`` merely returned);
 * typed errors: DCP's ``CheckpointException`` is unwrapped to our own classes,
   and a save DCP reports as failed after ``finish`` may have committed is
-  settled by reading the marker.
+  settled by reading the marker;
+* a committed save is never reported as failed (retention and ``on_saved``
+  errors are logged and counted), and a failed one is never swallowed (see
+  ``async_save``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import socket
@@ -36,6 +44,7 @@ from .commit import read_marker
 from .retry import Deadline
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigurationError, RankFailureError)
 from .layout import RunLayout, validate_step
+from .liveness import Heartbeat, OpWatch
 from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
 from .reader import AtomicStorageReader
@@ -47,6 +56,32 @@ log = logging.getLogger(__name__)
 
 SaveCallback = Callable[[dict[str, Any]], None]
 
+DEFAULT_WORK_TIMEOUT = 2 * 3600.0  # 100+ GB per rank on busy storage must fit; a dead peer is found far sooner
+
+
+def _operation(method: Callable) -> Callable:
+    """A public call: one operation number, identical on every rank (SPMD); peers see it in the heartbeat
+    while it runs, and a failure is posted so that peers waiting for this rank at a barrier stop at once."""
+
+    @functools.wraps(method)
+    def run(self: "CheckpointManager", *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise ConfigurationError("this CheckpointManager is closed")
+        self._ops += 1
+        op, heartbeat = self._ops, self._heartbeat
+        if heartbeat is None:
+            return method(self, *args, **kwargs)
+        heartbeat.started(op)
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            heartbeat.gave_up(op)
+            raise
+        finally:
+            heartbeat.idle()
+
+    return run
+
 
 class CheckpointManager:
     """Args:
@@ -54,10 +89,19 @@ class CheckpointManager:
         parallelism: this job's layout (None: inferred from DTensor meshes where possible).
         keep_last: keep this many most recently committed steps (None: keep all).
         compression: passed to the writer.
-        timeout: seconds for every wait, and the timeout of the manager's process groups.
+        timeout: seconds for every wait of the library, the timeout of the manager's process
+            groups, and the liveness deadline: a peer whose heartbeat stops for this long is
+            dead or frozen (RankFailureError naming it).
+        work_timeout: seconds one save or load may spend on its work (planning, writing,
+            reading; from the call on this rank) while every rank is alive: a peer that is
+            slow but alive is waited for this long, then named in a RankFailureError
+            (default 2 hours).
         process_group: use this group instead of creating one (the manager then cannot
             create a separate group for background saves and uses this one for both).
-        on_saved: callback receiving per-save statistics (rank 0 only).
+        on_saved: callback receiving per-save statistics (rank 0 only, once committed).
+            An exception in it is logged and counted in ``callback_failures``; the save
+            still returns. ``stats["retention_error"]`` says retention failed after the
+            commit (logged; the next save retries it).
         lease_seconds: age after which an uncommitted attempt counts as abandoned.
     """
 
@@ -72,6 +116,7 @@ class CheckpointManager:
         keep_last: int | None = None,
         compression: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        work_timeout: float = DEFAULT_WORK_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         thread_count: int | None = None,
@@ -88,6 +133,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.compression = compression
         self.timeout = timeout
+        self.work_timeout = work_timeout
+        self.callback_failures = 0
         self.thread_count = thread_count
         self.on_saved = on_saved
         self.lease_seconds = lease_seconds
@@ -105,46 +152,65 @@ class CheckpointManager:
             self._owned_groups = [self._group, self._async_group]
         self.rank = dist.get_rank(self._group) if self._distributed else 0
         self.world_size = dist.get_world_size(self._group) if self._distributed else 1
-        self._inflight: concurrent.futures.Future | None = None
+        self._inflight: _SaveFuture | None = None
         self._lock = threading.Lock()
         self._ops = 0  # operation counter: identical on all ranks (SPMD), names liveness keys
         CheckpointManager._instances += 1
         self._instance = CheckpointManager._instances
+        self._heartbeat: Heartbeat | None = None
+        if self._distributed and self.world_size > 1:
+            self._heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(),
+                                        f"dcp_atomic/{run_id}/{self._instance}", dist.get_rank(),
+                                        dist.get_process_group_ranks(self._group), timeout)
         self._closed = False
 
     # -- saving --------------------------------------------------------------------------
 
+    @_operation
     def save(self, step: int, state_dict: dict[str, Any]) -> int:
-        """Save and commit ``step`` synchronously; returns the step."""
-        self._check_open()
+        """Save and commit ``step`` synchronously; returns the step.
+
+        Raises the typed error if the save failed.  Before saving, raises the failure of an
+        earlier ``async_save`` that nothing has reported yet (see ``async_save``).
+        """
         self._drain()
-        writer = self._writer(step)
+        watch = self._watch(f"saving step {step}")
+        writer = self._writer(step, watch)
         started = time.perf_counter()
         try:
-            dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(), process_group=self._group)
+            dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch), process_group=self._group)
         except BaseException as e:  # CheckpointException is a BaseException
-            self._settle_failed_save(e, step, writer, self._ops)
+            self._settle_failed_save(e, step, writer, self._ops, watch)
+        else:
+            watch.finish()
         self._after_commit(step, writer, time.perf_counter() - started, stage_seconds=0.0)
         return step
 
+    @_operation
     def async_save(self, step: int, state_dict: dict[str, Any]) -> concurrent.futures.Future:
         """Stage ``state_dict`` to host memory now, write and commit in the background.
 
         Returns a future that resolves to ``step`` once the save has *committed*
         (and retention ran), or raises the typed error.  A second call first
         waits for the previous save.
+
+        A failure is never swallowed: it is raised once, by the first of the
+        returned future's ``result()`` / ``exception()``, ``wait()``, ``close()``,
+        or the next ``save`` / ``async_save`` / ``load`` (which then does
+        nothing else).  Every rank sees the same failure; call these the same
+        way on every rank.
         """
-        self._check_open()
         self._drain()
-        writer = self._writer(step)
+        watch = self._watch(f"saving step {step}")
+        writer = self._writer(step, watch)
         op = self._ops
-        result: concurrent.futures.Future = concurrent.futures.Future()
+        result = _SaveFuture()
         started = time.perf_counter()
         try:
-            pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(),
+            pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
                                      process_group=self._async_group)
         except BaseException as e:
-            self._settle_failed_save(e, step, writer, op)
+            self._settle_failed_save(e, step, writer, op, watch)
         stage_seconds = time.perf_counter() - started
         pending = getattr(pending, "upload_completion", pending)  # AsyncSaveResponse in some torch versions
 
@@ -153,7 +219,11 @@ class CheckpointManager:
                 try:
                     done.result()
                 except BaseException as e:
-                    self._settle_failed_save(e, step, writer, op)
+                    if self._heartbeat is not None:
+                        self._heartbeat.gave_up(op)
+                    self._settle_failed_save(e, step, writer, op, watch)
+                else:
+                    watch.finish()
                 self._after_commit(step, writer, time.perf_counter() - started, stage_seconds)
                 result.set_result(step)
             except BaseException as e:
@@ -165,18 +235,27 @@ class CheckpointManager:
         return result
 
     def wait(self) -> int | None:
-        """Wait for the in-flight save; raise its error if it failed. Returns its step."""
-        with self._lock:
-            inflight, self._inflight = self._inflight, None
-        return inflight.result() if inflight is not None else None
+        """Wait for the in-flight save and return its step (None if there is none).
+
+        Raises its failure unless it was already reported (see ``async_save``).
+        """
+        return self._drain()
 
     def close(self) -> None:
+        """Wait for the in-flight save and release the manager's process groups.
+
+        Then raises the save's failure unless it was already reported (see
+        ``async_save``), so a training loop that ends with ``close()`` cannot exit
+        cleanly without its last checkpoint.  Closing twice does nothing.
+        """
         if self._closed:
             return
         try:
             self._drain()
         finally:
             self._closed = True
+            if self._heartbeat is not None:
+                self._heartbeat.close()
             for group in self._owned_groups:
                 try:
                     dist.destroy_process_group(group)
@@ -187,14 +266,23 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is already on its way: report a failed save beside it, do not replace it
+            self.close()
+        except Exception as failure:
+            log.error("closing the checkpoint manager during %s: the last save failed: %s", exc_type.__name__, failure)
 
     # -- loading and listing -------------------------------------------------------------
 
+    @_operation
     def load(self, state_dict: dict[str, Any], step: int | None = None, allow_reshard: bool = False) -> int:
-        """Load ``step`` (default: the most recent commit) into ``state_dict``; returns the step loaded."""
-        self._check_open()
+        """Load ``step`` (default: the most recent commit) into ``state_dict``; returns the step loaded.
+
+        Before loading, raises the failure of an earlier ``async_save`` that nothing has reported yet.
+        """
         self._drain()
         chosen, save_id = self._on_rank0(lambda: self._resolve_step(step), "resolve the step to load")
         if chosen is None:
@@ -204,54 +292,59 @@ class CheckpointManager:
             )
         # Visibility waits get half the group timeout, so a rank that gives up still reaches the
         # exchange of outcomes in _resolve_everywhere before its peers' collective times out.
-        reader = AtomicStorageReader(self.root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
-                                     allow_reshard=allow_reshard, timeout=self.timeout / 2,
-                                     storage_options=self.storage_options, thread_count=self.thread_count)
+        watch = self._watch(f"loading step {chosen}")
+        reader = _WatchedReader(self.root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
+                                allow_reshard=allow_reshard, timeout=self.timeout / 2,
+                                storage_options=self.storage_options, thread_count=self.thread_count, watch=watch)
         self._resolve_everywhere(reader, chosen)
         try:
             dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
         except BaseException as e:
-            raise self._translate(e, f"loading step {chosen}") from None
+            raise watch.verdict or self._translate(e, f"loading step {chosen}") from None
+        watch.finish()
         log.info("loaded run %r step %d (save %s)", self.run_id, chosen, reader.save_id)
         return chosen
 
+    @_operation
     def latest_step(self) -> int | None:
         """The most recently committed step (global rank 0 scans, the others are told)."""
-        self._check_open()
         return self._on_rank0(
             lambda: scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout),
             "find the latest step")
 
+    @_operation
     def steps(self) -> list[int]:
         """Committed steps, ascending (global rank 0 scans, the others are told)."""
-        self._check_open()
         return self._on_rank0(lambda: [m.step for m in scan_markers(self.layout)], "list committed steps")
 
     # -- internals ------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConfigurationError("this CheckpointManager is closed")
-        self._ops += 1
-
-    def _writer(self, step: int) -> AtomicStorageWriter:
+    def _writer(self, step: int, watch: OpWatch) -> AtomicStorageWriter:
         validate_step(step)
-        return AtomicStorageWriter(self.root, self.run_id, step, parallelism=self.parallelism,
-                                   compression=self.compression, thread_count=self.thread_count,
-                                   timeout=self.timeout, storage_options=self.storage_options)
+        return _WatchedWriter(self.root, self.run_id, step, parallelism=self.parallelism,
+                              compression=self.compression, thread_count=self.thread_count,
+                              timeout=self.timeout, storage_options=self.storage_options, watch=watch)
 
-    def _save_planner(self) -> AtomicSavePlanner:
-        return AtomicSavePlanner(divergence=self.divergence)
+    def _save_planner(self, watch: OpWatch) -> AtomicSavePlanner:
+        return _WatchedSavePlanner(watch, divergence=self.divergence)
 
-    def _drain(self) -> None:
-        """Wait for a previous background save; its failure was reported through its future."""
+    def _watch(self, what: str) -> OpWatch:
+        return OpWatch(self._heartbeat, self._ops, self.work_timeout, what)
+
+    def _drain(self) -> int | None:
+        """Wait for the background save; raise its failure unless already reported. Returns its step."""
         with self._lock:
             inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            try:
-                inflight.result()
-            except BaseException as e:
-                log.warning("previous async save failed: %s", e)
+        if inflight is None:
+            return None
+        concurrent.futures.wait([inflight])
+        error = concurrent.futures.Future.exception(inflight)  # the base method: reading it here is not a report
+        if error is None:
+            return concurrent.futures.Future.result(inflight)
+        if inflight.reported:
+            return None
+        inflight.reported = True
+        raise error
 
     def _resolve_step(self, step: int | None) -> tuple[int | None, str | None]:
         """(step, save_id) to load, decided by rank 0: every rank then waits for that exact attempt."""
@@ -309,29 +402,52 @@ class CheckpointManager:
         return value
 
     def _after_commit(self, step: int, writer: AtomicStorageWriter, seconds: float, stage_seconds: float) -> None:
+        """Rank 0's bookkeeping once ``step`` is committed; nothing here may fail the save (it is durable,
+        and the other ranks have already returned): errors are logged and counted instead."""
         if self.rank != 0:
             return
-        markers = scan_markers(self.layout)  # one scan serves the branch check and retention
-        committed = [m.step for m in markers if m.step > step]
-        if committed:
-            log.info("step %d saved below committed step(s) %s: a new branch starts (rollback restart)", step,
-                     committed[:5])
-        if self.keep_last is not None:
-            plan = plan_gc(self.layout, self.keep_last, lease_seconds=self.lease_seconds, markers=markers)
-            if not plan.empty:
-                apply_gc(self.layout, plan)
         stats = {"step": step, "save_id": writer.save_id, "seconds": seconds, "stage_seconds": stage_seconds,
                  **(writer.last_stats or {})}
+        try:
+            self._retention(step, stats)
+        except Exception as e:  # EBUSY on NFS .nfsXXXX files, EIO, throttled deletes: the next save retries
+            stats["retention_error"] = f"{type(e).__name__}: {e}"
+            log.warning("run %r step %d is committed, but retention failed (the next save retries it): %s",
+                        self.run_id, step, stats["retention_error"], exc_info=True)
         if stats.get("bytes"):
             stats["gb_per_s"] = stats["bytes"] / max(seconds, 1e-9) / 1e9
         log.info("run %r step %d committed: %s", self.run_id, step,
                  ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
                            if k != "ranks"))
         if self.on_saved is not None:
-            self.on_saved(stats)
+            try:
+                self.on_saved(stats)
+            except Exception:
+                self.callback_failures += 1
+                log.exception("the on_saved callback failed for run %r step %d; the step is committed", self.run_id,
+                              step)
 
-    def _settle_failed_save(self, error: BaseException, step: int, writer: AtomicStorageWriter, op: int) -> None:
-        """DCP said the save failed; if our marker exists anyway, it committed (returns), else raise typed."""
+    def _retention(self, step: int, stats: dict[str, Any]) -> None:
+        markers = scan_markers(self.layout)  # one scan serves the branch check and retention
+        committed = [m.step for m in markers if m.step > step]
+        if committed:
+            log.info("step %d saved below committed step(s) %s: a new branch starts (rollback restart)", step,
+                     committed[:5])
+        if self.keep_last is None:
+            return
+        plan = plan_gc(self.layout, self.keep_last, lease_seconds=self.lease_seconds, markers=markers)
+        unreadable = getattr(plan, "unreadable_steps", None)
+        if unreadable:
+            stats["unreadable_steps"] = [s for s, _ in unreadable]
+            log.warning("retention keeps step(s) whose marker cannot be validated: %s",
+                        "; ".join(f"step {s}: {why}" for s, why in unreadable))
+        if not plan.empty:
+            apply_gc(self.layout, plan)
+
+    def _settle_failed_save(self, error: BaseException, step: int, writer: AtomicStorageWriter, op: int,
+                            watch: OpWatch) -> None:
+        """DCP said the save failed; if our marker exists anyway, it committed (returns), else raise typed
+        (a liveness verdict first: the gloo error that followed it names nobody)."""
         if writer.save_id is not None:
             try:  # rank 0 may have just created it on another client: allow for visibility lag
                 marker = read_marker(self.layout, step, Deadline(min(self.timeout, 5.0)))
@@ -341,7 +457,7 @@ class CheckpointManager:
                     return
             except Exception:
                 pass
-        raise self._translate(error, f"saving step {step}", op) from None
+        raise watch.verdict or self._translate(error, f"saving step {step}", op) from None
 
     def _translate(self, error: BaseException, what: str, op: int | None = None) -> BaseException:
         """Our own error type for anything DCP or the process group raised."""
@@ -420,3 +536,63 @@ def _is_peer_failure(error: BaseException) -> bool:
 def _first_line(error: BaseException) -> str:
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[-1][:300] if lines else ''}"
+
+
+class _SaveFuture(concurrent.futures.Future):
+    """An async save's future that knows whether its failure has been reported to anyone."""
+
+    reported = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        finally:
+            self.reported |= self.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        error = super().exception(timeout)
+        self.reported = True
+        return error
+
+
+class _WatchedSavePlanner(AtomicSavePlanner):
+    """Ends the planning share at a liveness barrier: staging an async save, or rank 0's retention
+    after the previous save, may keep one rank longer than the group timeout."""
+
+    def __init__(self, watch: OpWatch, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.watch = watch
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        try:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        except BaseException:
+            self.watch.wait_all("plan", quiet=True)
+            raise
+
+    def create_local_plan(self):
+        return self.watch.run("plan", super().create_local_plan)
+
+
+class _WatchedWriter(AtomicStorageWriter):
+    """Ends each rank's writes at a liveness barrier, so DCP's following gather starts together."""
+
+    def __init__(self, *args: Any, watch: OpWatch, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.watch = watch
+
+    def write_data(self, plan, planner):
+        write = super().write_data
+        return self.watch.run("write", lambda: write(plan, planner))
+
+
+class _WatchedReader(AtomicStorageReader):
+    """Ends each rank's reads at a liveness barrier, so DCP's following all_gather starts together."""
+
+    def __init__(self, *args: Any, watch: OpWatch, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.watch = watch
+
+    def read_data(self, plan, planner):
+        read = super().read_data
+        return self.watch.run("read", lambda: read(plan, planner))

@@ -44,6 +44,7 @@ from tests.fault_fixtures import debris, failpoint_env, gc_all_debris, nfs_clien
 from tests.harness import run_world
 
 RUN = "exp"
+WORK_TIMEOUT = 8.0  # the manager's work limit: a rank alive but stuck longer is named
 TIMEOUT = 3.0  # the manager's timeout: its gloo groups and every library wait
 NFS_CACHE_S = 1.0
 WORLD = 2
@@ -111,7 +112,9 @@ def _job_with_fault(ctx, big, prepare):
     from dcp_atomic import CheckpointManager
 
     root = ctx.extra["roots"][ctx.rank]
-    manager = CheckpointManager(root, RUN, timeout=TIMEOUT, thread_count=1)
+    # A hung NFS server leaves its client alive (heartbeats go on) with a write that never returns: P8
+    # names it at work_timeout, kept short here so the cell stays fast.
+    manager = CheckpointManager(root, RUN, timeout=TIMEOUT, work_timeout=WORK_TIMEOUT, thread_count=1)
     manager.save(1, _state(ctx.rank, 1, big))
     if prepare:
         if ctx.rank == 0:
