@@ -1,11 +1,11 @@
 """Finding committed steps: ``list_steps``, ``latest_step`` and step resolution.
 
-"Latest" is the most recently *committed* step (the marker's commit time), not
-the highest number, so after a rollback restart the live branch's new steps
-win over abandoned higher-numbered ones.  Scanning is done by one process
-(global rank 0, the CLI): hundreds of ranks listing at once overload object
-stores, and NFS listings are stale.  Other ranks read ``LATEST`` and markers by
-exact name.
+"Latest" is the most recently *committed* step (the marker's commit sequence
+number, P10, never a wall clock), not the highest number, so after a rollback
+restart the live branch's new steps win over abandoned higher-numbered ones.
+Scanning is done by one process (global rank 0, the CLI): hundreds of ranks
+listing at once overload object stores, and NFS listings are stale.  Other
+ranks read ``LATEST`` and markers by exact name.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from .commit import Committed, read_committed, read_latest, read_marker, write_latest
+from .commit import Committed, commit_order, read_committed, read_latest, read_marker, write_latest
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .layout import RunLayout, parse_step_dir
 from .manifest import Marker
@@ -28,13 +28,15 @@ DEFAULT_TIMEOUT = 120.0
 SCAN_RETRY_SECONDS = 1.0  # how long a scan re-reads a marker that looks torn
 
 
-def scan_markers(layout: RunLayout, *, strict: bool = False) -> list[Marker]:
+def scan_markers(layout: RunLayout, *, strict: bool = False,
+                 unreadable: list[tuple[int, str]] | None = None) -> list[Marker]:
     """Every valid commit marker of the run, ascending by step (one process only).
 
     A marker that fails validation is re-read for a moment (it may be a torn
-    read of one being replaced); if it stays bad it is skipped with a warning,
-    or, with ``strict``, raised: a resume decision must not quietly fall back
-    to an older step because the newest marker is damaged.
+    read of one being replaced); if it stays bad it is skipped with a warning
+    and appended to ``unreadable`` as (step, reason), or, with ``strict``,
+    raised: a resume decision must not quietly fall back to an older step
+    because the newest marker is damaged.
     """
     markers = []
     for name in layout.storage.list_dir(layout.run_dir):
@@ -53,11 +55,13 @@ def scan_markers(layout: RunLayout, *, strict: bool = False) -> list[Marker]:
                     **e.details,
                 ) from None
             log.warning("ignoring step %d: %s", step, e)
+            if unreadable is not None:
+                unreadable.append((step, e.message))
     return sorted(markers, key=lambda m: m.step)
 
 
 def most_recent(markers: list[Marker]) -> Marker | None:
-    return max(markers, key=lambda m: (m.committed_at, m.step), default=None)
+    return max(markers, key=commit_order, default=None)
 
 
 def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id: str | None = None) -> Committed:
@@ -72,7 +76,7 @@ def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id:
             latest = read_latest(layout, deadline)
             committed = read_committed(layout, latest.step, deadline)
             marker = committed.marker
-            current = marker.save_id == latest.save_id or marker.committed_at >= latest.committed_at
+            current = marker.save_id == latest.save_id or commit_order(marker) >= commit_order(latest)
             expected = f"LATEST names save {latest.save_id} of step {latest.step}"
         else:
             committed = read_committed(layout, step, deadline)
@@ -118,21 +122,17 @@ def latest_step(
         current = read_latest(layout, Deadline(min(timeout, SCAN_RETRY_SECONDS)))
     except (CheckpointNotFoundError, CorruptCheckpointError):
         current = None
-    if current is not None and (newest is None or _order(current) > _order(newest)):
+    if current is not None and (newest is None or commit_order(current) > commit_order(newest)):
         try:
             marker = read_marker(layout, current.step, Deadline(timeout))
-            if marker.save_id == current.save_id or marker.committed_at >= current.committed_at:
+            if marker.save_id == current.save_id or commit_order(marker) >= commit_order(current):
                 return current.step  # the scan is behind (stale listing); LATEST is verified by its marker
         except CheckpointNotFoundError:
             log.warning("LATEST of run %r names step %d, whose marker does not exist", run_id, current.step)
     if newest is None:
         return None
-    if repair and (current is None or _order(newest) > _order(current)):
+    if repair and (current is None or commit_order(newest) > commit_order(current)):
         log.warning("LATEST of run %r named %s; moving it forward to step %d (save %s)", run_id,
                     f"step {current.step}" if current else "nothing readable", newest.step, newest.save_id)
         write_latest(layout, newest)
     return newest.step
-
-
-def _order(record) -> tuple[float, int]:
-    return (record.committed_at, record.step)

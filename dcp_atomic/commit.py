@@ -14,14 +14,19 @@ P1-P3 of the design, in order, executed by global rank 0 alone inside DCP's
    ``overwrite=True`` re-save, put over the old marker by rename once the new
    attempt is complete;
 4. ``LATEST`` is replaced.  It is only a hint: a crash before this step leaves
-   the step committed, and the next save or ``latest_step`` repairs it.
+   the step committed, and ``latest_step`` repairs it.
+
+"Most recent" is decided by the marker's commit ``sequence`` (P10), never by
+comparing the wall clocks of the hosts that committed; see :func:`next_sequence`.
 
 A crash at any point before 3 leaves the previous marker (and so the previous
 checkpoint) untouched; the orphaned attempt is collectable by ``gc``.
 
 The read side lives here too, because it must agree with the write side on what
 counts as committed: a marker that parses, passes its self-checksum and whose
-manifest hashes to the digest it names.
+manifest hashes to the digest it names.  A file that is not visible yet is
+waited for until the deadline; one that is visible but damaged gets a short
+re-read and is then reported (P9).
 """
 
 from __future__ import annotations
@@ -32,13 +37,20 @@ from dataclasses import dataclass
 from . import failpoints
 from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
 from .integrity import sha256_hex
-from .layout import DCP_METADATA, MANIFEST, RunLayout
+from .layout import DCP_METADATA, MANIFEST, RunLayout, parse_step_dir
 from .manifest import Latest, Manifest, Marker, now
-from .retry import Deadline, retry_until
+from .retry import REREAD_SECONDS, Deadline, retry_until
 from .version import __version__
 
 log = logging.getLogger(__name__)
 _warned_roots: set[str] = set()
+_last_sequence: dict[str, int] = {}  # run directory -> the last sequence this process committed there
+
+
+def commit_order(record: Marker | Latest) -> tuple[bool, int, float, int]:
+    """Sort key of commits (P10): by sequence; records from before sequences existed rank below every sequenced
+    one and among themselves by commit time, as that version ordered them."""
+    return (record.sequence is not None, record.sequence or 0, record.committed_at, record.step)
 
 
 @dataclass
@@ -83,6 +95,7 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
         manifest_sha256=sha256_hex(manifest_bytes),
         committed_at=now(),
         library_version=__version__,
+        sequence=next_sequence(layout),
     )
     marker_path = layout.marker(step)
     if not storage.exclusive_create_is_atomic and storage.describe() not in _warned_roots:
@@ -107,14 +120,51 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
                 winner=existing.save_id,
             )
     storage.sync_dir(layout.step_dir(step))
+    _last_sequence[layout.run_dir] = marker.sequence
     failpoints.hit("commit.after_marker", rank)
     write_latest(layout, marker)
     failpoints.hit("commit.after_latest", rank)
     return marker
 
 
+def next_sequence(layout: RunLayout) -> int:
+    """The sequence number of the commit global rank 0 is about to make: the newest one it can find, + 1.
+
+    Cheap and by exact name: ``LATEST``, the marker it names (an ``overwrite=True`` re-save of that step may have
+    replaced it and crashed before ``LATEST``), and the last number this process committed to the run.  A
+    ``LATEST`` without a number (written before sequences existed) or a damaged one makes rank 0, the one process
+    that may list, scan the markers once.  A missing ``LATEST`` is a run's first commit: no listing, number 1.
+
+    Guaranteed: numbers increase along every chain of commits in which each ``LATEST`` was written, or repaired by
+    ``latest_step()`` (``CheckpointManager`` calls it on every resume), or the commits came from one process.
+    A crash between another step's marker and ``LATEST``, followed by a new job that resumes without
+    ``latest_step()``, can give its first commit the orphan's number; :func:`commit_order` then falls back to
+    commit time for that pair.
+    """
+    found = [_last_sequence.get(layout.run_dir)]
+    try:
+        latest: Latest | None = retry_until(lambda: _read_latest_once(layout), deadline=Deadline(REREAD_SECONDS),
+                                            retry_on=(), reread_on=(CorruptCheckpointError,))
+    except FileNotFoundError:
+        return (found[0] or 0) + 1
+    except CorruptCheckpointError:
+        latest = None
+    if latest is not None and latest.sequence is not None:
+        found.append(latest.sequence)
+        try:
+            found.append(_read_marker_once(layout, latest.step).sequence)
+        except (FileNotFoundError, CorruptCheckpointError):
+            pass  # deleted or damaged since: LATEST's own number stands
+    else:
+        from .catalog import scan_markers  # lazy: catalog builds on this module
+
+        found.extend(m.sequence for m in scan_markers(layout))
+    return max((n for n in found if n is not None), default=0) + 1
+
+
 def write_latest(layout: RunLayout, marker: Marker) -> None:
-    latest = Latest(run_id=layout.run_id, step=marker.step, save_id=marker.save_id, committed_at=marker.committed_at)
+    latest = Latest(run_id=layout.run_id, step=marker.step, save_id=marker.save_id, committed_at=marker.committed_at,
+                    sequence=marker.sequence)
     layout.storage.replace(layout.latest(), latest.to_json())
 
 
@@ -123,16 +173,23 @@ def _read_marker_once(layout: RunLayout, step: int) -> Marker:
     return Marker.from_json(layout.storage.read_file(path), where=path)
 
 
-def read_marker(layout: RunLayout, step: int, deadline: Deadline, *, missing_ok: bool = False) -> Marker:
-    """The step's marker, waiting out visibility lag and torn reads until ``deadline``.
+def _read_latest_once(layout: RunLayout) -> Latest:
+    path = layout.latest()
+    return Latest.from_json(layout.storage.read_file(path), where=path)
 
+
+def read_marker(layout: RunLayout, step: int, deadline: Deadline, *, missing_ok: bool = False) -> Marker:
+    """The step's marker, waiting out visibility lag until ``deadline``.
+
+    A marker that fails its self-checksum or does not parse (torn by a
+    concurrent replace, or damaged) is re-read for a moment, then reported.
     With ``missing_ok`` a missing marker is not waited for (a scan of steps that
     may simply be uncommitted) and surfaces as ``FileNotFoundError``.
     """
     path = layout.marker(step)
-    retry_on: tuple = (CorruptCheckpointError,) if missing_ok else (FileNotFoundError, CorruptCheckpointError)
     try:
-        marker = retry_until(lambda: _read_marker_once(layout, step), deadline=deadline, retry_on=retry_on)
+        marker = retry_until(lambda: _read_marker_once(layout, step), deadline=deadline,
+                             retry_on=() if missing_ok else (FileNotFoundError,), reread_on=(CorruptCheckpointError,))
     except FileNotFoundError:
         if missing_ok:
             raise
@@ -166,8 +223,9 @@ def read_committed(layout: RunLayout, step: int, deadline: Deadline) -> Committe
             )
         return data, digest
 
-    try:
-        data, digest = retry_until(load, deadline=deadline, retry_on=(FileNotFoundError, CorruptCheckpointError))
+    try:  # the marker names it, so a missing manifest is lag; a damaged one gets a short re-read (P9)
+        data, digest = retry_until(load, deadline=deadline, retry_on=(FileNotFoundError,),
+                                   reread_on=(CorruptCheckpointError,))
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{path}: the commit marker of step {step} names this manifest but it cannot be read", path=path
@@ -179,13 +237,35 @@ def read_committed(layout: RunLayout, step: int, deadline: Deadline) -> Committe
 
 
 def read_latest(layout: RunLayout, deadline: Deadline) -> Latest:
+    """``LATEST`` by exact name.  A missing one is waited for only while the run shows a trace of a save (P9).
+
+    ``LATEST`` is legitimately missing while a run's first commit is between its
+    marker and ``LATEST``, or before a repair.  So at the first miss the run
+    directory is listed once (one request, only on a run without ``LATEST``): no
+    step directory means nothing was ever saved there, reported at once.
+    """
     path = layout.latest()
+    listed = False
+
+    def attempt() -> Latest:
+        nonlocal listed
+        try:
+            return _read_latest_once(layout)
+        except FileNotFoundError:
+            if not listed:
+                listed = True
+                if not any(parse_step_dir(name) is not None for name in layout.storage.list_dir(layout.run_dir)):
+                    raise CheckpointNotFoundError(
+                        f"no checkpoint committed for run {layout.run_id!r}: nothing was ever saved there "
+                        f"({layout.run_dir} holds no step directory and no LATEST). Check root and run_id, or start "
+                        f"training from scratch.",
+                        path=path,
+                    ) from None
+            raise
+
     try:
-        return retry_until(
-            lambda: Latest.from_json(layout.storage.read_file(path), where=path),
-            deadline=deadline,
-            retry_on=(FileNotFoundError, CorruptCheckpointError),
-        )
+        return retry_until(attempt, deadline=deadline, retry_on=(FileNotFoundError,),
+                           reread_on=(CorruptCheckpointError,))
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"no checkpoint committed for run {layout.run_id!r}: {path} does not exist "

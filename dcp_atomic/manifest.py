@@ -10,6 +10,7 @@ Nothing here is ever unpickled.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from .errors import CorruptCheckpointError
 from .integrity import sha256_hex
 from .layout import validate_data_file_name, validate_run_id, validate_save_id, validate_step
+from .parallelism import Parallelism
 
 SCHEMA_VERSION = 1
 MAX_BYTES = 1 << 50  # anything larger is a hostile or garbled size, not a real file
@@ -39,6 +41,7 @@ class ItemExtent:
     planes: int = 1  # raw+zstd items: bytes per element split into planes
     logical_length: int | None = None  # raw items: tensor bytes before compression
     frames: list[int] | None = None  # raw+zstd items: stored length of each block's frame
+    dtype: str | None = None  # element dtype actually stored, when a planner resolved another than .metadata's
 
     @property
     def logical(self) -> int:
@@ -86,8 +89,20 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
-    def extent_index(self) -> dict[tuple[str, int], ItemExtent]:
-        return {(f.name, item.pos): item for f in self.files for item in f.items}
+    def extent_index(self) -> dict[tuple[str, tuple[int, ...] | None], tuple[str, ItemExtent]]:
+        """Every item by its DCP identity (key, chunk offset) -> (file name, extent).
+
+        Not by (file, offset): a zero-element chunk shares its offset with the
+        item after it.  Two items with one identity raise ``ValueError``.
+        """
+        index = {}
+        for f in self.files:
+            for item in f.items:
+                ident = (item.key, None if item.chunk_offset is None else tuple(item.chunk_offset))
+                if ident in index:
+                    raise ValueError(f"two items for key {item.key!r} at chunk offset {item.chunk_offset}")
+                index[ident] = (f.name, item)
+        return index
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> "Manifest":
@@ -104,25 +119,28 @@ class Manifest:
                 )
                 for f in raw["files"]
             ]
-            meta = raw["dcp_metadata"]
+            meta = _dict(raw["dcp_metadata"])
             _expect(meta["name"] == ".metadata", where, "dcp_metadata.name must be .metadata")
             _nonneg(meta["size"])
             _expect(isinstance(meta["sha256"], str) and len(meta["sha256"]) == 64, where, "bad sha256")
-            return cls(
+            manifest = cls(
                 run_id=validate_run_id(raw["run_id"]),
                 step=validate_step(raw["step"]),
                 save_id=validate_save_id(raw["save_id"]),
                 world_size=_nonneg(raw["world_size"]),
-                parallelism=raw.get("parallelism"),
-                ranks=list(raw["ranks"]),
+                parallelism=_parallelism(raw.get("parallelism")),
+                ranks=[_record(r, host=str) for r in _list(raw["ranks"])],
                 files=files,
                 dcp_metadata=meta,
-                versions=dict(raw["versions"]),
-                started_at=float(raw["started_at"]),
-                written_at=float(raw["written_at"]),
-                stats=list(raw.get("stats", [])),
-                keys=dict(raw.get("keys", {})),
+                versions={str(k): _str(v) for k, v in _dict(raw["versions"]).items()},
+                started_at=_number(raw["started_at"]),
+                written_at=_number(raw["written_at"]),
+                stats=[_record(s, rank=int, bytes=int, items=int, write_seconds=float, fsync_seconds=float)
+                       for s in _list(raw.get("stats", []))],
+                keys={str(k): _key_record(v) for k, v in _dict(raw.get("keys", {})).items()},
             )
+            manifest.extent_index()  # one item per (key, chunk offset)
+            return manifest
         except CorruptCheckpointError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -131,22 +149,27 @@ class Manifest:
 
 def _parse_extent(raw: dict, file_size: int) -> ItemExtent:
     item = ItemExtent(
-        key=str(raw["key"]),
-        chunk_offset=None if raw["chunk_offset"] is None else [_nonneg(x) for x in raw["chunk_offset"]],
+        key=_str(raw["key"]),
+        chunk_offset=None if raw["chunk_offset"] is None else [_nonneg(x) for x in _list(raw["chunk_offset"])],
         kind=raw["kind"],
         format=raw["format"],
         pos=_nonneg(raw["pos"]),
         length=_nonneg(raw["length"]),
-        checksums=[str(c) for c in raw["checksums"]],
+        checksums=[_str(c) for c in _list(raw["checksums"])],
         block_size=_nonneg(raw["block_size"]),
         payload=None if raw.get("payload") is None else _nonneg(raw["payload"]),
         codec=raw.get("codec", "none"),
         planes=_nonneg(raw.get("planes", 1)),
         logical_length=None if raw.get("logical_length") is None else _nonneg(raw["logical_length"]),
-        frames=None if raw.get("frames") is None else [_nonneg(x) for x in raw["frames"]],
+        frames=None if raw.get("frames") is None else [_nonneg(x) for x in _list(raw["frames"])],
+        dtype=None if raw.get("dtype") is None else _str(raw["dtype"]),
     )
     if item.kind not in ("tensor", "bytes") or item.format not in ("torch_save", "raw"):
         raise ValueError(f"unknown item kind/format {item.kind}/{item.format}")
+    if (item.kind == "tensor") != (item.chunk_offset is not None) or (item.kind == "bytes" and item.dtype is not None):
+        raise ValueError(f"{item.kind} item {item.key!r} with chunk offset {item.chunk_offset} / dtype {item.dtype}")
+    if item.dtype is not None and not _DTYPE_NAME.fullmatch(item.dtype):
+        raise ValueError(f"stored dtype {item.dtype!r} of {item.key!r} is not a torch dtype name")
     if item.block_size <= 0 or item.pos + item.length > file_size:
         raise ValueError(f"extent of {item.key!r} lies outside its file")
     if item.payload is not None and item.payload > item.length:
@@ -159,6 +182,10 @@ def _parse_extent(raw: dict, file_size: int) -> ItemExtent:
         raise ValueError(f"frames of {item.key!r} do not add up to its stored length")
     if item.codec == "none" and item.logical != item.length:
         raise ValueError(f"uncompressed item {item.key!r} with differing stored and logical lengths")
+    if item.codec == "zstd" and (item.logical_length is None or item.frames is None):
+        raise ValueError(f"compressed item {item.key!r} lacks its logical length or frame sizes")
+    if item.codec == "zstd" and (item.logical % item.planes or item.block_size % item.planes):
+        raise ValueError(f"compressed item {item.key!r}: lengths are not whole elements of {item.planes} planes")
     return item
 
 
@@ -171,10 +198,13 @@ class Marker:
     save_id: str
     manifest: str  # path relative to the step directory: "<save_id>/manifest.json"
     manifest_sha256: str
-    committed_at: float
+    committed_at: float  # rank 0's wall clock: informative only (P10)
     library_version: str
     kind: str = "dcp_atomic.commit"
     schema_version: int = SCHEMA_VERSION
+    # Commit order (P10): the previous commit's number + 1.  None in markers written before it existed; readers
+    # of that version ignore the field (they pick the fields they know), so the schema version stays 1.
+    sequence: int | None = None
 
     def to_json(self) -> bytes:
         return _sealed_json(asdict(self))
@@ -183,7 +213,7 @@ class Marker:
     def from_json(cls, data: bytes, *, where: str) -> "Marker":
         raw = _unseal(data, where, "dcp_atomic.commit")
         try:
-            marker = cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+            marker = cls(**_known_fields(cls, raw))
             validate_run_id(marker.run_id)
             validate_step(marker.step)
             validate_save_id(marker.save_id)
@@ -203,6 +233,7 @@ class Latest:
     committed_at: float
     kind: str = "dcp_atomic.latest"
     schema_version: int = SCHEMA_VERSION
+    sequence: int | None = None  # the marker's (see Marker.sequence)
 
     def to_json(self) -> bytes:
         return _sealed_json(asdict(self))
@@ -211,7 +242,7 @@ class Latest:
     def from_json(cls, data: bytes, *, where: str) -> "Latest":
         raw = _unseal(data, where, "dcp_atomic.latest")
         try:
-            latest = cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+            latest = cls(**_known_fields(cls, raw))
             validate_run_id(latest.run_id)
             validate_step(latest.step)
             validate_save_id(latest.save_id)
@@ -222,6 +253,18 @@ class Latest:
 
 def now() -> float:
     return time.time()
+
+
+def _known_fields(cls, raw: dict) -> dict:
+    """The record's fields from ``raw``: unknown ones (a newer minor version's) ignored, ``sequence`` optional.
+
+    The fields commits are ordered by are type-checked: sorting must not fail on an edited record.
+    """
+    fields = {k: raw[k] for k in cls.__dataclass_fields__ if k != "sequence"}
+    if isinstance(fields["committed_at"], bool) or not isinstance(fields["committed_at"], (int, float)):
+        raise ValueError(f"committed_at {fields['committed_at']!r} is not a time")
+    sequence = raw.get("sequence")
+    return {**fields, "sequence": None if sequence is None else _nonneg(sequence)}
 
 
 def _sealed_json(body: dict) -> bytes:
@@ -264,6 +307,63 @@ def _check_schema(raw: dict, where: str) -> None:
 def _expect(condition: bool, where: str, problem: str) -> None:
     if not condition:
         raise CorruptCheckpointError(f"{where}: {problem}", path=where)
+
+
+_DTYPE_NAME = re.compile(r"torch\.[a-z][a-z0-9_]*")
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r}")
+    return value
+
+
+def _list(value: Any) -> list:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {value!r}")
+    return value
+
+
+def _dict(value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, got {value!r}")
+    return value
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _record(value: Any, **types: type) -> dict:
+    """A JSON object whose named fields have the types their readers (``show``, stats) rely on."""
+    record = _dict(value)
+    for name, kind in types.items():
+        field_value = record[name]
+        if kind is str:
+            _str(field_value)
+        elif kind is int:
+            _nonneg(field_value)
+        else:
+            _number(field_value)
+    return record
+
+
+def _key_record(value: Any) -> dict:
+    """A per-key record of the load-time checks (see reshard.LoadContext.check_keys)."""
+    record = _dict(value)
+    for n in _list(record["shape"]) if record.get("shape") is not None else ():
+        _nonneg(n)
+    if record.get("dtype") is not None:
+        _str(record["dtype"])
+    return record
+
+
+def _parallelism(value: Any) -> dict | None:
+    if value is not None:
+        Parallelism.from_dict(_dict(value))  # raises ValueError / TypeError if it does not describe a layout
+    return value
 
 
 def _nonneg(value: Any) -> int:

@@ -4,8 +4,12 @@ Known failures elsewhere: cleanup that counted half-written directories, that
 deleted the previous good checkpoint as soon as an async save *returned*, or
 that kept the highest step numbers after a rollback restart.  Here:
 
-* only committed steps count, ordered by commit time, not step number;
+* only committed steps count, ordered by commit sequence number (P10), not by
+  step number or clock;
 * the step ``LATEST`` names is never deleted;
+* a step whose marker exists but cannot be validated (damaged, torn, written by
+  a newer dcp_atomic) is left whole and reported in ``unreadable_steps``: its
+  committed attempt cannot be told from debris;
 * a step is un-committed first (marker removed), then its data deleted, so a
   crash half-way leaves debris, never a committed step with missing files;
 * attempts without a marker (crashed or in-flight saves) are deleted only once
@@ -20,8 +24,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .catalog import scan_markers
-from .commit import read_latest
+from .catalog import SCAN_RETRY_SECONDS, scan_markers
+from .commit import commit_order, read_latest, read_marker
+from .errors import CheckpointError
 from .layout import ATTEMPT, MARKER, RunLayout, parse_step_dir
 from .manifest import Marker
 from .retry import Deadline
@@ -37,6 +42,7 @@ class GcPlan:
     delete_attempts: list[tuple[int, str]] = field(default_factory=list)  # (step, save_id)
     delete_temps: list[str] = field(default_factory=list)  # control-file temps of crashed commits
     kept_steps: list[int] = field(default_factory=list)
+    unreadable_steps: list[tuple[int, str]] = field(default_factory=list)  # (step, reason): left whole, needs a human
     lease_seconds: float = DEFAULT_LEASE_SECONDS
 
     @property
@@ -61,8 +67,10 @@ def _save_id_time(save_id: str) -> float | None:
 def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = DEFAULT_LEASE_SECONDS,
             now: float | None = None, markers: list[Marker] | None = None) -> GcPlan:
     now = time.time() if now is None else now
-    markers = scan_markers(layout) if markers is None else markers  # callers that just scanned pass theirs
-    newest_first = sorted(markers, key=lambda m: (m.committed_at, m.step), reverse=True)
+    unreadable: list[tuple[int, str]] = []
+    if markers is None:
+        markers = scan_markers(layout, unreadable=unreadable)
+    newest_first = sorted(markers, key=commit_order, reverse=True)
     keep = {m.step for m in (newest_first if keep_last is None else newest_first[:keep_last])}
     try:
         keep.add(read_latest(layout, Deadline(0)).step)
@@ -71,7 +79,18 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
     plan = GcPlan(kept_steps=sorted(keep), lease_seconds=lease_seconds)
     plan.delete_steps = sorted(m.step for m in markers if m.step not in keep)
     committed = {m.step: m.save_id for m in markers}
+    scanned_bad = dict(unreadable)
     storage = layout.storage
+
+    def marker_problem(step: int) -> str | None:
+        """Why a listed marker is not among the valid ones; None if it reads fine now (committed since the scan)."""
+        if step in scanned_bad:
+            return scanned_bad[step]
+        try:  # a caller's scan skipped it (damaged) or predates it: read it here
+            committed[step] = read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS)).save_id
+            return None
+        except CheckpointError as e:
+            return e.message
 
     def stale_temp(directory: str, entry: str) -> bool:
         """A control-file temp (".NAME.<pid>.<hex>.tmp") a crashed commit left behind."""
@@ -86,7 +105,15 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
         step = parse_step_dir(name)
         if step is None or step in plan.delete_steps:
             continue
-        for entry in storage.list_dir(layout.step_dir(step)):
+        entries = storage.list_dir(layout.step_dir(step))
+        if MARKER in entries and step not in committed:
+            reason = marker_problem(step)
+            if reason is not None:
+                log.warning("gc: leaving step %d of run %r untouched: its commit marker cannot be validated (%s)",
+                            step, layout.run_id, reason)
+                plan.unreadable_steps.append((step, reason))
+                continue
+        for entry in entries:
             if stale_temp(layout.step_dir(step), entry):
                 plan.delete_temps.append(storage.join(layout.step_dir(step), entry))
                 continue
