@@ -12,14 +12,19 @@ from a manifest or marker can point outside the run directory.
 
 from __future__ import annotations
 
+import os
+import posixpath
 import re
 import secrets
 import time
+
+from .errors import ConfigurationError
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SAVE_ID_PATTERN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
 STEP_DIR_PATTERN = re.compile(r"step_(\d{10,})")
 DATA_FILE_PATTERN = re.compile(r"__(\d+)_(\d+)\.distcp")
+CHECKPOINT_ID_STEP_PATTERN = re.compile(r"step[_-](\d+)")  # ours (step_N) and torchtitan's (step-N)
 
 MARKER = "COMMITTED"
 LATEST = "LATEST"
@@ -61,6 +66,69 @@ def step_dir_name(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     match = STEP_DIR_PATTERN.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def parse_checkpoint_id(checkpoint_id: str | os.PathLike) -> tuple[str, str, int]:
+    """``<root>/<run_id>/step_<N>`` or ``<root>/<run_id>/step-<N>`` -> (root, run_id, step).
+
+    The id frameworks pass to ``dcp.save``/``dcp.load`` names a location, not a layout: the
+    checkpoint still lands in ``step_{N:010d}/<save_id>/`` under that root and run.
+    """
+    text = os.fspath(checkpoint_id) if isinstance(checkpoint_id, os.PathLike) else checkpoint_id
+    if not isinstance(text, str):
+        raise ConfigurationError(f"checkpoint_id must be a path or URL string, got {type(checkpoint_id).__name__}")
+    head, last = posixpath.split(text.rstrip("/"))
+    root, run_id = posixpath.split(head)
+    match = CHECKPOINT_ID_STEP_PATTERN.fullmatch(last)
+    scheme, _, bucket = root.partition("://")
+    if not match or not root or not run_id or ("://" in text and not (bucket and scheme)):
+        raise ConfigurationError(
+            f"checkpoint_id {text!r} is not <root>/<run_id>/step_<N> (or torchtitan's <root>/<run_id>/step-<N>): "
+            "it needs a root directory or URL, a run directory and a step part. Nothing was written or read.",
+            checkpoint_id=text,
+        )
+    try:
+        validate_run_id(run_id)
+    except ValueError as e:
+        raise ConfigurationError(f"checkpoint_id {text!r}: {e}. Nothing was written or read.",
+                                 checkpoint_id=text) from None
+    return root, run_id, int(match.group(1))
+
+
+def root_key(root: str | os.PathLike) -> str:
+    """A root as it compares: local paths absolute (``file://`` stripped), URLs without a trailing '/'."""
+    text = os.fspath(root)
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    return text.rstrip("/") if "://" in text else os.path.abspath(text)
+
+
+def checked_checkpoint_id(checkpoint_id: str | os.PathLike, built_root: str | os.PathLike | None,
+                          built_run_id: str | None, who: str) -> tuple[str, str, int]:
+    """``parse_checkpoint_id``, refusing a root or run other than the ones ``who`` was built with."""
+    root, run_id, step = parse_checkpoint_id(checkpoint_id)
+    if built_root is not None and root_key(root) != root_key(built_root):
+        raise ConfigurationError(
+            f"checkpoint_id {os.fspath(checkpoint_id)!r} is under root {root!r}, but this {who} was built with root "
+            f"{os.fspath(built_root)!r}: pass a checkpoint_id under that root, or build the {who} with root=None to "
+            "follow the checkpoint_id. Nothing was written or read.",
+            checkpoint_id=os.fspath(checkpoint_id), root=os.fspath(built_root),
+        )
+    if built_run_id is not None and run_id != built_run_id:
+        raise ConfigurationError(
+            f"checkpoint_id {os.fspath(checkpoint_id)!r} names run {run_id!r}, but this {who} was built with run_id "
+            f"{built_run_id!r}: pass a checkpoint_id of that run, or build the {who} with run_id=None. "
+            "Nothing was written or read.",
+            checkpoint_id=os.fspath(checkpoint_id), run_id=built_run_id,
+        )
+    return root, run_id, step
+
+
+def no_location_error(who: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"this {who} has no location: build it with root, run_id (and step), or pass "
+        "checkpoint_id='<root>/<run_id>/step_<N>' to dcp.save / dcp.load. Nothing was written or read."
+    )
 
 
 def data_file_name(rank: int, k: int) -> str:

@@ -42,7 +42,8 @@ from .container import find_payload
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
 from .identity import default_thread_count
 from .integrity import sha256_hex, verify_blocks, verify_segments
-from .layout import DCP_METADATA, RunLayout
+from .layout import (DCP_METADATA, RunLayout, checked_checkpoint_id, no_location_error, validate_run_id,
+                     validate_step)
 from .manifest import ItemExtent
 from .parallelism import Parallelism
 from .planners import LOAD_CONTEXT_ATTR
@@ -50,6 +51,7 @@ from .reshard import LoadContext
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata, safe_byte_item
 from .storage import RangeReader, open_storage
+from .writer import _parses, _retarget
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +72,9 @@ class AtomicStorageReader(StorageReader):
     """Read a committed dcp_atomic checkpoint.
 
     Args:
-        root, run_id, storage_options: as for :class:`AtomicStorageWriter`.
-        step: the step to load; ``None`` loads what ``LATEST`` names.
+        root, run_id, storage_options: as for :class:`AtomicStorageWriter`; ``root`` and ``run_id``
+            may be ``None`` and come from ``dcp.load(..., checkpoint_id="<root>/<run_id>/step_<N>")``.
+        step: the step to load; ``None`` loads what ``LATEST`` names (a ``checkpoint_id`` sets it).
         parallelism: this job's layout, compared with the saved one (P6).
         allow_reshard: consent to load a checkpoint saved with another tp / pp size.
         verify: check every block's checksum (default True).
@@ -85,8 +88,8 @@ class AtomicStorageReader(StorageReader):
 
     def __init__(
         self,
-        root: str | os.PathLike,
-        run_id: str,
+        root: str | os.PathLike | None = None,
+        run_id: str | None = None,
         step: int | None = None,
         *,
         parallelism: Parallelism | None = None,
@@ -99,9 +102,13 @@ class AtomicStorageReader(StorageReader):
         save_id: str | None = None,
     ) -> None:
         super().__init__()
-        self.storage = open_storage(root, storage_options)
-        self.layout = RunLayout(self.storage, run_id)
-        self.requested_step = step
+        self.storage_options = storage_options
+        self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
+        self.storage = None if root is None else open_storage(root, storage_options)
+        self.layout = None if root is None or run_id is None else RunLayout(self.storage, run_id)
+        if run_id is not None:
+            validate_run_id(run_id)
+        self.requested_step = None if step is None else validate_step(step)
         self.requested_save_id = save_id
         self.parallelism = parallelism
         self.allow_reshard = allow_reshard
@@ -132,6 +139,8 @@ class AtomicStorageReader(StorageReader):
         here, so every refusal has its own type (through ``dcp.load`` torch
         would turn a ``read_metadata`` error into an ``AssertionError``).
         """
+        if self.layout is None:
+            raise no_location_error(type(self).__name__)
         committed = resolve(self.layout, self.requested_step, Deadline(self.timeout), save_id=self.requested_save_id)
         context = LoadContext(
             where=f"run {self.layout.run_id!r} step {committed.step}",
@@ -203,10 +212,25 @@ class AtomicStorageReader(StorageReader):
     # -- DCP lifecycle -----------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
+        """Retarget to ``<root>/<run_id>/step_<N>`` (DCP calls this when given ``checkpoint_id=``); the next
+        load resolves afresh."""
+        if checkpoint_id is None:
+            if self.layout is None:
+                raise no_location_error(type(self).__name__)
+            return
+        root, run_id, step = checked_checkpoint_id(checkpoint_id, self._built_root, self._built_run_id,
+                                                   type(self).__name__)
+        if self.requested_save_id is not None and step != self.requested_step:
             raise ConfigurationError(
-                "AtomicStorageReader finds its checkpoint from root/run_id/step; do not pass checkpoint_id to dcp.load"
+                f"checkpoint_id {os.fspath(checkpoint_id)!r} names step {step}, but this reader is pinned to save "
+                f"{self.requested_save_id} of step {self.requested_step}: drop save_id= or load that step. "
+                "Nothing was read.",
+                checkpoint_id=os.fspath(checkpoint_id),
             )
+        self.storage, self.layout = _retarget(self.storage, self.layout, root, run_id, self.storage_options)
+        self.requested_step = step
+        self._fresh = False
+        self.step = self.save_id = self.committed = None
 
     def read_metadata(self) -> Metadata:
         # A resolve() the caller just made (the manager does, for typed errors) is used once, not repeated.
@@ -280,12 +304,25 @@ class AtomicStorageReader(StorageReader):
         return None
 
     @property
-    def checkpoint_id(self) -> str:
+    def checkpoint_id(self) -> str | None:
+        if self.layout is None:
+            return None
         return self.layout.run_dir if self.step is None else self.layout.step_dir(self.step)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return False
+        return _parses(checkpoint_id)
+
+    def __getstate__(self) -> dict:
+        """Picklable (DCP's process-based executors, frameworks that copy their readers): the per-thread
+        decoders are rebuilt on first use."""
+        state = self.__dict__.copy()
+        del state["_decoders"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._decoders = threading.local()
 
     # -- reading -------------------------------------------------------------------------
 

@@ -49,7 +49,8 @@ from .container import find_payload
 from .errors import CheckpointError, CommitConflictError, ConfigurationError, StorageError
 from .identity import check_identities, default_thread_count, local_identity
 from .integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
-from .layout import ATTEMPT, RunLayout, data_file_name, new_save_id, validate_step
+from .layout import (ATTEMPT, RunLayout, checked_checkpoint_id, data_file_name, new_save_id, no_location_error,
+                     parse_checkpoint_id, root_key, validate_run_id, validate_step)
 from .manifest import FileEntry, ItemExtent, Manifest, now
 from .parallelism import Parallelism
 from .reshard import SaveReport, check_save, summarize_items
@@ -118,6 +119,8 @@ class AtomicStorageWriter(StorageWriter):
         root: local/NFS directory or fsspec URL holding all runs.
         run_id: run name; ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
         step: training step; the checkpoint lands in ``<root>/<run_id>/step_{step:010d}/``.
+            Any of the three may be ``None`` and come from ``dcp.save(..., checkpoint_id=
+            "<root>/<run_id>/step_<N>")`` (or ``step-<N>``), which must agree with those given.
         parallelism: the job's layout, recorded for reshard checks at load.
         compression: ``None`` or ``"zstd"`` (byte-plane grouped, per-block frames; implies the raw format).
         compression_level: ``None`` for the tuned fast profile (see codec.py), or a zstd level.
@@ -132,9 +135,9 @@ class AtomicStorageWriter(StorageWriter):
 
     def __init__(
         self,
-        root: str | os.PathLike,
-        run_id: str,
-        step: int,
+        root: str | os.PathLike | None = None,
+        run_id: str | None = None,
+        step: int | None = None,
         *,
         parallelism: Parallelism | None = None,
         compression: str | None = None,
@@ -156,9 +159,13 @@ class AtomicStorageWriter(StorageWriter):
             )
         if parallelism is not None and not isinstance(parallelism, Parallelism):
             raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
-        self.storage = open_storage(root, storage_options)
-        self.layout = RunLayout(self.storage, run_id)
-        self.step = validate_step(step)
+        self.storage_options = storage_options
+        self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
+        self.storage = None if root is None else open_storage(root, storage_options)
+        self.layout = None if root is None or run_id is None else RunLayout(self.storage, run_id)
+        if run_id is not None:
+            validate_run_id(run_id)
+        self.step = None if step is None else validate_step(step)
         self.parallelism = parallelism
         self.compression = compression
         self.compression_level = compression_level
@@ -180,13 +187,22 @@ class AtomicStorageWriter(StorageWriter):
     # -- DCP lifecycle -----------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            raise ConfigurationError(
-                "AtomicStorageWriter chooses its own location (<root>/<run_id>/step_<step>/<save_id>); "
-                "do not pass checkpoint_id to dcp.save — create a new writer per step instead"
-            )
+        """Retarget to ``<root>/<run_id>/step_<N>`` (DCP calls this when given ``checkpoint_id=``).
+
+        Only the location changes: every save is a fresh attempt anyway (``set_up_storage_writer``).
+        """
+        if checkpoint_id is None:
+            if self.layout is None or self.step is None:
+                raise no_location_error(type(self).__name__)
+            return
+        root, run_id, step = checked_checkpoint_id(checkpoint_id, self._built_root, self._built_run_id,
+                                                   type(self).__name__)
+        self.storage, self.layout = _retarget(self.storage, self.layout, root, run_id, self.storage_options)
+        self.step = step
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.layout is None or self.step is None:
+            raise no_location_error(type(self).__name__)
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", 0 if is_coordinator else -1)
         self.use_collectives = kwargs.get("use_collectives", True)
@@ -289,12 +305,12 @@ class AtomicStorageWriter(StorageWriter):
         return None
 
     @property
-    def checkpoint_id(self) -> str:
-        return self.layout.step_dir(self.step)
+    def checkpoint_id(self) -> str | None:
+        return None if self.layout is None or self.step is None else self.layout.step_dir(self.step)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return False
+        return _parses(checkpoint_id)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -584,6 +600,28 @@ def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
         buckets[k].append(item)
         loads[k] += max(size(item), 1)
     return buckets
+
+
+def _retarget(storage, layout: RunLayout | None, root: str, run_id: str, storage_options: dict | None):
+    """(storage, layout) for ``root``/``run_id``, reusing the open storage while the root stays the same."""
+    if storage is None or root_key(storage_root(storage)) != root_key(root):
+        storage = open_storage(root, storage_options)
+    elif layout is not None and layout.run_id == run_id:
+        return storage, layout
+    return storage, RunLayout(storage, run_id)
+
+
+def storage_root(storage) -> str:
+    """The root a storage was opened with, as a user would write it (URLs keep their scheme)."""
+    return getattr(storage, "url", None) or storage.root
+
+
+def _parses(checkpoint_id: str | os.PathLike) -> bool:
+    try:
+        parse_checkpoint_id(checkpoint_id)
+    except ConfigurationError:
+        return False
+    return True
 
 
 def _refuse_cached_plan(plan: SavePlan, rank: int) -> None:

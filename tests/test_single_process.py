@@ -246,9 +246,10 @@ def test_plan_caching_is_refused_with_a_clear_error(root):
     assert list_steps(root, RUN) == [1, 2]
 
 
-def test_checkpoint_id_is_refused(root):
-    with pytest.raises(ConfigurationError, match="do not pass checkpoint_id"):
+def test_checkpoint_id_not_naming_a_step_is_refused_before_writing(root):
+    with pytest.raises(ConfigurationError, match="is not <root>/<run_id>/step_<N>"):
         dcp.save(_state(), checkpoint_id=os.path.join(root, "x"), storage_writer=AtomicStorageWriter(root, RUN, 1))
+    assert os.listdir(root) == []
 
 
 def test_tp_change_needs_consent(root):

@@ -1,0 +1,6 @@
+"""Drop-in integrations for the frameworks that call DCP for their users.
+
+Each module imports its framework on import, so import only the one you use:
+``dcp_atomic.integrations.torchtitan`` (``AtomicCheckpointManager``) and
+``dcp_atomic.integrations.lightning`` (``AtomicModelParallelStrategy``).
+"""

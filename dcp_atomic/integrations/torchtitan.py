@@ -1,0 +1,104 @@
+"""torchtitan checkpointing through dcp_atomic: select it with ``checkpoint=AtomicCheckpointManager.Config(...)``.
+
+torchtitan's own DCP manager decides *what* to save and when (interval, last step model-only in
+``export_dtype``, async modes, staging); this subclass changes only *how*: every save goes through one
+reused :class:`AtomicStorageWriter` (``<folder>/step_<N>`` becomes ``<dirname(folder)>/<basename(folder)>/
+step_{N:010d}/<save_id>/``, committed by a marker), "latest" is the latest *committed* step (a crashed
+save is never resumed from), loads verify every byte, and ``keep_latest_k`` runs through retention,
+which counts only committed steps and never deletes what ``LATEST`` names — so ``keep_latest_k=1`` is safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torchtitan.components.checkpointer.base import MODEL
+from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
+
+from ..catalog import DEFAULT_TIMEOUT, latest_step
+from ..layout import RunLayout, root_key, step_dir_name
+from ..planners import AtomicLoadPlanner, AtomicSavePlanner
+from ..reader import AtomicStorageReader
+from ..retention import apply_gc, plan_gc
+from ..writer import AtomicStorageWriter
+
+log = logging.getLogger(__name__)
+
+
+class AtomicCheckpointManager(CheckpointManager):
+    """torchtitan's ``CheckpointManager`` with dcp_atomic storage (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        timeout: float = DEFAULT_TIMEOUT
+        """Seconds dcp_atomic's own waits (visibility, retries, commit) may take."""
+
+        compression: str | None = None
+        """None or "zstd"."""
+
+        def __post_init__(self) -> None:
+            keep = self.keep_latest_k  # torchtitan refuses 1 (its purge may hit the save in flight); ours cannot
+            self.keep_latest_k = 0 if keep == 1 else keep
+            try:
+                CheckpointManager.Config.__post_init__(self)
+            finally:
+                self.keep_latest_k = keep
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        # torchtitan's purge thread would rmtree step folders: retention replaces it, so build it without one.
+        super().__init__(dataclasses.replace(config, keep_latest_k=0), **kwargs)
+        if not self.enable:
+            return
+        self.keep_latest_k = config.keep_latest_k
+        self.root, self.run_id = os.path.split(self.folder.rstrip("/"))
+        self.writer = AtomicStorageWriter(self.root, self.run_id, compression=config.compression,
+                                          timeout=config.timeout)
+        self.reader = AtomicStorageReader(self.root, self.run_id, timeout=config.timeout)
+
+    def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
+        """Our step directory, so torchtitan's "is it there" checks look where the checkpoint is."""
+        return os.path.join(folder or self.folder, step_dir_name(step))
+
+    def _find_load_step(self, folder: str = "") -> int:
+        """The latest committed step (never a half-written one), or -1."""
+        root, run_id = os.path.split((folder or self.folder).rstrip("/"))
+        step = latest_step(root, run_id)
+        return -1 if step is None else step
+
+    def _is_ours(self, checkpoint_id: str) -> bool:
+        return root_key(os.path.dirname(os.fspath(checkpoint_id).rstrip("/"))) == root_key(self.folder)
+
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False, to_hf: bool = False):
+        if to_hf:  # a Hugging Face export is not a training checkpoint: torchtitan writes it itself
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        kwargs = dict(storage_writer=self.writer, checkpoint_id=checkpoint_id, planner=AtomicSavePlanner())
+        if async_mode == AsyncMode.DISABLED:
+            return dcp.save(state_dict, **kwargs)
+        if async_mode == AsyncMode.ASYNC:
+            return dcp.async_save(state_dict, process_group=self.pg, **kwargs)
+        return dcp.async_save(state_dict, process_group=self.pg, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                              async_stager=self.stager, **kwargs)
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if from_hf or not self._is_ours(checkpoint_id):  # initial_load_path: a stock DCP or HF checkpoint
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        dcp.load(state_dict, storage_reader=self.reader, checkpoint_id=checkpoint_id, planner=AtomicLoadPlanner())
+        if MODEL in self.states:  # torchtitan flattens the model's keys into the state dict, as its own dcp_load
+            self.states[MODEL].load_state_dict(state_dict)
+
+    def _purge_stale_checkpoints(self) -> None:
+        """Keep the ``keep_latest_k`` most recently *committed* steps (rank 0; an in-flight save is not counted)."""
+        if self.keep_latest_k <= 0 or dist.get_rank() != 0:
+            return
+        layout = RunLayout(self.writer.storage, self.run_id)
+        plan = plan_gc(layout, self.keep_latest_k)
+        if not plan.empty:
+            apply_gc(layout, plan)

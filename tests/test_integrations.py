@@ -1,0 +1,201 @@
+"""Framework integrations driven through the frameworks' own code at world 2 on CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dcp_atomic import list_steps
+from tests.harness import assert_all_ok, run_world
+
+
+def _sharded_model(seed: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train_step(model, optim, seed: int) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(4, 8)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _full(model, optim):
+    weights = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    moments = {f"{p}.{k}": optim.state[param][k].full_tensor().clone()
+               for p, param in model.named_parameters() for k in ("exp_avg", "exp_avg_sq")}
+    return weights, moments
+
+
+class _Stateful:
+    """torchtitan's containers reduced to what its checkpointer calls: state_dict / load_state_dict."""
+
+    def __init__(self, get, put):
+        self.get, self.put = get, put
+
+    def state_dict(self):
+        return self.get()
+
+    def load_state_dict(self, state):
+        self.put(state)
+
+
+def _torchtitan_manager(ctx, model, optim, train_state, mode, **config):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from dcp_atomic.integrations.torchtitan import AtomicCheckpointManager
+
+    cfg = AtomicCheckpointManager.Config(enable=True, folder=f"ckpt_{mode}", interval=2, keep_latest_k=1,
+                                         async_mode=mode, last_save_model_only=True, export_dtype="bfloat16",
+                                         timeout=20, **config)
+    optimizers = _Stateful(lambda: get_optimizer_state_dict(model, optim),
+                           lambda sd: set_optimizer_state_dict(model, optim, sd))
+    schedulers = _Stateful(lambda: {"last_epoch": torch.tensor(train_state["step"])}, lambda sd: None)
+    states = {"train_state": _Stateful(lambda: {"step": torch.tensor(train_state["step"])},
+                                       lambda sd: train_state.update(step=int(sd["step"])))}
+    return cfg.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+                     states=states, sd_adapter=None, base_folder=ctx.root)
+
+
+def _torchtitan_rank(ctx, mode):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader
+
+    model = _sharded_model(0)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_state = {"step": 0}
+    manager = _torchtitan_manager(ctx, model, optim, train_state, mode)
+    out = {"fresh_load": manager.load()}
+    saved = []
+    for step in range(1, 5):
+        _train_step(model, optim, step)
+        train_state["step"] = step
+        saved.append(manager.save(step))
+        manager.maybe_wait_for_staging()
+    manager.maybe_wait_for_saving()
+    expected = _full(model, optim)
+    folder = os.path.join(ctx.root, f"ckpt_{mode}")
+    if ctx.rank == 0:  # a crashed save of a later step: "latest" must not pick it
+        os.makedirs(os.path.join(folder, "step_0000000006", "20260101T000000Z-deadbeef"))
+    dist.barrier()
+
+    fresh, fresh_optim, fresh_state = _sharded_model(7), None, {"step": 0}
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    _train_step(fresh, fresh_optim, 99)
+    resumed = _torchtitan_manager(ctx, fresh, fresh_optim, fresh_state, mode, load_step=4)
+    out["load_step_4"] = resumed.load(step=4)
+    out["latest_load"] = resumed.load()
+    got = _full(fresh, fresh_optim)
+    out["exact"] = all(torch.equal(a, b) for part in (0, 1) for a, b in zip(expected[part].values(),
+                                                                            got[part].values()))
+    out["resumed_step"] = fresh_state["step"]
+    resumed.close()
+
+    out["last_saved"] = manager.save(5, last_step=True)  # model only, in export_dtype
+    manager.maybe_wait_for_saving()
+    last = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in expected[0].items()}
+    dcp.load(last, storage_reader=AtomicStorageReader(), checkpoint_id=f"{folder}/step-5")
+    out["last_exact"] = all(torch.equal(last[k], v.to(torch.bfloat16)) for k, v in expected[0].items())
+    manager.close()
+    out["saved"] = saved
+    return out
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_torchtitan_checkpointer_saves_resumes_and_keeps_latest_k(root, mode):
+    results = assert_all_ok(run_world(_torchtitan_rank, 2, root, args=(mode,), timeout=180))
+    for out in results:
+        assert out["fresh_load"] is False
+        assert out["saved"] == [False, True, False, True]  # interval=2
+        assert out["load_step_4"] is True and out["latest_load"] is True and out["exact"]
+        assert out["resumed_step"] == 4
+        assert out["last_saved"] is True and out["last_exact"]
+    # keep_latest_k=1 through retention, which counts committed steps only: a sync save of step 4 is committed
+    # when torchtitan purges, so step 2 goes; an async one is still in flight, so step 2 (the last good one)
+    # stays. torchtitan purges after interval saves, not after the last one. The crashed step 6 never counts.
+    assert list_steps(root, f"ckpt_{mode}") == ([4, 5] if mode == "disabled" else [2, 4, 5])
+
+
+def test_torchtitan_config_accepts_keep_latest_k_1_and_builds_our_manager():
+    from dcp_atomic.integrations.torchtitan import AtomicCheckpointManager
+
+    config = AtomicCheckpointManager.Config(enable=False, keep_latest_k=1)
+    assert config.keep_latest_k == 1
+    assert type(config.build(dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={},
+                             sd_adapter=None)) is AtomicCheckpointManager
+
+
+def _lightning_rank(ctx):
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from dcp_atomic.integrations.lightning import AtomicModelParallelStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+            self.loaded = None
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch, _):
+            return self.net(batch).sum()
+
+        def on_train_start(self):
+            self.loaded = {k: v.full_tensor().clone() for k, v in self.net.state_dict().items()}
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.net.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            torch.manual_seed(1)
+            return torch.utils.data.DataLoader(torch.randn(64, 8), batch_size=4)
+
+    dirpath = os.path.join(ctx.root, "ckpts")
+
+    def trainer(max_steps):
+        return pl.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, default_root_dir=ctx.root,
+                          strategy=AtomicModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                                               timeout=20),
+                          callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=1,
+                                                     save_last=True)])
+
+    first = Module()
+    trainer(4).fit(first)
+    saved = {k: v.full_tensor().clone() for k, v in first.net.state_dict().items()}
+    second = Module()
+    resumed = trainer(6)
+    resumed.fit(second, ckpt_path=os.path.join(dirpath, "last.ckpt"))
+    exact = all(torch.equal(saved[k], second.loaded[k]) for k in saved)
+    return {"exact": exact, "files": sorted(os.listdir(dirpath)), "global_step": resumed.global_step}
+
+
+def test_lightning_trainer_saves_resumes_and_removes_through_the_library(root):
+    results = assert_all_ok(run_world(_lightning_rank, 2, root, timeout=240))
+    for out in results:
+        assert out["exact"] and out["global_step"] == 6
+        assert out["files"] == ["epoch=0-step=6.ckpt", "last.ckpt", "lightning"]  # pointers; the run's steps
+    # save_top_k=1 removed steps 2 and 4 through retention; step 6 is what both files name
+    assert list_steps(os.path.join(root, "ckpts"), "lightning") == [6]
