@@ -1,9 +1,10 @@
-"""``dcp-atomic``: look at, verify and demo checkpoints without writing Python.
+"""``dcp-atomic``: look at, verify, export, import and demo checkpoints without writing Python.
 
 Subcommands: ``ls ROOT [RUN]``, ``show ROOT RUN [STEP]``, ``verify ROOT RUN
-[STEP|--all]``, ``gc ROOT RUN --keep-last N [--dry-run]``, ``export ROOT RUN STEP
-OUT.pt``, ``demo``.  ``--json`` prints machine-readable output.  The CLI
-is one process, so it may scan (list) the run directory; training ranks never do.
+[STEP|--all]``, ``gc ROOT RUN --keep-last N [--dry-run]``, ``export [--format
+safetensors] ROOT RUN STEP OUT``, ``import STOCK_DCP_DIR ROOT RUN STEP``,
+``demo``.  ``--json`` prints machine-readable output.  The CLI is one process,
+so it may scan (list) the run directory; training ranks never do.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import RunLayout, parse_step_dir, validate_run_id
 from .retention import apply_gc, plan_gc
 from .retry import Deadline
-from .storage import LocalStorage, Storage, _temp_name, _unlink_quietly, open_storage
+from .storage import Storage, open_storage
 
 
 class CliError(Exception):
@@ -49,6 +50,16 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _size(text: str) -> str:
+    from .export import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 class Progress:
@@ -310,48 +321,45 @@ def cmd_gc(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """One torch.save file holding the whole (unsharded) state dict of a step."""
-    import warnings
+    """One step as a single torch.save file, or as Hugging Face safetensors shards (streamed, one tensor in memory)."""
+    from .export import DEFAULT_SHARD_SIZE, export_safetensors, export_torch
 
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    from .reader import AtomicStorageReader
-
+    layout = _layout(args)
+    _require_step(layout, args.step)
+    options = json.loads(args.storage_options) if args.storage_options else None
     out = os.path.abspath(args.out)
     if not os.path.isdir(os.path.dirname(out)):
         raise CliError(f"cannot export to {args.out}: directory {os.path.dirname(out)} does not exist")
-    warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-    layout = _layout(args)
-    _require_step(layout, args.step)
-    reader = AtomicStorageReader(args.root, args.run, args.step, timeout=args.timeout,
-                                 storage_options=json.loads(args.storage_options) if args.storage_options else None)
-    reader.resolve()
-    try:
-        state = _load_state_dict_from_keys(storage_reader=reader)
-    except CheckpointException as e:  # DCP wraps each rank's failure as (exception, traceback)
-        causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-        raise CliError("; ".join(str(c) for c in causes), kind=type(causes[0]).__name__ if causes else "Error") from None
-    _save_atomically(state, out)
-    print(f"exported run {args.run} step {reader.step} (save {reader.save_id}) to {args.out}")
+    if args.format == "torch":
+        if args.dtype or args.keys or args.shard_size:
+            raise CliError("--dtype, --keys and --shard-size apply to --format safetensors", code=2, kind="UsageError")
+        step, save_id = export_torch(args.root, args.run, args.step, out, timeout=args.timeout, storage_options=options)
+        print(f"exported run {args.run} step {step} (save {save_id}) to {args.out}")
+        return 0
+    report = export_safetensors(args.root, args.run, args.step, out, shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
+                                dtype=args.dtype, keys=args.keys or (), timeout=args.timeout, storage_options=options)
+    if args.json:
+        print(json.dumps({"out_dir": report.out_dir, "step": report.step, "save_id": report.save_id,
+                          "files": report.files, "total_size": report.total_size, "skipped": report.skipped}))
+    else:
+        print(f"exported run {args.run} step {report.step} (save {report.save_id}) to {args.out}: "
+              f"{len(report.files)} safetensors shard(s), {report.total_size / 2**20:.1f} MiB")
     return 0
 
 
-def _save_atomically(state: Any, path: str) -> None:
-    """``torch.save`` into a temp file beside ``path``, fsync, rename: no reader ever sees half an export."""
-    import torch
+def cmd_import(args) -> int:
+    """Adopt a stock DCP checkpoint directory as a committed step (copies or hard links; the source is not written)."""
+    from .importer import import_stock
 
-    tmp = _temp_name(path)
-    try:
-        with open(tmp, "xb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    LocalStorage(os.path.dirname(path)).sync_dir(os.path.dirname(path))
+    options = json.loads(args.storage_options) if args.storage_options else None
+    marker = import_stock(args.source, args.root, args.run, args.step, link=args.link, timeout=args.timeout,
+                          storage_options=options)
+    if args.json:
+        print(json.dumps({"run": args.run, "step": marker.step, "save_id": marker.save_id}))
+    else:
+        print(f"imported {args.source} as run {args.run} step {marker.step} (save {marker.save_id}, "
+              f"{'hard-linked' if args.link else 'copied'})")
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -396,12 +404,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=cmd_gc)
 
-    p = sub.add_parser("export", help="write one step as a single torch.save file")
+    p = sub.add_parser("export", help="write one step as one torch.save file, or as safetensors shards")
     p.add_argument("root")
     p.add_argument("run")
     p.add_argument("step", type=int)
-    p.add_argument("out")
+    p.add_argument("out", help="the .pt file (torch), or the directory of shards (safetensors)")
+    p.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    p.add_argument("--shard-size", type=_size, help="bytes per safetensors shard, e.g. 5GB (default), 500MiB")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating tensors (safetensors)")
+    p.add_argument("--keys", action="append", metavar="GLOB",
+                   help="export only keys matching GLOB, e.g. 'model.*' (repeatable; safetensors)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="adopt a stock DCP checkpoint directory as a committed step")
+    p.add_argument("source", help="directory written by torch's FileSystemWriter (holds .metadata)")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("step", type=int)
+    p.add_argument("--link", action="store_true",
+                   help="hard-link the data files instead of copying (same filesystem; never write the source again)")
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("demo", help="train, crash a save, resume (the README's first command)")
     p.add_argument("--root", default=DEFAULT_ROOT)
