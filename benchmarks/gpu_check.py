@@ -1,0 +1,132 @@
+"""Device check: CUDA tensors through every format, bit-exact, timed against stock DCP.
+
+The test suite runs on CPU only; this script is what runs on a lent GPU machine
+(``python benchmarks/gpu_check.py --gb 2``).  It saves a state dict of CUDA
+tensors (bf16 weights, fp32 moments, an empty shard, a non-contiguous view, a
+byte item) with dcp_atomic in the raw, ``stock_readable`` and zstd formats and
+with stock ``FileSystemWriter``, loads each back into CUDA destinations,
+checks every tensor bit-exact, and prints save/load GB/s and ratios to stock in
+one JSON line.  Single process, no process group: it exercises the
+device-to-host staging path (pinned block buffers) and device destinations on
+load, not NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dcp_atomic import AtomicStorageReader, AtomicStorageWriter  # noqa: E402
+
+
+def make_state(gb: float, device: str) -> dict:
+    generator = torch.Generator(device=device).manual_seed(0)
+    rows = max(1, int(gb * 1e9 / 3 / 4096 / 2))  # a third each: bf16 weights, fp32 exp_avg (2x bytes)
+    weight = torch.randn(rows, 4096, device=device, generator=generator).to(torch.bfloat16)
+    moment = torch.randn(rows, 4096, device=device, generator=generator)
+    return {
+        "weight": weight,
+        "exp_avg": moment,
+        "bias": torch.randn(4096, device=device, generator=generator),
+        "empty_shard": torch.empty(0, 4096, device=device),
+        "transposed": torch.randn(64, 128, device=device, generator=generator).t(),  # non-contiguous
+        "step": {"epoch": 3, "lr": 1e-4},
+    }
+
+
+def zeros_like(state: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state.items()}
+
+
+def tensor_bytes(state: dict) -> int:
+    return sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def check_equal(expected: dict, got: dict, label: str) -> None:
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            other = got[key]
+            assert other.device == value.device, f"{label} {key}: loaded onto {other.device}, not {value.device}"
+            assert torch.equal(other.cpu(), value.cpu()), f"{label} {key}: values differ after the round trip"
+        else:
+            assert got[key] == value, f"{label} {key}: {got[key]!r} != {value!r}"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run(args) -> dict:
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    state = make_state(args.gb, device)
+    nbytes = tensor_bytes(state)
+    workdir = tempfile.mkdtemp(prefix="dcp-atomic-gpu-", dir=args.dir)
+    contenders = {
+        "atomic-raw": {},
+        "atomic-stock_readable": {"stock_readable": True},
+        "atomic-zstd": {"compression": "zstd"},
+        "stock": None,
+    }
+    times: dict[str, dict[str, list[float]]] = {name: {"save": [], "load": []} for name in contenders}
+    try:
+        for repeat in range(args.repeats):
+            for name, options in contenders.items():
+                path = os.path.join(workdir, f"{name}-{repeat}")
+                sync()
+                started = time.perf_counter()
+                if options is None:
+                    dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+                else:
+                    dcp.save(state, storage_writer=AtomicStorageWriter(path, "gpu", repeat, **options))
+                sync()
+                times[name]["save"].append(time.perf_counter() - started)
+                target = zeros_like(state)
+                started = time.perf_counter()
+                if options is None:
+                    dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+                else:
+                    dcp.load(target, storage_reader=AtomicStorageReader(path, "gpu", repeat))
+                sync()
+                times[name]["load"].append(time.perf_counter() - started)
+                check_equal(state, target, name)
+                shutil.rmtree(path)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                    "torch": torch.__version__, "gb": nbytes / 1e9, "repeats": args.repeats, "results": {}}
+    stock = {op: statistics.median(times["stock"][op]) for op in ("save", "load")}
+    for name, measured in times.items():
+        row = {}
+        for op in ("save", "load"):
+            median = statistics.median(measured[op])
+            row[f"{op}_gb_s"] = round(nbytes / median / 1e9, 3)
+            row[f"{op}_vs_stock"] = round(stock[op] / median, 2)
+        report["results"][name] = row
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=1.0, help="tensor bytes in the state dict")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU (a dry run of the script)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    print(json.dumps(run(args)))
+
+
+if __name__ == "__main__":
+    main()
