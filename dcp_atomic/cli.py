@@ -24,7 +24,8 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import RunLayout, parse_step_dir, validate_run_id
 from .retention import apply_gc, plan_gc
 from .retry import Deadline
-from .storage import Storage, open_storage
+from .backends import open_storage
+from .storage import Storage
 
 
 class CliError(Exception):
@@ -232,7 +233,9 @@ def cmd_show(args) -> int:
             raise CheckpointNotFoundError(f"no committed step in {layout.run_dir}")
         step = newest.step
     _require_step(layout, step)
-    manifest = read_committed(layout, step, Deadline(args.timeout)).manifest
+    committed = read_committed(layout, step, Deadline(args.timeout))
+    committed.load_items(layout, None, Deadline(args.timeout))
+    manifest = committed.manifest
     if args.json:
         print(manifest.to_json().decode())
         return 0

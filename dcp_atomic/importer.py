@@ -35,7 +35,8 @@ from .layout import ATTEMPT, DATA_FILE_PATTERN, DCP_METADATA, RunLayout, new_sav
 from .manifest import FileEntry, ItemExtent, Manifest, Marker, now
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata
-from .storage import LocalStorage, Storage, open_storage
+from .backends import open_storage
+from .storage import LocalStorage, Storage
 from .version import __version__
 
 COPY_CHUNK = 8 << 20

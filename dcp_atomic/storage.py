@@ -2,7 +2,8 @@
 
 Writer, reader, commit protocol, manager and CLI never touch ``os`` or a cloud
 SDK for checkpoint data: they call one :class:`Storage` object built once from
-``root`` + ``storage_options`` by :func:`open_storage`.  The variation point is
+``root`` + ``storage_options`` by :func:`dcp_atomic.backends.open_storage`
+(backends build on this module; it never imports them).  The variation point is
 small and explicit — how to publish a small control file:
 
 * ``publish``: make a complete file visible under its final name at once
@@ -356,9 +357,6 @@ class LocalStorage(Storage):
 
 _NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV}
 
-#: fsspec options that only tune fsspec's own caching or directory creation: the POSIX path honours them
-_LOCAL_OPTIONS = {"auto_mkdir", "skip_instance_cache", "use_listings_cache", "listings_expiry_time"}
-
 
 def _unlink_quietly(path: str) -> None:
     try:
@@ -463,27 +461,3 @@ class FsspecStorage(Storage):
     def describe(self) -> str:
         return self.url
 
-
-def open_storage(root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Storage:
-    """Pick the backend once, from the root's form; callers never ask which it is."""
-    if isinstance(root, os.PathLike):
-        root = os.fspath(root)
-    if not isinstance(root, str) or not root:
-        raise ValueError(f"root must be a non-empty path or URL, got {root!r}")
-    if "://" not in root:
-        return LocalStorage(root)
-    if root.startswith("file://"):
-        unsupported = sorted(set(storage_options or {}) - _LOCAL_OPTIONS)
-        if unsupported:
-            raise ConfigurationError(
-                f"{root}: storage_options {unsupported} cannot be honoured on the direct POSIX path (fsync, link()), "
-                f"and routing a file:// root through fsspec would lose both; drop them (accepted: "
-                f"{sorted(_LOCAL_OPTIONS)})",
-                root=root,
-            )
-        return LocalStorage(root[len("file://") :])
-    if root.startswith(("s3://", "s3a://")):
-        from .s3 import S3Storage  # lazy: s3fs is an optional dependency
-
-        return S3Storage(root, storage_options)
-    return FsspecStorage(root, storage_options)

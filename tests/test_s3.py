@@ -35,7 +35,7 @@ from dcp_atomic import (
 )
 from dcp_atomic.layout import RunLayout
 from dcp_atomic.s3 import S3Storage, abort_stale_uploads
-from dcp_atomic.storage import open_storage
+from dcp_atomic.backends import open_storage
 from tests.harness import assert_all_ok, run_world
 
 

