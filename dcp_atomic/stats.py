@@ -1,0 +1,133 @@
+"""The statistics ``CheckpointManager`` hands to ``on_saved``, ``on_loaded`` and ``on_failed``.
+
+These dataclasses are the schema; docs/statistics.md documents each field (type, unit, meaning) and the
+tests hold the two together.  Callbacks receive ``to_dict()``, plain JSON-able data a logger takes as it is.
+Fields are only ever added; renaming, removing or retyping one bumps ``SCHEMA_VERSION``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class _Stats:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _rate(nbytes: int | None, seconds: float) -> float | None:
+    return None if nbytes is None else nbytes / max(seconds, 1e-9) / 1e9
+
+
+@dataclass
+class RankSaveStats(_Stats):
+    """One rank's share of a save, as the writer recorded it in the manifest."""
+
+    rank: int
+    host: str
+    bytes: int
+    files: int
+    items: int
+    write_seconds: float
+    fsync_seconds: float
+    threads: int
+
+    @classmethod
+    def from_manifest(cls, record: dict[str, Any]) -> "RankSaveStats":
+        """From a manifest ``stats`` record, where ``files`` maps each file name to its size."""
+        return cls(rank=int(record["rank"]), host=str(record.get("host", "")), bytes=int(record["bytes"]),
+                   files=len(record.get("files", {})), items=int(record["items"]),
+                   write_seconds=float(record["write_seconds"]), fsync_seconds=float(record["fsync_seconds"]),
+                   threads=int(record.get("threads", 1)))
+
+
+@dataclass
+class SaveStats(_Stats):
+    """A committed save, on rank 0.  Writer figures are None when the commit was confirmed from the marker
+    after DCP reported a failure: the writer's own figures never came back then."""
+
+    run_id: str
+    step: int
+    save_id: str
+    world_size: int
+    asynchronous: bool
+    seconds: float
+    stage_seconds: float
+    commit_seconds: float | None
+    bytes: int | None
+    files: int | None
+    gb_per_s: float | None
+    ranks: list[RankSaveStats] = field(default_factory=list)
+    retention_error: str | None = None
+    unreadable_steps: list[int] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+    kind: str = "save"
+
+    @classmethod
+    def from_writer(cls, writer_stats: dict[str, Any] | None, **known: Any) -> "SaveStats":
+        """``known`` holds the manager's own fields; ``writer_stats`` is the writer's ``last_stats``."""
+        figures = writer_stats or {}
+        nbytes = figures.get("bytes")
+        return cls(commit_seconds=figures.get("commit_seconds"), bytes=nbytes, files=figures.get("files"),
+                   gb_per_s=_rate(nbytes, known["seconds"]),
+                   ranks=sorted((RankSaveStats.from_manifest(r) for r in figures.get("ranks", [])),
+                                key=lambda r: r.rank), **known)
+
+
+@dataclass
+class LoadStats(_Stats):
+    """One rank's share of a load, on that rank."""
+
+    run_id: str
+    step: int
+    save_id: str
+    world_size: int
+    rank: int
+    seconds: float
+    bytes: int
+    files: int
+    gb_per_s: float
+    schema_version: int = SCHEMA_VERSION
+    kind: str = "load"
+
+
+@dataclass
+class FailureStats(_Stats):
+    """A failed save, async save or load, on each rank that raises it."""
+
+    operation: str
+    run_id: str
+    step: int | None
+    world_size: int
+    rank: int
+    seconds: float
+    error_type: str
+    message: str
+    ranks: list[int] = field(default_factory=list)
+    path: str | None = None
+    schema_version: int = SCHEMA_VERSION
+    kind: str = "failure"
+
+    @classmethod
+    def from_error(cls, error: BaseException, **known: Any) -> "FailureStats":
+        details = getattr(error, "details", {}) or {}
+        path = details.get("path")
+        return cls(error_type=type(error).__name__, message=str(error), ranks=blamed_ranks(details),
+                   path=None if path is None else str(path), **known)
+
+
+def blamed_ranks(details: dict[str, Any]) -> list[int]:
+    """The ranks a typed error names as failed: the silent ranks of a RankFailureError (its ``rank`` is the
+    observer), else ``ranks``, else ``rank``."""
+    if isinstance(details.get("silent"), str):  # "1, 3", "0 (the rendezvous store ...)", "none (...)"
+        return [int(r) for r in re.findall(r"\d+", details["silent"].split("(")[0])]
+    if isinstance(details.get("ranks"), (list, tuple)):
+        return sorted(int(r) for r in details["ranks"])
+    if isinstance(details.get("rank"), int) and details["rank"] >= 0:
+        return [details["rank"]]
+    return []

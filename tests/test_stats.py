@@ -1,0 +1,215 @@
+"""Issue 14, observability: every dict the manager's callbacks receive matches docs/statistics.md (names and
+types), for a save, an async save, a load and failed saves, in a real gloo world of two ranks; the
+TensorBoard example runs and writes event files."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import typing
+
+import torch
+
+from tests.harness import assert_all_ok, run_world
+
+RUN = "exp"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(REPO, "docs", "statistics.md")
+
+
+def _documented_tables() -> dict[str, dict[str, str]]:
+    """{table heading: {field: type}} from docs/statistics.md."""
+    tables: dict[str, dict[str, str]] = {}
+    heading = None
+    with open(DOC) as f:
+        for line in f:
+            if line.startswith("#"):
+                heading = line.strip("# \n")
+            match = re.match(r"\| `(\w+)` \| `(.+?)` \|", line)
+            if match and heading:
+                tables.setdefault(heading, {})[match.group(1)] = match.group(2).replace("\\|", "|")
+    return tables
+
+
+def _table(prefix: str) -> dict[str, str]:
+    (fields,) = [t for heading, t in _documented_tables().items() if heading.startswith(prefix)]
+    return fields
+
+
+def _conforms(value, documented: str) -> bool:
+    """Does ``value`` have the documented type (``int``, ``float | None``, ``list[RankSaveStats]``, ...)?"""
+    options = [t.strip() for t in documented.split("|")]
+    if len(options) > 1:
+        return any(_conforms(value, t) for t in options)
+    kind = options[0]
+    if kind == "None":
+        return value is None
+    if kind.startswith("list[") and kind.endswith("]"):
+        return isinstance(value, list) and all(_conforms(v, kind[5:-1]) for v in value)
+    if kind == "RankSaveStats":
+        return isinstance(value, dict) and not _schema_problems(value, _table("Per rank"))
+    simple = {"int": int, "float": float, "str": str, "bool": bool}[kind]
+    return isinstance(value, simple) and (simple is bool or not isinstance(value, bool))
+
+
+def _schema_problems(stats: dict, documented: dict[str, str]) -> list[str]:
+    problems = [f"missing {name}" for name in documented if name not in stats]
+    problems += [f"undocumented {name}" for name in stats if name not in documented]
+    problems += [f"{name}={stats[name]!r} is not {kind}" for name, kind in documented.items()
+                 if name in stats and not _conforms(stats[name], kind)]
+    return problems
+
+
+def test_the_documented_schema_is_the_dataclasses_schema():
+    from dcp_atomic import stats
+
+    for prefix, cls in [("Save", stats.SaveStats), ("Per rank", stats.RankSaveStats), ("Load", stats.LoadStats),
+                        ("Failure", stats.FailureStats)]:
+        hints = typing.get_type_hints(cls)
+        declared = {f.name: str(hints[f.name]).replace("typing.", "").replace("dcp_atomic.stats.", "")
+                    for f in dataclasses.fields(cls)}
+        declared = {name: re.sub(r"<class '(\w+)'>", r"\1", kind) for name, kind in declared.items()}
+        assert declared == _table(prefix), (prefix, declared)
+    assert stats.SCHEMA_VERSION == 1
+
+
+# -- a real world: every callback, every field ----------------------------------------------------------
+
+
+def _state(rank: int, step: int) -> dict:
+    return {f"r{rank}": torch.full((8,), float(step)), "shared": torch.arange(4.0) * step}
+
+
+def _observed_job(ctx):
+    from dcp_atomic import CheckpointManager, failpoints
+
+    seen: dict = {"saved": [], "loaded": [], "failed": []}
+
+    def loaded(stats):
+        seen["loaded"].append(stats)
+        raise RuntimeError("a broken metrics exporter")
+
+    def failed(stats):
+        seen["failed"].append(stats)
+        raise RuntimeError("a broken metrics exporter")
+
+    with CheckpointManager(ctx.root, RUN, timeout=20, thread_count=1, on_saved=seen["saved"].append,
+                           on_loaded=loaded, on_failed=failed) as manager:
+        manager.save(1, _state(ctx.rank, 1))
+        manager.async_save(2, _state(ctx.rank, 2)).result()
+        target = {k: torch.zeros_like(v) for k, v in _state(ctx.rank, 0).items()}
+        seen["load_returned"] = manager.load(target)
+        try:
+            if ctx.rank == 1:
+                failpoints.arm("write.mid_data", "raise", rank=1)
+            try:
+                manager.save(3, _state(ctx.rank, 3))
+            except Exception as e:  # noqa: BLE001 - the type is what the test asserts
+                seen["save_raised"] = type(e).__name__
+            future = manager.async_save(4, _state(ctx.rank, 4))
+            concurrent.futures.wait([future], timeout=60)
+            seen["async_raised"] = type(future.exception()).__name__
+        finally:
+            failpoints.disarm_all()
+        seen["callback_failures"] = manager.callback_failures
+    return seen
+
+
+def _save_ids(root: str, steps: tuple[int, ...]) -> dict[int, str]:
+    from dcp_atomic.commit import read_marker
+    from dcp_atomic.layout import RunLayout
+    from dcp_atomic.retry import Deadline
+    from dcp_atomic.backends import open_storage
+
+    layout = RunLayout(open_storage(root), RUN)
+    return {step: read_marker(layout, step, Deadline(5)).save_id for step in steps}
+
+
+def test_callbacks_deliver_the_documented_schema_for_saves_loads_and_failures(root):
+    results = assert_all_ok(run_world(_observed_job, 2, root, timeout=120))
+    save_ids = _save_ids(root, (1, 2))
+    saves, loads, failures = _table("Save"), _table("Load"), _table("Failure")
+
+    assert results[1]["saved"] == [], "save statistics are delivered on rank 0 only"
+    saved = results[0]["saved"]
+    assert [(s["step"], s["asynchronous"]) for s in saved] == [(1, False), (2, True)], saved
+    for s in saved:
+        assert _schema_problems(s, saves) == [], (s, _schema_problems(s, saves))
+        assert (s["kind"], s["schema_version"], s["run_id"], s["world_size"]) == ("save", 1, RUN, 2), s
+        assert s["save_id"] == save_ids[s["step"]], s
+        assert [r["rank"] for r in s["ranks"]] == [0, 1], s
+        assert s["bytes"] == sum(r["bytes"] for r in s["ranks"]) > 0, s
+        assert s["gb_per_s"] == s["bytes"] / s["seconds"] / 1e9, s
+        assert s["seconds"] >= s["commit_seconds"] > 0 and s["retention_error"] is None, s
+    assert saved[0]["stage_seconds"] == 0.0 < saved[1]["stage_seconds"] <= saved[1]["seconds"], saved
+
+    for rank, seen in enumerate(results):
+        (load,) = seen["loaded"]
+        assert _schema_problems(load, loads) == [], (load, _schema_problems(load, loads))
+        assert (load["kind"], load["step"], load["save_id"], load["rank"], load["world_size"]) == \
+            ("load", 2, save_ids[2], rank, 2), load
+        expected_bytes = sum(t.nbytes for t in _state(rank, 2).values())  # raw, uncompressed: stored == nbytes
+        assert load["bytes"] == expected_bytes and load["files"] >= 1, (load, expected_bytes)
+        assert seen["load_returned"] == 2, seen  # the raising on_loaded did not fail the load
+
+        assert [(f["operation"], f["step"]) for f in seen["failed"]] == [("save", 3), ("async_save", 4)], seen
+        for failure in seen["failed"]:
+            assert _schema_problems(failure, failures) == [], (failure, _schema_problems(failure, failures))
+            assert failure["error_type"] == "StorageError" and "injected I/O error" in failure["message"], failure
+            assert (failure["ranks"], failure["rank"], failure["world_size"]) == ([1], rank, 2), failure
+            assert failure["seconds"] > 0 and failure["kind"] == "failure", failure
+        # the raising on_failed did not replace the typed error; each callback failure was counted
+        assert (seen["save_raised"], seen["async_raised"]) == ("StorageError", "StorageError"), seen
+        assert seen["callback_failures"] == 3, seen
+
+
+def _confirmed_from_marker_job(ctx):
+    """DCP reports a failure after rank 0's marker is visible (LATEST fails): the save committed."""
+    from dcp_atomic import CheckpointManager, failpoints
+
+    saved: list = []
+    with CheckpointManager(ctx.root, RUN, timeout=20, thread_count=1, on_saved=saved.append) as manager:
+        if ctx.rank == 0:
+            failpoints.arm("commit.after_marker", "raise", rank=0)
+        try:
+            returned = manager.save(1, _state(ctx.rank, 1))
+        finally:
+            failpoints.disarm_all()
+    return {"returned": returned, "saved": saved}
+
+
+def test_a_save_confirmed_from_the_marker_still_delivers_the_documented_schema(root):
+    results = assert_all_ok(run_world(_confirmed_from_marker_job, 2, root, timeout=90))
+    assert [r["returned"] for r in results] == [1, 1], results
+    (stats,) = results[0]["saved"]
+    assert _schema_problems(stats, _table("Save")) == [], (stats, _schema_problems(stats, _table("Save")))
+    assert stats["save_id"] == _save_ids(root, (1,))[1] and stats["bytes"] is None and stats["ranks"] == [], stats
+
+
+# -- the example -------------------------------------------------------------------------------------------
+
+
+def test_the_tensorboard_example_writes_the_statistics_as_event_files(root):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = os.path.join(root, "tb")
+    done = subprocess.run([sys.executable, os.path.join(REPO, "examples", "tensorboard_stats.py"),
+                           "--root", os.path.join(root, "ckpt"), "--logdir", logdir, "--steps", "3"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO})  # this checkout, installed or not
+    assert done.returncode == 0 and "failed as intended: CommitConflictError" in done.stdout, (done.stdout, done.stderr)
+    events = EventAccumulator(logdir)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("checkpoint/save/seconds", "checkpoint/save/bytes", "checkpoint/save/gb_per_s",
+                "checkpoint/load/seconds", "checkpoint/load/bytes", "checkpoint/failures"):
+        assert tag in tags, (tag, sorted(tags))
+    assert [e.step for e in events.Scalars("checkpoint/save/seconds")] == [10, 20, 30]
+    assert all(e.value > 0 for e in events.Scalars("checkpoint/save/bytes"))
+    assert [e.step for e in events.Scalars("checkpoint/load/bytes")] == [30]
+    assert [(e.step, e.value) for e in events.Scalars("checkpoint/failures")] == [(30, 1.0)]  # re-saved step 30
+    assert "checkpoint/save/schema_version" not in tags
