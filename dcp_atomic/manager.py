@@ -18,14 +18,17 @@ What it adds over the storage writer and reader:
 * typed errors: DCP's ``CheckpointException`` is unwrapped to our own classes,
   and a save DCP reports as failed after ``finish`` may have committed is
   settled by reading the marker;
-* a committed save is never reported as failed (retention and ``on_saved``
+* a committed save is never reported as failed (retention and callback
   errors are logged and counted), and a failed one is never swallowed (see
-  ``async_save``).
+  ``async_save``);
+* statistics of every save, load and failure for ``on_saved`` / ``on_loaded`` /
+  ``on_failed``, in the versioned schema of :mod:`.stats` (docs/statistics.md).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -49,12 +52,13 @@ from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
 from .reader import AtomicStorageReader
 from .retention import DEFAULT_LEASE_SECONDS, apply_gc, plan_gc
-from .storage import open_storage
+from .stats import FailureStats, LoadStats, SaveStats
+from .backends import open_storage
 from .writer import AtomicStorageWriter
 
 log = logging.getLogger(__name__)
 
-SaveCallback = Callable[[dict[str, Any]], None]
+StatsCallback = Callable[[dict[str, Any]], None]  # receives a stats.*.to_dict() (docs/statistics.md)
 
 DEFAULT_WORK_TIMEOUT = 2 * 3600.0  # 100+ GB per rank on busy storage must fit; a dead peer is found far sooner
 
@@ -98,10 +102,15 @@ class CheckpointManager:
             (default 2 hours).
         process_group: use this group instead of creating one (the manager then cannot
             create a separate group for background saves and uses this one for both).
-        on_saved: callback receiving per-save statistics (rank 0 only, once committed).
-            An exception in it is logged and counted in ``callback_failures``; the save
-            still returns. ``stats["retention_error"]`` says retention failed after the
-            commit (logged; the next save retries it).
+        on_saved: callback receiving a save's statistics (``stats.SaveStats`` as a dict; rank 0
+            only, once committed). ``stats["retention_error"]`` says retention failed after
+            the commit (logged; the next save retries it).
+        on_loaded: callback receiving a load's statistics (``stats.LoadStats``; every rank,
+            its own share).
+        on_failed: callback receiving a failed save's or load's statistics (``stats.FailureStats``:
+            error class, message, ranks named); every rank that raises it, before it raises.
+            An exception in any callback is logged and counted in ``callback_failures``;
+            the operation's outcome stands. Fields: docs/statistics.md.
         lease_seconds: age after which an uncommitted attempt counts as abandoned.
     """
 
@@ -120,7 +129,9 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         thread_count: int | None = None,
-        on_saved: SaveCallback | None = None,
+        on_saved: StatsCallback | None = None,
+        on_loaded: StatsCallback | None = None,
+        on_failed: StatsCallback | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         allow_divergence: bool = False,
     ) -> None:
@@ -136,7 +147,7 @@ class CheckpointManager:
         self.work_timeout = work_timeout
         self.callback_failures = 0
         self.thread_count = thread_count
-        self.on_saved = on_saved
+        self.on_saved, self.on_loaded, self.on_failed = on_saved, on_loaded, on_failed
         self.lease_seconds = lease_seconds
         self.divergence = "warn" if allow_divergence else "raise"
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -174,16 +185,18 @@ class CheckpointManager:
         earlier ``async_save`` that nothing has reported yet (see ``async_save``).
         """
         self._drain()
-        watch = self._watch(f"saving step {step}")
-        writer = self._writer(step, watch)
         started = time.perf_counter()
-        try:
-            dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch), process_group=self._group)
-        except BaseException as e:  # CheckpointException is a BaseException
-            self._settle_failed_save(e, step, writer, self._ops, watch)
-        else:
-            watch.finish()
-        self._after_commit(step, writer, time.perf_counter() - started, stage_seconds=0.0)
+        with self._failures_reported("save", step, started):
+            watch = self._watch(f"saving step {step}")
+            writer = self._writer(step, watch)
+            try:
+                dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
+                         process_group=self._group)
+            except BaseException as e:  # CheckpointException is a BaseException
+                self._settle_failed_save(e, step, writer, self._ops, watch)
+            else:
+                watch.finish()
+        self._after_commit(step, writer, time.perf_counter() - started, stage_seconds=0.0, asynchronous=False)
         return step
 
     @_operation
@@ -201,16 +214,17 @@ class CheckpointManager:
         way on every rank.
         """
         self._drain()
-        watch = self._watch(f"saving step {step}")
-        writer = self._writer(step, watch)
         op = self._ops
         result = _SaveFuture()
         started = time.perf_counter()
-        try:
-            pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
-                                     process_group=self._async_group)
-        except BaseException as e:
-            self._settle_failed_save(e, step, writer, op, watch)
+        with self._failures_reported("async_save", step, started):
+            watch = self._watch(f"saving step {step}")
+            writer = self._writer(step, watch)
+            try:
+                pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
+                                         process_group=self._async_group)
+            except BaseException as e:
+                self._settle_failed_save(e, step, writer, op, watch)
         stage_seconds = time.perf_counter() - started
         pending = getattr(pending, "upload_completion", pending)  # AsyncSaveResponse in some torch versions
 
@@ -224,9 +238,10 @@ class CheckpointManager:
                     self._settle_failed_save(e, step, writer, op, watch)
                 else:
                     watch.finish()
-                self._after_commit(step, writer, time.perf_counter() - started, stage_seconds)
+                self._after_commit(step, writer, time.perf_counter() - started, stage_seconds, asynchronous=True)
                 result.set_result(step)
             except BaseException as e:
+                self._report_failure("async_save", step, e, started)
                 result.set_exception(e)
 
         pending.add_done_callback(finished)
@@ -284,25 +299,34 @@ class CheckpointManager:
         Before loading, raises the failure of an earlier ``async_save`` that nothing has reported yet.
         """
         self._drain()
-        chosen, save_id = self._on_rank0(lambda: self._resolve_step(step), "resolve the step to load")
-        if chosen is None:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint for run {self.run_id!r} under {self.layout.storage.describe()}",
-                run_id=self.run_id,
-            )
-        # Visibility waits get half the group timeout, so a rank that gives up still reaches the
-        # exchange of outcomes in _resolve_everywhere before its peers' collective times out.
-        watch = self._watch(f"loading step {chosen}")
-        reader = _WatchedReader(self.root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
-                                allow_reshard=allow_reshard, timeout=self.timeout / 2,
-                                storage_options=self.storage_options, thread_count=self.thread_count, watch=watch)
-        self._resolve_everywhere(reader, chosen)
-        try:
-            dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
-        except BaseException as e:
-            raise watch.verdict or self._translate(e, f"loading step {chosen}") from None
-        watch.finish()
-        log.info("loaded run %r step %d (save %s)", self.run_id, chosen, reader.save_id)
+        started = time.perf_counter()
+        with self._failures_reported("load", step, started) as attempt:
+            chosen, save_id = self._on_rank0(lambda: self._resolve_step(step), "resolve the step to load")
+            if chosen is None:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint for run {self.run_id!r} under {self.layout.storage.describe()}",
+                    run_id=self.run_id,
+                )
+            attempt["step"] = chosen
+            # Visibility waits get half the group timeout, so a rank that gives up still reaches the
+            # exchange of outcomes in _resolve_everywhere before its peers' collective times out.
+            watch = self._watch(f"loading step {chosen}")
+            reader = _WatchedReader(self.root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
+                                    allow_reshard=allow_reshard, timeout=self.timeout / 2,
+                                    storage_options=self.storage_options, thread_count=self.thread_count,
+                                    watch=watch)
+            self._resolve_everywhere(reader, chosen)
+            try:
+                dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
+            except BaseException as e:
+                raise watch.verdict or self._translate(e, f"loading step {chosen}") from None
+            watch.finish()
+        seconds = time.perf_counter() - started
+        log.info("loaded run %r step %d (save %s) in %.3fs", self.run_id, chosen, reader.save_id, seconds)
+        self._deliver(self.on_loaded, "on_loaded", LoadStats(
+            run_id=self.run_id, step=chosen, save_id=reader.save_id, world_size=self.world_size, rank=self.rank,
+            seconds=seconds, bytes=reader.bytes_read, files=reader.files_read,
+            gb_per_s=reader.bytes_read / max(seconds, 1e-9) / 1e9))
         return chosen
 
     @_operation
@@ -401,33 +425,63 @@ class CheckpointManager:
             raise value
         return value
 
-    def _after_commit(self, step: int, writer: AtomicStorageWriter, seconds: float, stage_seconds: float) -> None:
+    def _after_commit(self, step: int, writer: AtomicStorageWriter, seconds: float, stage_seconds: float,
+                      asynchronous: bool) -> None:
         """Rank 0's bookkeeping once ``step`` is committed; nothing here may fail the save (it is durable,
         and the other ranks have already returned): errors are logged and counted instead."""
         if self.rank != 0:
             return
-        stats = {"step": step, "save_id": writer.save_id, "seconds": seconds, "stage_seconds": stage_seconds,
-                 **(writer.last_stats or {})}
+        stats = SaveStats.from_writer(writer.last_stats, run_id=self.run_id, step=step, save_id=writer.save_id,
+                                      world_size=self.world_size, asynchronous=asynchronous, seconds=seconds,
+                                      stage_seconds=stage_seconds)
         try:
             self._retention(step, stats)
         except Exception as e:  # EBUSY on NFS .nfsXXXX files, EIO, throttled deletes: the next save retries
-            stats["retention_error"] = f"{type(e).__name__}: {e}"
+            stats.retention_error = f"{type(e).__name__}: {e}"
             log.warning("run %r step %d is committed, but retention failed (the next save retries it): %s",
-                        self.run_id, step, stats["retention_error"], exc_info=True)
-        if stats.get("bytes"):
-            stats["gb_per_s"] = stats["bytes"] / max(seconds, 1e-9) / 1e9
+                        self.run_id, step, stats.retention_error, exc_info=True)
         log.info("run %r step %d committed: %s", self.run_id, step,
-                 ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
-                           if k != "ranks"))
-        if self.on_saved is not None:
-            try:
-                self.on_saved(stats)
-            except Exception:
-                self.callback_failures += 1
-                log.exception("the on_saved callback failed for run %r step %d; the step is committed", self.run_id,
-                              step)
+                 ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in stats.to_dict().items() if k != "ranks"))
+        self._deliver(self.on_saved, "on_saved", stats)
 
-    def _retention(self, step: int, stats: dict[str, Any]) -> None:
+    @contextlib.contextmanager
+    def _failures_reported(self, operation: str, step: int | None, started: float):
+        """Report a failure of the enclosed work to ``on_failed``; yields a dict whose ``step`` the work
+        may fill in once it knows it (a load of the latest step)."""
+        attempt = {"step": step}
+        try:
+            yield attempt
+        except Exception as error:
+            self._report_failure(operation, attempt["step"], error, started)
+            raise
+
+    def _report_failure(self, operation: str, step: int | None, error: BaseException, started: float) -> None:
+        """Never raises: the failure itself must still reach the caller (an async save's future)."""
+        if self.on_failed is None:
+            return
+        try:
+            stats = FailureStats.from_error(error, operation=operation, run_id=self.run_id, step=step,
+                                            world_size=self.world_size, rank=self.rank,
+                                            seconds=time.perf_counter() - started)
+        except Exception:
+            log.exception("could not describe the failure of %s step %s for on_failed", operation, step)
+            return
+        self._deliver(self.on_failed, "on_failed", stats)
+
+    def _deliver(self, callback: StatsCallback | None, name: str, stats: SaveStats | LoadStats | FailureStats) -> None:
+        """Hand ``stats`` to a user callback; its failure is logged and counted, never the operation's."""
+        if callback is None:
+            return
+        try:
+            callback(stats.to_dict())
+        except Exception:
+            with self._lock:
+                self.callback_failures += 1
+            log.exception("the %s callback failed for run %r step %s; the %s's outcome stands", name, self.run_id,
+                          stats.step, stats.kind)
+
+    def _retention(self, step: int, stats: SaveStats) -> None:
         markers = scan_markers(self.layout)  # one scan serves the branch check and retention
         committed = [m.step for m in markers if m.step > step]
         if committed:
@@ -438,7 +492,7 @@ class CheckpointManager:
         plan = plan_gc(self.layout, self.keep_last, lease_seconds=self.lease_seconds, markers=markers)
         unreadable = getattr(plan, "unreadable_steps", None)
         if unreadable:
-            stats["unreadable_steps"] = [s for s, _ in unreadable]
+            stats.unreadable_steps = [s for s, _ in unreadable]
             log.warning("retention keeps step(s) whose marker cannot be validated: %s",
                         "; ".join(f"step {s}: {why}" for s, why in unreadable))
         if not plan.empty:
@@ -593,6 +647,17 @@ class _WatchedReader(AtomicStorageReader):
         super().__init__(*args, **kwargs)
         self.watch = watch
 
+    bytes_read = files_read = 0
+
     def read_data(self, plan, planner):
+        """Also counts what this rank reads (for ``on_loaded``): the stored length of each distinct item,
+        from the checkpoint's metadata, since the reader does not count bytes itself."""
         read = super().read_data
-        return self.watch.run("read", lambda: read(plan, planner))
+
+        def counted_read():
+            stored = {item.storage_index: self._storage_info(item) for item in plan.items}
+            self.bytes_read = sum(info.length for info in stored.values())
+            self.files_read = len({info.relative_path for info in stored.values()})
+            return read(plan, planner)
+
+        return self.watch.run("read", counted_read)
