@@ -18,7 +18,6 @@ did not help it): that rule needs no flag and makes per-frame fallback free.
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from typing import Iterator
 
@@ -30,18 +29,20 @@ RAW_FALLBACK_RATIO = 0.97
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """Writable byte view of a contiguous CPU tensor's memory (no copy, any dtype)."""
+    """Writable byte view of a contiguous CPU tensor's memory (no copy, any dtype).
+
+    Through a uint8 view and numpy: ~2 us, where a ctypes array of the tensor's
+    size took ~10 us and cached one new ctypes type per distinct size.  A lazily
+    conjugated or negated tensor is refused (numpy raises): its memory is not its value.
+    """
     assert tensor.device.type == "cpu" and tensor.is_contiguous()
-    if tensor.nbytes == 0:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 def plane_width(dtype: torch.dtype) -> int:
     """Bytes per element to split into planes; 1 means no split."""
     if dtype.is_floating_point and not dtype.is_complex:
-        size = torch.empty((), dtype=dtype).element_size()
-        return size if size > 1 else 1
+        return max(dtype.itemsize, 1)
     return 1
 
 

@@ -207,7 +207,7 @@ def _write_shard(path: str, shard: list[_Entry], source: StepTensors) -> None:
     def write(f) -> None:
         f.write(_header(shard))
         for entry in shard:
-            tensor = source.load(entry.key).to(entry.dtype).contiguous()
+            tensor = source.load(entry.key).to(entry.dtype).resolve_conj().resolve_neg().contiguous()
             if tensor.nbytes != entry.nbytes:  # .metadata and the loaded tensor disagree: never a short shard
                 raise CheckpointError(f"{entry.key!r} loaded as {tensor.nbytes} bytes, planned {entry.nbytes}",
                                       key=entry.key)
