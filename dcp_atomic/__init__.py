@@ -15,6 +15,7 @@ from .errors import (
     RankFailureError,
     ReshardError,
     StorageError,
+    UnsafeItemError,
 )
 from .manager import CheckpointManager
 from .parallelism import Parallelism
@@ -41,5 +42,6 @@ __all__ = [
     "CheckpointManager",
     "ReshardError",
     "StorageError",
+    "UnsafeItemError",
     "__version__",
 ]

@@ -3,8 +3,10 @@
 Subcommands: ``ls ROOT [RUN]``, ``show ROOT RUN [STEP]``, ``verify ROOT RUN
 [STEP|--all]``, ``gc ROOT RUN --keep-last N [--dry-run]``, ``export [--format
 safetensors] ROOT RUN STEP OUT``, ``import STOCK_DCP_DIR ROOT RUN STEP``,
-``demo``.  ``--json`` prints machine-readable output.  The CLI is one process,
-so it may scan (list) the run directory; training ranks never do.
+``demo``.  ``--json`` prints machine-readable output, errors included; it,
+``--timeout`` and ``--storage-options`` go before or after the subcommand.
+The CLI is one process, so it may scan (list) the run directory; training
+ranks never do.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import threading
 import time
 from typing import Any
 
-from .audit import audit_step
+from .audit import AuditReport, audit_step
 from .catalog import most_recent, scan_markers
 from .commit import read_committed
 from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import RunLayout, parse_step_dir, validate_run_id
+from .manifest import Marker
 from .retention import apply_gc, plan_gc
 from .retry import Deadline
 from .backends import open_storage
@@ -131,8 +134,14 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def _step_rows(layout: RunLayout) -> list[dict[str, Any]]:
-    markers = {m.step: m for m in scan_markers(layout)}
+def _scan(layout: RunLayout) -> tuple[dict[int, Marker], dict[int, str]]:
+    """Valid markers by step, and the steps whose marker exists but cannot be validated, with the reason."""
+    unreadable: list[tuple[int, str]] = []
+    markers = {m.step: m for m in scan_markers(layout, unreadable=unreadable)}
+    return markers, dict(unreadable)
+
+
+def _step_rows(layout: RunLayout, markers: dict[int, Marker], damaged: dict[int, str]) -> list[dict[str, Any]]:
     rows = []
     for name in layout.storage.list_dir(layout.run_dir):
         step = parse_step_dir(name)
@@ -141,6 +150,8 @@ def _step_rows(layout: RunLayout) -> list[dict[str, Any]]:
         attempts = [a for a in layout.storage.list_dir(layout.step_dir(step)) if a != "COMMITTED" and not a.startswith(".")]
         marker = markers.get(step)
         row: dict[str, Any] = {"step": step, "committed": marker is not None, "attempts": len(attempts)}
+        if step in damaged:  # a marker is there: not "partial", but nothing can be trusted until a human looks
+            row["marker_error"] = damaged[step]
         if marker is not None:
             try:
                 manifest = read_committed(layout, step, Deadline(0)).manifest
@@ -161,7 +172,8 @@ def _run_rows(storage: Storage) -> list[dict[str, Any]]:
         layout = RunLayout(storage, name) if _is_run_id(name) else None
         if layout is None or not storage.is_dir(layout.run_dir):
             continue  # dot-files, temps, anything that is not a run
-        markers = scan_markers(layout)
+        damaged: list[tuple[int, str]] = []
+        markers = scan_markers(layout, unreadable=damaged)
         newest = most_recent(markers)
         size, unreadable = 0, 0
         for marker in markers:
@@ -170,7 +182,7 @@ def _run_rows(storage: Storage) -> list[dict[str, Any]]:
             except CheckpointError:
                 unreadable += 1
         rows.append({"run": name, "committed_steps": len(markers), "latest_step": newest.step if newest else None,
-                     "bytes": size, "unreadable_manifests": unreadable,
+                     "bytes": size, "unreadable_manifests": unreadable, "damaged_markers": len(damaged),
                      "latest_committed_at": newest.committed_at if newest else None,
                      "age_seconds": now - newest.committed_at if newest else None})
     return rows
@@ -196,13 +208,15 @@ def cmd_ls(args) -> int:
             for row in rows:
                 committed = row["latest_step"] is not None
                 damaged = f"  ({row['unreadable_manifests']} unreadable)" if row["unreadable_manifests"] else ""
+                damaged += f"  ({row['damaged_markers']} damaged marker(s))" if row["damaged_markers"] else ""
                 print(f"{row['run']:<30} {row['committed_steps']:>5} {row['latest_step'] if committed else '-':>10} "
                       f"{_mib(row['bytes']) if committed else '-':>12} "
                       f"{_age(row['age_seconds']) if committed else '-':>6}{damaged}")
         return 0
     layout = _layout(args)
-    rows = _step_rows(layout)
-    newest = most_recent(scan_markers(layout))
+    markers, damaged = _scan(layout)
+    rows = _step_rows(layout, markers, damaged)
+    newest = most_recent(list(markers.values()))
     if args.json:
         print(json.dumps({"run": args.run, "latest": newest.step if newest else None, "steps": rows}, indent=1))
         return 0
@@ -212,15 +226,16 @@ def cmd_ls(args) -> int:
     now = time.time()
     print(f"{'step':>10}  {'state':<10} {'size':>10}  {'age':>6}  {'world':>5}  layout              save_id")
     for row in rows:
-        state = "committed" if row["committed"] else "partial"
+        state = "committed" if row["committed"] else "damaged" if "marker_error" in row else "partial"
         size = _mib(row["bytes"]) if "bytes" in row else "-"
         age = _age(now - row["committed_at"]) if "committed_at" in row else "-"
         par = row.get("parallelism") or {}
         lay = f"tp={par.get('tp')} dp={par.get('dp')} pp={par.get('pp')}" if par else "-"
         extra = f"  (+{row['partial_attempts']} partial attempt(s))" if row["partial_attempts"] and row["committed"] else ""
         latest = "  <- latest" if newest and row["step"] == newest.step else ""
+        damage = f"  (commit marker cannot be validated: {row['marker_error']})" if "marker_error" in row else ""
         print(f"{row['step']:>10}  {state:<10} {size:>10}  {age:>6}  {row.get('world_size', '-'):>5}  "
-              f"{lay:<19} {row.get('save_id', '-')}{extra}{latest}")
+              f"{lay:<19} {row.get('save_id', '-')}{extra}{latest}{damage}")
     return 0
 
 
@@ -263,28 +278,31 @@ def cmd_show(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    """Audit the step(s); a step whose marker exists but cannot be validated is reported as FAILED, never skipped."""
     layout = _layout(args)
-    if args.all:
-        steps = [m.step for m in scan_markers(layout)]
-    elif args.step is not None:
+    reports: list[AuditReport] = []
+    if args.step is not None:
         _require_step(layout, args.step)
         steps = [args.step]
     else:
-        newest = most_recent(scan_markers(layout))
-        steps = [newest.step] if newest else []
-    if not steps:
+        markers, damaged = _scan(layout)  # with a damaged marker "the latest" is unknown: report it either way
+        newest = most_recent(list(markers.values()))
+        steps = sorted(markers) if args.all else [newest.step] if newest else []
+        reports = [AuditReport(step, None, 0, 0, [f"commit marker cannot be validated: {reason}"])
+                   for step, reason in damaged.items()]
+    if not steps and not reports:
         raise CheckpointNotFoundError(f"no committed step to verify in {layout.run_dir}")
-    reports = []
     for step in steps:
-        total = 0
         try:
             total = read_committed(layout, step, Deadline(args.timeout)).manifest.total_bytes
-        except CheckpointError:
-            pass
+        except CheckpointError as e:  # not committed or damaged: reported now, not waited for a second time
+            reports.append(AuditReport(step, None, 0, 0, [str(e)]))
+            continue
         progress = None if args.json else Progress(total, f"verify step {step}")
         reports.append(audit_step(layout, step, threads=args.threads, timeout=args.timeout, progress=progress))
         if progress:
             progress.close()
+    reports.sort(key=lambda r: r.step)
     bad = [r for r in reports if not r.ok]
     if args.json:
         print(json.dumps([r.__dict__ for r in reports], indent=1))
@@ -298,15 +316,12 @@ def cmd_verify(args) -> int:
 
 
 def cmd_gc(args) -> int:
+    """Print the plan, then apply it; with ``--json`` one object, holding the plan and any failure to apply it."""
     layout = _layout(args)
     plan = plan_gc(layout, args.keep_last, lease_seconds=args.lease_hours * 3600)
-    unreadable = getattr(plan, "unreadable_steps", [])  # markers that exist but cannot be validated: never touched
-    if args.json:
-        print(json.dumps({"dry_run": args.dry_run, "delete_steps": plan.delete_steps,
-                          "delete_attempts": [list(a) for a in plan.delete_attempts],
-                          "delete_temps": plan.delete_temps, "kept_steps": plan.kept_steps,
-                          "unreadable_steps": [list(u) for u in unreadable]}))
-    else:
+    unreadable = plan.unreadable_steps  # markers that exist but cannot be validated: never touched, never "kept"
+    kept = [step for step in plan.kept_steps if step not in dict(unreadable)]
+    if not args.json:
         verb = "would delete" if args.dry_run else "deleting"
         for step in plan.delete_steps:
             print(f"{verb} committed step {step}")
@@ -314,13 +329,24 @@ def cmd_gc(args) -> int:
             print(f"{verb} abandoned attempt {save_id} of step {step}")
         for path in plan.delete_temps:
             print(f"{verb} leftover temp file {path}")
-        print(f"keeping steps {plan.kept_steps}" + ("" if not plan.empty else " (nothing to collect)"))
+        print(f"keeping committed steps {kept}" + ("" if not plan.empty else " (nothing to collect)"))
         for step, reason in unreadable:
             print(f"step {step}: its marker exists but cannot be validated, so gc left the whole step alone "
                   f"({reason}); inspect it, restore the marker, or delete the step by hand", file=sys.stderr)
+        if not args.dry_run:
+            apply_gc(layout, plan)  # a failure is reported by main, after the lines above
+        return 1 if unreadable else 0
+    report: dict[str, Any] = {"dry_run": args.dry_run, "delete_steps": plan.delete_steps,
+                              "delete_attempts": [list(a) for a in plan.delete_attempts],
+                              "delete_temps": plan.delete_temps, "kept_steps": kept,
+                              "unreadable_steps": [list(u) for u in unreadable]}
     if not args.dry_run:
-        apply_gc(layout, plan)
-    return 1 if unreadable else 0
+        try:
+            apply_gc(layout, plan)
+        except (CheckpointError, OSError) as e:
+            report["error"] = {"type": type(e).__name__, "message": getattr(e, "message", str(e))}
+    print(json.dumps(report))
+    return 1 if unreadable or "error" in report else 0
 
 
 def cmd_export(args) -> int:
@@ -337,7 +363,10 @@ def cmd_export(args) -> int:
         if args.dtype or args.keys or args.shard_size:
             raise CliError("--dtype, --keys and --shard-size apply to --format safetensors", code=2, kind="UsageError")
         step, save_id = export_torch(args.root, args.run, args.step, out, timeout=args.timeout, storage_options=options)
-        print(f"exported run {args.run} step {step} (save {save_id}) to {args.out}")
+        if args.json:
+            print(json.dumps({"out": out, "format": "torch", "step": step, "save_id": save_id}))
+        else:
+            print(f"exported run {args.run} step {step} (save {save_id}) to {args.out}")
         return 0
     report = export_safetensors(args.root, args.run, args.step, out, shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
                                 dtype=args.dtype, keys=args.keys or (), timeout=args.timeout, storage_options=options)
@@ -375,23 +404,23 @@ def build_parser() -> argparse.ArgumentParser:
     from .demo import DEFAULT_ROOT
 
     parser = _Parser(prog="dcp-atomic", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--storage-options", help="fsspec options as JSON, e.g. an S3 endpoint")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for visibility")
+    _add_global_options(parser, after_subcommand=False)
+    after = argparse.ArgumentParser(add_help=False)
+    _add_global_options(after, after_subcommand=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("ls", help="runs, or the steps of a run")
+    p = sub.add_parser("ls", parents=[after], help="runs, or the steps of a run")
     p.add_argument("root")
     p.add_argument("run", nargs="?")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("show", help="manifest summary of a step (default: latest)")
+    p = sub.add_parser("show", parents=[after], help="manifest summary of a step (default: latest)")
     p.add_argument("root")
     p.add_argument("run")
     p.add_argument("step", nargs="?", type=int)
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("verify", help="re-read every byte and check every checksum")
+    p = sub.add_parser("verify", parents=[after], help="re-read every byte and check every checksum")
     p.add_argument("root")
     p.add_argument("run")
     p.add_argument("step", nargs="?", type=int)
@@ -399,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int, default=4)
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("gc", help="delete old committed steps and abandoned attempts")
+    p = sub.add_parser("gc", parents=[after], help="delete old committed steps and abandoned attempts")
     p.add_argument("root")
     p.add_argument("run")
     p.add_argument("--keep-last", type=_positive_int, required=True, help="committed steps to keep (>= 1)")
@@ -407,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=cmd_gc)
 
-    p = sub.add_parser("export", help="write one step as one torch.save file, or as safetensors shards")
+    p = sub.add_parser("export", parents=[after],
+                       help="write one step as one torch.save file, or as safetensors shards")
     p.add_argument("root")
     p.add_argument("run")
     p.add_argument("step", type=int)
@@ -419,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export only keys matching GLOB, e.g. 'model.*' (repeatable; safetensors)")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("import", help="adopt a stock DCP checkpoint directory as a committed step")
+    p = sub.add_parser("import", parents=[after], help="adopt a stock DCP checkpoint directory as a committed step")
     p.add_argument("source", help="directory written by torch's FileSystemWriter (holds .metadata)")
     p.add_argument("root")
     p.add_argument("run")
@@ -428,11 +458,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hard-link the data files instead of copying (same filesystem; never write the source again)")
     p.set_defaults(func=cmd_import)
 
-    p = sub.add_parser("demo", help="train, crash a save, resume (the README's first command)")
+    p = sub.add_parser("demo", parents=[after], help="train, crash a save, resume (the README's first command)")
     p.add_argument("--root", default=DEFAULT_ROOT)
     p.add_argument("--world-size", type=int, default=4)
     p.set_defaults(func=cmd_demo)
     return parser
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, after_subcommand: bool) -> None:
+    """Options accepted before the subcommand and after it; one not given after it keeps its value from before."""
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if after_subcommand else value
+
+    parser.add_argument("--json", action="store_true", default=default(False),
+                        help="machine-readable output, errors included")
+    parser.add_argument("--storage-options", default=default(None), help="fsspec options as JSON, e.g. an S3 endpoint")
+    parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds to wait for visibility")
 
 
 def main(argv: list[str] | None = None) -> int:

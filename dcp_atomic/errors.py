@@ -59,5 +59,9 @@ class ConfigurationError(CheckpointError):
     """The writer or reader was used in a way the protocol cannot make safe."""
 
 
+class UnsafeItemError(ConfigurationError):
+    """A non-tensor item holds a type the safe-decoding allow-list refuses (P11); the checkpoint itself is intact."""
+
+
 class RankFailureError(CheckpointError):
     """A peer died or froze inside a collective (seen through the process group)."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, UnsafeItemError
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -103,8 +103,8 @@ def safe_byte_item(data: bytes, *, key: str, where: str) -> io.BytesIO:
         try:
             with torch.serialization.safe_globals(missing):
                 value = torch.load(io.BytesIO(data), weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise CorruptCheckpointError(
+        except pickle.UnpicklingError as e:  # the policy refuses a type; the stored bytes are intact
+            raise UnsafeItemError(
                 f"{where}: refusing to decode non-tensor item {key!r}: {_refusal(e)}. Decoding it in full could run "
                 "code, so it was not loaded. If you trust this checkpoint and the type, allow it with "
                 "torch.serialization.add_safe_globals([...]) or the torch.serialization.safe_globals([...]) "

@@ -182,6 +182,9 @@ def _lightning_rank(ctx):
                           callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=1,
                                                      save_last=True)])
 
+    canary = os.path.join(ctx.root, "pwned")
+    if ctx.rank == 0:  # files in the checkpoint directory that are not ours are never unpickled, never in the way
+        _plant_foreign_files(dirpath, canary)
     first = Module()
     trainer(4).fit(first)
     saved = {k: v.full_tensor().clone() for k, v in first.net.state_dict().items()}
@@ -189,13 +192,159 @@ def _lightning_rank(ctx):
     resumed = trainer(6)
     resumed.fit(second, ckpt_path=os.path.join(dirpath, "last.ckpt"))
     exact = all(torch.equal(saved[k], second.loaded[k]) for k in saved)
-    return {"exact": exact, "files": sorted(os.listdir(dirpath)), "global_step": resumed.global_step}
+    return {"exact": exact, "files": sorted(os.listdir(dirpath)), "global_step": resumed.global_step,
+            "code_ran": os.path.exists(canary)}
 
 
 def test_lightning_trainer_saves_resumes_and_removes_through_the_library(root):
     results = assert_all_ok(run_world(_lightning_rank, 2, root, timeout=240))
     for out in results:
         assert out["exact"] and out["global_step"] == 6
-        assert out["files"] == ["epoch=0-step=6.ckpt", "last.ckpt", "lightning"]  # pointers; the run's steps
+        assert not out["code_ran"]
+        assert out["files"] == ["epoch=0-step=6.ckpt", "foreign.ckpt", "last.ckpt", "lightning", "notes.ckpt",
+                                "stock.ckpt"]  # pointers, the run's steps, the planted foreign files
     # save_top_k=1 removed steps 2 and 4 through retention; step 6 is what both files name
     assert list_steps(os.path.join(root, "ckpts"), "lightning") == [6]
+
+
+# -- review 6: Lightning reads only its own pointers, without unpickling; rank 0's failures reach every rank ---------
+
+
+class _Exploit:
+    def __init__(self, canary):
+        self.canary = canary
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.canary}",))
+
+
+def _plant_foreign_files(directory: str, canary: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    torch.save({"x": _Exploit(canary)}, os.path.join(directory, "foreign.ckpt"))
+    with open(os.path.join(directory, "notes.ckpt"), "w") as f:
+        f.write("hello, not a checkpoint\n")
+    os.makedirs(os.path.join(directory, "stock.ckpt"), exist_ok=True)  # Lightning's own sharded checkpoints
+
+
+def test_lightning_retirement_skips_foreign_files_without_unpickling_them(root):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+    from dcp_atomic.integrations.lightning import AtomicModelParallelStrategy, _pointer
+
+    canary = os.path.join(root, "pwned")
+    _plant_foreign_files(root, canary)
+    strategy = AtomicModelParallelStrategy.__new__(AtomicModelParallelStrategy)
+    strategy.run_id = "lightning"
+    for step in (5, 6):
+        dcp.save({"w": torch.ones(2)}, storage_writer=AtomicStorageWriter(),
+                 checkpoint_id=f"{root}/lightning/step_{step}")
+    for name in ("foreign.ckpt", "notes.ckpt", "stock.ckpt"):
+        assert _pointer(os.path.join(root, name)) is None
+    strategy._retire_if_unreferenced(root, f"{root}/lightning/step_5")  # no file refers to it: retired
+    assert not os.path.exists(canary), "retirement unpickled a foreign file and ran its code"
+    assert list_steps(root, "lightning") == [6]
+    strategy._retire_if_unreferenced(root, f"{root}/lightning/step_5")  # already gone: nothing to do, no error
+    strategy._retire_if_unreferenced(root, f"{root}/lightning/step_6")  # LATEST: kept
+    assert list_steps(root, "lightning") == [6] and not os.path.exists(canary)
+
+
+def _lightning_failing_pointer_rank(ctx):
+    """Rank 0 cannot publish Lightning's file: every rank must fail at that save, none may wait in a collective."""
+    import time
+
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from dcp_atomic.integrations import lightning
+
+    if ctx.rank == 0:
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        lightning._write_pointer = disk_full
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, _):
+            return self.net(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=4)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=ctx.root,
+                         strategy=lightning.AtomicModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                                                        timeout=20),
+                         callbacks=[ModelCheckpoint(dirpath=os.path.join(ctx.root, "ckpts"), every_n_train_steps=2)])
+    started = time.monotonic()
+    try:
+        trainer.fit(Module())
+    except Exception as e:  # noqa: BLE001 - the test inspects what each rank got
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+def test_lightning_pointer_failure_on_rank_0_fails_every_rank_at_once(root):
+    results = assert_all_ok(run_world(_lightning_failing_pointer_rank, 2, root, timeout=120))
+    for out in results:
+        assert out["error"] == "CheckpointError" and "No space left on device" in out["message"], out
+        assert "global rank 0" in out["message"] and out["seconds"] < 60, out
+
+
+# -- review 12: torchtitan's "latest step" is scanned by global rank 0 alone and broadcast -------------------------
+
+
+def _torchtitan_find_load_step_rank(ctx, folder):
+    import types
+
+    import torch.distributed as dist
+
+    from dcp_atomic.errors import CheckpointError
+    from dcp_atomic.integrations import torchtitan
+
+    scans = []
+    real = torchtitan.latest_step
+
+    def counted(*args, **kwargs):
+        scans.append(args)
+        return 1 if ctx.rank == 1 else real(*args, **kwargs)  # rank 1 would see a stale listing (NFS caches)
+
+    torchtitan.latest_step = counted
+    manager = types.SimpleNamespace(folder=folder)
+    found = torchtitan.AtomicCheckpointManager._find_load_step(manager)
+    if ctx.rank == 0:
+        with open(os.path.join(folder, "step_0000000002", "COMMITTED"), "w") as f:
+            f.write("damaged")
+    dist.barrier()
+    try:  # a scan that fails on rank 0 fails every rank with rank 0's error, rather than leaving them waiting
+        torchtitan.AtomicCheckpointManager._find_load_step(manager)
+        failure = None
+    except CheckpointError as e:
+        failure = type(e).__name__
+    return {"found": found, "scans": len(scans), "failure": failure}
+
+
+def test_torchtitan_latest_step_is_scanned_by_rank_0_and_broadcast(root):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    folder = os.path.join(root, "ckpt")
+    for step in (1, 2):
+        dcp.save({"w": torch.ones(2)}, storage_writer=AtomicStorageWriter(), checkpoint_id=f"{folder}/step-{step}")
+    results = assert_all_ok(run_world(_torchtitan_find_load_step_rank, 2, root, args=(folder,), timeout=90))
+    assert [r["found"] for r in results] == [2, 2], results
+    assert [r["scans"] for r in results] == [2, 0], "only global rank 0 may list the checkpoint folder"
+    assert [r["failure"] for r in results] == ["CorruptCheckpointError"] * 2, results

@@ -23,6 +23,7 @@ from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 
 from ..catalog import DEFAULT_TIMEOUT, latest_step
+from ..errors import CheckpointError, StorageError
 from ..layout import RunLayout, root_key, step_dir_name
 from ..planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..reader import AtomicStorageReader
@@ -67,10 +68,27 @@ class AtomicCheckpointManager(CheckpointManager):
         return os.path.join(folder or self.folder, step_dir_name(step))
 
     def _find_load_step(self, folder: str = "") -> int:
-        """The latest committed step (never a half-written one), or -1."""
+        """The latest committed step (never a half-written one), or -1, the same on every rank.
+
+        Global rank 0 scans and tells the others over the default group (the one ``dcp.load`` then uses): ranks
+        listing on their own could pick different steps from stale NFS caches, and overload object stores.
+        A failed scan reaches every rank as rank 0's error.
+        """
         root, run_id = os.path.split((folder or self.folder).rstrip("/"))
-        step = latest_step(root, run_id)
-        return -1 if step is None else step
+        outcome: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                step = latest_step(root, run_id)
+                outcome[0] = -1 if step is None else step
+            except CheckpointError as e:
+                outcome[0] = e
+            except Exception as e:  # noqa: BLE001 - typed, so that it pickles, and sent like the others
+                outcome[0] = StorageError(f"global rank 0 could not find the latest step in {root}/{run_id}: "
+                                          f"{type(e).__name__}: {e}", path=f"{root}/{run_id}")
+        dist.broadcast_object_list(outcome, src=0)
+        if isinstance(outcome[0], CheckpointError):
+            raise outcome[0]
+        return outcome[0]
 
     def _is_ours(self, checkpoint_id: str) -> bool:
         return root_key(os.path.dirname(os.fspath(checkpoint_id).rstrip("/"))) == root_key(self.folder)
