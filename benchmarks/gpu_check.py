@@ -46,7 +46,8 @@ def make_state(gb: float, device: str) -> dict:
 
 
 def zeros_like(state: dict) -> dict:
-    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state.items()}
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {field: None for field in v}
+            for k, v in state.items()}
 
 
 def tensor_bytes(state: dict) -> int:

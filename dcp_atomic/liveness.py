@@ -11,7 +11,9 @@ While waiting there, peers are judged by their heartbeat: every rank publishes
 manager's lifetime.  A peer whose counter stops moving for ``timeout`` (by the
 waiter's own monotonic clock; hosts' clocks are never compared) is dead or
 frozen.  A peer idle outside the manager that has not started this operation
-after ``timeout`` called the manager in another order.  A peer whose call failed
+after ``timeout`` called the manager in another order or too late: every rank
+must enter each manager call within ``timeout`` of the others (a rank arriving
+after its peers gave up is told that it was the late one).  A peer whose call failed
 posts that, and is named at once.  Any other peer is working: it is waited for
 until ``work_timeout``.
 
@@ -171,13 +173,26 @@ class OpWatch:
         hb = self.heartbeat
         base = f"{self.prefix}/{phase}"
         world = len(hb.ranks)
+        abandoned = f"{base}/abandoned"
+
+        def arrive() -> str | None:
+            hb.store.set(f"{base}/{hb.rank}", "1")
+            hb.store.add(f"{base}/count", 1)
+            return hb.store.get(abandoned).decode() if hb.store.check([abandoned]) else None
+
         try:
-            hb.bounded(lambda: (hb.store.set(f"{base}/{hb.rank}", "1"), hb.store.add(f"{base}/count", 1)))
+            gave_up = hb.bounded(arrive)
+            if gave_up:
+                raise self._failure(
+                    f"none (rank {hb.rank} itself arrived late)",
+                    f"rank {hb.rank} reached the {phase} phase after rank(s) {gave_up} had stopped waiting for it: "
+                    f"it entered this call more than timeout={hb.timeout:g}s after them, or its work outlasted "
+                    "work_timeout (every rank must enter each manager call within timeout of the others)")
             started = time.monotonic()
             last: dict[int, tuple[tuple[int, int, int] | None, float]] = {r: (None, started) for r in hb.ranks}
-            while True:
+            while True:  # "ended" is only checked: adding 0 would create one key per operation, forever
                 arrived, ended, beats = hb.bounded(
-                    lambda: (hb.store.add(f"{base}/count", 0), hb.store.add(f"{self.prefix}/ended", 0), hb.beats()))
+                    lambda: (hb.store.add(f"{base}/count", 0), hb.store.check([f"{self.prefix}/ended"]), hb.beats()))
                 if arrived >= world:
                     return
                 now = time.monotonic()
@@ -187,20 +202,23 @@ class OpWatch:
                 silent = [r for r in hb.ranks if r != hb.rank and now - last[r][1] > hb.timeout]
                 if silent:
                     names = _names(silent)
+                    self._give_up(abandoned)
                     raise self._failure(names, f"no heartbeat from rank(s) {names} for {hb.timeout:g}s "
                                                "(dead or frozen)")
                 elsewhere = [r for r in hb.ranks if r != hb.rank and self._idle_before(last[r][0])]
                 if elsewhere and now - started > hb.timeout:
                     names = _names(elsewhere)
+                    self._give_up(abandoned)
                     raise self._failure(
                         f"{names} (alive, but it did not start this operation within {hb.timeout:g}s)",
-                        f"rank(s) {names} did not start this operation (does every rank call the manager in "
-                        "the same order?)")
+                        f"rank(s) {names} did not start this operation (every rank must enter each manager call "
+                        "within timeout of the others, in the same order)")
                 missing = self._missing(base) if ended or now > self.deadline else ""
                 if missing and ended:
                     raise self._failure(f"{missing} (it left the operation before the {phase} phase ended)",
                                         f"rank(s) {missing} gave up during the {phase} phase")
                 if missing:
+                    self._give_up(abandoned)
                     raise self._failure(
                         f"{missing} (alive, but its {phase} work did not finish within work_timeout="
                         f"{self.work_timeout:g}s)",
@@ -209,6 +227,12 @@ class OpWatch:
                 time.sleep(hb.poll)
         except _StoreSilent as e:
             raise self._failure(STORE_SILENT, f"the rendezvous store did not answer ({e})") from None
+
+    def _give_up(self, abandoned: str) -> None:
+        """Leave word that this rank stopped waiting, so a rank that arrives later knows it was the late one
+        (the peer it would otherwise blame has left the collective that follows)."""
+        hb = self.heartbeat
+        hb.bounded(lambda: hb.store.set(abandoned, str(hb.rank)), quiet=True)
 
     def _idle_before(self, beat: tuple[int, int, int] | None) -> bool:
         """Outside any manager call, and this operation not started (a call still running, say rank 0's
