@@ -40,6 +40,7 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
                progress: Callable[[int], None] | None = None) -> AuditReport:
     try:
         committed = read_committed(layout, step, Deadline(timeout))
+        committed.load_items(layout, None, Deadline(timeout))  # every rank's shard, each against its digest
     except CheckpointError as e:
         return AuditReport(step, None, 0, 0, [str(e)])
     manifest = committed.manifest

@@ -20,7 +20,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .layout import RunLayout, parse_step_dir
 from .manifest import Marker
 from .retry import Deadline
-from .storage import open_storage
+from .backends import open_storage
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,9 @@ P1-P3 of the design, in order, executed by global rank 0 alone inside DCP's
 1. every rank has written and fsynced its data files into its own
    ``<step>/<save_id>/`` attempt directory (nothing there is visible yet);
 2. DCP's ``.metadata`` is published atomically, then ``manifest.json`` (files,
-   sizes, block checksums, identities, layout) by atomic rename / single PUT,
-   and the attempt and step directories are fsynced;
+   sizes, identities, layout, and the sha256 of each rank's ``manifest.<rank>.json``
+   shard of items and block checksums, which every rank published beside its data)
+   by atomic rename / single PUT, and the attempt and step directories are fsynced;
 3. the marker ``COMMITTED`` — naming the attempt and the manifest's sha256,
    sealed with its own checksum — is created *exclusively* (``link()`` of a
    written temp file on POSIX, put-if-absent on object stores), or, for an
@@ -24,7 +25,8 @@ checkpoint) untouched; the orphaned attempt is collectable by ``gc``.
 
 The read side lives here too, because it must agree with the write side on what
 counts as committed: a marker that parses, passes its self-checksum and whose
-manifest hashes to the digest it names.  A file that is not visible yet is
+manifest hashes to the digest it names; shards are read only when needed
+(:meth:`Committed.load_items`), each checked against the digest the manifest names.  A file that is not visible yet is
 waited for until the deadline; one that is visible but damaged gets a short
 re-read and is then reported (P9).
 """
@@ -32,13 +34,14 @@ re-read and is then reported (P9).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterable
 
 from . import failpoints
 from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
 from .integrity import sha256_hex
 from .layout import DCP_METADATA, MANIFEST, RunLayout, parse_step_dir
-from .manifest import Latest, Manifest, Marker, now
+from .manifest import Latest, Manifest, ManifestShard, Marker, ShardRef, now, shard_name
 from .retry import REREAD_SECONDS, Deadline, retry_until
 from .version import __version__
 
@@ -60,6 +63,7 @@ class Committed:
     marker: Marker
     manifest: Manifest
     manifest_sha256: str
+    _loaded: set[int] = field(default_factory=set, repr=False)  # ranks whose shard items are attached
 
     @property
     def step(self) -> int:
@@ -69,13 +73,50 @@ class Committed:
     def save_id(self) -> str:
         return self.marker.save_id
 
+    def load_items(self, layout: RunLayout, names: Iterable[str] | None, deadline: Deadline) -> None:
+        """Attach the items of the data files ``names`` (None: all) to ``manifest.files``, reading only their
+        ranks' shards, each once.  Schema 1 manifests hold their items already."""
+        if not self.manifest.shards:
+            return
+        wanted = None if names is None else set(names)
+        ranks = {f.rank for f in self.manifest.files if wanted is None or f.name in wanted} - self._loaded
+        for rank in sorted(ranks):
+            shard = read_shard(layout, self, rank, deadline)
+            by_name = {f.name: f for f in shard.files}
+            for entry in self.manifest.files:
+                if entry.rank == rank:
+                    entry.items = by_name[entry.name].items
+            self._loaded.add(rank)
+
+
+def publish_shard(layout: RunLayout, shard: ManifestShard) -> ShardRef:
+    """Write one rank's shard durably beside its data (the rank itself does this); returns how the manifest
+    names it."""
+    data = shard.to_json()
+    name = shard_name(shard.rank)
+    layout.storage.publish(layout.attempt_file(shard.step, shard.save_id, name), data)
+    return ShardRef(rank=shard.rank, name=name, size=len(data), sha256=sha256_hex(data))
+
+
+def write_shards(layout: RunLayout, manifest: Manifest) -> None:
+    """Shards for a manifest built with its items inline (``import``): one per rank, named in ``manifest.shards``."""
+    if manifest.shards or manifest.schema_version < 2:
+        return
+    manifest.shards = [
+        publish_shard(layout, ManifestShard(layout.run_id, manifest.step, manifest.save_id, r,
+                                            [f for f in manifest.files if f.rank == r]))
+        for r in range(manifest.world_size)
+    ]
+
 
 def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overwrite: bool, timeout: float,
             rank: int = 0) -> Marker:
-    """Run steps 2-4 above; returns the marker that is now visible."""
+    """Run steps 2-4 above; returns the marker that is now visible (writing the shards of a manifest built
+    with its items inline first, see :func:`write_shards`)."""
     storage = layout.storage
     step, save_id = manifest.step, manifest.save_id
     attempt = layout.attempt_dir(step, save_id)
+    write_shards(layout, manifest)
     failpoints.hit("commit.before_metadata", rank)
     storage.publish(storage.join(attempt, DCP_METADATA), dcp_metadata)
     failpoints.hit("commit.after_metadata", rank)
@@ -160,6 +201,37 @@ def next_sequence(layout: RunLayout) -> int:
 
         found.extend(m.sequence for m in scan_markers(layout))
     return max((n for n in found if n is not None), default=0) + 1
+
+
+def read_shard(layout: RunLayout, committed: Committed, rank: int, deadline: Deadline) -> ManifestShard:
+    """Rank ``rank``'s shard, verified against the manifest: digest, size, identity and its files."""
+    manifest = committed.manifest
+    ref = manifest.shard_of(rank)
+    path = layout.attempt_file(committed.step, committed.save_id, ref.name)
+
+    def load() -> bytes:
+        data = layout.storage.read_file(path)
+        if len(data) != ref.size or sha256_hex(data) != ref.sha256:
+            raise CorruptCheckpointError(
+                f"{path}: manifest shard of rank {rank} does not match the manifest (size {len(data)} vs "
+                f"{ref.size} or sha256 differs): damaged or replaced; restore it or load another step",
+                path=path, rank=rank,
+            )
+        return data
+
+    try:  # named by the manifest: missing is lag until the deadline, damage gets a short re-read (P9)
+        data = retry_until(load, deadline=deadline, retry_on=(FileNotFoundError,),
+                           reread_on=(CorruptCheckpointError,))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: the manifest names this shard of rank {rank} but it cannot be read",
+                                     path=path, rank=rank) from None
+    shard = ManifestShard.from_json(data, where=path)
+    recorded = sorted((f.name, f.size) for f in manifest.files if f.rank == rank)
+    if ((shard.run_id, shard.step, shard.save_id, shard.rank) != (manifest.run_id, manifest.step, manifest.save_id, rank)
+            or sorted((f.name, f.size) for f in shard.files) != recorded):
+        raise CorruptCheckpointError(f"{path}: shard describes another checkpoint, rank or set of files than the "
+                                     f"manifest records for rank {rank}", path=path, rank=rank)
+    return shard
 
 
 def write_latest(layout: RunLayout, marker: Marker) -> None:

@@ -93,6 +93,7 @@ def import_stock(source: str | os.PathLike, root: str | os.PathLike, run_id: str
         written_at=now(),
         keys=_key_records(metadata),
     )
+    commit.write_shards(layout, manifest)  # each rank's items and digests, beside the data as a save writes them
     Manifest.from_json(manifest.to_json(), where=f"manifest of the import of {source}")  # what readers will parse
     return commit.publish(layout, manifest, metadata_bytes, overwrite=False, timeout=timeout)
 
@@ -229,8 +230,7 @@ def _key_records(metadata) -> dict[str, dict[str, Any]]:
         if not isinstance(md, TensorStorageMetadata):
             records[fqn] = {"kind": "object"}
             continue
-        chunks = sorted((list(c.offsets), list(c.sizes)) for c in md.chunks)
-        whole = len(chunks) == 1 and chunks[0][1] == list(md.size)
+        whole = len(md.chunks) == 1 and list(md.chunks[0].sizes) == list(md.size)
         records[fqn] = {"kind": "plain" if whole else "sharded", "shape": list(md.size),
-                        "dtype": str(md.properties.dtype), "chunks": chunks, "layout_dependent": False}
+                        "dtype": str(md.properties.dtype), "layout_dependent": False}
     return records

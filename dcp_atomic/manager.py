@@ -11,8 +11,9 @@ What it adds over the storage writer and reader:
   reading) ends at a barrier on the rendezvous store where peers are judged by
   heartbeat within ``timeout`` and waited for up to ``work_timeout``, so DCP's
   collectives start only when every rank is there (:mod:`.liveness`);
-* step resolution by global rank 0 alone (``LATEST``, else a scan) broadcast to
-  the others, so all ranks load one version without every rank listing;
+* step resolution by global rank 0 alone (``LATEST``, else a scan) shared with
+  the others, so all ranks load one version without every rank listing, and
+  ranks that ask for different steps all fail;
 * one save in flight; ``LATEST`` and retention move only after a save has
   *committed* (never when ``async_save`` merely returned);
 * typed errors: DCP's ``CheckpointException`` is unwrapped to our own classes,
@@ -36,22 +37,23 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step, most_recent, scan_markers
+from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step, scan_markers
 from .commit import read_marker
 from .retry import Deadline
-from .errors import (CheckpointError, CheckpointNotFoundError, ConfigurationError, RankFailureError)
+from .errors import (CheckpointError, CheckpointNotFoundError, ConfigurationError, RankConsistencyError,
+                     RankFailureError)
 from .layout import RunLayout, validate_step
 from .liveness import Heartbeat, OpWatch
 from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
 from .reader import AtomicStorageReader
-from .retention import DEFAULT_LEASE_SECONDS, apply_gc, plan_gc
+from .retention import DEFAULT_LEASE_SECONDS, retain_after_commit
 from .stats import FailureStats, LoadStats, SaveStats
 from .backends import open_storage
 from .writer import AtomicStorageWriter
@@ -95,7 +97,9 @@ class CheckpointManager:
         compression: passed to the writer.
         timeout: seconds for every wait of the library, the timeout of the manager's process
             groups, and the liveness deadline: a peer whose heartbeat stops for this long is
-            dead or frozen (RankFailureError naming it).
+            dead or frozen (RankFailureError naming it).  Every rank must enter each manager
+            call within ``timeout`` of the others: a rank that arrives later fails the call
+            on every rank (it is told that it was the late one, its peers name it).
         work_timeout: seconds one save or load may spend on its work (planning, writing,
             reading; from the call on this rank) while every rank is alive: a peer that is
             slow but alive is waited for this long, then named in a RankFailureError
@@ -261,22 +265,25 @@ class CheckpointManager:
 
         Then raises the save's failure unless it was already reported (see
         ``async_save``), so a training loop that ends with ``close()`` cannot exit
-        cleanly without its last checkpoint.  Closing twice does nothing.
+        cleanly without its last checkpoint.  Closing twice does nothing.  An
+        interrupted close (Ctrl-C) releases nothing: the save keeps its process
+        groups, and the next ``close()`` waits for it again.
         """
         if self._closed:
             return
         try:
             self._drain()
         finally:
-            self._closed = True
-            if self._heartbeat is not None:
-                self._heartbeat.close()
-            for group in self._owned_groups:
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:  # a dead peer can make teardown fail; nothing to save anymore
-                    pass
-            self._owned_groups = []
+            if self._inflight is None:  # never destroy the groups under a running save
+                self._closed = True
+                if self._heartbeat is not None:
+                    self._heartbeat.close()
+                for group in self._owned_groups:
+                    try:
+                        dist.destroy_process_group(group)
+                    except Exception:  # a dead peer can make teardown fail; nothing to save anymore
+                        pass
+                self._owned_groups = []
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -301,15 +308,16 @@ class CheckpointManager:
         self._drain()
         started = time.perf_counter()
         with self._failures_reported("load", step, started) as attempt:
-            chosen, save_id = self._on_rank0(lambda: self._resolve_step(step), "resolve the step to load")
+            chosen, save_id = self._on_rank0(lambda: self._resolve_step(step), "resolve the step to load",
+                                             request="the latest step" if step is None else f"step {step}")
             if chosen is None:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint for run {self.run_id!r} under {self.layout.storage.describe()}",
                     run_id=self.run_id,
                 )
             attempt["step"] = chosen
-            # Visibility waits get half the group timeout, so a rank that gives up still reaches the
-            # exchange of outcomes in _resolve_everywhere before its peers' collective times out.
+            # Visibility waits get half the group timeout: the manifest shards read while DCP plans (no
+            # barrier there) must give up before the peers' gather of plans times out.
             watch = self._watch(f"loading step {chosen}")
             reader = _WatchedReader(self.root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
                                     allow_reshard=allow_reshard, timeout=self.timeout / 2,
@@ -319,7 +327,7 @@ class CheckpointManager:
             try:
                 dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
             except BaseException as e:
-                raise watch.verdict or self._translate(e, f"loading step {chosen}") from None
+                _raise_typed(watch.verdict or self._translate(e, f"loading step {chosen}"))
             watch.finish()
         seconds = time.perf_counter() - started
         log.info("loaded run %r step %d (save %s) in %.3fs", self.run_id, chosen, reader.save_id, seconds)
@@ -356,12 +364,17 @@ class CheckpointManager:
         return OpWatch(self._heartbeat, self._ops, self.work_timeout, what)
 
     def _drain(self) -> int | None:
-        """Wait for the background save; raise its failure unless already reported. Returns its step."""
-        with self._lock:
-            inflight, self._inflight = self._inflight, None
+        """Wait for the background save; raise its failure unless already reported. Returns its step.
+
+        The save stays in flight until the wait is over: interrupted (Ctrl-C), it is still there for
+        ``close()`` to wait for, and its failure still gets raised."""
+        inflight = self._inflight
         if inflight is None:
             return None
         concurrent.futures.wait([inflight])
+        with self._lock:
+            if self._inflight is inflight:
+                self._inflight = None
         error = concurrent.futures.Future.exception(inflight)  # the base method: reading it here is not a report
         if error is None:
             return concurrent.futures.Future.result(inflight)
@@ -377,13 +390,19 @@ class CheckpointManager:
             if step is None:
                 return None, None
         validate_step(step)
+        if not self.layout.storage.is_dir(self.layout.step_dir(step)):  # no trace of it: nothing to wait for (P9)
+            raise CheckpointNotFoundError(
+                f"run {self.run_id!r} has no step {step} ({self.layout.step_dir(step)} does not exist); "
+                "manager.steps() lists the committed ones", step=step)
         return step, read_marker(self.layout, step, Deadline(self.timeout)).save_id
 
-    def _resolve_everywhere(self, reader: AtomicStorageReader, step: int) -> None:
+    def _resolve_everywhere(self, reader: "_WatchedReader", step: int) -> None:
         """Every rank resolves on its own; if any rank cannot, all raise, naming who saw what (P5).
 
         Done before DCP starts, so a rank that fails here does not leave the
-        others waiting in DCP's collectives until the group timeout.
+        others waiting in DCP's collectives until the group timeout; the
+        exchange waits at a liveness barrier for ranks still reading (a large
+        ``.metadata`` on slow storage is work, not death).
         """
         try:
             reader.resolve()
@@ -392,11 +411,12 @@ class CheckpointManager:
             mine = e
         outcomes = [mine]
         if self._distributed and self.world_size > 1:
+            reader.watch.wait_all("check")
             outcomes = [None] * self.world_size
             try:
                 dist.all_gather_object(outcomes, mine, group=self._group)
             except BaseException as e:
-                raise self._translate(e, f"resolving step {step}") from None
+                _raise_typed(self._translate(e, f"resolving step {step}"))
         failed = [(rank, error) for rank, error in enumerate(outcomes) if error is not None]
         if not failed:
             return
@@ -407,20 +427,40 @@ class CheckpointManager:
         raise type(first)(f"{len(failed)} of {len(outcomes)} rank(s) could not resolve step {step} of run "
                           f"{self.run_id!r}, so no rank loads it: {summary}", ranks=[r for r, _ in failed])
 
-    def _on_rank0(self, compute: Callable[[], Any], what: str) -> Any:
-        """Compute on global rank 0 only and broadcast; errors there reach every rank."""
-        outcome: list[Any] = [None]
+    def _on_rank0(self, compute: Callable[[], Any], what: str, request: str | None = None) -> Any:
+        """Compute on global rank 0 only and share the outcome; errors there reach every rank.
+
+        Every rank must make the same ``request`` (a rank asking for another step must not silently
+        load rank 0's, P5).  The exchange starts at a liveness barrier: rank 0 may be busy for longer
+        than the group timeout (retention after the last save, a marker it waits for), and is waited
+        for like any work, up to ``work_timeout``.
+        """
+        outcome = None
         if self.rank == 0:
             try:
-                outcome[0] = ("ok", compute())
+                outcome = ("ok", compute())
             except CheckpointError as e:
-                outcome[0] = ("error", e)
+                outcome = ("error", e)
         if self._distributed and self.world_size > 1:
+            watch = self._watch(what)
+            watch.wait_all("resolve")
+            shared: list[Any] = [None] * self.world_size
             try:
-                dist.broadcast_object_list(outcome, src=dist.get_global_rank(self._group, 0), group=self._group)
+                dist.all_gather_object(shared, (request, outcome), group=self._group)
             except BaseException as e:
-                raise self._translate(e, what) from None
-        status, value = outcome[0]
+                _raise_typed(self._translate(e, what))
+            watch.finish()
+            requests: dict[str | None, list[int]] = {}
+            for rank, (asked, _) in enumerate(shared):
+                requests.setdefault(asked, []).append(rank)
+            if len(requests) > 1:
+                raise RankConsistencyError(
+                    f"{what}: the ranks asked for different things, so none goes on: "
+                    + "; ".join(f"rank(s) {_rank_list(ranks)}: {asked}" for asked, ranks in requests.items())
+                    + ". Every rank must make the same call with the same arguments.",
+                    requests={asked: ranks[:8] for asked, ranks in requests.items()})
+            outcome = shared[0][1]
+        status, value = outcome
         if status == "error":
             raise value
         return value
@@ -435,7 +475,7 @@ class CheckpointManager:
                                       world_size=self.world_size, asynchronous=asynchronous, seconds=seconds,
                                       stage_seconds=stage_seconds)
         try:
-            self._retention(step, stats)
+            self._retention(step, writer, stats)
         except Exception as e:  # EBUSY on NFS .nfsXXXX files, EIO, throttled deletes: the next save retries
             stats.retention_error = f"{type(e).__name__}: {e}"
             log.warning("run %r step %d is committed, but retention failed (the next save retries it): %s",
@@ -481,22 +521,20 @@ class CheckpointManager:
             log.exception("the %s callback failed for run %r step %s; the %s's outcome stands", name, self.run_id,
                           stats.step, stats.kind)
 
-    def _retention(self, step: int, stats: SaveStats) -> None:
-        markers = scan_markers(self.layout)  # one scan serves the branch check and retention
-        committed = [m.step for m in markers if m.step > step]
-        if committed:
-            log.info("step %d saved below committed step(s) %s: a new branch starts (rollback restart)", step,
-                     committed[:5])
+    def _retention(self, step: int, writer: AtomicStorageWriter, stats: SaveStats) -> None:
+        """Applies ``keep_last`` reading only the journal and the markers of steps it may delete, so a commit
+        costs the same at step 100,000 as at step 10 (no scan of every marker; see retain_after_commit)."""
         if self.keep_last is None:
             return
-        plan = plan_gc(self.layout, self.keep_last, lease_seconds=self.lease_seconds, markers=markers)
-        unreadable = getattr(plan, "unreadable_steps", None)
-        if unreadable:
-            stats.unreadable_steps = [s for s, _ in unreadable]
+        plan = retain_after_commit(self.layout, writer.last_marker, self.keep_last, lease_seconds=self.lease_seconds)
+        if plan.unreadable_steps:
+            stats.unreadable_steps = [s for s, _ in plan.unreadable_steps]
             log.warning("retention keeps step(s) whose marker cannot be validated: %s",
-                        "; ".join(f"step {s}: {why}" for s, why in unreadable))
-        if not plan.empty:
-            apply_gc(self.layout, plan)
+                        "; ".join(f"step {s}: {why}" for s, why in plan.unreadable_steps))
+        above = sorted(s for s in {*plan.kept_steps, *plan.delete_steps} if s > step)  # every step the journal knows
+        if above:
+            log.info("step %d saved below committed step(s) %s: a new branch starts (rollback restart)", step,
+                     above[:5])
 
     def _settle_failed_save(self, error: BaseException, step: int, writer: AtomicStorageWriter, op: int,
                             watch: OpWatch) -> None:
@@ -511,7 +549,7 @@ class CheckpointManager:
                     return
             except Exception:
                 pass
-        raise watch.verdict or self._translate(error, f"saving step {step}", op) from None
+        _raise_typed(watch.verdict or self._translate(error, f"saving step {step}", op))
 
     def _translate(self, error: BaseException, what: str, op: int | None = None) -> BaseException:
         """Our own error type for anything DCP or the process group raised."""
@@ -529,6 +567,11 @@ class CheckpointManager:
             return CheckpointError(f"{what} failed on rank(s) {ranks}: {_first_line(inner[0])}", ranks=ranks)
         if _is_peer_failure(error):
             return self._peer_failure(error, what, op)
+        if isinstance(error, Exception):  # DCP's own checks, a bug: still typed (P8); KeyboardInterrupt is not ours
+            typed = CheckpointError(f"{what} failed on rank {self.rank} ({socket.gethostname()}): "
+                                    f"{_first_line(error)}", rank=self.rank)
+            typed.__cause__ = error
+            return typed
         return error
 
     def _peer_failure(self, error: BaseException, what: str, op: int | None) -> RankFailureError:
@@ -585,6 +628,15 @@ def _is_peer_failure(error: BaseException) -> bool:
         marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
                                       "timeout", "Broken pipe", "connection refused")
     )
+
+
+def _raise_typed(error: BaseException) -> NoReturn:
+    """Raise what ``_translate`` made, chained only to the cause it kept (DCP's wrapping is noise)."""
+    raise error from error.__cause__
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
 
 
 def _first_line(error: BaseException) -> str:

@@ -1,10 +1,16 @@
-"""The manifest, the commit marker and LATEST: plain data, JSON on disk.
+"""The manifest, its per-rank shards, the commit marker and LATEST: plain data, JSON on disk.
 
 Kept apart from all I/O (as torchsnapshot does) so they can be read with
 ``cat``, built in tests, and validated strictly: every field read back from
 storage is type-checked, and the two small control files carry their own
 sha256 so a torn or half-cached read is detected rather than trusted.
 Nothing here is ever unpickled.
+
+Schema 2 (P12): ``manifest.json`` holds O(world + keys) — identities, layout,
+per-key records, the file list and one ``ShardRef`` (name, size, sha256) per
+rank — and each rank's own ``manifest.<rank>.json`` holds its items and block
+digests, so a loading rank reads the top manifest plus the shards of the files
+it reads.  Schema 1 (every item inline in ``manifest.json``) is still read.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from .integrity import sha256_hex
 from .layout import validate_data_file_name, validate_run_id, validate_save_id, validate_step
 from .parallelism import Parallelism
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # 1: every item inline in manifest.json (dcp_atomic before manifest shards)
+CONTROL_SCHEMA = 1  # COMMITTED and LATEST: unchanged by manifest shards, so older tools still list and order steps
+SHARD_PATTERN = re.compile(r"manifest\.(\d+)\.json")
 MAX_BYTES = 1 << 50  # anything larger is a hostile or garbled size, not a real file
 
 
@@ -61,7 +70,82 @@ class FileEntry:
     name: str
     rank: int
     size: int
-    items: list[ItemExtent] = field(default_factory=list)
+    items: list[ItemExtent] = field(default_factory=list)  # schema 2: in the rank's shard, not in manifest.json
+
+
+def shard_name(rank: int) -> str:
+    return f"manifest.{rank}.json"
+
+
+@dataclass
+class ShardRef:
+    """How ``manifest.json`` names one rank's shard: the link marker -> manifest -> shard -> blocks."""
+
+    rank: int
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass
+class ManifestShard:
+    """One rank's record of what it wrote (``manifest.<rank>.json``): its files, every item's extent and digests.
+
+    Written, fsynced and digested by the rank itself, so the coordinator handles
+    only its digest.  Items are rows that omit default fields, block digests one
+    string of fixed-width hex: 10,000 items encode in ~1.3 MB and parse in ~40 ms.
+    """
+
+    run_id: str
+    step: int
+    save_id: str
+    rank: int
+    files: list[FileEntry]
+    kind: str = "dcp_atomic.manifest_shard"
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> bytes:
+        body = {k: getattr(self, k) for k in ("run_id", "step", "save_id", "rank", "kind", "schema_version")}
+        body["files"] = [{"name": f.name, "size": f.size, "items": [_encode_extent(i) for i in f.items]}
+                         for f in self.files]
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> "ManifestShard":
+        raw = _load_json(data, where)
+        _expect(raw.get("kind") == "dcp_atomic.manifest_shard", where, "not a dcp_atomic manifest shard")
+        _expect(raw.get("schema_version") == SCHEMA_VERSION, where,
+                f"shard schema_version {raw.get('schema_version')!r} is not {SCHEMA_VERSION}")
+        try:
+            rank = _nonneg(raw["rank"])
+            files = [FileEntry(name=validate_data_file_name(f["name"]), rank=rank, size=_nonneg(f["size"]),
+                               items=[_parse_extent(_decode_extent(i), f["size"]) for i in _list(f["items"])])
+                     for f in _list(raw["files"])]
+            return cls(run_id=validate_run_id(raw["run_id"]), step=validate_step(raw["step"]),
+                       save_id=validate_save_id(raw["save_id"]), rank=rank, files=files)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed manifest shard ({type(e).__name__}: {e})",
+                                         path=where) from None
+
+
+_EXTENT_DEFAULTS = {"payload": None, "codec": "none", "planes": 1, "logical_length": None, "frames": None,
+                    "dtype": None}
+_DIGEST_HEX = 16  # xxh3-64 block digests, fixed width
+
+
+def _encode_extent(item: ItemExtent) -> dict:
+    row = {k: v for k, v in asdict(item).items() if _EXTENT_DEFAULTS.get(k, ...) != v}
+    row["checksums"] = "".join(item.checksums)
+    return row
+
+
+def _decode_extent(row: Any) -> dict:
+    row = dict(_dict(row))
+    digests = _str(row["checksums"])
+    if len(digests) % _DIGEST_HEX:
+        raise ValueError(f"block digests of {row.get('key')!r} are not whole {_DIGEST_HEX}-hex digests")
+    row["checksums"] = [digests[i : i + _DIGEST_HEX] for i in range(0, len(digests), _DIGEST_HEX)]
+    return row
 
 
 @dataclass
@@ -79,24 +163,34 @@ class Manifest:
     written_at: float
     stats: list[dict[str, Any]] = field(default_factory=list)
     keys: dict[str, Any] = field(default_factory=dict)
+    shards: list[ShardRef] = field(default_factory=list)  # schema 2: one per rank; schema 1: none, items inline
     schema_version: int = SCHEMA_VERSION
     kind: str = "dcp_atomic.manifest"
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+        body = asdict(self)
+        if self.schema_version >= 2:
+            for entry in body["files"]:
+                del entry["items"]
+        else:
+            del body["shards"]
+        return json.dumps(body, indent=1, sort_keys=True).encode()
+
+    def shard_of(self, rank: int) -> ShardRef | None:
+        return next((s for s in self.shards if s.rank == rank), None)
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
-    def extent_index(self) -> dict[tuple[str, tuple[int, ...] | None], tuple[str, ItemExtent]]:
-        """Every item by its DCP identity (key, chunk offset) -> (file name, extent).
+    def extent_index(self, names: set[str] | None = None) -> dict[tuple[str, tuple[int, ...] | None], tuple[str, ItemExtent]]:
+        """Every item (of the files ``names``, default all) by its DCP identity (key, chunk offset) -> (file, extent).
 
         Not by (file, offset): a zero-element chunk shares its offset with the
         item after it.  Two items with one identity raise ``ValueError``.
         """
         index = {}
-        for f in self.files:
+        for f in self.files if names is None else (f for f in self.files if f.name in names):
             for item in f.items:
                 ident = (item.key, None if item.chunk_offset is None else tuple(item.chunk_offset))
                 if ident in index:
@@ -108,17 +202,19 @@ class Manifest:
     def from_json(cls, data: bytes, *, where: str) -> "Manifest":
         raw = _load_json(data, where)
         _expect(raw.get("kind") == "dcp_atomic.manifest", where, "not a dcp_atomic manifest")
-        _check_schema(raw, where)
+        _check_schema(raw, where, READABLE_SCHEMAS)
+        inline = raw["schema_version"] == 1
         try:
             files = [
                 FileEntry(
                     name=validate_data_file_name(f["name"]),
                     rank=_nonneg(f["rank"]),
                     size=_nonneg(f["size"]),
-                    items=[_parse_extent(i, f["size"]) for i in f["items"]],
+                    items=[_parse_extent(i, f["size"]) for i in f["items"]] if inline else [],
                 )
                 for f in raw["files"]
             ]
+            shards = [] if inline else [_shard_ref(s) for s in _list(raw["shards"])]
             meta = _dict(raw["dcp_metadata"])
             _expect(meta["name"] == ".metadata", where, "dcp_metadata.name must be .metadata")
             _nonneg(meta["size"])
@@ -138,13 +234,36 @@ class Manifest:
                 stats=[_record(s, rank=int, bytes=int, items=int, write_seconds=float, fsync_seconds=float)
                        for s in _list(raw.get("stats", []))],
                 keys={str(k): _key_record(v) for k, v in _dict(raw.get("keys", {})).items()},
+                shards=shards,
+                schema_version=raw["schema_version"],
             )
             manifest.extent_index()  # one item per (key, chunk offset)
+            if not inline:
+                _check_shard_refs(manifest)
             return manifest
         except CorruptCheckpointError:
             raise
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})", path=where) from None
+
+
+def _shard_ref(value: Any) -> ShardRef:
+    raw = _dict(value)
+    ref = ShardRef(rank=_nonneg(raw["rank"]), name=_str(raw["name"]), size=_nonneg(raw["size"]),
+                   sha256=_str(raw["sha256"]))
+    if ref.name != shard_name(ref.rank) or not re.fullmatch(r"[0-9a-f]{64}", ref.sha256):
+        raise ValueError(f"shard record {raw!r} is not manifest.<rank>.json with a sha256")
+    return ref
+
+
+def _check_shard_refs(manifest: "Manifest") -> None:
+    """One shard per rank of the world, and every file owned by a rank that has one."""
+    ranks = [s.rank for s in manifest.shards]
+    if sorted(ranks) != list(range(manifest.world_size)):
+        raise ValueError(f"shards of ranks {sorted(ranks)[:8]} for a world of {manifest.world_size}")
+    for f in manifest.files:
+        if f.rank >= manifest.world_size or f"__{f.rank}_" != f.name[: len(f"__{f.rank}_")]:
+            raise ValueError(f"file {f.name} recorded for rank {f.rank} of a world of {manifest.world_size}")
 
 
 def _parse_extent(raw: dict, file_size: int) -> ItemExtent:
@@ -201,7 +320,7 @@ class Marker:
     committed_at: float  # rank 0's wall clock: informative only (P10)
     library_version: str
     kind: str = "dcp_atomic.commit"
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = CONTROL_SCHEMA
     # Commit order (P10): the previous commit's number + 1.  None in markers written before it existed; readers
     # of that version ignore the field (they pick the fields they know), so the schema version stays 1.
     sequence: int | None = None
@@ -232,7 +351,7 @@ class Latest:
     save_id: str
     committed_at: float
     kind: str = "dcp_atomic.latest"
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = CONTROL_SCHEMA
     sequence: int | None = None  # the marker's (see Marker.sequence)
 
     def to_json(self) -> bytes:
@@ -281,7 +400,7 @@ def _unseal(data: bytes, where: str, kind: str) -> dict:
             f"{where}: self-checksum mismatch (torn, stale or edited file)", path=where, torn=True
         )
     _expect(raw.get("kind") == kind, where, f"expected a {kind} record")
-    _check_schema(raw, where)
+    _check_schema(raw, where, (CONTROL_SCHEMA,))
     return raw
 
 
@@ -294,12 +413,12 @@ def _load_json(data: bytes, where: str) -> dict:
     return raw
 
 
-def _check_schema(raw: dict, where: str) -> None:
+def _check_schema(raw: dict, where: str, readable: tuple[int, ...]) -> None:
     version = raw.get("schema_version")
     _expect(
-        version == SCHEMA_VERSION,
+        type(version) is int and version in readable,
         where,
-        f"schema_version {version!r} is not supported (this dcp_atomic reads {SCHEMA_VERSION}); "
+        f"schema_version {version!r} is not supported (this dcp_atomic reads {', '.join(map(str, readable))}); "
         "upgrade dcp_atomic to read it",
     )
 

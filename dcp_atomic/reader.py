@@ -4,7 +4,9 @@
   exact name when ``step=None`` — through its commit marker and manifest with
   bounded retries, then opens DCP's ``.metadata`` only if its sha256 matches the
   manifest, with an allow-list unpickler.
-* ``prepare_local_plan`` puts (step, save_id, manifest digest) in the plan;
+* ``prepare_local_plan`` reads the manifest shards of the files this rank's
+  plan reads (no other rank's), checks every item it will read against them
+  and puts (step, save_id, manifest digest) in the plan;
   ``prepare_global_plan`` on the coordinator refuses any disagreement and names
   which rank saw what (P5).
 * ``read_data`` reads exactly the extents the manifest names (never a listing),
@@ -50,7 +52,8 @@ from .planners import LOAD_CONTEXT_ATTR
 from .reshard import LoadContext
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata, safe_byte_item
-from .storage import RangeReader, open_storage
+from .backends import open_storage
+from .storage import RangeReader
 from .writer import _parses, _retarget
 
 log = logging.getLogger(__name__)
@@ -153,6 +156,7 @@ class AtomicStorageReader(StorageReader):
         if self.parallelism is not None:  # declared: check now, raising our own type
             context.check_layout()
         self._decoded = self._read_dcp_metadata(committed)
+        self._extents, self._chunks, self._file_sizes = {}, {}, {}
         self._context = context
         self.committed = committed
         self._fresh = True
@@ -161,14 +165,9 @@ class AtomicStorageReader(StorageReader):
         return committed
 
     def _read_dcp_metadata(self, committed: Committed) -> Metadata:
-        """``.metadata``, opened only if its digest is the manifest's, then checked against the manifest.
-
-        Every stored item must be the one the manifest records (file, offset,
-        length, kind) and hold exactly its chunk's bytes in the stored dtype;
-        every tensor's chunks must tile its global shape.  All of this is
-        checked before a byte of data is read, so a bad item never half-fills
-        a destination.
-        """
+        """``.metadata``, opened only if its digest is the manifest's; every tensor's chunks must tile its global
+        shape, and every file it names must be one the manifest records.  The items themselves are checked
+        against the manifest shards in :meth:`prepare_local_plan`, once this rank's plan says which it reads."""
         expected = committed.manifest.dcp_metadata
         path = self.layout.attempt_file(committed.step, committed.save_id, DCP_METADATA)
         try:
@@ -182,19 +181,10 @@ class AtomicStorageReader(StorageReader):
                 path=path,
             )
         metadata = load_dcp_metadata(data, where=path)
-        extents = committed.manifest.extent_index()
         try:
-            chunks, problems = _check_items(metadata, extents)
             holes = _check_coverage(metadata)
         except (AttributeError, TypeError, ValueError) as e:  # a .metadata of the right classes, wrongly built
             raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path) from None
-        if problems:
-            raise CorruptCheckpointError(
-                f"{path}: {len(problems)} stored item(s) do not match the manifest; refusing to read them:\n  - "
-                + "\n  - ".join(text for _, text in problems[:20]) + ("\n  - ..." if len(problems) > 20 else ""),
-                path=path,
-                keys=sorted({key for key, _ in problems}),
-            )
         if holes:
             raise CorruptCheckpointError(
                 f"{path}: the stored chunks of {len(holes)} key(s) do not cover their tensors exactly (a partial "
@@ -204,10 +194,49 @@ class AtomicStorageReader(StorageReader):
                 path=path,
                 keys=sorted(holes),
             )
+        return metadata
+
+    def _check_plan_items(self, plan: LoadPlan) -> None:
+        """The items this rank reads, against the shards of their files: each must be the one the shard records
+        (file, offset, length, kind) and hold exactly its chunk's bytes in the stored dtype.  Checked before a
+        byte of data is read, so a bad item never half-fills a destination; O(this rank's share)."""
+        committed, metadata = self.committed, self._decoded
+        path = self.layout.attempt_file(committed.step, committed.save_id, DCP_METADATA)
+        storage = metadata.storage_data or {}
+        indexes = {item.storage_index for item in plan.items}
+        infos = {index: self._storage_info_of(storage, index) for index in indexes}
+        names = {info.relative_path for info in infos.values()}
+        unknown = sorted(names - {f.name for f in committed.manifest.files})
+        if unknown:
+            raise CorruptCheckpointError(f"{path}: names data file(s) {unknown[:5]} that the manifest does not record",
+                                         path=path)
+        committed.load_items(self.layout, names, Deadline(self.timeout))
+        try:
+            extents = committed.manifest.extent_index(names)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{path}: the manifest shards record {e}", path=path) from None
+        try:
+            chunks, problems = _check_items(metadata, extents, infos)
+        except (AttributeError, TypeError, ValueError) as e:  # a .metadata of the right classes, wrongly built
+            raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path) from None
+        if problems:
+            raise CorruptCheckpointError(
+                f"{path}: {len(problems)} stored item(s) do not match the manifest; refusing to read them:\n  - "
+                + "\n  - ".join(text for _, text in problems[:20]) + ("\n  - ..." if len(problems) > 20 else ""),
+                path=path,
+                keys=sorted({key for key, _ in problems}),
+            )
         self._extents = extents
         self._chunks = chunks
-        self._file_sizes = {f.name: f.size for f in committed.manifest.files}
-        return metadata
+        self._file_sizes = {f.name: f.size for f in committed.manifest.files if f.name in names}
+
+    @staticmethod
+    def _storage_info_of(storage: dict, index: MetadataIndex):
+        try:
+            return storage[index]
+        except KeyError:
+            raise CorruptCheckpointError(f"DCP metadata has no storage entry for {index.fqn!r}",
+                                         key=index.fqn) from None
 
     # -- DCP lifecycle -----------------------------------------------------------------
 
@@ -257,6 +286,7 @@ class AtomicStorageReader(StorageReader):
         context.check_layout()  # the layout may have been inferred by AtomicLoadPlanner meanwhile
         if not context.keys_checked:  # without AtomicLoadPlanner: per-key checks on what this rank reads
             context.check_keys({item.dest_index.fqn: None for item in plan.items})
+        self._check_plan_items(plan)
         view = _LoadView(self.rank, socket.gethostname(), os.getpid(), committed.step, committed.save_id,
                          committed.manifest_sha256)
         return dataclasses.replace(plan, storage_data=view)
@@ -348,8 +378,12 @@ class AtomicStorageReader(StorageReader):
                         "(truncated or replaced); restore it or load another step",
                         path=path,
                     )
-                for item in sorted(items, key=lambda i: self._storage_info(i).offset):
-                    self._read_item(source, path, item, planner, planner_lock)
+                ordered = sorted(items, key=lambda i: self._storage_info(i).offset)
+                for start, end, run in _runs([(item, self._extents.get(_item_id(item.storage_index), (None, None))[1])
+                                              for item in ordered]):
+                    window = source if len(run) == 1 else _Window(source, start, end - start)
+                    for item in run:
+                        self._read_item(window, path, item, planner, planner_lock)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: data file named by the manifest is missing", path=path) from None
 
@@ -399,7 +433,7 @@ class AtomicStorageReader(StorageReader):
         if dim0_only:
             row = dtype.itemsize * math.prod(sizes[1:])
             lo = offsets[0] * row if sizes else 0
-            fits = (target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype)
+            fits = _holds_bytes(target, dtype)
             dest = target if fits else torch.empty(lengths, dtype=dtype)
             self._decode(source, extent, lo, lo + dest.nbytes, tensor_bytes(dest), what)
             if dest is not target:
@@ -471,8 +505,11 @@ class AtomicStorageReader(StorageReader):
         """Read a whole stored chunk's payload straight into its destination tensor.
 
         Applies when the item is a torch.save container whose payload offset
-        was recorded (see :mod:`.container`) and the destination is a
-        contiguous CPU tensor of the stored dtype and shape.  The offset is
+        was recorded (see :mod:`.container`) and the destination has the stored
+        shape.  A contiguous CPU destination of the stored dtype takes the bytes
+        itself; any other (a device tensor, another dtype, a strided view) gets
+        them through one host tensor and ``copy_``, never through ``torch.load``
+        of a second in-memory copy of the container.  The offset is
         trusted only if the zip entry ``data/0`` provably spans exactly
         ``[payload, payload + nbytes)`` (local header before it, data
         descriptor after it).  Header, payload and trailer are then verified
@@ -486,10 +523,11 @@ class AtomicStorageReader(StorageReader):
             return False
         with planner_lock:
             target = planner.resolve_tensor(item).detach()
-        if (target.device.type != "cpu" or not target.is_contiguous() or target.dtype != chunk.dtype
-                or tuple(target.shape) != chunk.sizes):
+        if tuple(target.shape) != chunk.sizes:
             return False
-        nbytes = target.nbytes
+        direct = _holds_bytes(target, chunk.dtype)
+        host = target if direct else torch.empty(chunk.sizes, dtype=chunk.dtype)
+        nbytes = host.nbytes
         tail_start = extent.payload + nbytes
         head = source.read_range(extent.pos, extent.payload)
         tail = source.read_range(extent.pos + tail_start, extent.length - tail_start)
@@ -499,13 +537,15 @@ class AtomicStorageReader(StorageReader):
             )
         if not _payload_proven(head, tail, extent.payload, nbytes):
             return False
-        payload = tensor_bytes(target)
+        payload = tensor_bytes(host)
         if source.readinto_range(extent.pos + extent.payload, payload) != nbytes:
             raise CorruptCheckpointError(
                 f"{what}: file is truncated (item of {extent.length} bytes at offset {extent.pos})", path=source.path
             )
         if self.verify:
             verify_segments([head, payload, tail], extent.checksums, extent.block_size, what=what)
+        if not direct:
+            target.copy_(host)
         with planner_lock:
             planner.commit_tensor(item, target)
         return True
@@ -544,6 +584,67 @@ class AtomicStorageReader(StorageReader):
 # -- checks of .metadata against the manifest (before any data is read) ----------------------------------
 
 
+SMALL_ITEM = 1 << 20  # items up to this size are read in runs of consecutive items,
+RUN_BYTES = 8 << 20  # each run at most this long: one request per run
+
+
+def _runs(items: list[tuple[ReadItem, ItemExtent | None]]) -> Iterable[tuple[int, int, list[ReadItem]]]:
+    """Items (by file offset) grouped into (start, end, items) runs of small items lying back to back (or read
+    twice), each run to be fetched with one request; any other item is a run of its own."""
+    run: list[ReadItem] = []
+    start = end = 0
+    joinable = False  # the run so far is of small items
+    for item, extent in items:
+        small = extent is not None and extent.length <= SMALL_ITEM
+        if joinable and small and extent.pos <= end and max(end, extent.pos + extent.length) - start <= RUN_BYTES:
+            run.append(item)
+            end = max(end, extent.pos + extent.length)
+            continue
+        if run:
+            yield start, end, run
+        run, joinable = [item], small
+        start, end = (extent.pos, extent.pos + extent.length) if extent is not None else (0, 0)
+    if run:
+        yield start, end, run
+
+
+class _Window:
+    """One byte range of a data file, fetched with one request and served from memory.
+
+    A run of small consecutive items costs one syscall (one ranged GET on an
+    object store) instead of one per item.  Verification is unchanged: each
+    item checks its own block digests on the bytes served to it.  Reads outside
+    the range (or past a short read at a truncated end) go to the file itself.
+    """
+
+    def __init__(self, source: RangeReader, start: int, length: int) -> None:
+        self.source, self.path, self.start = source, source.path, start
+        buffer = memoryview(bytearray(length))
+        self.data = buffer[: source.readinto_range(start, buffer)]
+
+    def _piece(self, offset: int, length: int) -> memoryview | None:
+        lo = offset - self.start
+        return self.data[lo : lo + length] if 0 <= lo and lo + length <= len(self.data) else None
+
+    def read_range(self, offset: int, length: int) -> bytes:
+        piece = self._piece(offset, length)
+        return self.source.read_range(offset, length) if piece is None else bytes(piece)
+
+    def readinto_range(self, offset: int, buffer: memoryview) -> int:
+        piece = self._piece(offset, len(buffer))
+        if piece is None:
+            return self.source.readinto_range(offset, buffer)
+        buffer[:] = piece
+        return len(piece)
+
+
+def _holds_bytes(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether stored bytes of ``dtype`` can be read straight into ``target``'s memory: a contiguous CPU tensor of
+    that dtype whose memory is its value (not a lazily conjugated or negated view)."""
+    return (target.is_cpu and target.dtype == dtype and target.is_contiguous() and not target.is_conj()
+            and not target.is_neg())
+
+
 @dataclass(frozen=True)
 class _Chunk:
     """One stored tensor chunk as .metadata and the manifest together describe it."""
@@ -564,18 +665,30 @@ def _stored_dtype(name: str | None, planned: torch.dtype) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def _check_items(metadata: Metadata, extents: dict) -> tuple[dict[tuple, _Chunk], list[tuple[str, str]]]:
-    """Each stored item against the manifest's record of it; returns the tensor chunks and every (key, problem)."""
-    described: dict[tuple, tuple[Any, tuple[int, ...] | None]] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            described.update({(fqn, tuple(c.offsets)): (md, tuple(c.sizes)) for c in md.chunks})
-        else:
-            described[(fqn, None)] = (md, None)
+def _described(metadata: Metadata, index: MetadataIndex) -> tuple[Any, tuple[int, ...] | None]:
+    """(.metadata's record of the key, the chunk's sizes or None for bytes) for one stored item, or (None, None).
+
+    By DCP's chunk-position hint where it holds (O(1)), else by a scan of that one key's chunks."""
+    md = metadata.state_dict_metadata.get(index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return (md, None) if md is not None and index.offset is None else (None, None)
+    if index.offset is None:
+        return None, None
+    offsets = tuple(index.offset)
+    hint = index.index
+    if hint is not None and 0 <= hint < len(md.chunks) and tuple(md.chunks[hint].offsets) == offsets:
+        return md, tuple(md.chunks[hint].sizes)
+    return next(((md, tuple(c.sizes)) for c in md.chunks if tuple(c.offsets) == offsets), (None, None))
+
+
+def _check_items(metadata: Metadata, extents: dict, infos: dict) -> tuple[dict[tuple, _Chunk], list[tuple[str, str]]]:
+    """The stored items ``infos`` (index -> .metadata's storage entry) against the manifest's ``extents`` of
+    their files; returns the tensor chunks and every (key, problem).  Every extent of those files must also be
+    named by .metadata."""
     chunks: dict[tuple, _Chunk] = {}
     problems: list[tuple[str, str]] = []
     storage = metadata.storage_data or {}
-    for index, info in storage.items():
+    for index, info in infos.items():
         ident, fqn = _item_id(index), index.fqn
         name, extent = extents.get(ident, (None, None))
         where = f"{fqn!r}" + ("" if index.offset is None else f" chunk {list(index.offset)}")
@@ -583,7 +696,7 @@ def _check_items(metadata: Metadata, extents: dict) -> tuple[dict[tuple, _Chunk]
             problems.append((fqn, f"{where}: .metadata names {info.relative_path!r} at offset {info.offset} "
                                  f"({info.length} bytes), which the manifest does not record"))
             continue
-        md, sizes = described.get(ident, (None, None))
+        md, sizes = _described(metadata, index)
         if md is None:
             problems.append((fqn, f"{where}: stored in {name} but not described by .metadata"))
             continue
@@ -608,11 +721,19 @@ def _check_items(metadata: Metadata, extents: dict) -> tuple[dict[tuple, _Chunk]
                                  f"{extent.length}-byte item"))
         else:
             chunks[ident] = _Chunk(sizes, dtype)
-    unnamed = sorted(set(extents) - {_item_id(i) for i in storage}, key=str)
+    unnamed = sorted((ident for ident, (name, extent) in extents.items() if not _names(storage, ident, name, extent)),
+                     key=str)
     if unnamed:
         problems.append((unnamed[0][0], f"the manifest records {len(unnamed)} item(s) that .metadata does not name, "
                                   f"e.g. {unnamed[0][0]!r}"))
     return chunks, problems
+
+
+def _names(storage: dict, ident: tuple, name: str, extent: ItemExtent) -> bool:
+    """Whether .metadata's storage entries name this extent of the manifest exactly."""
+    fqn, offset = ident
+    info = storage.get(MetadataIndex(fqn, None if offset is None else torch.Size(offset)))
+    return info is not None and (info.relative_path, info.offset, info.length) == (name, extent.pos, extent.length)
 
 
 def _check_coverage(metadata: Metadata) -> dict[str, str]:

@@ -207,7 +207,6 @@ def check_save(item_summaries: list[dict], reports: list[SaveReport | None]) -> 
         first = next(iter(by_rank.values()))
         content = {rank: reports[rank].keys.get(fqn, {}) for rank in by_rank} if have_content else {}
         record = {k: first[k] for k in ("kind", "shape", "dtype") if k in first}
-        record["chunks"] = sorted({tuple(map(tuple, c)) for r in by_rank.values() for c in r.get("chunks", [])})
         if content:
             sample = next(iter(content.values()))
             if sample.get("kind") == "dtensor":

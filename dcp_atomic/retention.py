@@ -22,13 +22,13 @@ import calendar
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .catalog import SCAN_RETRY_SECONDS, scan_markers
 from .commit import commit_order, read_latest, read_marker
 from .errors import CheckpointError
 from .layout import ATTEMPT, MARKER, RunLayout, parse_step_dir
-from .manifest import Marker
+from .manifest import CONTROL_SCHEMA, Marker, _sealed_json, _unseal
 from .retry import Deadline
 
 log = logging.getLogger(__name__)
@@ -72,10 +72,8 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
         markers = scan_markers(layout, unreadable=unreadable)
     newest_first = sorted(markers, key=commit_order, reverse=True)
     keep = {m.step for m in (newest_first if keep_last is None else newest_first[:keep_last])}
-    try:
-        keep.add(read_latest(layout, Deadline(0)).step)
-    except Exception:
-        pass
+    keep.add(_latest_step_named(layout))
+    keep.discard(None)
     plan = GcPlan(kept_steps=sorted(keep), lease_seconds=lease_seconds)
     plan.delete_steps = sorted(m.step for m in markers if m.step not in keep)
     committed = {m.step: m.save_id for m in markers}
@@ -143,3 +141,80 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
     abort = getattr(storage, "abort_stale_uploads", None)
     if abort is not None:
         abort(layout.run_dir, older_than_s=plan.lease_seconds)
+
+
+# -- per commit: O(keep_last), not O(steps) ----------------------------------------------------------------
+
+COMMITS = "COMMITS"  # run-level journal of the steps retention keeps; a hint, every deletion re-reads its marker
+FULL_GC_EVERY = 64  # commits between full sweeps (crashed attempts of other steps, stale temps)
+
+
+def retain_after_commit(layout: RunLayout, marker: Marker, keep_last: int | None, *,
+                        lease_seconds: float = DEFAULT_LEASE_SECONDS) -> GcPlan:
+    """Retention right after ``marker`` was committed (global rank 0): reads one small journal and the markers of
+    only the steps it may delete, instead of every step's marker.
+
+    The journal (``<run>/COMMITS``, self-checksummed) lists the kept steps in commit order.  It is a hint: a step
+    is deleted only when its own marker, read by exact name, still names the recorded save and ranks below the
+    newest ``keep_last``; a missing, damaged or lagging journal (another writer, an older dcp_atomic) is rebuilt
+    from one full scan, as is every ``FULL_GC_EVERY``-th commit, which also sweeps crashed attempts.
+    """
+    if keep_last is None:
+        return GcPlan(lease_seconds=lease_seconds)
+    journal = _read_journal(layout)
+    newest_known = max((commit_order(m) for m in journal or []), default=None)
+    lagging = journal is None or (marker.sequence is not None and newest_known is not None
+                                  and newest_known[1] + 1 < marker.sequence)
+    if lagging or (marker.sequence or 0) % FULL_GC_EVERY == 0:
+        markers = scan_markers(layout)
+        plan = plan_gc(layout, keep_last, lease_seconds=lease_seconds, markers=markers)
+        apply_gc(layout, plan)
+        _write_journal(layout, [m for m in markers if m.step not in plan.delete_steps])
+        return plan
+    entries = {m.step: m for m in journal}
+    entries[marker.step] = marker
+    protected = {marker.step, _latest_step_named(layout)}  # LATEST may still name an older step (its write failed)
+    newest_first = sorted(entries.values(), key=commit_order, reverse=True)
+    plan = GcPlan(kept_steps=sorted(m.step for m in newest_first[:keep_last]), lease_seconds=lease_seconds)
+    for old in newest_first[keep_last:]:
+        if old.step in protected:
+            continue
+        try:
+            current = read_marker(layout, old.step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True)
+        except FileNotFoundError:
+            entries.pop(old.step)  # deleted by someone else: nothing to do
+            continue
+        except CheckpointError as e:
+            plan.unreadable_steps.append((old.step, e.message))
+            continue
+        if current.save_id == old.save_id or commit_order(current) <= commit_order(old):
+            plan.delete_steps.append(old.step)
+            entries.pop(old.step)
+        else:  # re-saved since the journal saw it: judged again at the next commit, with its real order
+            entries[old.step] = current
+    apply_gc(layout, plan)
+    _write_journal(layout, list(entries.values()))
+    return plan
+
+
+def _latest_step_named(layout: RunLayout) -> int | None:
+    """The step ``LATEST`` names (one read by exact name), or None if it cannot be read."""
+    try:
+        return read_latest(layout, Deadline(0)).step
+    except Exception:  # noqa: BLE001 - a hint: unreadable LATEST protects nothing extra
+        return None
+
+
+def _read_journal(layout: RunLayout) -> list[Marker] | None:
+    path = layout.storage.join(layout.run_dir, COMMITS)
+    try:
+        raw = _unseal(layout.storage.read_file(path), path, "dcp_atomic.commits")
+        return [Marker.from_json(Marker(**m).to_json(), where=path) for m in raw["commits"]]
+    except Exception:  # noqa: BLE001 - missing, damaged or foreign: rebuilt from a scan
+        return None
+
+
+def _write_journal(layout: RunLayout, markers: list[Marker]) -> None:
+    body = {"kind": "dcp_atomic.commits", "schema_version": CONTROL_SCHEMA,
+            "commits": [asdict(m) for m in sorted(markers, key=commit_order)]}
+    layout.storage.replace(layout.storage.join(layout.run_dir, COMMITS), _sealed_json(body))

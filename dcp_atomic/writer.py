@@ -8,7 +8,9 @@ Lifecycle, as DCP calls it (names follow DCP's hooks):
   step that is already committed unless ``overwrite=True``, and picks the
   ``save_id`` that every rank then writes under — all before a byte is written;
 * ``write_data`` (every rank) writes ``thread_count`` files in parallel into the
-  attempt directory, hashing blocks as they go, and fsyncs them;
+  attempt directory, hashing blocks as they go, fsyncs them, and publishes its
+  own manifest shard (items and block digests); only the shard's digest and
+  each item's (file, offset, length) travel to the coordinator;
 * ``finish`` (coordinator, only if every rank succeeded) runs the commit
   protocol of :mod:`dcp_atomic.commit`.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import gc
 import io
 import json
 import logging
@@ -44,17 +47,17 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import commit, failpoints
 from .catalog import DEFAULT_TIMEOUT
-from .codec import Encoder, Staging, host_blocks, plane_width
+from .codec import Encoder, Staging, host_blocks, plane_width, tensor_bytes
 from .container import find_payload
 from .errors import CheckpointError, CommitConflictError, ConfigurationError, StorageError
 from .identity import check_identities, default_thread_count, local_identity
 from .integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
 from .layout import (ATTEMPT, RunLayout, checked_checkpoint_id, data_file_name, new_save_id, no_location_error,
                      parse_checkpoint_id, root_key, validate_run_id, validate_step)
-from .manifest import FileEntry, ItemExtent, Manifest, now
+from .manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, now
 from .parallelism import Parallelism
 from .reshard import SaveReport, check_save, summarize_items
-from .storage import open_storage
+from .backends import open_storage
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,7 @@ class _RankStats:
     write_seconds: float = 0.0
     fsync_seconds: float = 0.0
     threads: int = 1
+    shard: ShardRef | None = None  # this rank's manifest shard, as the manifest names it
 
 
 class AtomicStorageWriter(StorageWriter):
@@ -262,6 +266,12 @@ class AtomicStorageWriter(StorageWriter):
         self.save_id = assigned.save_id
         self.rank = assigned.rank
         results, stats = _RankWrite(self, planner, assigned).run(plan.items)
+        stats.shard = self._publish_shard(assigned, results, stats)
+        results = [  # the coordinator needs only what DCP's .metadata records
+            WriteResult(r.index, r.size_in_bytes, _StorageInfo(r.storage_data.relative_path, r.storage_data.offset,
+                                                               r.storage_data.length))
+            for r in results
+        ]
         stats_result = WriteResult(index=MetadataIndex(f"{_STATS_FQN}/{self.rank}"), size_in_bytes=0, storage_data=stats)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results + [stats_result])
@@ -280,13 +290,20 @@ class AtomicStorageWriter(StorageWriter):
         assert save_id is not None, "finish() before write_data()"
         attempt = self.layout.attempt_dir(self.step, save_id)
         metadata.version = DCP_METADATA_VERSION
-        metadata.storage_data = {
-            index: _StorageInfo(r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
-            for index, r in items.items()
-        }
+        metadata.storage_data = {index: r.storage_data for index, r in items.items()}
         metadata.storage_meta = StorageMeta(checkpoint_id=str(attempt), save_id=save_id)
-        metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        manifest = self._manifest(save_id, items, stats, len(results), metadata_bytes)
+        # ~1M objects DCP just built (1,024 ranks x 1k items) would be traversed by several cyclic-GC passes that the
+        # pickle's own allocations trigger (measured: 19.5 s vs 11.4 s frozen).  A process that froze objects itself
+        # (before forking workers) is left alone: unfreeze() would thaw its objects too.
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
+        try:
+            metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        finally:
+            if freeze:
+                gc.unfreeze()
+        manifest = self._manifest(save_id, stats, len(results), metadata_bytes)
         started = time.monotonic()
         try:
             self.last_marker = commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite,
@@ -341,33 +358,30 @@ class AtomicStorageWriter(StorageWriter):
             committed=marker.save_id,
         )
 
-    def _manifest(self, save_id: str, items: dict, stats: list[_RankStats], world: int, metadata_bytes: bytes) -> Manifest:
-        files: dict[str, FileEntry] = {}
-        for s in stats:
-            for name, size in s.files.items():
-                files[name] = FileEntry(name=name, rank=s.rank, size=size)
-        for index, result in items.items():
-            written: _WrittenItem = result.storage_data
-            files[written.relative_path].items.append(
-                ItemExtent(
-                    key=index.fqn,
-                    chunk_offset=None if index.offset is None else list(index.offset),
-                    kind=written.kind,
-                    format=written.format,
-                    pos=written.offset,
-                    length=written.length,
-                    checksums=written.checksums,
-                    block_size=written.block_size,
-                    payload=written.payload,
-                    codec=written.codec,
-                    planes=written.planes,
-                    logical_length=written.logical_length,
-                    frames=written.frames,
-                    dtype=written.dtype,
-                )
-            )
+    def _publish_shard(self, assigned: _AssignedPlanData, results: list[WriteResult], stats: _RankStats) -> ShardRef:
+        """This rank's record of what it wrote, durable beside its data before the coordinator may commit."""
+        files = {name: FileEntry(name=name, rank=assigned.rank, size=size) for name, size in stats.files.items()}
+        for result in results:
+            index, written = result.index, result.storage_data
+            files[written.relative_path].items.append(ItemExtent(
+                key=index.fqn, chunk_offset=None if index.offset is None else list(index.offset), kind=written.kind,
+                format=written.format, pos=written.offset, length=written.length, checksums=written.checksums,
+                block_size=written.block_size, payload=written.payload, codec=written.codec, planes=written.planes,
+                logical_length=written.logical_length, frames=written.frames, dtype=written.dtype,
+            ))
         for entry in files.values():
             entry.items.sort(key=lambda i: i.pos)
+        shard = ManifestShard(self.layout.run_id, assigned.step, assigned.save_id, assigned.rank,
+                              sorted(files.values(), key=lambda f: f.name))
+        try:
+            return commit.publish_shard(self.layout, shard)
+        except OSError as e:
+            raise _storage_error(e, assigned.rank, e.filename or self.layout.attempt_dir(assigned.step,
+                                                                                           assigned.save_id)) from e
+
+    def _manifest(self, save_id: str, stats: list[_RankStats], world: int, metadata_bytes: bytes) -> Manifest:
+        """O(world + keys): per-rank files and shard digests, identities, per-key records; no item lists."""
+        files = [FileEntry(name=name, rank=s.rank, size=size) for s in stats for name, size in s.files.items()]
         return Manifest(
             run_id=self.layout.run_id,
             step=self.step,
@@ -375,13 +389,15 @@ class AtomicStorageWriter(StorageWriter):
             world_size=world,
             parallelism=self._identities[0]["parallelism"] if self._identities else None,
             ranks=self._identities,
-            files=sorted(files.values(), key=lambda f: (f.rank, f.name)),
+            files=sorted(files, key=lambda f: (f.rank, f.name)),
             dcp_metadata={"name": ".metadata", "size": len(metadata_bytes), "sha256": sha256_hex(metadata_bytes)},
             versions={"dcp_atomic": __version__, "torch": torch.__version__},
             started_at=self._started_at,
             written_at=now(),
-            stats=sorted((dataclasses.asdict(s) for s in stats), key=lambda s: s["rank"]),
+            stats=sorted(({k: v for k, v in dataclasses.asdict(s).items() if k != "shard"} for s in stats),
+                         key=lambda s: s["rank"]),
             keys=self._keys,
+            shards=sorted((s.shard for s in stats), key=lambda ref: ref.rank),
         )
 
 
@@ -523,13 +539,22 @@ class _RankWrite:
         )
 
     def _write_raw_tensor(self, out: HashingWriter, name: str, tensor: torch.Tensor, encoder: Encoder) -> _WrittenItem:
-        """Block by block: stage (device tensors), encode, hash the stored frame, write."""
-        tensor = tensor.detach()
+        """Block by block: stage (device tensors), encode, hash the stored frame, write.
+
+        The bytes stored are the tensor's value: a lazily conjugated or negated view is resolved first (its
+        memory holds the other value).  A small uncompressed CPU tensor is one block written as it lies.
+        """
+        tensor = tensor.detach().resolve_conj().resolve_neg()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        width = plane_width(tensor.dtype) if encoder.codec == "zstd" else 1
         block_size = self.writer.block_size
         start = out.position
+        if encoder.codec == "none" and tensor.device.type == "cpu" and tensor.nbytes <= block_size:
+            view = tensor_bytes(tensor)
+            out.write_unhashed(view)
+            return _WrittenItem(name, start, len(view), "tensor", "raw", [block_digest(view)], block_size, None,
+                                logical_length=len(view))
+        width = plane_width(tensor.dtype) if encoder.codec == "zstd" else 1
         frames: list[int] = []
         checksums: list[str] = []
         compressed = False
@@ -576,9 +601,10 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU tensor whose storage holds exactly its elements (torch.save writes whole storages).
 
     Device tensors are copied to host one item at a time, so extra host memory
-    is bounded by the largest item, not the whole state.
+    is bounded by the largest item, not the whole state.  A lazily conjugated or
+    negated view is resolved: the payload the reader copies in place must be the value.
     """
-    tensor = tensor.detach()
+    tensor = tensor.detach().resolve_conj().resolve_neg()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu", non_blocking=False)
     if tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous():

@@ -325,16 +325,16 @@ def committed_save_ids(run_dir: str) -> dict[int, str]:
 def debris(run_dir: str) -> list[str]:
     """Everything under ``run_dir`` that no committed checkpoint names (temp files, partial attempts).
 
-    A clean run directory holds ``LATEST`` and, per step, ``COMMITTED`` plus the one
-    attempt it names, which holds exactly its manifest's files, ``.metadata``,
-    ``manifest.json`` and ``ATTEMPT``.
+    A clean run directory holds ``LATEST``, retention's ``COMMITS`` journal and, per step,
+    ``COMMITTED`` plus the one attempt it names, which holds exactly its manifest's files,
+    ``.metadata``, ``manifest.json``, one ``manifest.<rank>.json`` per rank and ``ATTEMPT``.
     """
     found = []
     if not os.path.isdir(run_dir):
         return found
     for name in sorted(os.listdir(run_dir)):
         path = os.path.join(run_dir, name)
-        if name == "LATEST":
+        if name in ("LATEST", "COMMITS"):
             continue
         if not (name.startswith("step_") and os.path.isdir(path)):
             found.append(path)
@@ -350,6 +350,7 @@ def debris(run_dir: str) -> list[str]:
         attempt = os.path.join(path, save_id)
         manifest = json.load(open(os.path.join(attempt, "manifest.json")))
         expected = {f["name"] for f in manifest["files"]} | {".metadata", "manifest.json", "ATTEMPT"}
+        expected |= {f"manifest.{r}.json" for r in range(manifest["world_size"])}
         for entry in sorted(os.listdir(attempt)):
             if entry not in expected:
                 found.append(os.path.join(attempt, entry))

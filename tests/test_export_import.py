@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CommitConflictError, CorruptCheckpointError
 from dcp_atomic.cli import main
+from tests import manifest_view
 from tests.harness import assert_all_ok, run_world
 
 
@@ -261,7 +262,7 @@ def test_import_copies_commits_and_round_trips_bit_exact(saved, tmp_path, capsys
     assert main(["--json", "verify", root, "imported", "5"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["problems"] == []
     attempt = _attempt_dir(root, "imported", 5)
-    manifest = json.load(open(os.path.join(attempt, "manifest.json")))
+    manifest = manifest_view.load(attempt)
     items = [i for f in manifest["files"] for i in f["items"]]
     assert {(i["kind"], i["format"]) for i in items} == {("tensor", "torch_save"), ("bytes", "raw")}
     assert all(i["payload"] is not None for i in items if i["kind"] == "tensor")  # read in place, one copy

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, ConfigurationError, CorruptCheckpointError
+from tests import manifest_view
 from tests.harness import assert_all_ok, run_world
 
 RUN = "exp"
@@ -55,7 +56,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _manifest(root, step) -> dict:
     step_dir = os.path.join(root, RUN, f"step_{step:010d}")
     save_id = json.load(open(os.path.join(step_dir, "COMMITTED")))["save_id"]
-    return json.load(open(os.path.join(step_dir, save_id, "manifest.json")))
+    return manifest_view.load(os.path.join(step_dir, save_id))
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

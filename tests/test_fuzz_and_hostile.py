@@ -3,7 +3,7 @@
 Fuzzing: one single-rank process world saves a checkpoint, then applies 210
 seeded mutations (single-byte flips, truncations, swaps of byte ranges inside a
 file, swaps of two whole files) across every file of it (``LATEST``, the marker,
-the manifest, ``.metadata``, ``ATTEMPT``, both data files), loading after each
+the manifest and its rank shard, ``.metadata``, ``ATTEMPT``, both data files), loading after each
 one: a load either fails with one of the library's errors, or returns exactly
 the saved values.  Zero silent loads, zero unclear errors.
 
@@ -30,6 +30,7 @@ import tempfile
 import pytest
 import torch
 
+from tests import manifest_view
 from tests.harness import assert_all_ok, run_world
 
 RUN = "exp"
@@ -136,10 +137,10 @@ def _fuzz(ctx, cases, seed):
     attempt = os.path.join(step_dir, json.load(open(os.path.join(step_dir, "COMMITTED")))["save_id"])
     paths = {"LATEST": os.path.join(run_dir, "LATEST"), "COMMITTED": os.path.join(step_dir, "COMMITTED")}
     paths.update({name: os.path.join(attempt, name) for name in sorted(os.listdir(attempt))})
-    assert sorted(paths) == sorted(["LATEST", "COMMITTED", "manifest.json", ".metadata", "ATTEMPT",
+    assert sorted(paths) == sorted(["LATEST", "COMMITTED", "manifest.json", "manifest.0.json", ".metadata", "ATTEMPT",
                                     "__0_0.distcp", "__0_1.distcp"]), sorted(paths)
     pristine = {name: open(path, "rb").read() for name, path in paths.items()}
-    checksummed = {"manifest.json", ".metadata", "__0_0.distcp", "__0_1.distcp"}
+    checksummed = {"manifest.json", "manifest.0.json", ".metadata", "__0_0.distcp", "__0_1.distcp"}
     assert _load_plain(root)[0] == "exact"
     results = []
     names = sorted(paths)
@@ -181,7 +182,7 @@ def test_corruption_fuzzing_never_loads_silently(root):
     per_file = {}
     for r in results:
         per_file.setdefault(r["file"], set()).add(r["kind"])
-    assert all(kinds == set(MUTATIONS) for kinds in per_file.values()) and len(per_file) == 7, per_file
+    assert all(kinds == set(MUTATIONS) for kinds in per_file.values()) and len(per_file) == 8, per_file
     refused = sum(r["outcome"] == "refused" for r in results)
     assert refused >= cases * 0.7, f"only {refused}/{cases} mutations refused: is the fuzzer changing anything?"
 
@@ -197,7 +198,8 @@ def _seal(body: dict) -> bytes:
 
 
 class _Checkpoint:
-    """Paths and raw JSON of one committed step, with consistent re-sealing (the attacker's tools)."""
+    """Paths and raw JSON of one committed step (items merged in from the rank shards), with consistent re-sealing
+    shard -> manifest -> marker (the attacker's tools)."""
 
     def __init__(self, root: str, step: int = 2) -> None:
         self.root, self.step = root, step
@@ -207,7 +209,7 @@ class _Checkpoint:
         self.marker = json.load(open(self.marker_path))
         self.attempt = os.path.join(self.step_dir, self.marker["save_id"])
         self.manifest_path = os.path.join(self.attempt, "manifest.json")
-        self.manifest = json.load(open(self.manifest_path))
+        self.manifest = manifest_view.load(self.attempt)
         self.metadata_path = os.path.join(self.attempt, ".metadata")
 
     def write_metadata(self, data: bytes) -> None:
@@ -217,9 +219,7 @@ class _Checkpoint:
         self.write_manifest()
 
     def write_manifest(self) -> None:
-        data = json.dumps(self.manifest, indent=1, sort_keys=True).encode()
-        with open(self.manifest_path, "wb") as f:
-            f.write(data)
+        data = manifest_view.dump(self.attempt, self.manifest)
         self.marker["manifest_sha256"] = hashlib.sha256(data).hexdigest()
         self.write_marker()
 
@@ -285,7 +285,7 @@ def _craft(case: str, ck: _Checkpoint, outside: str) -> None:
         metadata.storage_data[index] = _StorageInfo(info.relative_path, info.offset, huge)
         ck.write_metadata(pickle.dumps(metadata))
     elif case == "manifest_schema_from_the_future":
-        ck.manifest["schema_version"] = 2
+        ck.manifest["schema_version"] = 3
         ck.write_manifest()
     elif case == "marker_schema_from_the_future":
         ck.marker["schema_version"] = 2
@@ -330,7 +330,7 @@ HOSTILE = {
     "manifest_absolute_path": ("CorruptCheckpointError", "invalid data file name"),
     "manifest_absurd_length_over_limit": ("CorruptCheckpointError", "below 2**50"),
     "manifest_and_metadata_absurd_but_plausible_length": ("CorruptCheckpointError", "__0_"),
-    "manifest_schema_from_the_future": ("CorruptCheckpointError", "schema_version 2 is not supported"),
+    "manifest_schema_from_the_future": ("CorruptCheckpointError", "schema_version 3 is not supported"),
     "marker_schema_from_the_future": ("CorruptCheckpointError", "schema_version 2 is not supported"),
     "marker_names_a_foreign_manifest_path": ("CorruptCheckpointError", "foreign manifest path"),
     "marker_names_another_steps_attempt": ("CorruptCheckpointError", "names this manifest but it cannot be read"),

@@ -197,6 +197,33 @@ def test_retention_ignores_and_keeps_fresh_partial_attempts(root):
     assert os.path.isdir(partial), "an attempt within its lease may be an in-flight save: never deleted"
 
 
+def _count_marker_scans_per_save(ctx, steps, keep_last):
+    from dcp_atomic import CheckpointManager, catalog, manager as manager_module, retention
+
+    scans = []
+
+    def counted(*args, **kwargs):
+        scans.append(1)
+        return catalog.scan_markers(*args, **kwargs)
+
+    manager_module.scan_markers = retention.scan_markers = counted  # every name a commit could scan through
+    per_save = []
+    with CheckpointManager(ctx.root, RUN, keep_last=keep_last, timeout=20, thread_count=1) as manager:
+        for step in steps:
+            del scans[:]
+            manager.save(step, {"x": torch.full((4,), float(step))})
+            per_save.append(len(scans))
+        return {"scans": per_save, "steps": manager.steps()}
+
+
+def test_retention_after_a_commit_does_not_scan_every_marker(root):
+    """A save's retention reads a journal and the markers of the steps it deletes, not all of them: a run's
+    100,000th commit costs what its 10th did.  Only the first commit (no journal yet) scans."""
+    result = assert_all_ok(run_world(_count_marker_scans_per_save, 1, root, args=(list(range(1, 7)), 2)))[0]
+    assert result["scans"] == [1, 0, 0, 0, 0, 0], result
+    assert result["steps"] == [5, 6] and list_steps(root, RUN) == [5, 6]
+
+
 def _save_where_finish_fails_after_commit(ctx):
     from dcp_atomic import CheckpointManager
 

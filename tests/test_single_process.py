@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -14,7 +13,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_atomic import (
-    AtomicSavePlanner,
     AtomicStorageReader,
     AtomicStorageWriter,
     CheckpointError,
@@ -169,17 +167,22 @@ def test_metadata_that_would_execute_code_is_never_unpickled(root, tmp_path):
 
 
 def test_manifest_naming_files_outside_the_attempt_is_refused(root):
-    from dcp_atomic.manifest import Manifest
+    from dcp_atomic.manifest import Manifest, ManifestShard
 
     _save(root, 1)
     raw = json.load(open(os.path.join(_attempt(root, 1), "manifest.json")))
     raw["files"][0]["name"] = "../../../etc/passwd"
     with pytest.raises(CorruptCheckpointError, match="invalid data file name"):
         Manifest.from_json(json.dumps(raw).encode(), where="m")
-    raw = json.load(open(os.path.join(_attempt(root, 1), "manifest.json")))
-    raw["files"][0]["items"][0]["length"] = 1 << 60
+    # Items (extents) live in the rank's shard since schema 2: the same names and bounds are enforced there.
+    shard = json.load(open(os.path.join(_attempt(root, 1), "manifest.0.json")))
+    shard["files"][0]["name"] = "../../../etc/passwd"
+    with pytest.raises(CorruptCheckpointError, match="invalid data file name"):
+        ManifestShard.from_json(json.dumps(shard).encode(), where="s")
+    shard = json.load(open(os.path.join(_attempt(root, 1), "manifest.0.json")))
+    shard["files"][0]["items"][0]["length"] = 1 << 60
     with pytest.raises(CorruptCheckpointError, match="below 2\\*\\*50"):
-        Manifest.from_json(json.dumps(raw).encode(), where="m")
+        ManifestShard.from_json(json.dumps(shard).encode(), where="s")
     raw = json.load(open(os.path.join(_attempt(root, 1), "manifest.json")))
     raw["schema_version"] = 99
     with pytest.raises(CorruptCheckpointError, match="schema_version 99 is not supported"):
@@ -299,7 +302,8 @@ def test_marker_roundtrip_and_foreign_manifest_path_refused():
 def test_any_fsspec_filesystem_round_trips_through_the_fsspec_backend():
     import uuid
 
-    from dcp_atomic.storage import FsspecStorage, open_storage
+    from dcp_atomic.backends import open_storage
+    from dcp_atomic.storage import FsspecStorage
 
     root = f"memory://dcp-atomic-{uuid.uuid4().hex}"
     assert isinstance(open_storage(root), FsspecStorage)

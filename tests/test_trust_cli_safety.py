@@ -20,8 +20,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
 from dcp_atomic.cli import main
-from dcp_atomic.errors import ConfigurationError, CorruptCheckpointError
-from dcp_atomic.storage import FsspecStorage, LocalStorage, open_storage
+from dcp_atomic.errors import ConfigurationError, UnsafeItemError
+from dcp_atomic.backends import open_storage
+from dcp_atomic.storage import FsspecStorage, LocalStorage
+from tests import manifest_view
 from tests.harness import assert_all_ok, run_world
 
 RUN = "exp"
@@ -40,13 +42,12 @@ def _step_paths(root, step, run=RUN):
 
 
 def _reseal(root, step, edit_manifest):
-    """Edit a committed manifest and recompute every digest that names it (what someone with write access can do)."""
+    """Edit a committed manifest (items included) and recompute every digest that names it — shard, manifest,
+    marker (what someone with write access can do)."""
     step_dir, attempt, marker = _step_paths(root, step)
-    manifest_path = os.path.join(attempt, "manifest.json")
-    manifest = json.load(open(manifest_path))
+    manifest = manifest_view.load(attempt)
     edit_manifest(manifest, attempt)
-    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    open(manifest_path, "wb").write(data)
+    data = manifest_view.dump(attempt, manifest)
     marker["manifest_sha256"] = hashlib.sha256(data).hexdigest()
     body = {k: v for k, v in marker.items() if k != "checksum"}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
@@ -156,7 +157,7 @@ def _zstd_state():
 
 def _zstd_file_of(root, key):
     _, attempt, _ = _step_paths(root, 1)
-    manifest = json.load(open(os.path.join(attempt, "manifest.json")))
+    manifest = manifest_view.load(attempt)
     entry, item = next((f, i) for f in manifest["files"] for i in f["items"] if i["key"] == key)
     return os.path.join(attempt, entry["name"]), item
 
@@ -215,12 +216,12 @@ def test_safe_byte_item_refuses_code_and_names_key_and_global(root):
 
     canary = os.path.join(root, "pwned")
     for payload in (_torch_saved({"x": _Exploit(canary)}), pickle.dumps(_Exploit(canary))):
-        with pytest.raises(CorruptCheckpointError) as info:
+        with pytest.raises(UnsafeItemError) as info:
             safe_byte_item(payload, key="optim.extra", where="/ckpt/__0_0.distcp")
         message = str(info.value)
         assert "'optim.extra'" in message and "/ckpt/__0_0.distcp" in message
         assert "add_safe_globals" in message and "weights_only=False" not in message
-    with pytest.raises(CorruptCheckpointError, match="posix.system"):
+    with pytest.raises(UnsafeItemError, match="posix.system"):
         safe_byte_item(_torch_saved(_Exploit(canary)), key="k", where="w")
     assert not os.path.exists(canary), "decoding must not execute anything"
 
@@ -265,7 +266,7 @@ def test_safe_byte_item_honours_users_safe_globals():
     from dcp_atomic.safe_pickle import safe_byte_item
 
     data = _torch_saved({"config": _UserConfig(0.5)})
-    with pytest.raises(CorruptCheckpointError, match="_UserConfig"):
+    with pytest.raises(UnsafeItemError, match="_UserConfig"):
         safe_byte_item(data, key="cfg", where="w")
     with torch.serialization.safe_globals([_UserConfig]):
         got = torch.load(safe_byte_item(data, key="cfg", where="w"), weights_only=False)

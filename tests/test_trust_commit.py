@@ -25,7 +25,7 @@ from dcp_atomic.catalog import most_recent, scan_markers
 from dcp_atomic.layout import RunLayout
 from dcp_atomic.manifest import _sealed_json
 from dcp_atomic.retention import apply_gc, plan_gc
-from dcp_atomic.storage import open_storage
+from dcp_atomic.backends import open_storage
 
 RUN = "exp"
 SKEW = -600.0  # a host whose clock is ten minutes behind

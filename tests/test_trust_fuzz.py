@@ -25,6 +25,8 @@ import time
 import pytest
 import torch
 
+from tests import manifest_view
+
 RUN = "exp"
 
 
@@ -47,7 +49,10 @@ class Sealed:
         self.attempt = os.path.join(self.step_dir, self.marker["save_id"])
         self.manifest_path = os.path.join(self.attempt, "manifest.json")
         self.manifest_bytes = open(self.manifest_path, "rb").read()
-        self.manifest = json.loads(self.manifest_bytes)
+        self.manifest = manifest_view.load(self.attempt)  # every item, whether in manifest.json or its shards
+        self.control = {name: open(os.path.join(self.attempt, name), "rb").read() for name in os.listdir(self.attempt)
+                        if name.startswith("manifest")}
+        self.marker_bytes = open(self.marker_path, "rb").read()
         self.metadata_path = os.path.join(self.attempt, ".metadata")
 
     def metadata(self):
@@ -61,13 +66,23 @@ class Sealed:
         self.write_manifest()
 
     def write_manifest(self, data: bytes | None = None) -> bytes:
-        data = json.dumps(self.manifest, indent=1, sort_keys=True).encode() if data is None else data
-        with open(self.manifest_path, "wb") as f:
-            f.write(data)
+        if data is None:
+            data = manifest_view.dump(self.attempt, self.manifest)
+        else:
+            with open(self.manifest_path, "wb") as f:
+                f.write(data)
         self.marker["manifest_sha256"] = hashlib.sha256(data).hexdigest()
         with open(self.marker_path, "wb") as f:
             f.write(seal(self.marker))
         return data
+
+    def restore(self) -> None:
+        """Put back the control files as they were when this object was made."""
+        for name, data in self.control.items():
+            with open(os.path.join(self.attempt, name), "wb") as f:
+                f.write(data)
+        with open(self.marker_path, "wb") as f:
+            f.write(self.marker_bytes)
 
     def items(self):
         return [(entry, item) for entry in self.manifest["files"] for item in entry["items"]]
@@ -153,7 +168,7 @@ def _side_tools(root: str, step: int, data: bytes, where: str) -> list[str]:
     from dcp_atomic.audit import audit_step
     from dcp_atomic.layout import RunLayout
     from dcp_atomic.manifest import Manifest
-    from dcp_atomic.storage import open_storage
+    from dcp_atomic.backends import open_storage
 
     problems = []
     tools = {
@@ -181,7 +196,7 @@ def _paths(manifest: dict) -> list[tuple]:
     """Every field: top-level keys, nested records one level down, every file field, every item field."""
     paths = []
     for key, value in manifest.items():
-        if key == "files":
+        if key in ("files", "_pristine_shards"):
             continue
         paths.append((key,))
         if isinstance(value, dict):
@@ -271,7 +286,6 @@ def _fuzz(root: str, seed: int, rounds: int) -> list[dict]:
     for step, (fmt, options) in enumerate(FORMATS.items()):
         _save(root, step, options)
         pristine = Sealed(root, step)
-        marker_bytes = open(pristine.marker_path, "rb").read()
         assert _load(root, step)[0] == "exact", f"{fmt}: the pristine checkpoint must load"
         paths = _paths(pristine.manifest)
         for case in range(rounds * len(paths)):
@@ -284,10 +298,7 @@ def _fuzz(root: str, seed: int, rounds: int) -> list[dict]:
                 outcome, detail = _load(root, step)
                 problems = _side_tools(root, step, data, ck.manifest_path)
             finally:
-                with open(ck.manifest_path, "wb") as f:
-                    f.write(pristine.manifest_bytes)
-                with open(ck.marker_path, "wb") as f:
-                    f.write(marker_bytes)
+                pristine.restore()
             results.append({"format": fmt, "mutation": what, "outcome": outcome, "detail": detail,
                             "tools": problems})
         assert _load(root, step)[0] == "exact", f"{fmt}: the checkpoint must be pristine again"

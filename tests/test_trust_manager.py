@@ -47,16 +47,16 @@ def test_a_rank_slower_than_timeout_but_alive_commits_and_loads(root):
 
 
 def _slow_retention_job(ctx, timeout):
-    from dcp_atomic import CheckpointManager, manager as manager_module
+    from dcp_atomic import CheckpointManager, retention
 
     if ctx.rank == 0:  # deleting an old step takes longer than timeout (a big step on a busy NFS server)
-        apply_gc = manager_module.apply_gc
+        apply_gc = retention.apply_gc
 
         def slow_apply_gc(*args, **kwargs):
             time.sleep(2 * timeout + 1)
             return apply_gc(*args, **kwargs)
 
-        manager_module.apply_gc = slow_apply_gc
+        retention.apply_gc = slow_apply_gc
     with CheckpointManager(ctx.root, RUN, keep_last=1, timeout=timeout, thread_count=1) as manager:
         return [manager.save(step, _state(ctx.rank, step)) for step in (1, 2, 3)]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import glob
-import json
 import os
 import shutil
 import tempfile
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, F
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, ConfigurationError, StorageError, list_steps
+from tests import manifest_view
 from tests.harness import assert_all_ok, run_world
 
 RUN = "exp"
@@ -89,8 +89,7 @@ def _load_ours(root: str) -> dict:
 
 
 def _manifest_items(root: str) -> dict[str, dict]:
-    (path,) = glob.glob(os.path.join(root, RUN, "step_*", "*", "manifest.json"))
-    return {item["key"]: item for entry in json.load(open(path))["files"] for item in entry["items"]}
+    return {item["key"]: item for entry in manifest_view.load(_attempt_dir(root))["files"] for item in entry["items"]}
 
 
 def _attempt_dir(root: str) -> str:
@@ -193,8 +192,8 @@ def test_manifest_records_every_item_with_its_key_and_chunk_offset_including_emp
     state = {"empty": torch.zeros(0, 3), "after": torch.arange(5.0), "scalar": torch.tensor(2.0), "b": {"x": 1}}
     writer = AtomicStorageWriter(root, RUN, 1, thread_count=1, timeout=5, **FORMATS[fmt])
     metadata = dcp.save(state, storage_writer=writer)
-    (path,) = glob.glob(os.path.join(root, RUN, "step_*", "*", "manifest.json"))
-    extents = [(entry["name"], item) for entry in json.load(open(path))["files"] for item in entry["items"]]
+    extents = [(entry["name"], item) for entry in manifest_view.load(_attempt_dir(root))["files"]
+               for item in entry["items"]]
     by_key = {(item["key"], None if item["chunk_offset"] is None else tuple(item["chunk_offset"])): (name, item)
               for name, item in extents}
     assert len(by_key) == len(extents) == len(metadata.storage_data) == 4

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 import torch
 
 from dcp_atomic import latest_step, list_steps
