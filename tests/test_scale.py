@@ -211,6 +211,8 @@ def test_the_metadata_pickle_runs_with_existing_objects_frozen_and_a_processs_ow
     try:
         own = gc.get_freeze_count()
         dcp.save({"x": torch.ones(3)}, storage_writer=AtomicStorageWriter(root, RUN, 2), no_dist=True)
-        assert gc.get_freeze_count() == own, "the save thawed objects the process had frozen"
+        # Frozen objects can still be freed by reference counting (a few are, during a save); an unfreeze would
+        # move all of them back to the collected generations.
+        assert gc.get_freeze_count() > own // 2, "the save thawed objects the process had frozen"
     finally:
         gc.unfreeze()
