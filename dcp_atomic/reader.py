@@ -44,17 +44,15 @@ from .container import find_payload
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
 from .identity import default_thread_count
 from .integrity import sha256_hex, verify_blocks, verify_segments
-from .layout import (DCP_METADATA, RunLayout, checked_checkpoint_id, no_location_error, validate_run_id,
-                     validate_step)
+from .layout import DCP_METADATA, checked_checkpoint_id, no_location_error, validate_step
 from .manifest import ItemExtent
 from .parallelism import Parallelism
 from .planners import LOAD_CONTEXT_ATTR
 from .reshard import LoadContext
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata, safe_byte_item
-from .backends import open_storage
 from .storage import RangeReader
-from .writer import _parses, _retarget
+from .location import is_checkpoint_id, open_location, retarget
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +105,7 @@ class AtomicStorageReader(StorageReader):
         super().__init__()
         self.storage_options = storage_options
         self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
-        self.storage = None if root is None else open_storage(root, storage_options)
-        self.layout = None if root is None or run_id is None else RunLayout(self.storage, run_id)
-        if run_id is not None:
-            validate_run_id(run_id)
+        self.storage, self.layout = open_location(root, run_id, storage_options)
         self.requested_step = None if step is None else validate_step(step)
         self.requested_save_id = save_id
         self.parallelism = parallelism
@@ -256,7 +251,7 @@ class AtomicStorageReader(StorageReader):
                 "Nothing was read.",
                 checkpoint_id=os.fspath(checkpoint_id),
             )
-        self.storage, self.layout = _retarget(self.storage, self.layout, root, run_id, self.storage_options)
+        self.storage, self.layout = retarget(self.storage, self.layout, root, run_id, self.storage_options)
         self.requested_step = step
         self._fresh = False
         self.step = self.save_id = self.committed = None
@@ -341,7 +336,7 @@ class AtomicStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _parses(checkpoint_id)
+        return is_checkpoint_id(checkpoint_id)
 
     def __getstate__(self) -> dict:
         """Picklable (DCP's process-based executors, frameworks that copy their readers): the per-thread

@@ -52,12 +52,11 @@ from .container import find_payload
 from .errors import CheckpointError, CommitConflictError, ConfigurationError, StorageError
 from .identity import check_identities, default_thread_count, local_identity
 from .integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
-from .layout import (ATTEMPT, RunLayout, checked_checkpoint_id, data_file_name, new_save_id, no_location_error,
-                     parse_checkpoint_id, root_key, validate_run_id, validate_step)
+from .layout import ATTEMPT, checked_checkpoint_id, data_file_name, new_save_id, no_location_error, validate_step
+from .location import is_checkpoint_id, open_location, retarget
 from .manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, now
 from .parallelism import Parallelism
 from .reshard import SaveReport, check_save, summarize_items
-from .backends import open_storage
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -165,10 +164,7 @@ class AtomicStorageWriter(StorageWriter):
             raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
         self.storage_options = storage_options
         self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
-        self.storage = None if root is None else open_storage(root, storage_options)
-        self.layout = None if root is None or run_id is None else RunLayout(self.storage, run_id)
-        if run_id is not None:
-            validate_run_id(run_id)
+        self.storage, self.layout = open_location(root, run_id, storage_options)
         self.step = None if step is None else validate_step(step)
         self.parallelism = parallelism
         self.compression = compression
@@ -201,7 +197,7 @@ class AtomicStorageWriter(StorageWriter):
             return
         root, run_id, step = checked_checkpoint_id(checkpoint_id, self._built_root, self._built_run_id,
                                                    type(self).__name__)
-        self.storage, self.layout = _retarget(self.storage, self.layout, root, run_id, self.storage_options)
+        self.storage, self.layout = retarget(self.storage, self.layout, root, run_id, self.storage_options)
         self.step = step
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -327,7 +323,7 @@ class AtomicStorageWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _parses(checkpoint_id)
+        return is_checkpoint_id(checkpoint_id)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -626,28 +622,6 @@ def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
         buckets[k].append(item)
         loads[k] += max(size(item), 1)
     return buckets
-
-
-def _retarget(storage, layout: RunLayout | None, root: str, run_id: str, storage_options: dict | None):
-    """(storage, layout) for ``root``/``run_id``, reusing the open storage while the root stays the same."""
-    if storage is None or root_key(storage_root(storage)) != root_key(root):
-        storage = open_storage(root, storage_options)
-    elif layout is not None and layout.run_id == run_id:
-        return storage, layout
-    return storage, RunLayout(storage, run_id)
-
-
-def storage_root(storage) -> str:
-    """The root a storage was opened with, as a user would write it (URLs keep their scheme)."""
-    return getattr(storage, "url", None) or storage.root
-
-
-def _parses(checkpoint_id: str | os.PathLike) -> bool:
-    try:
-        parse_checkpoint_id(checkpoint_id)
-    except ConfigurationError:
-        return False
-    return True
 
 
 def _refuse_cached_plan(plan: SavePlan, rank: int) -> None:
