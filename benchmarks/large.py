@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import shutil
 import tempfile
 import time
 
@@ -171,7 +172,7 @@ def _async_save(rank: int, world: int, state: dict, parallelism, plan: dict, pro
     from dcp_atomic import CheckpointManager
 
     medium = plan["media"][0]
-    where = os.path.join(plan["dirs"][medium], "async")
+    where = os.path.join(plan["dirs"][medium], f"async-w{world}")  # one directory per world: a fresh step 1
     manager = CheckpointManager(where, RUN_ID, parallelism=parallelism, thread_count=plan["atomic_threads"])
     try:
         dist.barrier()
@@ -189,6 +190,7 @@ def _async_save(rank: int, world: int, state: dict, parallelism, plan: dict, pro
     if rank != 0:
         return None
     stored = bytes_on_disk(where)
+    shutil.rmtree(where, ignore_errors=True)
     rss_list = ", ".join(f"{r['rss_extra'] / MiB:.0f}" for r in replies)
     say(f"{progress.stamp()} w{world} {medium:<5} async   CheckpointManager.async_save: staged in "
         f"{max(r['stage_seconds'] for r in replies):.2f}s, committed after "
