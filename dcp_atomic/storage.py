@@ -160,7 +160,7 @@ class RangeReader:
         return self.storage.size(self.path)
 
     def close(self) -> None:
-        pass
+        """Nothing to release here: every read goes through the storage's path-based methods."""
 
     def __enter__(self) -> "RangeReader":
         return self
