@@ -67,30 +67,8 @@ def test_rank0_retention_slower_than_timeout_does_not_fail_the_next_save(root):
     assert list_steps(root, RUN) == [3]
 
 
-def _frozen_rank_job(ctx, timeout):
-    from dcp_atomic import CheckpointManager, RankFailureError
-
-    manager = CheckpointManager(ctx.root, RUN, timeout=timeout, work_timeout=600, thread_count=1)
-    started = time.monotonic()
-    try:
-        manager.save(1, _state(ctx.rank, 1))
-    except RankFailureError as e:
-        return {"silent": e.details["silent"], "seconds": time.monotonic() - started}
-    return {"silent": None}
-
-
-def test_a_frozen_rank_is_named_within_a_few_timeouts_despite_a_long_work_timeout(root):
-    timeout = 2.0
-    outcomes = run_world(_frozen_rank_job, 2, root, args=(timeout,),
-                         rank_env=lambda r: {"DCP_ATOMIC_FAILPOINTS": "write.mid_data@1=stop"} if r == 1 else {},
-                         timeout=60, wait_for=[0])
-    assert outcomes[0].ok, outcomes[0].error
-    assert outcomes[0].value["silent"] == "1", outcomes[0].value
-    assert outcomes[0].value["seconds"] < 5 * timeout + 2, outcomes[0].value
-    assert list_steps(root, RUN) == []
-
-
-def _stalled_rank_job(ctx, timeout, work_timeout):
+def _timed_save_job(ctx, timeout, work_timeout):
+    """Save step 1; report whom a RankFailureError named, and after how long."""
     from dcp_atomic import CheckpointManager, RankFailureError
 
     manager = CheckpointManager(ctx.root, RUN, timeout=timeout, work_timeout=work_timeout, thread_count=1)
@@ -102,9 +80,20 @@ def _stalled_rank_job(ctx, timeout, work_timeout):
     return {"silent": None}
 
 
+def test_a_frozen_rank_is_named_within_a_few_timeouts_despite_a_long_work_timeout(root):
+    timeout = 2.0
+    outcomes = run_world(_timed_save_job, 2, root, args=(timeout, 600.0),
+                         rank_env=lambda r: {"DCP_ATOMIC_FAILPOINTS": "write.mid_data@1=stop"} if r == 1 else {},
+                         timeout=60, wait_for=[0])
+    assert outcomes[0].ok, outcomes[0].error
+    assert outcomes[0].value["silent"] == "1", outcomes[0].value
+    assert outcomes[0].value["seconds"] < 5 * timeout + 2, outcomes[0].value
+    assert list_steps(root, RUN) == []
+
+
 def test_an_alive_rank_whose_work_never_ends_fails_at_work_timeout_naming_it(root):
     timeout, work_timeout = 2.0, 5.0
-    outcomes = run_world(_stalled_rank_job, 2, root, args=(timeout, work_timeout),
+    outcomes = run_world(_timed_save_job, 2, root, args=(timeout, work_timeout),
                          rank_env=lambda r: {"DCP_ATOMIC_FAILPOINTS": "write.mid_data@1=sleep:300"} if r == 1 else {},
                          timeout=60, wait_for=[0])
     assert outcomes[0].ok, outcomes[0].error
