@@ -159,3 +159,21 @@ def test_writer_and_reader_pickle_before_and_after_use(root):
     target = {"w": torch.zeros(6)}
     dcp.load(target, storage_reader=copy, checkpoint_id=f"{root}/{RUN}/step_3")
     assert torch.equal(target["w"], torch.arange(6.0)) and copy.step == 3
+
+
+def test_a_reused_writer_follows_s3_checkpoint_ids_and_reuses_one_client(s3_moto):
+    """torchtitan on S3: one location-less writer, ``checkpoint_id=s3://bucket/prefix/run/step-N`` per save."""
+    options = s3_moto.options()
+    writer = AtomicStorageWriter(storage_options=options)
+    reader = AtomicStorageReader(storage_options=options)
+    for step in (10, 20):
+        dcp.save({"w": torch.full((4, 3), float(step))}, storage_writer=writer,
+                 checkpoint_id=f"{s3_moto.root}/titan/step-{step}", no_dist=True)
+        if step == 10:
+            first_storage = writer.storage
+    assert writer.storage is first_storage, "the same root must keep the same client"
+    assert list_steps(s3_moto.root, "titan", storage_options=options) == [10, 20]
+    target = {"w": torch.zeros(4, 3)}
+    dcp.load(target, storage_reader=reader, checkpoint_id=f"{s3_moto.root}/titan/step_10", no_dist=True)
+    assert torch.equal(target["w"], torch.full((4, 3), 10.0)) and reader.step == 10
+    assert any(k.endswith("titan/step_0000000020/COMMITTED") for k in s3_moto.keys())
