@@ -359,11 +359,15 @@ class AtomicStorageReader(StorageReader):
                 f"DCP metadata has no storage entry for {item.storage_index.fqn!r}", key=item.storage_index.fqn
             ) from None
 
+    def _data_path(self, name: str) -> str:
+        committed = self.committed
+        return self.layout.data_file(committed.step, committed.save_id, name)
+
     def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner, planner_lock: threading.Lock) -> None:
         """Every item this rank reads from one data file, through one open handle (one NFS open, not one per item)."""
         committed = self.committed
         assert committed is not None
-        path = self.layout.data_file(committed.step, committed.save_id, name)
+        path = self._data_path(name)
         try:
             with self.storage.open_reader(path) as source:
                 actual = source.size()
