@@ -12,7 +12,8 @@ through the environment variable ``DCP_ATOMIC_FAILPOINTS``::
 ``name@rank`` limits a point to one rank; ``name#N`` (or ``name@rank#N``) fires
 only on the N-th time the point is reached in this process.  Actions: ``kill`` (SIGKILL self),
 ``stop`` (SIGSTOP self, a frozen rank), ``raise`` (an ``OSError(EIO)``, an
-injected I/O error), ``sleep:SECONDS``.
+injected I/O error), ``sleep:SECONDS``, and ``flip``, which ``hit`` returns for the
+caller to damage the bytes it is about to pass on (a faulty peer).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ POINTS = frozenset(
         "commit.after_marker",  # marker exists, LATEST not yet updated
         "commit.after_latest",  # everything done
         "read.before_data",  # every rank, before reading shard bytes
+        "read.exchange_send",  # every rank, a round's items read, before sending them to peers
     }
 )
 
@@ -65,17 +67,19 @@ def disarm_all() -> None:
     _hits.clear()
 
 
-def hit(name: str, rank: int | None = None) -> None:
-    """Run the action armed for ``name`` (and this rank), if any."""
+def hit(name: str, rank: int | None = None) -> str | None:
+    """Run the action armed for ``name`` (and this rank), if any; ``flip`` is returned to the caller."""
     if not _armed:
-        return
+        return None
     armed = _armed.get((name, rank)) or _armed.get((name, None))
     if armed is None:
-        return
+        return None
     action, nth = armed
     _hits[name] = _hits.get(name, 0) + 1
     if nth is not None and _hits[name] != nth:
-        return
+        return None
+    if action == "flip":
+        return action
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stop":

@@ -116,6 +116,9 @@ class CheckpointManager:
             An exception in any callback is logged and counted in ``callback_failures``;
             the operation's outcome stands. Fields: docs/statistics.md.
         lease_seconds: age after which an uncommitted attempt counts as abandoned.
+        share_reads: read each stored item once and send it to the other ranks that need it
+            (``AtomicStorageReader(share_reads=...)``; default: on for object stores and for ranks on
+            several hosts).
     """
 
     _instances = 0
@@ -138,6 +141,7 @@ class CheckpointManager:
         on_failed: StatsCallback | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         allow_divergence: bool = False,
+        share_reads: bool | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -153,6 +157,7 @@ class CheckpointManager:
         self.thread_count = thread_count
         self.on_saved, self.on_loaded, self.on_failed = on_saved, on_loaded, on_failed
         self.lease_seconds = lease_seconds
+        self.share_reads = share_reads
         self.divergence = "warn" if allow_divergence else "raise"
         self._distributed = dist.is_available() and dist.is_initialized()
         self._owned_groups: list[dist.ProcessGroup] = []
@@ -322,7 +327,7 @@ class CheckpointManager:
             reader = _WatchedReader(self.root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
                                     allow_reshard=allow_reshard, timeout=self.timeout / 2,
                                     storage_options=self.storage_options, thread_count=self.thread_count,
-                                    watch=watch)
+                                    share_reads=self.share_reads, process_group=self._group, watch=watch)
             self._resolve_everywhere(reader, chosen)
             try:
                 dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
@@ -334,7 +339,10 @@ class CheckpointManager:
         self._deliver(self.on_loaded, "on_loaded", LoadStats(
             run_id=self.run_id, step=chosen, save_id=reader.save_id, world_size=self.world_size, rank=self.rank,
             seconds=seconds, bytes=reader.bytes_read, files=reader.files_read,
-            gb_per_s=reader.bytes_read / max(seconds, 1e-9) / 1e9))
+            gb_per_s=reader.bytes_read / max(seconds, 1e-9) / 1e9,
+            bytes_from_storage=reader.read_stats.storage_bytes, bytes_from_peers=reader.read_stats.peer_bytes_received,
+            bytes_to_peers=reader.read_stats.peer_bytes_sent, storage_seconds=reader.read_stats.storage_seconds,
+            exchange_seconds=reader.read_stats.exchange_seconds))
         return chosen
 
     @_operation
@@ -702,8 +710,7 @@ class _WatchedReader(AtomicStorageReader):
     bytes_read = files_read = 0
 
     def read_data(self, plan, planner):
-        """Also counts what this rank reads (for ``on_loaded``): the stored length of each distinct item,
-        from the checkpoint's metadata, since the reader does not count bytes itself."""
+        """Also sums the stored length of each distinct item this rank loads (for ``on_loaded``)."""
         read = super().read_data
 
         def counted_read():
@@ -713,3 +720,8 @@ class _WatchedReader(AtomicStorageReader):
             return read(plan, planner)
 
         return self.watch.run("read", counted_read)
+
+    def _before_exchange(self, round_index: int, failing: bool) -> None:
+        """Peers reading their share are waited for by heartbeat (slow storage is not a dead rank), so the
+        round's status collective only starts once every rank is there."""
+        self.watch.wait_all(f"share{round_index}", quiet=failing)

@@ -12,10 +12,14 @@
 * ``read_data`` reads exactly the extents the manifest names (never a listing),
   checks every block against the digests recorded at write time, and copies
   into the destination tensors; files are read in parallel.
+* Read once (``share_reads``): a stored item that several ranks need is read and
+  verified by one of them and sent to the others over the process group, where
+  it is verified again before it is decoded (:mod:`.exchange` plans and moves it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -24,12 +28,14 @@ import os
 import socket
 import struct
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -42,6 +48,7 @@ from .codec import Decoder, plane_width, tensor_bytes
 from .commit import Committed
 from .container import find_payload
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
+from .exchange import Need, PeerLink, SharePlan, plan_exchange, round_layout
 from .identity import default_thread_count
 from .integrity import sha256_hex, verify_blocks, verify_segments
 from .layout import DCP_METADATA, checked_checkpoint_id, no_location_error, validate_step
@@ -51,7 +58,8 @@ from .planners import LOAD_CONTEXT_ATTR
 from .reshard import LoadContext
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata, safe_byte_item
-from .storage import RangeReader
+from .stats import ReadStats
+from .storage import LocalStorage, RangeReader
 from .location import is_checkpoint_id, open_location, retarget
 
 log = logging.getLogger(__name__)
@@ -67,6 +75,16 @@ class _LoadView:
     step: int
     save_id: str
     manifest_sha256: str
+    can_share: bool = False  # collectives on, and this rank's group rank is its DCP rank
+    posix: bool = True  # the storage is a POSIX file system (the default for share_reads=None depends on it)
+
+
+@dataclass
+class _Assignment:
+    """What the coordinator hands each rank back in ``LoadPlan.storage_data``: its version and its share."""
+
+    view: _LoadView
+    share: SharePlan | None
 
 
 class AtomicStorageReader(StorageReader):
@@ -83,8 +101,16 @@ class AtomicStorageReader(StorageReader):
         thread_count: files read in parallel per rank.
         layout_dependent: globs of keys refused when tp / pp changes (besides those declared at save).
         save_id: load exactly this attempt of ``step`` (waits, bounded, until the marker names it).
+        share_reads: read each stored item once and share it with the other ranks that need it (see
+            :mod:`.exchange`). ``None`` (default): on where the storage is not a local POSIX file system
+            (object stores, where every byte read is a request) or the ranks span several hosts; ``False``:
+            every rank reads its own bytes.
+        process_group: the group ``dcp.load`` runs on (default: the default group); shared reads need it.
+        share_buffer_bytes: at most this many bytes of shared items held per rank at once (besides the
+            destination tensors); one larger item is exchanged alone.
 
-    After a load, ``reader.step`` and ``reader.save_id`` say what was loaded.
+    After a load, ``reader.step`` and ``reader.save_id`` say what was loaded and ``reader.read_stats``
+    what it cost (bytes from storage and from peers, seconds in each).
     """
 
     def __init__(
@@ -101,6 +127,9 @@ class AtomicStorageReader(StorageReader):
         thread_count: int | None = None,
         layout_dependent: Iterable[str] = (),
         save_id: str | None = None,
+        share_reads: bool | None = None,
+        process_group: "dist.ProcessGroup | None" = None,
+        share_buffer_bytes: int = 256 << 20,
     ) -> None:
         super().__init__()
         self.storage_options = storage_options
@@ -127,6 +156,11 @@ class AtomicStorageReader(StorageReader):
         self._extents: dict[tuple, tuple[str, ItemExtent]] = {}  # (key, chunk offset) -> (file, extent)
         self._chunks: dict[tuple, _Chunk] = {}  # (key, chunk offset) -> stored sizes and dtype
         self._file_sizes: dict[str, int] = {}
+        self.share_reads = share_reads
+        self.process_group = process_group
+        self.share_buffer_bytes = share_buffer_bytes
+        self._use_collectives = True
+        self.read_stats = ReadStats()
 
     # -- resolution (usable on its own: typed errors, no DCP wrapping) ---------------
 
@@ -272,6 +306,7 @@ class AtomicStorageReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.rank = kwargs.get("rank", 0 if is_coordinator else -1)
+        self._use_collectives = kwargs.get("use_collectives", True)
         self._storage_data = metadata.storage_data or {}
         self._metadata = metadata
 
@@ -283,8 +318,19 @@ class AtomicStorageReader(StorageReader):
             context.check_keys({item.dest_index.fqn: None for item in plan.items})
         self._check_plan_items(plan)
         view = _LoadView(self.rank, socket.gethostname(), os.getpid(), committed.step, committed.save_id,
-                         committed.manifest_sha256)
+                         committed.manifest_sha256, can_share=self._can_share(),
+                         posix=isinstance(self.storage, LocalStorage))
         return dataclasses.replace(plan, storage_data=view)
+
+    def _can_share(self) -> bool:
+        """Whether this rank can take part in shared reads: DCP's collectives are on and the reader's group is
+        the one DCP loads on (this rank's rank in it is its DCP rank)."""
+        if self.share_reads is False or not self._use_collectives or not (dist.is_available() and dist.is_initialized()):
+            return False
+        try:
+            return dist.get_world_size(self.process_group) > 1 and dist.get_rank(self.process_group) == self.rank
+        except (RuntimeError, ValueError):  # this process is not in the group
+            return False
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         views = [p.storage_data for p in plans]
@@ -304,26 +350,187 @@ class AtomicStorageReader(StorageReader):
                 "retry, or pass the same explicit step= on every rank (CheckpointManager.load does this).",
                 views=[dataclasses.asdict(v) for v in views],
             )
-        return plans
+        shares = self._plan_shares(plans, views)
+        return [dataclasses.replace(p, storage_data=_Assignment(v, None if shares is None else shares[i]))
+                for i, (p, v) in enumerate(zip(plans, views))]
+
+    def _plan_shares(self, plans: list[LoadPlan], views: list[_LoadView]) -> list[SharePlan] | None:
+        """Each rank's exchange schedule, or None when reads are not shared (see ``share_reads``)."""
+        wanted = self.share_reads if self.share_reads is not None else (
+            not all(v.posix for v in views) or len({v.host for v in views}) > 1)
+        if not wanted or len(plans) < 2 or not all(v.can_share for v in views):
+            return None
+        needs: dict[tuple, list[Need]] = {}
+        lengths: dict[tuple, int] = {}
+        for rank, plan in enumerate(plans):
+            for item in plan.items:
+                ident = _item_id(item.storage_index)
+                needs.setdefault(ident, []).append(Need(rank, tuple(item.storage_offsets), tuple(item.lengths)))
+                lengths[ident] = self._storage_info(item).length
+        return plan_exchange(needs, lengths, [v.host for v in views], self.share_buffer_bytes)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         failpoints.hit("read.before_data", self.rank)
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            per_file.setdefault(self._storage_info(item).relative_path, []).append(item)
+        self.read_stats = ReadStats()
         planner_lock = threading.Lock()
-        jobs = sorted(per_file.items())
+        items = plan.items
+        share = plan.storage_data.share if isinstance(plan.storage_data, _Assignment) else None
+        # Shared items first: every rank must take part in every round, whatever fails on it afterwards.
+        if share is not None:
+            shared = share.idents
+            mine = [i for i in items if _item_id(i.storage_index) in shared]
+            if not self._read_shared(share, mine, planner, planner_lock):
+                return _done()  # a peer failed: DCP's gather of read_data raises its error on every rank
+            items = [i for i in items if _item_id(i.storage_index) not in shared]
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in items:
+            per_file.setdefault(self._storage_info(item).relative_path, []).append(item)
+        started = time.perf_counter()
+        self._in_parallel([lambda name=name, items=items: self._read_file(name, items, planner, planner_lock)
+                           for name, items in sorted(per_file.items())])
+        self.read_stats.storage_seconds += time.perf_counter() - started
+        return _done()
+
+    def _in_parallel(self, jobs: list) -> None:
+        """Run callables on the reader's threads (inline when one would do); the first failure is raised."""
         if len(jobs) <= 1 or self.thread_count == 1:
-            for name, items in jobs:
-                self._read_file(name, items, planner, planner_lock)
-        else:
-            with ThreadPoolExecutor(max_workers=min(self.thread_count, len(jobs)),
-                                    thread_name_prefix=f"dcp-atomic-r{self.rank}") as pool:
-                for f in [pool.submit(self._read_file, name, items, planner, planner_lock) for name, items in jobs]:
-                    f.result()
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+            for job in jobs:
+                job()
+            return
+        with ThreadPoolExecutor(max_workers=min(self.thread_count, len(jobs)),
+                                thread_name_prefix=f"dcp-atomic-r{self.rank}") as pool:
+            for f in [pool.submit(job) for job in jobs]:
+                f.result()
+
+    # -- shared reads ----------------------------------------------------------------------
+
+    def _read_shared(self, share: SharePlan, items: list[ReadItem], planner: LoadPlanner,
+                     planner_lock: threading.Lock) -> bool:
+        """This rank's part of every exchange round; False when a peer's storage read failed (its error is
+        reported by that peer), True when every shared item this rank needs is installed."""
+        committed = self.committed
+        what = f"shared read of run {self.layout.run_id!r} step {committed.step}"
+        link = PeerLink(self.process_group, self.timeout)
+        by_ident: dict[tuple, list[ReadItem]] = {}
+        for item in items:
+            by_ident.setdefault(_item_id(item.storage_index), []).append(item)
+        lengths = {ident: extent.length for ident, (_, extent) in self._extents.items()}
+        stats = self.read_stats
+        error: BaseException | None = None
+        for n, step_round in enumerate(share.rounds):
+            stats.rounds += 1
+            buffer, offsets = torch.empty(0, dtype=torch.uint8), [0]
+            if error is None:
+                try:
+                    started = time.perf_counter()
+                    buffer, offsets = self._fetch(step_round.fetch, lengths, what)
+                    stats.storage_seconds += time.perf_counter() - started
+                except BaseException as e:  # told to the peers below, raised after
+                    error = e
+            self._before_exchange(n, failing=error is not None)
+            started = time.perf_counter()
+            failed = link.failed_ranks(error is not None, what)
+            if error is not None:
+                raise error
+            if failed:
+                log.error("%s: rank(s) %s could not read their share; rank %d stops here (their error follows)",
+                          what, ", ".join(map(str, failed)), self.rank)
+                return False
+            outgoing = buffer
+            if failpoints.hit("read.exchange_send", self.rank) == "flip" and buffer.numel():
+                outgoing = buffer.clone()  # tests: a peer whose memory or link corrupts what it sends
+                outgoing[buffer.numel() // 2] ^= 0x01
+            receives = [(sender, sum(lengths[i] for i in idents), tag) for sender, idents, tag in step_round.receives]
+            messages = link.transfer(outgoing, step_round.sends, offsets, receives, what)
+            stats.exchange_seconds += time.perf_counter() - started
+            stats.peer_bytes_sent += sum(offsets[stop] - offsets[first] for _, first, stop, _ in step_round.sends)
+            stats.peer_bytes_received += sum(nbytes for _, nbytes, _ in receives)
+            stats.shared_items += len(step_round.fetch) + sum(len(idents) for _, idents, _ in step_round.receives)
+            try:
+                jobs = [lambda i=i, ident=ident: self._install(by_ident[ident], ident, buffer, offsets[i],
+                                                                None, planner, planner_lock)
+                        for i, ident in enumerate(step_round.fetch)]
+                for (sender, idents, _), message in zip(step_round.receives, messages):
+                    starts = round_layout(idents, lengths)
+                    jobs += [lambda k=k, ident=ident, sender=sender, message=message: self._install(
+                        by_ident[ident], ident, message, starts[k], sender, planner, planner_lock, share.hosts)
+                        for k, ident in enumerate(idents)]
+                self._in_parallel(jobs)
+            except BaseException as e:
+                if n == len(share.rounds) - 1:
+                    raise
+                error = e  # the next round's status tells the peers
+        return True
+
+    def _fetch(self, idents: list, lengths: dict, what: str) -> tuple[torch.Tensor, list[int]]:
+        """Read (and verify) the stored bytes of ``idents`` into one round buffer, files in parallel."""
+        offsets = round_layout(idents, lengths)
+        buffer = torch.empty(offsets[-1], dtype=torch.uint8)
+        if not idents:
+            return buffer, offsets
+        view = tensor_bytes(buffer)
+        per_file: dict[str, list[tuple[int, ItemExtent]]] = {}
+        for i, ident in enumerate(idents):
+            name, extent = self._extents[ident]
+            per_file.setdefault(name, []).append((i, extent))
+
+        def fetch_file(name: str, entries: list[tuple[int, ItemExtent]]) -> None:
+            with self._open_data(name) as source:
+                entries.sort(key=lambda e: e[1].pos)
+                for start, end, run in _runs([(entry, entry[1]) for entry in entries]):
+                    window = source if len(run) == 1 else _Window(source, start, end - start)
+                    for i, extent in run:
+                        target = view[offsets[i]:offsets[i + 1]]
+                        if window.readinto_range(extent.pos, target) != extent.length:
+                            raise CorruptCheckpointError(
+                                f"{source.path} item {extent.key!r}: file is truncated (item of {extent.length} "
+                                f"bytes at offset {extent.pos})", path=source.path, key=extent.key)
+                        if self.verify:  # before it is sent: a peer must never be blamed for bad storage
+                            _verify_stored(target, extent, f"{source.path} item {extent.key!r}")
+
+        self._in_parallel([lambda name=name, entries=entries: fetch_file(name, entries)
+                           for name, entries in sorted(per_file.items())])
+        return buffer, offsets
+
+    def _install(self, items: list[ReadItem], ident: tuple, data: torch.Tensor, start: int, sender: int | None,
+                 planner: LoadPlanner, planner_lock: threading.Lock, hosts: list[str] | None = None) -> None:
+        """Decode one shared item from memory into this rank's destinations, verifying it on the way (the
+        same checks as a read from storage); damage in bytes a peer sent names that peer."""
+        name, extent = self._extents[ident]
+        path = self._data_path(name)
+        source = _Window.held(path, extent.pos, tensor_bytes(data)[start:start + extent.length])
+        try:
+            for item in items:
+                self._read_item(source, path, item, planner, planner_lock)
+        except CorruptCheckpointError as e:
+            if sender is None:
+                raise
+            raise CorruptCheckpointError(
+                f"{e.message} [these bytes were received from rank {sender} (host {hosts[sender]}), which read and "
+                "verified them from storage: they were damaged in that rank's memory or on the way; the stored "
+                "checkpoint is not blamed. Load again; if it repeats, check that host]",
+                **{**e.details, "sender": sender},
+            ) from None
+
+    def _before_exchange(self, round_index: int, failing: bool) -> None:
+        """Hook before each round's status collective (the manager waits for its peers by heartbeat here)."""
+
+    @contextlib.contextmanager
+    def _open_data(self, name: str):
+        """One data file of the committed attempt, its size checked against the manifest, reads counted."""
+        path = self._data_path(name)
+        try:
+            with self.storage.open_reader(path) as source:
+                actual = source.size()
+                if actual != self._file_sizes.get(name):
+                    raise CorruptCheckpointError(
+                        f"{path}: file has {actual} bytes, the manifest recorded {self._file_sizes.get(name)} "
+                        "(truncated or replaced); restore it or load another step",
+                        path=path,
+                    )
+                yield _Counted(source, self.read_stats)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: data file named by the manifest is missing", path=path) from None
 
     def storage_meta(self) -> StorageMeta | None:
         return None
@@ -343,6 +550,7 @@ class AtomicStorageReader(StorageReader):
         decoders are rebuilt on first use."""
         state = self.__dict__.copy()
         del state["_decoders"]
+        state["process_group"] = None  # process groups do not pickle: a copy shares on the default group
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -360,31 +568,19 @@ class AtomicStorageReader(StorageReader):
             ) from None
 
     def _data_path(self, name: str) -> str:
+        """From the manifest alone (its ``data_prefixes``), never from this reader's storage options."""
         committed = self.committed
-        return self.layout.data_file(committed.step, committed.save_id, name)
+        return self.layout.data_file(committed.step, committed.save_id, name, committed.manifest.data_prefixes)
 
     def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner, planner_lock: threading.Lock) -> None:
         """Every item this rank reads from one data file, through one open handle (one NFS open, not one per item)."""
-        committed = self.committed
-        assert committed is not None
-        path = self._data_path(name)
-        try:
-            with self.storage.open_reader(path) as source:
-                actual = source.size()
-                if actual != self._file_sizes.get(name):
-                    raise CorruptCheckpointError(
-                        f"{path}: file has {actual} bytes, the manifest recorded {self._file_sizes.get(name)} "
-                        "(truncated or replaced); restore it or load another step",
-                        path=path,
-                    )
-                ordered = sorted(items, key=lambda i: self._storage_info(i).offset)
-                for start, end, run in _runs([(item, self._extents.get(_item_id(item.storage_index), (None, None))[1])
-                                              for item in ordered]):
-                    window = source if len(run) == 1 else _Window(source, start, end - start)
-                    for item in run:
-                        self._read_item(window, path, item, planner, planner_lock)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}: data file named by the manifest is missing", path=path) from None
+        with self._open_data(name) as source:
+            ordered = sorted(items, key=lambda i: self._storage_info(i).offset)
+            for start, end, run in _runs([(item, self._extents.get(_item_id(item.storage_index), (None, None))[1])
+                                          for item in ordered]):
+                window = source if len(run) == 1 else _Window(source, start, end - start)
+                for item in run:
+                    self._read_item(window, source.path, item, planner, planner_lock)
 
     def _read_item(self, source: RangeReader, path: str, item: ReadItem, planner: LoadPlanner,
                    planner_lock: threading.Lock) -> None:
@@ -621,9 +817,21 @@ class _Window:
         buffer = memoryview(bytearray(length))
         self.data = buffer[: source.readinto_range(start, buffer)]
 
+    @classmethod
+    def held(cls, path: str, start: int, data: memoryview) -> "_Window":
+        """Bytes already in memory (a shared item): there is no file behind them to fall back on."""
+        window = cls.__new__(cls)
+        window.source, window.path, window.start, window.data = None, path, start, data
+        return window
+
     def _piece(self, offset: int, length: int) -> memoryview | None:
         lo = offset - self.start
-        return self.data[lo : lo + length] if 0 <= lo and lo + length <= len(self.data) else None
+        if 0 <= lo and lo + length <= len(self.data):
+            return self.data[lo : lo + length]
+        if self.source is None:
+            raise CorruptCheckpointError(f"{self.path}: read of {length} bytes at offset {offset} lies outside the "
+                                         "shared item's bytes (its recorded layout is inconsistent)", path=self.path)
+        return None
 
     def read_range(self, offset: int, length: int) -> bytes:
         piece = self._piece(offset, length)
@@ -635,6 +843,44 @@ class _Window:
             return self.source.readinto_range(offset, buffer)
         buffer[:] = piece
         return len(piece)
+
+
+class _Counted:
+    """A data file's reader that adds every byte it returns to the load's ``ReadStats`` (threads share them)."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, source: RangeReader, stats: ReadStats) -> None:
+        self.source, self.path, self.stats = source, source.path, stats
+
+    def _count(self, n: int) -> int:
+        with self._lock:
+            self.stats.storage_bytes += n
+        return n
+
+    def read_range(self, offset: int, length: int) -> bytes:
+        data = self.source.read_range(offset, length)
+        self._count(len(data))
+        return data
+
+    def readinto_range(self, offset: int, buffer: memoryview) -> int:
+        return self._count(self.source.readinto_range(offset, buffer))
+
+
+def _verify_stored(data: memoryview, extent: ItemExtent, what: str) -> None:
+    """Every block of one stored item (compressed items: every frame) against its recorded digest."""
+    if extent.format == "raw" and extent.codec != "none":
+        bounds = extent.frame_offsets()
+        for i in range(len(bounds) - 1):
+            verify_blocks(data[bounds[i]:bounds[i + 1]], extent.checksums, extent.block_size, what=what, first_block=i)
+    else:
+        verify_blocks(data, extent.checksums, extent.block_size, what=what)
+
+
+def _done() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
 
 
 def _holds_bytes(target: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -92,8 +92,26 @@ class LoadStats(_Stats):
     bytes: int
     files: int
     gb_per_s: float
+    bytes_from_storage: int = 0
+    bytes_from_peers: int = 0
+    bytes_to_peers: int = 0
+    storage_seconds: float = 0.0
+    exchange_seconds: float = 0.0
     schema_version: int = SCHEMA_VERSION
     kind: str = "load"
+
+
+@dataclass
+class ReadStats(_Stats):
+    """What one rank's ``read_data`` cost (``AtomicStorageReader.read_stats`` after a load)."""
+
+    storage_bytes: int = 0  # bytes read from storage (data files), counted as they arrive
+    storage_seconds: float = 0.0  # wall time of this rank's storage reads (its own items and its share)
+    peer_bytes_received: int = 0  # stored bytes received from peers (shared reads)
+    peer_bytes_sent: int = 0  # stored bytes sent to peers
+    exchange_seconds: float = 0.0  # wall time of the exchange rounds (status collective and transfers)
+    shared_items: int = 0  # stored items this rank got through the exchange (read for peers or received)
+    rounds: int = 0  # exchange rounds (0: reads were not shared)
 
 
 @dataclass

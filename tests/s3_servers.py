@@ -231,6 +231,7 @@ class Record:
     agent: str  # User-Agent: tests tag each rank's client through config_kwargs={"user_agent_extra": ...}
     concurrent: int = 1  # requests of this op in flight when it arrived, itself included
     headers: dict[str, str] = field(default_factory=dict)
+    reply_bytes: int = 0  # body bytes the server returned (GET: the bytes a client read)
 
 
 @dataclass
@@ -379,7 +380,8 @@ class S3Proxy:
             with self.lock:  # recorded before the client can see the reply, so records keep request order
                 self.in_flight[op] -= 1
                 self.records.append(Record(op, bucket, key, status, rule is not None, conditions,
-                                           handler.headers.get("User-Agent", ""), concurrent, all_headers))
+                                           handler.headers.get("User-Agent", ""), concurrent, all_headers,
+                                           len(upstream[2]) if upstream is not None and method != "HEAD" else 0))
         if rule is not None and rule.status is not None:
             _send_error(handler, rule, f"/{bucket}/{key}")
             return
