@@ -76,6 +76,7 @@ class _LoadView:
     save_id: str
     manifest_sha256: str
     can_share: bool = False  # collectives on, and this rank's group rank is its DCP rank
+    group_size: int = 0  # ranks in the reader's process group (must be DCP's world)
     posix: bool = True  # the storage is a POSIX file system (the default for share_reads=None depends on it)
 
 
@@ -319,6 +320,7 @@ class AtomicStorageReader(StorageReader):
         self._check_plan_items(plan)
         view = _LoadView(self.rank, socket.gethostname(), os.getpid(), committed.step, committed.save_id,
                          committed.manifest_sha256, can_share=self._can_share(),
+                         group_size=dist.get_world_size(self.process_group) if self._can_share() else 0,
                          posix=isinstance(self.storage, LocalStorage))
         return dataclasses.replace(plan, storage_data=view)
 
@@ -358,8 +360,8 @@ class AtomicStorageReader(StorageReader):
         """Each rank's exchange schedule, or None when reads are not shared (see ``share_reads``)."""
         wanted = self.share_reads if self.share_reads is not None else (
             not all(v.posix for v in views) or len({v.host for v in views}) > 1)
-        if not wanted or len(plans) < 2 or not all(v.can_share for v in views):
-            return None
+        if not wanted or len(plans) < 2 or not all(v.can_share and v.group_size == len(plans) for v in views):
+            return None  # e.g. dcp.load on a subgroup the reader was not given: read directly
         needs: dict[tuple, list[Need]] = {}
         lengths: dict[tuple, int] = {}
         for rank, plan in enumerate(plans):
@@ -452,9 +454,9 @@ class AtomicStorageReader(StorageReader):
                         for i, ident in enumerate(step_round.fetch)]
                 for (sender, idents, _), message in zip(step_round.receives, messages):
                     starts = round_layout(idents, lengths)
-                    jobs += [lambda k=k, ident=ident, sender=sender, message=message: self._install(
-                        by_ident[ident], ident, message, starts[k], sender, planner, planner_lock, share.hosts)
-                        for k, ident in enumerate(idents)]
+                    jobs += [lambda ident=ident, sender=sender, message=message, start=start: self._install(
+                        by_ident[ident], ident, message, start, sender, planner, planner_lock, share.hosts)
+                        for ident, start in zip(idents, starts)]
                 self._in_parallel(jobs)
             except BaseException as e:
                 if n == len(share.rounds) - 1:

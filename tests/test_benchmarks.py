@@ -73,3 +73,13 @@ def test_s3_smoke(root):
         assert rates["save_gbps"] > 0 and rates["load_gbps"] > 0
     assert document["ratio_atomic_over_stock"]["save"] > 0
     assert len(document["runs"]["dcp_atomic"]["save_seconds"]) == 1
+
+
+def test_replicated_restore_smoke(root):
+    document = _run(root, "restore")
+    assert document["scenario"] == "restore"
+    rows = document["summary"]["2"]
+    assert set(rows) == {"share-on", "share-off", "stock"}
+    assert rows["share-on"]["warm"]["read_vs_unique"] <= 1.05  # read once...
+    assert rows["share-off"]["warm"]["read_vs_unique"] >= 1.9  # ...where each replica reads its own copy
+    assert all(row["warm"]["seconds"] > 0 for row in rows.values())

@@ -39,6 +39,8 @@ def _state(rank: int, step: int) -> dict:
         "empty": torch.empty(0, 3),
         "hsdp": distribute_tensor(torch.randn(64, 33, generator=g), mesh, [Replicate(), Shard(0)]),
         "extra": {"step": step, "schedule": [0.1, 0.01]},
+        # many replicated items of odd sizes: each rank receives several items from each of several senders
+        "layers": {f"w{i}": torch.randn(100 + 37 * i, generator=g) for i in range(12)},
         f"own{rank}": torch.full((5,), float(rank)),
     }
 
@@ -53,16 +55,18 @@ def _blank(rank: int) -> dict:
 
 
 def _check(rank: int, step: int, got: dict) -> list[str]:
-    want = _state(rank, step)
-    wrong = []
-    for key, value in want.items():
-        have = got[key]
-        if hasattr(value, "to_local"):
-            value, have = value.to_local(), have.to_local()
-        same = torch.equal(have, value) if isinstance(value, torch.Tensor) else have == value
-        if not same:
-            wrong.append(key)
-    return wrong
+    return _differences(_state(rank, step), got)
+
+
+def _differences(want, have, where: str = "") -> list[str]:
+    if isinstance(want, dict) and all(isinstance(v, torch.Tensor) for v in want.values()) and where:
+        return [d for k in want for d in _differences(want[k], have[k], f"{where}.{k}")]
+    if isinstance(want, dict) and not where:
+        return [d for k in want for d in _differences(want[k], have[k], k)]
+    if hasattr(want, "to_local"):
+        want, have = want.to_local(), have.to_local()
+    same = torch.equal(have, want) if isinstance(want, torch.Tensor) else have == want
+    return [] if same else [where]
 
 
 def _save_and_load(ctx, options_key=None):
