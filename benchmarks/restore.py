@@ -14,18 +14,27 @@ What the numbers mean
     bytes: the reader's own count for dcp_atomic, ``rchar`` of /proc/self/io for stock (bytes returned by
     read calls); "disk" = ``read_bytes`` of /proc/self/io summed over ranks, the bytes the kernel fetched
     from the device (cold loads only); x = ratio to sharing off (above 1: faster).
+
+    ``--store s3`` runs the same loads against a local S3 server (SeaweedFS by default, see
+    ``bench.py s3 --help`` for ``--server``); stock is then ``FsspecReader``, and there are no cold loads.
+    On one host a local disk's page cache already reads each byte from the device once, whatever the
+    replica count: shared reads pay off where every rank's read is a request (object stores) or crosses
+    the network (NFS from several hosts).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
 import time
 
+import fsspec
+
 from benchmarks import report
-from benchmarks.common import GB, RUN_ID, Media, assert_bit_exact, can_drop_caches, clear, drop_caches, \
-    quiet_warnings, say, tensor_bytes, transformer_state, zeroed_like
-from benchmarks.contenders import Contenders, checkpoint_path
+from benchmarks.common import (GB, RUN_ID, Media, assert_bit_exact, can_drop_caches, clear, drop_caches,
+                               quiet_warnings, say, tensor_bytes, transformer_state, zeroed_like)
 from benchmarks.world import Progress, gather, launch, measured
 
 LOADS = ("share-on", "share-off", "stock")
@@ -37,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gb", type=float, default=0.5, help="replicated state per rank, GB (default %(default)s)")
     parser.add_argument("--hidden", type=int, default=1024, help="model width of the generated state")
     parser.add_argument("--repeats", type=int, default=3, help="counted rounds (default %(default)s)")
+    parser.add_argument("--store", default="disk", choices=("disk", "s3"), help="where the checkpoints live")
+    parser.add_argument("--server", default="seaweedfs", help="--store s3: seaweedfs, moto or an endpoint URL")
     parser.add_argument("--disk-root", default=None, help="directory on a disk (default /var/tmp)")
     parser.add_argument("--no-cold", action="store_true", help="skip cold loads")
     parser.add_argument("--json", default="bench-results/restore.json", help="results file (default %(default)s)")
@@ -47,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.smoke:
         args.world_sizes, args.gb, args.hidden, args.repeats, args.no_cold = "2", 0.008, 128, 1, True
+        args.server = "moto"
     args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
     if args.repeats < 1 or args.gb <= 0 or min(args.world_sizes) < 2:
         parser.error("--repeats and --gb must be positive, world sizes at least 2")
@@ -57,20 +69,35 @@ def _io() -> dict[str, int]:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
-def _load(contenders: Contenders, name: str, where: str) -> dict:
+def _save(state: dict, plan: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from dcp_atomic import AtomicSavePlanner, AtomicStorageWriter
+
+    options = plan["options"]
+    dcp.save(state, storage_writer=AtomicStorageWriter(plan["root"], RUN_ID, 1, storage_options=options),
+             planner=AtomicSavePlanner())
+    stock = plan["root"] + "/stock"
+    dcp.save(state, storage_writer=FsspecWriter(stock, **options) if options else dcp.FileSystemWriter(stock))
+
+
+def _load(target: dict, name: str, plan: dict) -> dict:
     """One load by ``name``; what this rank read (the reader's count, rchar, device bytes)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     from dcp_atomic import AtomicLoadPlanner, AtomicStorageReader
 
     before = _io()
     stats = None
+    options = plan["options"]
     if name == "stock":
-        dcp.load(contenders.target, storage_reader=dcp.FileSystemReader(checkpoint_path("stock", where, 0)))
+        stock = plan["root"] + "/stock"
+        dcp.load(target, storage_reader=FsspecReader(stock, **options) if options else dcp.FileSystemReader(stock))
     else:
-        reader = AtomicStorageReader(where, RUN_ID, 1, share_reads=name == "share-on",
-                                     thread_count=contenders.atomic_threads)
-        dcp.load(contenders.target, storage_reader=reader, planner=AtomicLoadPlanner())
+        reader = AtomicStorageReader(plan["root"], RUN_ID, 1, share_reads=name == "share-on", storage_options=options)
+        dcp.load(target, storage_reader=reader, planner=AtomicLoadPlanner())
         stats = reader.read_stats.to_dict()
     after = _io()
     return {"rchar": after["rchar"] - before["rchar"], "device_bytes": after["read_bytes"] - before["read_bytes"],
@@ -78,15 +105,11 @@ def _load(contenders: Contenders, name: str, where: str) -> dict:
 
 
 def _rank(ctx, plan: dict, progress: Progress) -> dict | None:
-    from dcp_atomic import Parallelism
-
     quiet_warnings()
     rank, world = ctx.rank, ctx.world_size
     state = transformer_state(plan["gb"] * GB, plan["hidden"])  # the same on every rank: replicas
-    contenders = Contenders(rank, state, zeroed_like(state), Parallelism(dp=world), None)
-    where = plan["dir"]
-    contenders.save("atomic-default", where, 1)
-    contenders.save("stock", where, 0)
+    target = zeroed_like(state)
+    _save(state, plan)
     results: dict = {name: {"warm": [], "cold": []} for name in LOADS}
     rounds = [("warm-up", LOADS)] + [(f"{r + 1}/{plan['repeats']}", LOADS[::-1] if r % 2 else LOADS)
                                      for r in range(plan["repeats"])]
@@ -96,10 +119,10 @@ def _rank(ctx, plan: dict, progress: Progress) -> dict | None:
                 if kind == "cold" and rank == 0:
                     drop_caches()
                 if round_label == "warm-up":
-                    clear(contenders.target)
-                record = gather(measured(lambda: _load(contenders, name, where)))
+                    clear(target)
+                record = gather(measured(lambda: _load(target, name, plan)))
                 if round_label == "warm-up":
-                    assert_bit_exact(contenders.state, contenders.target, f"rank {rank} {name}")
+                    assert_bit_exact(state, target, f"rank {rank} {name}")
                 progress.done += 1
                 if rank != 0:
                     continue
@@ -110,7 +133,16 @@ def _rank(ctx, plan: dict, progress: Progress) -> dict | None:
     return results if rank == 0 else None
 
 
-def _summary(per_load: dict, world: int, state_bytes: int, unique: int) -> dict:
+def _unique_bytes(root: str, options: dict | None) -> int:
+    """Stored bytes of dcp_atomic's data files (wherever its layout puts them under ``root``; stock's data lies
+    under ``root/stock``): what one read of each item costs."""
+    fs = fsspec.filesystem("s3", **options) if options else fsspec.filesystem("file")
+    stock = fs._strip_protocol(f"{root}/stock") + "/"
+    return sum(info["size"] for path, info in fs.find(root, detail=True).items()
+               if path.endswith(".distcp") and not path.startswith(stock))
+
+
+def _summary(per_load: dict, world: int, state_bytes: int, unique: int, s3: bool) -> dict:
     out = {}
     for name, kinds in per_load.items():
         row = {}
@@ -122,7 +154,9 @@ def _summary(per_load: dict, world: int, state_bytes: int, unique: int) -> dict:
                                for rec in records])
             device = report.med([sum(r["device_bytes"] for r in rec) for rec in records])
             row[kind] = {"seconds": seconds, "gbps": world * state_bytes / GB / seconds,
-                         "read_vs_unique": read / unique, "device_vs_unique": device / unique}
+                         # rchar misses socket reads: stock's bytes from S3 are not counted
+                         "read_vs_unique": read / unique if read or not s3 else None,
+                         "device_vs_unique": None if s3 else device / unique}
         out[name] = row
     for name, row in out.items():
         for kind, cell in row.items():
@@ -134,33 +168,46 @@ def _summary(per_load: dict, world: int, state_bytes: int, unique: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     began = time.monotonic()
     state_bytes = tensor_bytes(transformer_state(args.gb * GB, args.hidden))
-    cold_ok, cold_note = (False, "cold loads skipped (--no-cold)") if args.no_cold else can_drop_caches()
-    say(f"replicated restore: {state_bytes / GB:.2f} GB per rank, worlds {args.world_sizes}, {args.repeats} "
-        f"repeat(s); {cold_note}")
-    kinds = 2 if cold_ok else 1
-    ops = len(LOADS) * (args.repeats + 1) * kinds
+    if args.store == "s3":
+        cold_ok, cold_note = False, "S3: no cold loads (the server's cache is not the client's)"
+    else:
+        cold_ok, cold_note = (False, "cold loads skipped (--no-cold)") if args.no_cold else can_drop_caches()
+    say(f"replicated restore: {state_bytes / GB:.2f} GB per rank on {args.store}, worlds {args.world_sizes}, "
+        f"{args.repeats} repeat(s); {cold_note}")
+    ops = len(LOADS) * (args.repeats + 1) * (2 if cold_ok else 1)
     progress = Progress(total=len(args.world_sizes) * ops, started=time.monotonic())
     raw, summary, checks = {}, {}, []
-    with Media(["disk"], 3 * state_bytes, args.disk_root) as media:
+    with contextlib.ExitStack() as stack:
+        media = stack.enter_context(Media(["disk"], 3 * state_bytes, args.disk_root))
+        if args.store == "s3":
+            from benchmarks.s3 import server
+
+            endpoint = stack.enter_context(server(args.server, None))
+            options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench",
+                       "client_kwargs": {"region_name": "us-east-1"}}
+            bucket = f"dcp-restore-{secrets.token_hex(4)}"
+            fsspec.filesystem("s3", **options).mkdir(bucket)
         for world in args.world_sizes:
-            folder = os.path.join(media.dirs["disk"], f"w{world}")
-            plan = {"gb": args.gb, "hidden": args.hidden, "dir": folder, "cold": cold_ok, "repeats": args.repeats}
+            root = (f"s3://{bucket}/w{world}" if args.store == "s3" else os.path.join(media.dirs["disk"], f"w{world}"))
+            plan = {"gb": args.gb, "hidden": args.hidden, "root": root, "cold": cold_ok, "repeats": args.repeats,
+                    "options": options if args.store == "s3" else None}
             raw[str(world)] = launch(_rank, world, media.dirs["disk"], args=(plan, progress),
                                      op_timeout=args.op_timeout, ops=ops + 2)
-            unique = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(os.path.join(folder, RUN_ID))
-                         for f in files if f.endswith(".distcp"))
-            summary[str(world)] = _summary(raw[str(world)], world, state_bytes, unique)
+            unique = _unique_bytes(root, plan["options"])
+            summary[str(world)] = _summary(raw[str(world)], world, state_bytes, unique, args.store == "s3")
             progress.done = ops * (args.world_sizes.index(world) + 1)
             on = summary[str(world)]["share-on"]
             checks.append(report.check("storage bytes read <= 1.05x unique (shared)", on["warm"]["read_vs_unique"],
-                                       1.05, False, world=str(world), medium="disk", contender="share-on"))
+                                       1.05, False, world=str(world), medium=args.store, contender="share-on"))
             checks.append(report.check("warm restore no slower than unshared", on["warm"]["x_vs_share_off"], 1.0,
-                                       True, world=str(world), medium="disk", contender="share-on"))
-            if "cold" in on and world >= 4:
-                checks.append(report.check(f"cold restore >= {TARGETS['cold']}x unshared", on["cold"]["x_vs_share_off"],
-                                           TARGETS["cold"], True, world=str(world), medium="disk",
-                                           contender="share-on"))
-    print(f"\nreplicated restore, {state_bytes / GB:.2f} GB per rank, median of {args.repeats}; x = vs sharing off")
+                                       True, world=str(world), medium=args.store, contender="share-on"))
+            if world >= 4 and ("cold" in on or args.store == "s3"):
+                cell = on["cold"] if "cold" in on else on["warm"]
+                checks.append(report.check(f"{'cold' if 'cold' in on else 's3'} restore >= {TARGETS['cold']}x unshared",
+                                           cell["x_vs_share_off"], TARGETS["cold"], True, world=str(world),
+                                           medium=args.store, contender="share-on"))
+    print(f"\nreplicated restore on {args.store}, {state_bytes / GB:.2f} GB per rank, median of {args.repeats}; "
+          "x = vs sharing off")
     print("| world | load | warm s | warm GB/s | x | read / unique | cold s | cold GB/s | x | disk / unique |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for world, rows in summary.items():
@@ -173,7 +220,8 @@ def run(args: argparse.Namespace) -> dict:
     report.print_targets(checks)
     wall = time.monotonic() - began
     print(f"\nwall time {wall:.0f} s; load average {os.getloadavg()[0]:.2f} at the end")
-    return {"config": {"world_sizes": args.world_sizes, "state_bytes_per_rank": state_bytes, "repeats": args.repeats,
+    return {"config": {"world_sizes": args.world_sizes, "store": args.store, "state_bytes_per_rank": state_bytes,
+                       "repeats": args.repeats,
                        "cold_loads": cold_note, "media_dirs": media.notes, "smoke": args.smoke},
             "environment": report.environment(), "wall_seconds": wall, "raw": raw, "summary": summary,
             "targets": checks}
