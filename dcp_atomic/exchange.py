@@ -182,10 +182,10 @@ class PeerLink:
         self._wait([(None, dist.all_reduce(flags, group=self.group, async_op=True))], what, timeout=None)
         return [r for r, flag in enumerate(flags.tolist()) if flag]
 
-    def transfer(self, buffer: torch.Tensor, sends: list[tuple[int, int, int, int]], offsets: list[int],
-                 receives: list[tuple[int, int, int]], what: str) -> list[torch.Tensor]:
-        """Send slices of ``buffer`` (``offsets`` are item starts in it, plus its end) and receive messages of
-        (sender, nbytes, tag); returns the received messages as host tensors, in ``receives`` order."""
+    def post(self, buffer: torch.Tensor, sends: list[tuple[int, int, int, int]], offsets: list[int],
+             receives: list[tuple[int, int, int]], what: str) -> "Transfer":
+        """Start sending slices of ``buffer`` (``offsets`` are item starts in it, plus its end) and receiving
+        messages of (sender, nbytes, tag); the caller works meanwhile, then calls ``Transfer.wait``."""
         device_buffer = buffer.to(self.device) if sends and self.device.type != "cpu" else buffer
         works = []
         inbox = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _, nbytes, _ in receives]
@@ -194,8 +194,7 @@ class PeerLink:
         for receiver, first, stop, tag in sends:
             piece = device_buffer[offsets[first]:offsets[stop]]
             works.append((receiver, dist.isend(piece, group=self.group, group_dst=receiver, tag=tag)))
-        self._wait(works, what, timeout=self.timeout)
-        return [m if m.device.type == "cpu" else m.cpu() for m in inbox]
+        return Transfer(self, works, inbox, what)
 
     def _wait(self, works: list, what: str, timeout: datetime.timedelta | None) -> None:
         for peer, work in works:
@@ -209,6 +208,21 @@ class PeerLink:
                     "nothing was loaded on this rank. Restart the job and load again.",
                     rank=self.rank, silent="unknown" if peer is None else str(peer),
                 ) from None
+
+
+@dataclass
+class Transfer:
+    """One round's messages in flight."""
+
+    link: PeerLink
+    works: list
+    inbox: list[torch.Tensor]
+    what: str
+
+    def wait(self) -> list[torch.Tensor]:
+        """Every send and receive done; the received messages as host tensors, in the order posted."""
+        self.link._wait(self.works, self.what, timeout=self.link.timeout)
+        return [m if m.device.type == "cpu" else m.cpu() for m in self.inbox]
 
 
 def round_layout(idents: list[Ident], lengths: dict[Ident, int]) -> list[int]:

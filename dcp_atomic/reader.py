@@ -443,25 +443,31 @@ class AtomicStorageReader(StorageReader):
                 outgoing = buffer.clone()  # tests: a peer whose memory or link corrupts what it sends
                 outgoing[buffer.numel() // 2] ^= 0x01
             receives = [(sender, sum(lengths[i] for i in idents), tag) for sender, idents, tag in step_round.receives]
-            messages = link.transfer(outgoing, step_round.sends, offsets, receives, what)
+            pending = link.post(outgoing, step_round.sends, offsets, receives, what)
+            try:  # this rank's own share decodes while the bytes travel
+                self._in_parallel([lambda i=i, ident=ident: self._install(by_ident[ident], ident, buffer, offsets[i],
+                                                                           None, planner, planner_lock)
+                                   for i, ident in enumerate(step_round.fetch)])
+            except BaseException as e:  # the next round's status tells the peers, or it is raised below
+                error = e
+            messages = pending.wait()
             stats.exchange_seconds += time.perf_counter() - started
             stats.peer_bytes_sent += sum(offsets[stop] - offsets[first] for _, first, stop, _ in step_round.sends)
             stats.peer_bytes_received += sum(nbytes for _, nbytes, _ in receives)
             stats.shared_items += len(step_round.fetch) + sum(len(idents) for _, idents, _ in step_round.receives)
+            if error is not None:
+                continue
+            jobs = []
+            for (sender, idents, _), message in zip(step_round.receives, messages):
+                jobs += [lambda ident=ident, sender=sender, message=message, start=start: self._install(
+                    by_ident[ident], ident, message, start, sender, planner, planner_lock, share.hosts)
+                    for ident, start in zip(idents, round_layout(idents, lengths))]
             try:
-                jobs = [lambda i=i, ident=ident: self._install(by_ident[ident], ident, buffer, offsets[i],
-                                                                None, planner, planner_lock)
-                        for i, ident in enumerate(step_round.fetch)]
-                for (sender, idents, _), message in zip(step_round.receives, messages):
-                    starts = round_layout(idents, lengths)
-                    jobs += [lambda ident=ident, sender=sender, message=message, start=start: self._install(
-                        by_ident[ident], ident, message, start, sender, planner, planner_lock, share.hosts)
-                        for ident, start in zip(idents, starts)]
                 self._in_parallel(jobs)
             except BaseException as e:
-                if n == len(share.rounds) - 1:
-                    raise
-                error = e  # the next round's status tells the peers
+                error = e
+        if error is not None:
+            raise error
         return True
 
     def _fetch(self, idents: list, lengths: dict, what: str) -> tuple[torch.Tensor, list[int]]:
