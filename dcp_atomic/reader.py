@@ -372,7 +372,6 @@ class AtomicStorageReader(StorageReader):
         return plan_exchange(needs, lengths, [v.host for v in views], self.share_buffer_bytes)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        failpoints.hit("read.before_data", self.rank)
         self.read_stats = ReadStats()
         planner_lock = threading.Lock()
         items = plan.items
@@ -384,6 +383,8 @@ class AtomicStorageReader(StorageReader):
             if not self._read_shared(share, mine, planner, planner_lock):
                 return _done()  # a peer failed: DCP's gather of read_data raises its error on every rank
             items = [i for i in items if _item_id(i.storage_index) not in shared]
+        else:
+            failpoints.hit("read.before_data", self.rank)
         per_file: dict[str, list[ReadItem]] = {}
         for item in items:
             per_file.setdefault(self._storage_info(item).relative_path, []).append(item)
@@ -424,6 +425,8 @@ class AtomicStorageReader(StorageReader):
             buffer, offsets = torch.empty(0, dtype=torch.uint8), [0]
             if error is None:
                 try:
+                    if n == 0:
+                        failpoints.hit("read.before_data", self.rank)
                     started = time.perf_counter()
                     buffer, offsets = self._fetch(step_round.fetch, lengths, what)
                     stats.storage_seconds += time.perf_counter() - started
@@ -455,9 +458,9 @@ class AtomicStorageReader(StorageReader):
             stats.peer_bytes_sent += sum(offsets[stop] - offsets[first] for _, first, stop, _ in step_round.sends)
             stats.peer_bytes_received += sum(nbytes for _, nbytes, _ in receives)
             stats.shared_items += len(step_round.fetch) + sum(len(idents) for _, idents, _ in step_round.receives)
-            if error is not None:
-                continue
             jobs = []
+            if error is not None:
+                messages = []
             for (sender, idents, _), message in zip(step_round.receives, messages):
                 jobs += [lambda ident=ident, sender=sender, message=message, start=start: self._install(
                     by_ident[ident], ident, message, start, sender, planner, planner_lock, share.hosts)
@@ -466,6 +469,7 @@ class AtomicStorageReader(StorageReader):
                 self._in_parallel(jobs)
             except BaseException as e:
                 error = e
+            del buffer, outgoing, pending, messages, jobs  # freed before the next round's: at most one budget held
         if error is not None:
             raise error
         return True

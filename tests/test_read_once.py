@@ -207,6 +207,29 @@ def test_a_peer_that_damages_what_it_sends_is_named_and_a_killed_peer_fails_ever
     assert outcomes[2].killed
 
 
+def _load_expecting_failure(ctx):
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+
+    dcp.save(_state(ctx.rank, 1), storage_writer=AtomicStorageWriter(ctx.root, RUN, 1, timeout=30))
+    started = time.monotonic()
+    try:
+        dcp.load(_blank(ctx.rank), storage_reader=AtomicStorageReader(ctx.root, RUN, 1, timeout=30, share_reads=True))
+        return "loaded", time.monotonic() - started
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return repr(e), time.monotonic() - started
+
+
+def test_a_storage_error_on_one_rank_ends_every_rank_s_shared_load_at_once_with_that_error(root):
+    """Rank 1's storage read fails before any byte moves: its peers learn it at the round's status collective
+    instead of waiting for its bytes, and DCP raises rank 1's own error on every rank."""
+    outcomes = run_world(_load_expecting_failure, 4, root, env={"DCP_ATOMIC_FAILPOINTS": "read.before_data@1=raise"},
+                         timeout=90, pg_timeout=60)
+    for outcome in assert_all_ok(outcomes):
+        error, seconds = outcome
+        assert "injected I/O error" in error and "read.before_data" in error, error
+        assert seconds < 20, seconds  # not the 60 s group timeout
+
+
 def _reshard_shared(ctx):
     """Saved at dp2 x tp2 (FSDP2 + TP), loaded at tp4 with consent: the norm, sharded over dp at save, is
     replicated at tp4, so its stored chunks are shared; the TP weights are resharded into other pieces."""
