@@ -58,6 +58,7 @@ from .planners import LOAD_CONTEXT_ATTR
 from .reshard import LoadContext
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata, safe_byte_item
+from .gc_pause import gc_paused
 from .stats import ReadStats
 from .storage import LocalStorage, RangeReader
 from .location import is_checkpoint_id, open_location, retarget
@@ -172,6 +173,10 @@ class AtomicStorageReader(StorageReader):
         here, so every refusal has its own type (through ``dcp.load`` torch
         would turn a ``read_metadata`` error into an ``AssertionError``).
         """
+        with gc_paused():
+            return self._resolve()
+
+    def _resolve(self) -> Committed:
         if self.layout is None:
             raise no_location_error(type(self).__name__)
         committed = resolve(self.layout, self.requested_step, Deadline(self.timeout), save_id=self.requested_save_id)
@@ -312,6 +317,10 @@ class AtomicStorageReader(StorageReader):
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        with gc_paused():
+            return self._prepare_local_plan(plan)
+
+    def _prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         committed, context = self.committed, self._context
         assert committed is not None and context is not None, "prepare_local_plan() before read_metadata()"
         context.check_layout()  # the layout may have been inferred by AtomicLoadPlanner meanwhile
