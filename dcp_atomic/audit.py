@@ -53,7 +53,7 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
         problems.append(f"{meta_path}: missing")
 
     def check(entry: FileEntry) -> list[str]:
-        path = layout.data_file(step, committed.save_id, entry.name)
+        path = layout.data_file(step, committed.save_id, entry.name, manifest.data_prefixes)
         try:
             actual = layout.storage.size(path)
         except FileNotFoundError:

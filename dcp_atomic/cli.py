@@ -258,6 +258,9 @@ def cmd_show(args) -> int:
     print(f"world size {manifest.world_size}  parallelism {manifest.parallelism or 'not declared'}")
     print(f"{len(manifest.files)} files, {manifest.total_bytes / 2**20:.1f} MiB; "
           f"torch {manifest.versions.get('torch')}, dcp_atomic {manifest.versions.get('dcp_atomic')}")
+    if manifest.data_prefixes:
+        print(f"data under {manifest.data_prefixes} hashed prefixes: "
+              f"{layout.storage.join(layout.storage.root, '_dXX', layout.run_id, '...')}")
     hosts = sorted({r.get("host") for r in manifest.ranks})
     print(f"hosts: {', '.join(hosts)}")
     for s in manifest.stats:
@@ -329,6 +332,8 @@ def cmd_gc(args) -> int:
             print(f"{verb} abandoned attempt {save_id} of step {step}")
         for path in plan.delete_temps:
             print(f"{verb} leftover temp file {path}")
+        for path in plan.delete_data:
+            print(f"{verb} data without a step record {path}")
         print(f"keeping committed steps {kept}" + ("" if not plan.empty else " (nothing to collect)"))
         for step, reason in unreadable:
             print(f"step {step}: its marker exists but cannot be validated, so gc left the whole step alone "
@@ -338,7 +343,7 @@ def cmd_gc(args) -> int:
         return 1 if unreadable else 0
     report: dict[str, Any] = {"dry_run": args.dry_run, "delete_steps": plan.delete_steps,
                               "delete_attempts": [list(a) for a in plan.delete_attempts],
-                              "delete_temps": plan.delete_temps, "kept_steps": kept,
+                              "delete_temps": plan.delete_temps, "delete_data": plan.delete_data, "kept_steps": kept,
                               "unreadable_steps": [list(u) for u in unreadable]}
     if not args.dry_run:
         try:

@@ -6,12 +6,17 @@ The layout is part of the contract (operators and tools rely on it)::
     <root>/<run_id>/step_0000001000/COMMITTED
     <root>/<run_id>/step_0000001000/<save_id>/{ATTEMPT, __<rank>_<k>.distcp, .metadata, manifest.json}
 
+With hashed data prefixes (object stores, ``data_prefixes = P > 0`` in the manifest),
+data objects alone move to ``<root>/_dXX/<run_id>/step_.../<save_id>/__<rank>_<k>.distcp``
+(see :func:`data_prefix`); everything else keeps its place.
+
 Every name a reader uses is built here from validated parts, so nothing read
 from a manifest or marker can point outside the run directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 import re
@@ -25,6 +30,8 @@ SAVE_ID_PATTERN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
 STEP_DIR_PATTERN = re.compile(r"step_(\d{10,})")
 DATA_FILE_PATTERN = re.compile(r"__(\d+)_(\d+)\.distcp")
 CHECKPOINT_ID_STEP_PATTERN = re.compile(r"step[_-](\d+)")  # ours (step_N) and torchtitan's (step-N)
+DATA_PREFIX_PATTERN = re.compile(r"_d[0-9a-f]{2}")  # '_' never starts a run id: never listed as a run
+MAX_DATA_PREFIXES = 256  # two hex digits
 
 MARKER = "COMMITTED"
 LATEST = "LATEST"
@@ -142,6 +149,20 @@ def validate_data_file_name(name: str) -> str:
     return name
 
 
+def validate_data_prefixes(prefixes: int) -> int:
+    if isinstance(prefixes, bool) or not isinstance(prefixes, int) or not 0 <= prefixes <= MAX_DATA_PREFIXES:
+        raise ValueError(f"invalid data_prefixes {prefixes!r}: an integer from 0 (off) to {MAX_DATA_PREFIXES}")
+    return prefixes
+
+
+def data_prefix(save_id: str, name: str, prefixes: int) -> str:
+    """``_dXX`` for one data file: a hash of the save and the file name, so one save's files (every rank's, and
+    each rank's several) spread over all ``prefixes``, and the same ``prefixes`` names serve every save (S3 splits
+    a hot prefix once and keeps the split)."""
+    digest = hashlib.sha256(f"{save_id}/{name}".encode()).digest()
+    return f"_d{int.from_bytes(digest[:4], 'big') % validate_data_prefixes(prefixes):02x}"
+
+
 class RunLayout:
     """Paths of one run under one storage root; pure string work, no I/O."""
 
@@ -165,5 +186,20 @@ class RunLayout:
     def attempt_file(self, step: int, save_id: str, name: str) -> str:
         return self.storage.join(self.attempt_dir(step, save_id), name)
 
-    def data_file(self, step: int, save_id: str, name: str) -> str:
-        return self.attempt_file(step, save_id, validate_data_file_name(name))
+    def data_file(self, step: int, save_id: str, name: str, prefixes: int = 0) -> str:
+        """Where a data file lives: beside the manifest, or under its hashed prefix when the manifest says
+        ``data_prefixes`` > 0 (a fact of the checkpoint, never of the reader's options)."""
+        validate_data_file_name(name)
+        if not prefixes:
+            return self.attempt_file(step, save_id, name)
+        return self.storage.join(self.storage.root, data_prefix(save_id, name, prefixes), self.run_id,
+                                 step_dir_name(step), validate_save_id(save_id), name)
+
+    def data_run_dir(self, prefix: str) -> str:
+        """This run's data under one hashed prefix ``_dXX`` (gc looks under each, whatever P a save used)."""
+        if not DATA_PREFIX_PATTERN.fullmatch(prefix):
+            raise ValueError(f"invalid data prefix {prefix!r}: expected {DATA_PREFIX_PATTERN.pattern}")
+        return self.storage.join(self.storage.root, prefix, self.run_id)
+
+    def data_step_dir(self, prefix: str, step: int) -> str:
+        return self.storage.join(self.data_run_dir(prefix), step_dir_name(step))

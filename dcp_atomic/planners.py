@@ -6,11 +6,16 @@ the state dict.  These subclasses of DCP's default planners add only that:
 * :class:`AtomicSavePlanner` summarises each key's content (sampled
   fingerprints) and infers the layout from DTensor meshes, and hands both to
   the writer in ``SavePlan.storage_data``; the writer's coordinator runs the
-  checks in :mod:`.reshard`.  It also disables DCP's plan caching, which would
-  replay an old ``save_id`` past those checks.
+  checks in :mod:`.reshard`.  With ``enable_plan_caching=True`` it still hands
+  the writer every rank's report where DCP answers a rank with its cached plan,
+  so the checks run on every save.
 * :class:`AtomicLoadPlanner` infers this job's layout, then checks every key
   against the checkpoint before DCP starts (DCP's default planner raises at the
   first size mismatch; this one lists them all).
+
+Both plan with Python's cyclic GC paused (:mod:`.gc_pause`): DCP's per-item planning
+allocates 10^4-10^6 objects, and the collections that triggers cost more than the
+planning itself.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Iterable
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
+from .gc_pause import gc_paused
 from .reshard import LoadContext, SaveReport, infer_parallelism, summarize_state_dict
 
 LOAD_CONTEXT_ATTR = "dcp_atomic_load_context"  # set on DCP's Metadata by AtomicStorageReader
@@ -37,12 +43,19 @@ class AtomicSavePlanner(DefaultSavePlanner):
     def __init__(self, *args, divergence: str = "raise", layout_dependent: Iterable[str] = (), **kwargs) -> None:
         if divergence not in ("raise", "warn"):
             raise ValueError(f"divergence must be 'raise' or 'warn', got {divergence!r}")
-        kwargs["enable_plan_caching"] = False
         super().__init__(*args, **kwargs)
         self.divergence = divergence
         self.layout_dependent = tuple(layout_dependent)
 
+    def set_up_planner(self, *args, **kwargs) -> None:
+        with gc_paused():
+            super().set_up_planner(*args, **kwargs)
+
     def create_local_plan(self):
+        with gc_paused():
+            return self._create_local_plan()
+
+    def _create_local_plan(self):
         plan = super().create_local_plan()
         report = SaveReport(
             keys=summarize_state_dict(self.state_dict),
@@ -52,10 +65,20 @@ class AtomicSavePlanner(DefaultSavePlanner):
         )
         return dataclasses.replace(plan, storage_data=report)
 
+    def create_global_plan(self, all_plans):
+        """DCP answers a rank whose plan it cached with an empty plan, dropping what the rank's writer reported
+        this time (identity, content summary): pass that on, so the writer checks every save."""
+        with gc_paused():
+            plans, metadata = super().create_global_plan(all_plans)
+        if self._enable_plan_caching:
+            plans = [dataclasses.replace(plan, storage_data=local.storage_data) for plan, local in zip(plans, all_plans)]
+        return plans, metadata
+
 
 class AtomicLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(state_dict, metadata, is_coordinator)
+        with gc_paused():
+            super().set_up_planner(state_dict, metadata, is_coordinator)
         context: LoadContext | None = getattr(metadata, LOAD_CONTEXT_ATTR, None)
         if context is not None and context.current is None:
             context.current = infer_parallelism(self.state_dict)
@@ -70,4 +93,9 @@ class AtomicLoadPlanner(DefaultLoadPlanner):
                 else:
                     requested[fqn] = None
             context.check_keys(requested)
-        return super().create_local_plan()
+        with gc_paused():
+            return super().create_local_plan()
+
+    def create_global_plan(self, global_plan):
+        with gc_paused():
+            return super().create_global_plan(global_plan)

@@ -13,7 +13,12 @@ that kept the highest step numbers after a rollback restart.  Here:
 * a step is un-committed first (marker removed), then its data deleted, so a
   crash half-way leaves debris, never a committed step with missing files;
 * attempts without a marker (crashed or in-flight saves) are deleted only once
-  their lease has expired (their ``ATTEMPT`` record is older than ``lease_seconds``).
+  their lease has expired (their ``ATTEMPT`` record is older than ``lease_seconds``);
+* data under hashed prefixes (``<root>/_dXX/<run>/step_N/<save_id>/``, object stores)
+  goes with its step or attempt, found by listing every prefix (so whatever P a save
+  used, with or without a manifest), and *before* the step or attempt records that
+  would lead a later gc back to it; prefixed data whose step has no record at all
+  (an older dcp_atomic's gc removed it) is swept once its lease has expired.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from .catalog import SCAN_RETRY_SECONDS, scan_markers
 from .commit import commit_order, read_latest, read_marker
 from .errors import CheckpointError
-from .layout import ATTEMPT, MARKER, RunLayout, parse_step_dir
+from .layout import ATTEMPT, DATA_PREFIX_PATTERN, MARKER, RunLayout, parse_step_dir, step_dir_name
 from .manifest import CONTROL_SCHEMA, Marker, _sealed_json, _unseal
 from .retry import Deadline
 
@@ -41,13 +46,14 @@ class GcPlan:
     delete_steps: list[int] = field(default_factory=list)
     delete_attempts: list[tuple[int, str]] = field(default_factory=list)  # (step, save_id)
     delete_temps: list[str] = field(default_factory=list)  # control-file temps of crashed commits
+    delete_data: list[str] = field(default_factory=list)  # prefixed attempt data of steps that have no record left
     kept_steps: list[int] = field(default_factory=list)
     unreadable_steps: list[tuple[int, str]] = field(default_factory=list)  # (step, reason): left whole, needs a human
     lease_seconds: float = DEFAULT_LEASE_SECONDS
 
     @property
     def empty(self) -> bool:
-        return not self.delete_steps and not self.delete_attempts and not self.delete_temps
+        return not self.delete_steps and not self.delete_attempts and not self.delete_temps and not self.delete_data
 
 
 def _attempt_started(layout: RunLayout, step: int, save_id: str) -> float | None:
@@ -64,9 +70,17 @@ def _save_id_time(save_id: str) -> float | None:
         return None
 
 
+def _data_steps(layout: RunLayout) -> dict[str, list[str]]:
+    """Hashed data prefix -> this run's step directories under it (one LIST of the root, one per prefix)."""
+    storage = layout.storage
+    prefixes = [e for e in storage.list_dir(storage.root) if DATA_PREFIX_PATTERN.fullmatch(e)]
+    return {prefix: storage.list_dir(layout.data_run_dir(prefix)) for prefix in prefixes}
+
+
 def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = DEFAULT_LEASE_SECONDS,
             now: float | None = None, markers: list[Marker] | None = None) -> GcPlan:
     now = time.time() if now is None else now
+    data_steps = _data_steps(layout)  # before the step listing: a save publishes its ATTEMPT before any data
     unreadable: list[tuple[int, str]] = []
     if markers is None:
         markers = scan_markers(layout, unreadable=unreadable)
@@ -97,9 +111,14 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
         stamp = storage.modified(storage.join(directory, entry))
         return stamp is not None and now - stamp > lease_seconds
 
-    plan.delete_temps = [storage.join(layout.run_dir, e) for e in storage.list_dir(layout.run_dir)
-                         if stale_temp(layout.run_dir, e)]
-    for name in storage.list_dir(layout.run_dir):
+    run_entries = storage.list_dir(layout.run_dir)
+    plan.delete_temps = [storage.join(layout.run_dir, e) for e in run_entries if stale_temp(layout.run_dir, e)]
+    for prefix, names in data_steps.items():
+        for name in set(names) - set(run_entries):
+            orphans = storage.join(layout.data_run_dir(prefix), name)
+            plan.delete_data += [storage.join(orphans, save_id) for save_id in storage.list_dir(orphans)
+                                 if now - (_save_id_time(save_id) or now) > lease_seconds]
+    for name in run_entries:
         step = parse_step_dir(name)
         if step is None or step in plan.delete_steps:
             continue
@@ -125,12 +144,22 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
 
 def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
     storage = layout.storage
+    data_steps = _data_steps(layout) if plan.delete_steps or plan.delete_attempts else {}
+
+    def data_dirs(step: int) -> list[str]:
+        return [layout.data_step_dir(prefix, step) for prefix, names in data_steps.items()
+                if step_dir_name(step) in names]
+
     for step in plan.delete_steps:
         storage.remove(layout.marker(step))  # un-commit first
         storage.sync_dir(layout.step_dir(step))
+        for path in data_dirs(step):
+            storage.remove(path)
         storage.remove(layout.step_dir(step))
         log.info("gc: deleted step %d of run %r", step, layout.run_id)
     for step, save_id in plan.delete_attempts:
+        for path in data_dirs(step):
+            storage.remove(storage.join(path, save_id))
         storage.remove(layout.storage.join(layout.step_dir(step), save_id))
         log.info("gc: deleted abandoned attempt %s of step %d", save_id, step)
         if not storage.list_dir(layout.step_dir(step)):
@@ -138,6 +167,9 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
     for path in plan.delete_temps:
         storage.remove(path)
         log.info("gc: deleted leftover temp file %s", path)
+    for path in plan.delete_data:
+        storage.remove(path)
+        log.info("gc: deleted data %s, whose step has no record left", path)
     abort = getattr(storage, "abort_stale_uploads", None)
     if abort is not None:
         abort(layout.run_dir, older_than_s=plan.lease_seconds)

@@ -63,6 +63,10 @@ naming the rank, the key, the HTTP status and what to do.
     multipart part size and ranged-read chunk size.
 ``dcp_atomic_max_concurrency`` (8)
     part uploads (and ranged reads) in flight per rank, at most; throttling lowers it.
+``dcp_atomic_data_prefixes`` (16, 0 = off)
+    how many hashed key prefixes (``<root>/_dXX/<run>/...``) a save spreads its data objects over, so
+    S3 partitions them once and keeps the split for every later save; recorded in the manifest, which
+    alone decides where readers, ``verify`` and ``gc`` look (see :mod:`dcp_atomic.layout`).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ import logging
 import os
 import posixpath
 import random
+import re
 import secrets
 import socket
 import threading
@@ -84,7 +89,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
 from .errors import CheckpointError, CommitConflictError, ConfigurationError, StorageError
-from .layout import MARKER
+from .layout import DATA_PREFIX_PATTERN, MARKER, validate_data_prefixes
 from .storage import FsspecStorage, Storage
 
 log = logging.getLogger(__name__)
@@ -105,6 +110,8 @@ STALL_BYTES_PER_S = 256 << 10  # an attempt's deadline grows by 4 s per MiB it u
 CHECKSUM_MODE = "dcp_atomic_checksum_mode"
 CHECKSUM_MODES = ("when_supported", "when_required")
 MIN_BOTOCORE = "1.35.69"  # the first botocore whose PutObject knows IfMatch (IfNoneMatch came earlier)
+DATA_PREFIXES = "dcp_atomic_data_prefixes"
+DEFAULT_DATA_PREFIXES = 16  # 16 x 3,500 PUT/s once S3 has split them
 
 NOTHING_COMMITTED = "Nothing of this save is committed; the previous checkpoint is intact."
 THROTTLE_STATUS = frozenset({429, 503})
@@ -372,6 +379,10 @@ class S3Storage(FsspecStorage):
         self.part_size = int(options.pop("dcp_atomic_part_size", DEFAULT_PART_SIZE))
         self.max_concurrency = int(options.pop("dcp_atomic_max_concurrency", 8))
         self.checksum_mode = options.pop(CHECKSUM_MODE, None)
+        try:
+            self.data_prefixes = validate_data_prefixes(options.pop(DATA_PREFIXES, DEFAULT_DATA_PREFIXES))
+        except ValueError as e:
+            raise ConfigurationError(f"{DATA_PREFIXES}: {e}", option=DATA_PREFIXES) from None
         if (self.max_attempts is not None and self.max_attempts < 1) or self.max_concurrency < 1:
             raise ConfigurationError("dcp_atomic_max_attempts and dcp_atomic_max_concurrency must be >= 1")
         if self.retry_budget_s <= 0 or self.stall_timeout_s <= 0:
@@ -422,7 +433,11 @@ class S3Storage(FsspecStorage):
         return f"s3://{path}"
 
     def _run(self, coro: Awaitable[T]) -> T:
-        """Run a coroutine on s3fs's event loop thread and wait for it."""
+        """Run a coroutine on s3fs's event loop thread and wait for it.
+
+        One loop per process serves every request (and holds the one adaptive limit): a second loop with
+        its own client and pool gained nothing where measured (docs/benchmarks.md, "Where one rank's S3 time goes").
+        """
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
 
     def __reduce__(self):
@@ -1107,15 +1122,17 @@ def abort_stale_uploads(storage: Storage, prefix: str, older_than_s: float) -> l
 
     A rank killed mid-save cannot abort its own uploads; their parts are billed
     until someone does.  ``prefix`` is a storage path (e.g. ``layout.run_dir``);
-    only keys under ``prefix/`` are touched.  ``older_than_s`` is the lease that
+    only keys under ``prefix/`` are touched, and, for a path under the root, the
+    same place under every hashed data prefix (``<root>/_dXX/<run>/``: an upload
+    makes no object, so no listing of the root shows its prefix).  ``older_than_s`` is the lease that
     protects saves still running: make it longer than any save (and than the
     clock skew between this machine and the store, whose clock dates uploads).
     Returns what was aborted; a no-op (empty list) on storage without multipart uploads.
     """
     if not isinstance(storage, S3Storage):
         return []
-    bucket, key = storage._split(prefix)
-    key_prefix = key.rstrip("/") + "/" if key else ""
+    bucket, _ = storage._split(prefix)
+    wanted = _upload_keys(storage, prefix)
     now = time.time()
     aborted: list[StaleUpload] = []
     # No Prefix parameter: MinIO, for one, matches it only against whole keys; filter here instead.
@@ -1123,7 +1140,7 @@ def abort_stale_uploads(storage: Storage, prefix: str, older_than_s: float) -> l
                            {"KeyMarker": "NextKeyMarker", "UploadIdMarker": "NextUploadIdMarker"}, Bucket=bucket)
     for page in pages:
         for upload in page.get("Uploads", []) or []:
-            if not upload["Key"].startswith(key_prefix):
+            if not wanted(upload["Key"]):
                 continue
             initiated = upload.get("Initiated")
             age = now - initiated.timestamp() if initiated is not None else float("inf")
@@ -1137,3 +1154,14 @@ def abort_stale_uploads(storage: Storage, prefix: str, older_than_s: float) -> l
                 continue  # completed or aborted meanwhile
             aborted.append(StaleUpload(path=f"s3://{path}", upload_id=upload["UploadId"], age_s=age))
     return aborted
+
+
+def _upload_keys(storage: S3Storage, prefix: str) -> Callable[[str], bool]:
+    """Which keys lie under ``prefix``, in the classic layout or under any hashed data prefix of the root."""
+    key = storage._split(prefix)[1].strip("/")
+    root = storage._split(storage.root)[1].strip("/")
+    plain = key + "/" if key else ""
+    inside = key.startswith(root + "/") if root else bool(key)
+    hashed = re.compile(re.escape(root + "/" if root else "") + DATA_PREFIX_PATTERN.pattern + "/"
+                        + re.escape(key[len(root):].strip("/") + "/")) if inside else None
+    return lambda k: k.startswith(plain) or (hashed is not None and hashed.match(k) is not None)

@@ -6,7 +6,9 @@ Lifecycle, as DCP calls it (names follow DCP's hooks):
 * ``prepare_local_plan`` (every rank) stashes this rank's identity in the plan;
 * ``prepare_global_plan`` (coordinator) checks every identity (P7), refuses a
   step that is already committed unless ``overwrite=True``, and picks the
-  ``save_id`` that every rank then writes under — all before a byte is written;
+  ``save_id`` that every rank then writes under — all before a byte is written
+  (with DCP's plan caching, ranks replay a cached plan instead: each derives the
+  save_id from it and a count of saves, and ``finish`` checks they agree);
 * ``write_data`` (every rank) writes ``thread_count`` files in parallel into the
   attempt directory, hashing blocks as they go, fsyncs them, and publishes its
   own manifest shard (items and block digests); only the shard's digest and
@@ -24,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import gc
 import io
 import json
 import logging
@@ -49,8 +50,9 @@ from . import commit, failpoints
 from .catalog import DEFAULT_TIMEOUT
 from .codec import Encoder, Staging, host_blocks, plane_width, tensor_bytes
 from .container import find_payload
-from .errors import CheckpointError, CommitConflictError, ConfigurationError, StorageError
+from .errors import CheckpointError, CommitConflictError, ConfigurationError, RankConsistencyError, StorageError
 from .identity import check_identities, default_thread_count, local_identity
+from .gc_pause import gc_paused
 from .integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
 from .layout import ATTEMPT, checked_checkpoint_id, data_file_name, new_save_id, no_location_error, validate_step
 from .location import is_checkpoint_id, open_location, retarget
@@ -70,17 +72,23 @@ class _LocalPlanData:
     """What a rank tells the coordinator about itself (travels in ``SavePlan.storage_data``)."""
 
     identity: dict[str, Any]
-    items: dict[str, dict[str, Any]]  # per key: kind, global shape, dtype, chunks (see reshard.summarize_items)
+    items: dict[str, dict[str, Any]] | None  # per key (reshard.summarize_items); None: a cached plan, no items
     report: SaveReport | None  # content summary from AtomicSavePlanner, if used
 
 
 @dataclass
 class _AssignedPlanData:
-    """What the coordinator hands each rank: the attempt it writes into."""
+    """What the coordinator hands each rank: the attempt it writes into.
+
+    DCP's plan caching replays this object on every later save of the series: ``save_id`` is the series' first
+    save_id and ``number`` the save it was assigned for; each save derives its own id (:func:`_advance_series`).
+    """
 
     save_id: str
     rank: int
     step: int
+    data_prefixes: int = 0  # where every rank puts its data (layout.data_prefix): one choice, recorded in the manifest
+    number: int = 1
 
 
 @dataclass
@@ -113,7 +121,26 @@ class _RankStats:
     fsync_seconds: float = 0.0
     threads: int = 1
     shard: ShardRef | None = None  # this rank's manifest shard, as the manifest names it
+    step: int | None = None  # the attempt this rank wrote (checked against the coordinator's plan in finish)
+    save_id: str | None = None
 
+
+@dataclass
+class _Series:
+    """Saves sharing one DCP-cached plan, as the coordinator knows them: a cached plan (``usable=False``)
+    reaches it without items, and without what the rank's writer added unless the planner passes it on
+    (AtomicSavePlanner does), so each rank's last full report stands in."""
+
+    first_save_id: str
+    plans: list[_LocalPlanData]
+    keys: dict[str, dict[str, Any]]
+
+
+_MANIFEST_STATS = ("rank", "bytes", "items", "write_seconds", "fsync_seconds", "threads")  # per rank
+_series_lock = threading.Lock()
+_series_counts: dict[str, int] = {}  # series (first save_id) -> number of the last save of it this process wrote
+_MAX_SERIES = 64  # a series ends when every rank's plan changes; a process has one live series per planner class
+_cached_series: _Series | None = None  # coordinator: the series the ranks' cached plans replay
 
 class AtomicStorageWriter(StorageWriter):
     """Write one DCP checkpoint as an immutable attempt, committed by global rank 0 alone.
@@ -175,6 +202,7 @@ class AtomicStorageWriter(StorageWriter):
         self.timeout = timeout
         self.block_size = block_size
         self.save_id: str | None = None
+        self.data_prefixes = 0  # the coordinator's choice for the save in progress (see prepare_global_plan)
         self.rank = 0
         self.is_coordinator = True
         self.use_collectives = True
@@ -210,32 +238,55 @@ class AtomicStorageWriter(StorageWriter):
         self.last_marker = None
         self._identities = []
         self._started_at = now()
+        self._series: _Series | None = None  # coordinator: the series this save belongs to (prepare_global_plan)
+        self._planned_save_id: str | None = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        _refuse_cached_plan(plan, self.rank)
         report = plan.storage_data if isinstance(plan.storage_data, SaveReport) else None
         layout = self.parallelism or (report.parallelism if report else None)
         identity = local_identity(self.rank, layout.to_dict() if layout else None,
                                   declared=self.parallelism is not None)
-        local = _LocalPlanData(identity=identity, items=summarize_items(plan.items), report=report)
-        return dataclasses.replace(plan, storage_data=local)
+        items = summarize_items(plan.items) if plan.usable else None  # a cached plan is sent without its items
+        return dataclasses.replace(plan, storage_data=_LocalPlanData(identity=identity, items=items, report=report))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Checks, then the attempt.  With DCP's plan caching, ranks whose plan is unchanged replay their cached
+        one: the save continues that series (its next number), and what they last reported stands in."""
         failpoints.hit("plan.before_checks", self.rank)
-        for position, plan in enumerate(plans):
-            _refuse_cached_plan(plan, position)
-            if not isinstance(plan.storage_data, _LocalPlanData):
-                raise ConfigurationError(
-                    f"the local plan of rank {position} carries no dcp_atomic identity: "
-                    "every rank must save with an AtomicStorageWriter"
-                )
-        self._identities = [plan.storage_data.identity for plan in plans]
+        with gc_paused():
+            return self._plan(plans)
+
+    def _plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        replayed = not all(plan.usable for plan in plans)  # those ranks replay their cached plan: same series
+        cached = [position for position, plan in enumerate(plans) if not plan.usable
+                  or isinstance(plan.storage_data, _LocalPlanData) and plan.storage_data.items is None]
+        known = _cached_series
+        if cached and (known is None or len(known.plans) != len(plans)):
+            raise ConfigurationError(
+                f"rank {cached[0]} sent a DCP plan cached by a save this coordinator did not plan with dcp_atomic "
+                "(another storage writer, or another world): save with DefaultSavePlanner(enable_plan_caching=False) "
+                "once, or restart the job"
+            )
+        ranks = [self._rank_plan(position, plan, known) for position, plan in enumerate(plans)]
+        self._identities = [plan.identity for plan in ranks]
         self._refuse_partial_world(len(plans))
         check_identities(self._identities)
-        self._keys = check_save([p.storage_data.items for p in plans], [p.storage_data.report for p in plans])
+        if replayed and all(a is b for a, b in zip(ranks, known.plans)):
+            self._keys = known.keys  # nothing new reached the coordinator: the last checks stand
+        else:
+            self._keys = check_save([plan.items for plan in ranks], [plan.report for plan in ranks])
         if not self.overwrite:
             self._refuse_committed_step()
-        save_id = new_save_id()
+        series = known if replayed else None
+        if series:
+            series.plans, series.keys = ranks, self._keys
+            with _series_lock:
+                number = _series_counts.get(series.first_save_id, 0) + 1
+            first = series.first_save_id
+        else:
+            first, number = new_save_id(), 1
+        self._series = series or _Series(first, ranks, self._keys)
+        save_id = self._planned_save_id = _series_save_id(first, number)
         attempt = self.layout.attempt_dir(self.step, save_id)
         claim = {"save_id": save_id, "step": self.step, "host": socket.gethostname(), "pid": os.getpid(),
                  "started_at": self._started_at, "world_size": len(plans), "library_version": __version__}
@@ -245,24 +296,48 @@ class AtomicStorageWriter(StorageWriter):
             self.storage.publish(self.storage.join(attempt, ATTEMPT), _json(claim))
         except OSError as e:
             raise _storage_error(e, self.rank, e.filename or attempt, phase="creating the attempt") from e
+        prefixes = 0 if self.stock_readable else getattr(self.storage, "data_prefixes", 0)  # stock: data by .metadata
         return [
-            dataclasses.replace(plan, storage_data=_AssignedPlanData(save_id=save_id, rank=i, step=self.step))
+            dataclasses.replace(plan, storage_data=_AssignedPlanData(save_id=first, rank=i, step=self.step,
+                                                                     data_prefixes=prefixes, number=number))
             for i, plan in enumerate(plans)
         ]
+
+    def _rank_plan(self, position: int, plan: SavePlan, series: _Series | None) -> _LocalPlanData:
+        """What rank ``position`` reported, completed from its last full report where its plan was cached."""
+        data = plan.storage_data
+        if isinstance(data, _LocalPlanData) and data.items is not None:
+            return data
+        if series is not None and (isinstance(data, _LocalPlanData) or data is None and not plan.usable):
+            cached = series.plans[position]
+            return cached if data is None else dataclasses.replace(data, items=cached.items)
+        raise ConfigurationError(
+            f"the local plan of rank {position} carries no dcp_atomic identity: "
+            "every rank must save with an AtomicStorageWriter"
+        )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assigned = plan.storage_data
         if not isinstance(assigned, _AssignedPlanData):
             raise ConfigurationError(
-                "this save plan was not assigned by an AtomicStorageWriter coordinator (DCP plan caching "
-                "replays old plans; disable it with DefaultSavePlanner(enable_plan_caching=False))"
+                f"rank {self.rank}: this save plan was not assigned by an AtomicStorageWriter coordinator (a DCP "
+                "plan cached by a save through another storage writer?): save once with "
+                "DefaultSavePlanner(enable_plan_caching=False), or restart the job"
             )
-        if assigned.step != self.step:
+        caching = getattr(planner, "_enable_plan_caching", False)
+        number = _advance_series(assigned, caching)  # first: every rank counts every save, even one that fails
+        if number == assigned.number and assigned.step != self.step:  # a replayed plan's step is stale: see finish
             raise ConfigurationError(f"rank {self.rank} writer is for step {self.step}, coordinator chose {assigned.step}")
+        if caching and self._series is not None:  # the coordinator: ranks now cache this series
+            global _cached_series
+            _cached_series = self._series
+        assigned = dataclasses.replace(assigned, save_id=_series_save_id(assigned.save_id, number), step=self.step)
         self.save_id = assigned.save_id
+        self.data_prefixes = assigned.data_prefixes
         self.rank = assigned.rank
         results, stats = _RankWrite(self, planner, assigned).run(plan.items)
         stats.shard = self._publish_shard(assigned, results, stats)
+        stats.step, stats.save_id = assigned.step, assigned.save_id
         results = [  # the coordinator needs only what DCP's .metadata records
             WriteResult(r.index, r.size_in_bytes, _StorageInfo(r.storage_data.relative_path, r.storage_data.offset,
                                                                r.storage_data.length))
@@ -274,31 +349,26 @@ class AtomicStorageWriter(StorageWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with gc_paused():
+            self._commit(metadata, results)
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         stats: list[_RankStats] = []
-        items: dict[MetadataIndex, WriteResult] = {}
-        for rank_results in results:
-            for result in rank_results:
-                if isinstance(result.storage_data, _RankStats):
-                    stats.append(result.storage_data)
-                else:
-                    items[result.index] = result
-        save_id = self.save_id
-        assert save_id is not None, "finish() before write_data()"
+        storage_data: dict[MetadataIndex, Any] = {}
+        for position, rank_results in enumerate(results):  # each rank's statistics come last (see write_data)
+            if not rank_results or not isinstance(rank_results[-1].storage_data, _RankStats):
+                raise ConfigurationError(f"the write results of rank {position} carry no dcp_atomic statistics: "
+                                         "every rank must save with an AtomicStorageWriter")
+            stats.append(rank_results[-1].storage_data)
+            storage_data.update({r.index: r.storage_data for r in rank_results[:-1]})
+        save_id = self._planned_save_id
+        assert save_id is not None, "finish() before prepare_global_plan()"
+        _refuse_diverged_attempts(self.step, save_id, stats)
         attempt = self.layout.attempt_dir(self.step, save_id)
         metadata.version = DCP_METADATA_VERSION
-        metadata.storage_data = {index: r.storage_data for index, r in items.items()}
+        metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=str(attempt), save_id=save_id)
-        # ~1M objects DCP just built (1,024 ranks x 1k items) would be traversed by several cyclic-GC passes that the
-        # pickle's own allocations trigger (measured: 19.5 s vs 11.4 s frozen).  A process that froze objects itself
-        # (before forking workers) is left alone: unfreeze() would thaw its objects too.
-        freeze = gc.get_freeze_count() == 0
-        if freeze:
-            gc.freeze()
-        try:
-            metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        finally:
-            if freeze:
-                gc.unfreeze()
+        metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         manifest = self._manifest(save_id, stats, len(results), metadata_bytes)
         started = time.monotonic()
         try:
@@ -307,7 +377,9 @@ class AtomicStorageWriter(StorageWriter):
         except OSError as e:
             raise _storage_error(e, self.rank, e.filename or attempt, phase="committing") from e
         self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
-                           "commit_seconds": time.monotonic() - started, "ranks": manifest.stats}
+                           "commit_seconds": time.monotonic() - started,
+                           "ranks": [{**m, "host": s.host, "files": s.files} for m, s in
+                                     zip(manifest.stats, sorted(stats, key=lambda s: s.rank))]}
         log.info(
             "committed run %s step %d save %s: %d files, %.1f MiB, commit %.3fs",
             self.layout.run_id, self.step, save_id, len(manifest.files), manifest.total_bytes / 2**20,
@@ -384,15 +456,17 @@ class AtomicStorageWriter(StorageWriter):
             save_id=save_id,
             world_size=world,
             parallelism=self._identities[0]["parallelism"] if self._identities else None,
-            ranks=self._identities,
+            # every rank's read of the whole manifest grows with these: the layout each rank declared is the
+            # manifest's own (check_identities refused any other), hosts are in ``ranks``, files in ``files``
+            ranks=[{k: v for k, v in ident.items() if k != "parallelism"} for ident in self._identities],
             files=sorted(files, key=lambda f: (f.rank, f.name)),
             dcp_metadata={"name": ".metadata", "size": len(metadata_bytes), "sha256": sha256_hex(metadata_bytes)},
             versions={"dcp_atomic": __version__, "torch": torch.__version__},
             started_at=self._started_at,
             written_at=now(),
-            stats=sorted(({k: v for k, v in dataclasses.asdict(s).items() if k != "shard"} for s in stats),
-                         key=lambda s: s["rank"]),
+            stats=[{k: getattr(s, k) for k in _MANIFEST_STATS} for s in sorted(stats, key=lambda s: s.rank)],
             keys=self._keys,
+            data_prefixes=self.data_prefixes,
             shards=sorted((s.shard for s in stats), key=lambda ref: ref.rank),
         )
 
@@ -453,7 +527,7 @@ class _RankWrite:
     def _write_file(self, k: int, bucket: list[WriteItem]) -> list[WriteResult]:
         storage = self.writer.storage
         name = data_file_name(self.rank, k)
-        path = storage.join(self.attempt, name)
+        path = self.writer.layout.data_file(self.writer.step, self.writer.save_id, name, self.writer.data_prefixes)
         encoder = Encoder(self.writer.compression or "none", self.writer.compression_level)
         results = []
         try:
@@ -624,12 +698,46 @@ def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     return buckets
 
 
-def _refuse_cached_plan(plan: SavePlan, rank: int) -> None:
-    if not plan.usable:
-        raise ConfigurationError(
-            f"rank {rank} sent a cached DCP save plan (usable=False). Plan caching would replay an old save_id "
-            "and skip dcp_atomic's checks: use DefaultSavePlanner(enable_plan_caching=False) or AtomicSavePlanner()"
-        )
+def _series_save_id(first: str, number: int) -> str:
+    """The save_id of save ``number`` of the series that ``first`` began: every rank derives the same one.
+    Its time part stays the series' start (the ATTEMPT claim records when each save started)."""
+    if number == 1:
+        return first
+    return first[:17] + sha256_hex(f"{first}/{number}".encode())[:8]
+
+
+def _advance_series(assigned: _AssignedPlanData, caching: bool) -> int:
+    """The number of this save in its series.  A plan fresh from the coordinator names it; a cached plan that
+    DCP replays names an earlier one, so every rank counts the saves of each series it caches, in lockstep
+    (every rank runs ``write_data`` once per save that got past planning)."""
+    if not caching:
+        return assigned.number
+    with _series_lock:
+        number = max(assigned.number, _series_counts.pop(assigned.save_id, 0) + 1)
+        _series_counts[assigned.save_id] = number  # most recent last
+        while len(_series_counts) > _MAX_SERIES:
+            del _series_counts[next(iter(_series_counts))]
+    return number
+
+
+def _refuse_diverged_attempts(step: int, save_id: str, stats: list[_RankStats]) -> None:
+    """Every rank must have written the attempt the coordinator planned: with cached plans each rank derives it."""
+    wrote = {s.rank: (s.step, s.save_id) for s in stats}
+    if all(attempt == (step, save_id) for attempt in wrote.values()):
+        return
+    groups: dict[tuple, list[int]] = {}
+    for rank, attempt in sorted(wrote.items()):
+        groups.setdefault(attempt, []).append(rank)
+    seen = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} wrote step {a[0]} save {a[1]}"
+                     for a, r in groups.items())
+    raise RankConsistencyError(
+        f"ranks wrote different attempts, the coordinator planned step {step} save {save_id}: {seen}. With DCP "
+        "plan caching each rank derives the save_id from its cached plan and its count of the series' saves: a "
+        "writer built for another step, or a rank that missed a save of the series, diverges. Nothing was "
+        "committed (the attempts are collectable by gc). Give every rank's writer the same step; a rank that "
+        "missed a save needs the job restarted (DCP's plan caches live in each process).",
+        step=step, save_id=save_id, ranks=sorted(rank for rank, attempt in wrote.items() if attempt != (step, save_id)),
+    )
 
 
 def _storage_error(e: OSError, rank: int, path: str, phase: str = "writing") -> StorageError:

@@ -238,15 +238,24 @@ def test_missing_checkpoint_raises_not_found_within_the_timeout(root):
     assert list_steps(root, "nothing-here") == [] and latest_step(root, "nothing-here") is None
 
 
-def test_plan_caching_is_refused_with_a_clear_error(root):
+def test_cached_plans_save_distinct_attempts_without_a_process_group(root):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     _save(root, 1)
     planner = DefaultSavePlanner(enable_plan_caching=True)
-    dcp.save(_state(), storage_writer=AtomicStorageWriter(root, RUN, 2), planner=planner)
-    with pytest.raises(CheckpointException, match="cached DCP save plan"):
-        dcp.save(_state(), storage_writer=AtomicStorageWriter(root, RUN, 3), planner=planner)
-    assert list_steps(root, RUN) == [1, 2]
+    ids = []
+    for step in (2, 3):
+        writer = AtomicStorageWriter(root, RUN, step)
+        dcp.save(_state(), storage_writer=writer, planner=planner)
+        ids.append(writer.save_id)
+    assert ids[0] != ids[1]
+    assert list_steps(root, RUN) == [1, 2, 3]
+    got = _state()
+    for value in got.values():
+        if isinstance(value, torch.Tensor):
+            value.zero_()
+    dcp.load(got, storage_reader=AtomicStorageReader(root, RUN, 3))
+    assert all(torch.equal(got[k], v) for k, v in _state().items() if isinstance(v, torch.Tensor))
 
 
 def test_checkpoint_id_not_naming_a_step_is_refused_before_writing(root):
