@@ -41,6 +41,7 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
     try:
         committed = read_committed(layout, step, Deadline(timeout))
         committed.load_items(layout, None, Deadline(timeout))  # every rank's shard, each against its digest
+        committed.load_rank_records(layout, Deadline(timeout))  # ranks.json, against its digest
     except CheckpointError as e:
         return AuditReport(step, None, 0, 0, [str(e)])
     manifest = committed.manifest

@@ -250,6 +250,7 @@ def cmd_show(args) -> int:
     _require_step(layout, step)
     committed = read_committed(layout, step, Deadline(args.timeout))
     committed.load_items(layout, None, Deadline(args.timeout))
+    committed.load_rank_records(layout, Deadline(args.timeout))
     manifest = committed.manifest
     if args.json:
         print(manifest.to_json().decode())

@@ -41,7 +41,7 @@ from . import failpoints
 from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
 from .integrity import sha256_hex
 from .layout import DCP_METADATA, MANIFEST, RunLayout, parse_step_dir
-from .manifest import Latest, Manifest, ManifestShard, Marker, ShardRef, now, shard_name
+from .manifest import RANKS_FILE, Latest, Manifest, ManifestShard, Marker, RankRecords, ShardRef, now, shard_name
 from .retry import REREAD_SECONDS, Deadline, retry_until
 from .version import __version__
 
@@ -88,6 +88,17 @@ class Committed:
                     entry.items = by_name[entry.name].items
             self._loaded.add(rank)
 
+    def load_rank_records(self, layout: RunLayout, deadline: Deadline) -> None:
+        """Fill ``manifest.ranks`` / ``manifest.stats`` from ``ranks.json`` (checked against its digest) where the
+        manifest keeps them there; for ``show`` and ``verify``, never needed to load."""
+        ref = self.manifest.ranks_file
+        if ref is None or self.manifest.ranks or self.manifest.stats:
+            return
+        path = layout.attempt_file(self.step, self.save_id, ref["name"])
+        data = _read_sealed(layout, path, ref["size"], ref["sha256"], deadline, what="ranks file")
+        records = RankRecords.from_json(data, where=path)
+        self.manifest.ranks, self.manifest.stats = records.ranks, records.stats
+
 
 def publish_shard(layout: RunLayout, shard: ManifestShard) -> ShardRef:
     """Write one rank's shard durably beside its data (the rank itself does this); returns how the manifest
@@ -109,6 +120,16 @@ def write_shards(layout: RunLayout, manifest: Manifest) -> None:
     ]
 
 
+def write_rank_records(layout: RunLayout, manifest: Manifest) -> None:
+    """Move the manifest's per-rank identities and statistics into ``ranks.json``, sealed by the manifest."""
+    if manifest.ranks_file is not None or manifest.schema_version < 2:
+        return
+    data = RankRecords(manifest.ranks, manifest.stats).to_json()
+    layout.storage.publish(layout.attempt_file(manifest.step, manifest.save_id, RANKS_FILE), data)
+    manifest.ranks_file = {"name": RANKS_FILE, "size": len(data), "sha256": sha256_hex(data)}
+    manifest.ranks, manifest.stats = [], []
+
+
 def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overwrite: bool, timeout: float,
             rank: int = 0) -> Marker:
     """Run steps 2-4 above; returns the marker that is now visible (writing the shards of a manifest built
@@ -117,6 +138,7 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
     step, save_id = manifest.step, manifest.save_id
     attempt = layout.attempt_dir(step, save_id)
     write_shards(layout, manifest)
+    write_rank_records(layout, manifest)
     failpoints.hit("commit.before_metadata", rank)
     storage.publish(storage.join(attempt, DCP_METADATA), dcp_metadata)
     failpoints.hit("commit.after_metadata", rank)
@@ -203,28 +225,32 @@ def next_sequence(layout: RunLayout) -> int:
     return max((n for n in found if n is not None), default=0) + 1
 
 
+def _read_sealed(layout: RunLayout, path: str, size: int, sha256: str, deadline: Deadline, *, what: str,
+                 **details) -> bytes:
+    """A file the manifest names by size and sha256: missing is visibility lag until the deadline, damage gets
+    a short re-read (P9), then a typed error."""
+
+    def load() -> bytes:
+        data = layout.storage.read_file(path)
+        if len(data) != size or sha256_hex(data) != sha256:
+            raise CorruptCheckpointError(
+                f"{path}: {what} does not match the manifest (size {len(data)} vs {size} or sha256 differs): "
+                "damaged or replaced; restore it or load another step", path=path, **details)
+        return data
+
+    try:
+        return retry_until(load, deadline=deadline, retry_on=(FileNotFoundError,), reread_on=(CorruptCheckpointError,))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: the manifest names this {what} but it cannot be read", path=path,
+                                     **details) from None
+
+
 def read_shard(layout: RunLayout, committed: Committed, rank: int, deadline: Deadline) -> ManifestShard:
     """Rank ``rank``'s shard, verified against the manifest: digest, size, identity and its files."""
     manifest = committed.manifest
     ref = manifest.shard_of(rank)
     path = layout.attempt_file(committed.step, committed.save_id, ref.name)
-
-    def load() -> bytes:
-        data = layout.storage.read_file(path)
-        if len(data) != ref.size or sha256_hex(data) != ref.sha256:
-            raise CorruptCheckpointError(
-                f"{path}: manifest shard of rank {rank} does not match the manifest (size {len(data)} vs "
-                f"{ref.size} or sha256 differs): damaged or replaced; restore it or load another step",
-                path=path, rank=rank,
-            )
-        return data
-
-    try:  # named by the manifest: missing is lag until the deadline, damage gets a short re-read (P9)
-        data = retry_until(load, deadline=deadline, retry_on=(FileNotFoundError,),
-                           reread_on=(CorruptCheckpointError,))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: the manifest names this shard of rank {rank} but it cannot be read",
-                                     path=path, rank=rank) from None
+    data = _read_sealed(layout, path, ref.size, ref.sha256, deadline, what=f"manifest shard of rank {rank}", rank=rank)
     shard = ManifestShard.from_json(data, where=path)
     recorded = sorted((f.name, f.size) for f in manifest.files if f.rank == rank)
     if ((shard.run_id, shard.step, shard.save_id, shard.rank) != (manifest.run_id, manifest.step, manifest.save_id, rank)

@@ -179,6 +179,9 @@ class Manifest:
     keys: dict[str, Any] = field(default_factory=dict)
     shards: list[ShardRef] = field(default_factory=list)  # schema 2: one per rank; schema 1: none, items inline
     data_prefixes: int = 0  # hashed data prefixes the data lives under (layout.data_prefix); 0: beside the manifest
+    # {"name", "size", "sha256"} of ranks.json, which then holds ``ranks`` and ``stats`` (empty here): loaders
+    # never need them, and at 4,096 ranks they were half of what every loading rank read.  None: inline (older).
+    ranks_file: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
     kind: str = "dcp_atomic.manifest"
 
@@ -190,6 +193,8 @@ class Manifest:
         else:
             body = asdict(self)
             del body["shards"]
+        if self.ranks_file is None:
+            del body["ranks_file"]
         if self.data_prefixes:
             body["schema_version"] = PREFIXED_SCHEMA
         else:
@@ -245,17 +250,17 @@ class Manifest:
                 save_id=validate_save_id(raw["save_id"]),
                 world_size=_nonneg(raw["world_size"]),
                 parallelism=_parallelism(raw.get("parallelism")),
-                ranks=[_record(r, host=str) for r in _list(raw["ranks"])],
+                ranks=_rank_records(raw["ranks"]),
                 files=files,
                 dcp_metadata=meta,
                 versions={str(k): _str(v) for k, v in _dict(raw["versions"]).items()},
                 started_at=_number(raw["started_at"]),
                 written_at=_number(raw["written_at"]),
-                stats=[_record(s, rank=int, bytes=int, items=int, write_seconds=float, fsync_seconds=float)
-                       for s in _list(raw.get("stats", []))],
+                stats=_stats_records(raw.get("stats", [])),
                 keys={str(k): _key_record(v) for k, v in _dict(raw.get("keys", {})).items()},
                 shards=shards,
                 data_prefixes=_data_prefixes(raw),
+                ranks_file=None if raw.get("ranks_file") is None else _file_ref(raw["ranks_file"], RANKS_FILE),
                 schema_version=raw["schema_version"],
             )
             manifest.extent_index()  # one item per (key, chunk offset)
@@ -266,6 +271,50 @@ class Manifest:
             raise
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})", path=where) from None
+
+
+RANKS_FILE = "ranks.json"
+
+
+@dataclass
+class RankRecords:
+    """``ranks.json``: who took part in a save (identities) and what each rank wrote (statistics).
+
+    People read these (``dcp-atomic show``), loaders never do, so they live beside ``manifest.json``, named
+    there by size and sha256, and the manifest every loading rank reads stays O(files + keys).
+    """
+
+    ranks: list[dict[str, Any]]
+    stats: list[dict[str, Any]]
+    kind: str = "dcp_atomic.ranks"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> "RankRecords":
+        raw = _load_json(data, where)
+        _expect(raw.get("kind") == "dcp_atomic.ranks", where, "not a dcp_atomic ranks file")
+        try:
+            return cls(ranks=_rank_records(raw["ranks"]), stats=_stats_records(raw["stats"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed ranks file ({type(e).__name__}: {e})", path=where) from None
+
+
+def _rank_records(value: Any) -> list[dict[str, Any]]:
+    return [_record(r, host=str) for r in _list(value)]
+
+
+def _stats_records(value: Any) -> list[dict[str, Any]]:
+    return [_record(s, rank=int, bytes=int, items=int, write_seconds=float, fsync_seconds=float) for s in _list(value)]
+
+
+def _file_ref(value: Any, name: str) -> dict[str, Any]:
+    """{"name", "size", "sha256"} of a side file the manifest seals."""
+    raw = _dict(value)
+    if raw.get("name") != name or not re.fullmatch(r"[0-9a-f]{64}", _str(raw["sha256"])):
+        raise ValueError(f"side file record {raw!r} is not {name} with a sha256")
+    return {"name": name, "size": _nonneg(raw["size"]), "sha256": raw["sha256"]}
 
 
 def _data_prefixes(raw: dict) -> int:

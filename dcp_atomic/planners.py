@@ -47,9 +47,9 @@ class AtomicSavePlanner(DefaultSavePlanner):
         self.divergence = divergence
         self.layout_dependent = tuple(layout_dependent)
 
-    def set_up_planner(self, *args, **kwargs) -> None:
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         with gc_paused():
-            super().set_up_planner(*args, **kwargs)
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def create_local_plan(self):
         with gc_paused():

@@ -376,4 +376,4 @@ def test_process_based_async_executor_is_supported(root):
 def _manifest_ranks(root, step):
     step_dir = os.path.join(root, RUN, f"step_{step:010d}")
     save_id = json.load(open(os.path.join(step_dir, "COMMITTED")))["save_id"]
-    return json.load(open(os.path.join(step_dir, save_id, "manifest.json")))["ranks"]
+    return json.load(open(os.path.join(step_dir, save_id, "ranks.json")))["ranks"]  # sealed by manifest.json
