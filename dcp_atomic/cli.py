@@ -252,8 +252,9 @@ def cmd_show(args) -> int:
     committed.load_items(layout, None, Deadline(args.timeout))
     committed.load_rank_records(layout, Deadline(args.timeout))
     manifest = committed.manifest
-    if args.json:
-        print(manifest.to_json().decode())
+    if args.json:  # the manifest as stored, with what ranks.json holds
+        print(json.dumps({**json.loads(manifest.to_json()), "ranks": manifest.ranks, "stats": manifest.stats},
+                         indent=1, sort_keys=True))
         return 0
     print(f"run {manifest.run_id}  step {manifest.step}  save {manifest.save_id}")
     print(f"world size {manifest.world_size}  parallelism {manifest.parallelism or 'not declared'}")

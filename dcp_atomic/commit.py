@@ -121,13 +121,13 @@ def write_shards(layout: RunLayout, manifest: Manifest) -> None:
 
 
 def write_rank_records(layout: RunLayout, manifest: Manifest) -> None:
-    """Move the manifest's per-rank identities and statistics into ``ranks.json``, sealed by the manifest."""
+    """Write the manifest's per-rank identities and statistics to ``ranks.json``, which the manifest then seals
+    (its JSON form leaves them out)."""
     if manifest.ranks_file is not None or manifest.schema_version < 2:
         return
     data = RankRecords(manifest.ranks, manifest.stats).to_json()
     layout.storage.publish(layout.attempt_file(manifest.step, manifest.save_id, RANKS_FILE), data)
     manifest.ranks_file = {"name": RANKS_FILE, "size": len(data), "sha256": sha256_hex(data)}
-    manifest.ranks, manifest.stats = [], []
 
 
 def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overwrite: bool, timeout: float,

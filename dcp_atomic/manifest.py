@@ -179,7 +179,7 @@ class Manifest:
     keys: dict[str, Any] = field(default_factory=dict)
     shards: list[ShardRef] = field(default_factory=list)  # schema 2: one per rank; schema 1: none, items inline
     data_prefixes: int = 0  # hashed data prefixes the data lives under (layout.data_prefix); 0: beside the manifest
-    # {"name", "size", "sha256"} of ranks.json, which then holds ``ranks`` and ``stats`` (empty here): loaders
+    # {"name", "size", "sha256"} of ranks.json, which then holds ``ranks`` and ``stats`` (empty in the JSON): loaders
     # never need them, and at 4,096 ranks they were half of what every loading rank read.  None: inline (older).
     ranks_file: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
@@ -195,6 +195,8 @@ class Manifest:
             del body["shards"]
         if self.ranks_file is None:
             del body["ranks_file"]
+        else:  # in ranks.json
+            body["ranks"], body["stats"] = [], []
         if self.data_prefixes:
             body["schema_version"] = PREFIXED_SCHEMA
         else:

@@ -327,7 +327,7 @@ def debris(run_dir: str) -> list[str]:
 
     A clean run directory holds ``LATEST``, retention's ``COMMITS`` journal and, per step,
     ``COMMITTED`` plus the one attempt it names, which holds exactly its manifest's files,
-    ``.metadata``, ``manifest.json``, one ``manifest.<rank>.json`` per rank and ``ATTEMPT``.
+    ``.metadata``, ``manifest.json``, one ``manifest.<rank>.json`` per rank, ``ranks.json`` and ``ATTEMPT``.
     """
     found = []
     if not os.path.isdir(run_dir):
@@ -350,6 +350,7 @@ def debris(run_dir: str) -> list[str]:
         attempt = os.path.join(path, save_id)
         manifest = json.load(open(os.path.join(attempt, "manifest.json")))
         expected = {f["name"] for f in manifest["files"]} | {".metadata", "manifest.json", "ATTEMPT"}
+        expected |= {manifest["ranks_file"]["name"]} if manifest.get("ranks_file") else set()
         expected |= {f"manifest.{r}.json" for r in range(manifest["world_size"])}
         for entry in sorted(os.listdir(attempt)):
             if entry not in expected:

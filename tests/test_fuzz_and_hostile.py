@@ -138,7 +138,7 @@ def _fuzz(ctx, cases, seed):
     paths = {"LATEST": os.path.join(run_dir, "LATEST"), "COMMITTED": os.path.join(step_dir, "COMMITTED")}
     paths.update({name: os.path.join(attempt, name) for name in sorted(os.listdir(attempt))})
     assert sorted(paths) == sorted(["LATEST", "COMMITTED", "manifest.json", "manifest.0.json", ".metadata", "ATTEMPT",
-                                    "__0_0.distcp", "__0_1.distcp"]), sorted(paths)
+                                    "ranks.json", "__0_0.distcp", "__0_1.distcp"]), sorted(paths)
     pristine = {name: open(path, "rb").read() for name, path in paths.items()}
     checksummed = {"manifest.json", "manifest.0.json", ".metadata", "__0_0.distcp", "__0_1.distcp"}
     assert _load_plain(root)[0] == "exact"
@@ -182,7 +182,7 @@ def test_corruption_fuzzing_never_loads_silently(root):
     per_file = {}
     for r in results:
         per_file.setdefault(r["file"], set()).add(r["kind"])
-    assert all(kinds == set(MUTATIONS) for kinds in per_file.values()) and len(per_file) == 8, per_file
+    assert all(kinds == set(MUTATIONS) for kinds in per_file.values()) and len(per_file) == 9, per_file
     refused = sum(r["outcome"] == "refused" for r in results)
     assert refused >= cases * 0.7, f"only {refused}/{cases} mutations refused: is the fuzzer changing anything?"
 
