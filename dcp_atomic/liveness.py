@@ -190,6 +190,9 @@ class OpWatch:
                     "work_timeout (every rank must enter each manager call within timeout of the others)")
             started = time.monotonic()
             last: dict[int, tuple[tuple[int, int, int] | None, float]] = {r: (None, started) for r in hb.ranks}
+            # since when each peer has been seen idle outside this operation, without a break: a rank between
+            # two calls (its save returned, its load not yet begun) is idle for an instant, never for timeout
+            idle_since: dict[int, float] = {}
             while True:  # "ended" is only checked: adding 0 would create one key per operation, forever
                 arrived, ended, beats = hb.bounded(
                     lambda: (hb.store.add(f"{base}/count", 0), hb.store.check([f"{self.prefix}/ended"]), hb.beats()))
@@ -199,14 +202,18 @@ class OpWatch:
                 for r, beat in zip(hb.ranks, beats):
                     if beat != last[r][0]:
                         last[r] = (beat, now)
+                    if r != hb.rank and self._idle_before(beat):
+                        idle_since.setdefault(r, now)
+                    else:
+                        idle_since.pop(r, None)
                 silent = [r for r in hb.ranks if r != hb.rank and now - last[r][1] > hb.timeout]
                 if silent:
                     names = _names(silent)
                     self._give_up(abandoned)
                     raise self._failure(names, f"no heartbeat from rank(s) {names} for {hb.timeout:g}s "
                                                "(dead or frozen)")
-                elsewhere = [r for r in hb.ranks if r != hb.rank and self._idle_before(last[r][0])]
-                if elsewhere and now - started > hb.timeout:
+                elsewhere = [r for r, since in sorted(idle_since.items()) if now - since > hb.timeout]
+                if elsewhere:
                     names = _names(elsewhere)
                     self._give_up(abandoned)
                     raise self._failure(
