@@ -242,6 +242,10 @@ class AtomicStorageWriter(StorageWriter):
         self._planned_save_id: str | None = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        with gc_paused():
+            return self._prepare_local_plan(plan)
+
+    def _prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         report = plan.storage_data if isinstance(plan.storage_data, SaveReport) else None
         layout = self.parallelism or (report.parallelism if report else None)
         identity = local_identity(self.rank, layout.to_dict() if layout else None,
@@ -317,6 +321,10 @@ class AtomicStorageWriter(StorageWriter):
         )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with gc_paused():  # 10^4+ item records and results per rank
+            return self._write_data(plan, planner)
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assigned = plan.storage_data
         if not isinstance(assigned, _AssignedPlanData):
             raise ConfigurationError(
