@@ -457,9 +457,9 @@ class AtomicStorageReader(StorageReader):
             receives = [(sender, sum(lengths[i] for i in idents), tag) for sender, idents, tag in step_round.receives]
             pending = link.post(outgoing, step_round.sends, offsets, receives, what)
             try:  # this rank's own share decodes while the bytes travel
-                self._in_parallel([lambda i=i, ident=ident: self._install(by_ident[ident], ident, buffer, offsets[i],
-                                                                           None, planner, planner_lock)
-                                   for i, ident in enumerate(step_round.fetch)])
+                self._in_parallel([lambda ident=ident, start=start, data=buffer: self._install(
+                    by_ident[ident], ident, data, start, None, planner, planner_lock)
+                    for ident, start in zip(step_round.fetch, offsets)])
             except BaseException as e:  # the next round's status tells the peers, or it is raised below
                 error = e
             messages = pending.wait()
