@@ -327,9 +327,10 @@ class AtomicStorageReader(StorageReader):
         if not context.keys_checked:  # without AtomicLoadPlanner: per-key checks on what this rank reads
             context.check_keys({item.dest_index.fqn: None for item in plan.items})
         self._check_plan_items(plan)
+        can_share = self._can_share()
         view = _LoadView(self.rank, socket.gethostname(), os.getpid(), committed.step, committed.save_id,
-                         committed.manifest_sha256, can_share=self._can_share(),
-                         group_size=dist.get_world_size(self.process_group) if self._can_share() else 0,
+                         committed.manifest_sha256, can_share=can_share,
+                         group_size=dist.get_world_size(self.process_group) if can_share else 0,
                          posix=isinstance(self.storage, LocalStorage))
         return dataclasses.replace(plan, storage_data=view)
 

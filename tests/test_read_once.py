@@ -258,6 +258,37 @@ def test_resharding_with_shared_reads_loads_exact(root):
     assert all(stats["shared_items"] > 0 and stats["peer_bytes_received"] > 0 for _, _, stats in results), results
 
 
+def _framework_style_shared_load(ctx):
+    """As torchtitan and Lightning hold DCP: a location-less reader retargeted by ``checkpoint_id`` (here
+    torchtitan's ``step-<N>``), loading on a subgroup it is told about; and a second reader NOT told about the
+    subgroup, which must read directly (its default group is not DCP's world), never hang."""
+    import torch.distributed as dist
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+
+    dcp.save(_state(ctx.rank, 1), storage_writer=AtomicStorageWriter(ctx.root, RUN, 1, timeout=30))
+    pair = dist.new_group([0, 1]), dist.new_group([2, 3])  # every rank creates every group, in one order
+    group = pair[ctx.rank // 2]
+    shared, direct = (AtomicStorageReader(share_reads=True, timeout=30, process_group=group),
+                      AtomicStorageReader(share_reads=True, timeout=30))
+    stats = []
+    for reader in (shared, direct):
+        got = _blank(ctx.rank)
+        dcp.load(got, storage_reader=reader, checkpoint_id=os.path.join(ctx.root, RUN, "step-1"),
+                 process_group=group)
+        assert _check(ctx.rank, 1, got) == [], reader
+        stats.append(reader.read_stats.to_dict())
+    return stats
+
+
+def test_a_location_less_reader_retargeted_by_checkpoint_id_shares_on_a_subgroup_it_is_given(root):
+    """Two pairs load the same step each on their own subgroup: with the subgroup the pair shares; a reader
+    left on the default group (whose size is not DCP's world) reads directly."""
+    for shared, direct in assert_all_ok(run_world(_framework_style_shared_load, 4, root, timeout=150)):
+        assert shared["rounds"] >= 1 and shared["peer_bytes_received"] > 0, shared
+        assert direct["rounds"] == 0 and direct["peer_bytes_received"] == 0, direct
+
+
 # -- the schedule, without processes (scale by simulation) ----------------------------------------------
 
 
