@@ -4,7 +4,8 @@ Pass :class:`AtomicStorageWriter` / :class:`AtomicStorageReader` to ``dcp.save``
 / ``dcp.async_save`` / ``dcp.load``.  See README.md for the guarantees.
 """
 
-from .catalog import latest_step, list_steps
+from .catalog import latest_step, list_steps, resume_point
+from .commit import ResumePoint
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -32,6 +33,8 @@ __all__ = [
     "Parallelism",
     "list_steps",
     "latest_step",
+    "resume_point",
+    "ResumePoint",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CommitConflictError",

@@ -15,7 +15,8 @@ import os
 import time
 from typing import Any
 
-from .commit import Committed, commit_order, read_committed, read_latest, read_marker, write_latest
+from . import commit
+from .commit import Committed, ResumePoint, commit_order, read_committed, read_latest, read_marker, write_latest
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .layout import RunLayout, parse_step_dir
 from .manifest import Marker
@@ -136,3 +137,11 @@ def latest_step(
                     f"step {current.step}" if current else "nothing readable", newest.step, newest.save_id)
         write_latest(layout, newest)
     return newest.step
+
+
+def resume_point(root: str | os.PathLike, run_id: str, step: int,
+                 storage_options: dict[str, Any] | None = None) -> ResumePoint:
+    """What a job that loaded ``step`` passes as ``AtomicStorageWriter(resumed_from=...)`` so that its saves
+    supersede the steps above ``step`` committed before the load (a rollback, P14).  Call it on the saving
+    coordinator (global rank 0) right after the load; ``CheckpointManager.load`` does this itself."""
+    return commit.resume_point(RunLayout(open_storage(root, storage_options), run_id), step)

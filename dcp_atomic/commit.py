@@ -13,7 +13,8 @@ P1-P3 of the design, in order, executed by global rank 0 alone inside DCP's
    sealed with its own checksum — is created *exclusively* (``link()`` of a
    written temp file on POSIX, put-if-absent on object stores), or, for an
    ``overwrite=True`` re-save, put over the old marker by rename once the new
-   attempt is complete;
+   attempt is complete, or for a save superseding a step of a branch the job abandoned
+   by resuming from an earlier step (P14, :class:`ResumePoint`);
 4. ``LATEST`` is replaced.  It is only a hint: a crash before this step leaves
    the step committed, and ``latest_step`` repairs it.
 
@@ -54,6 +55,31 @@ def commit_order(record: Marker | Latest) -> tuple[bool, int, float, int]:
     """Sort key of commits (P10): by sequence; records from before sequences existed rank below every sequenced
     one and among themselves by commit time, as that version ordered them."""
     return (record.sequence is not None, record.sequence or 0, record.committed_at, record.step)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a job resumed (P14): it loaded ``step`` while the run's newest commit had sequence ``sequence``.
+
+    Steps above ``step`` that were committed by then belong to the branch the job abandoned (a rollback, or a
+    restart after one), so its own saves of those steps supersede them: a new attempt, a marker with a higher
+    sequence, the old attempt left for ``gc``.  A step committed *after* the resume (a higher sequence) is
+    another job's work on the same run and is still refused (``CommitConflictError``), as is ``step`` itself.
+    """
+
+    step: int
+    sequence: int
+
+    def supersedes(self, marker: Marker) -> bool:
+        return marker.step > self.step and (marker.sequence or 0) <= self.sequence
+
+    def describe(self) -> str:
+        return f"resumed from step {self.step} (commit sequence {self.sequence})"
+
+
+def resume_point(layout: RunLayout, step: int) -> ResumePoint:
+    """The :class:`ResumePoint` of loading ``step`` now (global rank 0: two exact-name reads, no listing)."""
+    return ResumePoint(step=step, sequence=next_sequence(layout) - 1)
 
 
 @dataclass
@@ -131,9 +157,11 @@ def write_rank_records(layout: RunLayout, manifest: Manifest) -> None:
 
 
 def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overwrite: bool, timeout: float,
-            rank: int = 0) -> Marker:
+            rank: int = 0, resumed: ResumePoint | None = None) -> Marker:
     """Run steps 2-4 above; returns the marker that is now visible (writing the shards of a manifest built
-    with its items inline first, see :func:`write_shards`)."""
+    with its items inline first, see :func:`write_shards`).  An existing marker is replaced with ``overwrite``,
+    or when ``resumed`` says it belongs to the branch this job abandoned (judged on the marker read now, so a
+    step another job committed since the writer's own check is still refused)."""
     storage = layout.storage
     step, save_id = manifest.step, manifest.save_id
     attempt = layout.attempt_dir(step, save_id)
@@ -170,14 +198,16 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
         existing = read_marker(layout, step, Deadline(timeout))
         if existing.save_id == save_id:
             log.info("commit marker for step %d already names save %s (an earlier retry)", step, save_id)
-        elif overwrite:
+        elif overwrite or (resumed is not None and resumed.supersedes(existing)):
             storage.replace(marker_path, marker.to_json())
-            log.info("step %d re-saved: marker now names %s (was %s)", step, save_id, existing.save_id)
+            why = "re-saved" if overwrite else f"superseded ({resumed.describe()})"
+            log.info("step %d %s: marker now names %s (was %s)", step, why, save_id, existing.save_id)
         else:
             raise CommitConflictError(
                 f"step {step} of run {layout.run_id!r} was committed by save {existing.save_id} while save "
                 f"{save_id} was writing (two jobs on one run?); nothing of {save_id} is visible. "
-                f"Use another run_id or step, or overwrite=True to replace it deliberately.",
+                f"Use another run_id or step, or overwrite=True to replace it deliberately"
+                + (f" ({resumed.describe()}; this commit is newer than that)." if resumed is not None else "."),
                 step=step,
                 save_id=save_id,
                 winner=existing.save_id,

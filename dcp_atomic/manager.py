@@ -14,6 +14,9 @@ What it adds over the storage writer and reader:
 * step resolution by global rank 0 alone (``LATEST``, else a scan) shared with
   the others, so all ranks load one version without every rank listing, and
   ranks that ask for different steps all fail;
+* rollbacks (P14): after ``load(step=k)``, saving a step above ``k`` that the abandoned branch
+  committed supersedes it (a new attempt with the next commit sequence), where a plain re-save
+  is refused;
 * one save in flight; ``LATEST`` and retention move only after a save has
   *committed* (never when ``async_save`` merely returned);
 * typed errors: DCP's ``CheckpointException`` is unwrapped to our own classes,
@@ -44,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step, scan_markers
-from .commit import read_marker
+from .commit import ResumePoint, read_marker, resume_point
 from .retry import Deadline
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigurationError, RankConsistencyError,
                      RankFailureError)
@@ -173,6 +176,7 @@ class CheckpointManager:
         self.rank = dist.get_rank(self._group) if self._distributed else 0
         self.world_size = dist.get_world_size(self._group) if self._distributed else 1
         self._inflight: _SaveFuture | None = None
+        self._resumed: ResumePoint | None = None  # set by load(): see AtomicStorageWriter(resumed_from=)
         self._lock = threading.Lock()
         self._ops = 0  # operation counter: identical on all ranks (SPMD), names liveness keys
         CheckpointManager._instances += 1
@@ -313,8 +317,9 @@ class CheckpointManager:
         self._drain()
         started = time.perf_counter()
         with self._failures_reported("load", step, started) as attempt:
-            chosen, save_id = self._on_rank0(lambda: self._resolve_step(step), "resolve the step to load",
-                                             request="the latest step" if step is None else f"step {step}")
+            chosen, save_id, resumed = self._on_rank0(
+                lambda: self._resolve_step(step), "resolve the step to load",
+                request="the latest step" if step is None else f"step {step}")
             if chosen is None:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint for run {self.run_id!r} under {self.layout.storage.describe()}",
@@ -334,6 +339,7 @@ class CheckpointManager:
             except BaseException as e:
                 _raise_typed(watch.verdict or self._translate(e, f"loading step {chosen}"))
             watch.finish()
+        self._resumed = resumed  # P14: later saves supersede the steps above it that this load abandoned
         seconds = time.perf_counter() - started
         log.info("loaded run %r step %d (save %s) in %.3fs", self.run_id, chosen, reader.save_id, seconds)
         self._deliver(self.on_loaded, "on_loaded", LoadStats(
@@ -362,7 +368,7 @@ class CheckpointManager:
     def _writer(self, step: int, watch: OpWatch) -> AtomicStorageWriter:
         validate_step(step)
         return _WatchedWriter(self.root, self.run_id, step, parallelism=self.parallelism,
-                              compression=self.compression, thread_count=self.thread_count,
+                              compression=self.compression, thread_count=self.thread_count, resumed_from=self._resumed,
                               timeout=self.timeout, storage_options=self.storage_options, watch=watch)
 
     def _save_planner(self, watch: OpWatch) -> AtomicSavePlanner:
@@ -391,18 +397,20 @@ class CheckpointManager:
         inflight.reported = True
         raise error
 
-    def _resolve_step(self, step: int | None) -> tuple[int | None, str | None]:
-        """(step, save_id) to load, decided by rank 0: every rank then waits for that exact attempt."""
+    def _resolve_step(self, step: int | None) -> tuple[int | None, str | None, ResumePoint | None]:
+        """(step, save_id, resume point) to load, decided by rank 0: every rank then waits for that exact
+        attempt, and the resume point says which later steps this job's saves may supersede (P14)."""
         if step is None:
             step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout)
             if step is None:
-                return None, None
+                return None, None, None
         validate_step(step)
         if not self.layout.storage.is_dir(self.layout.step_dir(step)):  # no trace of it: nothing to wait for (P9)
             raise CheckpointNotFoundError(
                 f"run {self.run_id!r} has no step {step} ({self.layout.step_dir(step)} does not exist); "
                 "manager.steps() lists the committed ones", step=step)
-        return step, read_marker(self.layout, step, Deadline(self.timeout)).save_id
+        save_id = read_marker(self.layout, step, Deadline(self.timeout)).save_id
+        return step, save_id, resume_point(self.layout, step)
 
     def _resolve_everywhere(self, reader: "_WatchedReader", step: int) -> None:
         """Every rank resolves on its own; if any rank cannot, all raise, naming who saw what (P5).

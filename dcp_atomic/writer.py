@@ -156,6 +156,9 @@ class AtomicStorageWriter(StorageWriter):
         compression_level: ``None`` for the tuned fast profile (see codec.py), or a zstd level.
         thread_count: files (and writer threads) per rank.
         overwrite: replace an already committed step (after the new attempt is complete).
+        resumed_from: where this job resumed (``commit.resume_point(layout, step)`` after loading ``step``; the
+            manager and the framework integrations set it): a save of a step above it that the abandoned branch
+            committed supersedes that step instead of raising ``CommitConflictError`` (P14).
         stock_readable: ``True`` writes each tensor as a torch.save container so torch's own
             FileSystemReader opens the attempt (interop); the default ``False`` writes raw blocks,
             the faster format (see README, "Formats and compression", for the measurements).
@@ -174,6 +177,7 @@ class AtomicStorageWriter(StorageWriter):
         compression_level: int | None = None,
         thread_count: int | None = None,
         overwrite: bool = False,
+        resumed_from: commit.ResumePoint | None = None,
         stock_readable: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
@@ -198,6 +202,7 @@ class AtomicStorageWriter(StorageWriter):
         self.compression_level = compression_level
         self.thread_count = thread_count or default_thread_count()
         self.overwrite = overwrite
+        self.resumed_from = resumed_from
         self.stock_readable = stock_readable
         self.timeout = timeout
         self.block_size = block_size
@@ -279,8 +284,7 @@ class AtomicStorageWriter(StorageWriter):
             self._keys = known.keys  # nothing new reached the coordinator: the last checks stand
         else:
             self._keys = check_save([plan.items for plan in ranks], [plan.report for plan in ranks])
-        if not self.overwrite:
-            self._refuse_committed_step()
+        replacing = self.overwrite or self._refuse_committed_step()
         series = known if replayed else None
         if series:
             series.plans, series.keys = ranks, self._keys
@@ -296,7 +300,7 @@ class AtomicStorageWriter(StorageWriter):
                  "started_at": self._started_at, "world_size": len(plans), "library_version": __version__}
         try:
             self.storage.makedirs(attempt)
-            self.storage.check_commit_support(attempt, overwrite=self.overwrite)  # refuse now, not after all the data
+            self.storage.check_commit_support(attempt, overwrite=replacing)  # refuse now, not after all the data
             self.storage.publish(self.storage.join(attempt, ATTEMPT), _json(claim))
         except OSError as e:
             raise _storage_error(e, self.rank, e.filename or attempt, phase="creating the attempt") from e
@@ -381,7 +385,7 @@ class AtomicStorageWriter(StorageWriter):
         started = time.monotonic()
         try:
             self.last_marker = commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite,
-                                              timeout=self.timeout, rank=self.rank)
+                                              timeout=self.timeout, rank=self.rank, resumed=self.resumed_from)
         except OSError as e:
             raise _storage_error(e, self.rank, e.filename or attempt, phase="committing") from e
         self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
@@ -422,14 +426,26 @@ class AtomicStorageWriter(StorageWriter):
             rank=rank, plans=plans, world_size=world,
         )
 
-    def _refuse_committed_step(self) -> None:
+    def _refuse_committed_step(self) -> bool:
+        """Refuse a committed step unless this job abandoned it by resuming below it (P14); True: superseding."""
         try:
             marker = commit._read_marker_once(self.layout, self.step)
         except FileNotFoundError:
-            return
+            return False
+        resumed = self.resumed_from
+        if resumed is not None and resumed.supersedes(marker):
+            log.info("step %d of run %r (save %s) belongs to the branch abandoned when this job %s: this save "
+                     "supersedes it", self.step, self.layout.run_id, marker.save_id, resumed.describe())
+            return True
+        hint = ("Save a new step, load an earlier step first to roll back (it then supersedes the abandoned "
+                "steps above it), or pass overwrite=True to replace it.")
+        if resumed is not None:
+            hint = (f"This job {resumed.describe()}, and step {self.step} was committed after that (sequence "
+                    f"{marker.sequence}), by this job or by another one saving into the same run. Save a new "
+                    "step, or use another run_id.")
         raise CommitConflictError(
             f"step {self.step} of run {self.layout.run_id!r} is already committed (save {marker.save_id}); "
-            "nothing was written. Save a new step, or pass overwrite=True to replace it.",
+            f"nothing was written. {hint}",
             step=self.step,
             committed=marker.save_id,
         )
