@@ -201,7 +201,8 @@ class AtomicStorageReader(StorageReader):
 
     def _read_dcp_metadata(self, committed: Committed) -> Metadata:
         """``.metadata``, opened only if its digest is the manifest's; every tensor's chunks must tile its global
-        shape, and every file it names must be one the manifest records.  The items themselves are checked
+        shape and have the dtype the manifest recorded for its key, and every file it names must be one the manifest
+        records.  The items themselves are checked
         against the manifest shards in :meth:`prepare_local_plan`, once this rank's plan says which it reads."""
         expected = committed.manifest.dcp_metadata
         path = self.layout.attempt_file(committed.step, committed.save_id, DCP_METADATA)
@@ -218,6 +219,7 @@ class AtomicStorageReader(StorageReader):
         metadata = load_dcp_metadata(data, where=path)
         try:
             holes = _check_coverage(metadata)
+            relabelled = _dtype_mismatches(metadata, committed.manifest.keys)
         except (AttributeError, TypeError, ValueError) as e:  # a .metadata of the right classes, wrongly built
             raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path) from None
         if holes:
@@ -228,6 +230,17 @@ class AtomicStorageReader(StorageReader):
                 + "\nLoad another step, or save again with every rank taking part.",
                 path=path,
                 keys=sorted(holes),
+            )
+        if relabelled:
+            raise CorruptCheckpointError(
+                f"{path}: the element type .metadata gives {len(relabelled)} key(s) is not the one the manifest "
+                "recorded at save; their bytes would load reinterpreted as another type:\n  - "
+                + "\n  - ".join(f"{key!r}: .metadata says {found}, the manifest {recorded}"
+                                 for key, found, recorded in relabelled[:20])
+                + ("\n  - ..." if len(relabelled) > 20 else "")
+                + "\nThe step's control files were altered after the commit: restore them or load another step.",
+                path=path,
+                keys=[key for key, _, _ in relabelled],
             )
         return metadata
 
@@ -345,6 +358,8 @@ class AtomicStorageReader(StorageReader):
             return False
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if len(plans) == 1 and self.requested_step is None:
+            self._refuse_lone_latest()
         views = [p.storage_data for p in plans]
         if any(not isinstance(v, _LoadView) for v in views):
             raise ConfigurationError("every rank must load with an AtomicStorageReader")
@@ -365,6 +380,23 @@ class AtomicStorageReader(StorageReader):
         shares = self._plan_shares(plans, views)
         return [dataclasses.replace(p, storage_data=_Assignment(v, None if shares is None else shares[i]))
                 for i, (p, v) in enumerate(zip(plans, views))]
+
+    def _refuse_lone_latest(self) -> None:
+        """A rank that plans alone (``no_dist=True``, or a one-rank group) while a multi-rank job runs resolves
+        ``LATEST`` on its own: a save committing, or a stale NFS cache, between two ranks' loads gives them
+        different versions, and no collective compares them (P5).  An explicit step is the same on every rank."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        raise ConfigurationError(
+            f"global rank {rank} of {world} on {socket.gethostname()}: dcp.load(..., no_dist=True) (or on a "
+            f"one-rank process group) would resolve the latest step of run {self.layout.run_id!r} on this rank "
+            "alone, and a save committing or a stale storage cache between the ranks' loads would give them "
+            "different versions. Pass the same explicit step to every rank (AtomicStorageReader(..., step=N) or "
+            "checkpoint_id=<root>/<run>/step_<N>, N e.g. from dcp_atomic.latest_step on rank 0, broadcast), or "
+            "load with collectives on every rank. Nothing was loaded.",
+            rank=rank, world_size=world,
+        )
 
     def _plan_shares(self, plans: list[LoadPlan], views: list[_LoadView]) -> list[SharePlan] | None:
         """Each rank's exchange schedule, or None when reads are not shared (see ``share_reads``)."""
@@ -1001,6 +1033,21 @@ def _names(storage: dict, ident: tuple, name: str, extent: ItemExtent) -> bool:
     fqn, offset = ident
     info = storage.get(MetadataIndex(fqn, None if offset is None else torch.Size(offset)))
     return info is not None and (info.relative_path, info.offset, info.length) == (name, extent.pos, extent.length)
+
+
+def _dtype_mismatches(metadata: Metadata, keys: dict[str, dict]) -> list[tuple[str, str, str]]:
+    """(key, .metadata's dtype, the manifest's) for every tensor whose two records of its planned dtype differ.
+
+    The manifest's per-key records come from the ranks' plans, before .metadata is written, so the two agree
+    on every intact checkpoint; a ``.metadata`` relabelled to a dtype of the same element size (fp32 / int32,
+    bf16 / fp16) passes every size check and would load its bytes reinterpreted.  Keys the manifest does not
+    type (bytes, older manifests) have nothing to compare."""
+    found = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        recorded = (keys.get(fqn) or {}).get("dtype")
+        if isinstance(md, TensorStorageMetadata) and recorded is not None and str(md.properties.dtype) != recorded:
+            found.append((fqn, str(md.properties.dtype), recorded))
+    return sorted(found)
 
 
 def _check_coverage(metadata: Metadata) -> dict[str, str]:

@@ -18,6 +18,9 @@ import threading
 import pytest
 
 from dcp_atomic.gc_pause import gc_paused
+from tests.harness import assert_all_ok, run_world
+
+RUN = "exp"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -77,3 +80,91 @@ def test_overlapping_gc_pauses_in_every_order_keep_gc_off_inside_and_restore_it_
         assert checked == 2 * (6 + 90)
     finally:
         (gc.enable if was else gc.disable)()
+
+
+# -- 1: no_dist loads in a multi-rank job --------------------------------------------------------------------
+
+
+def _lone_loads(ctx):
+    """Every rank saves step 1 and 2, then loads alone (no_dist): LATEST, an explicit step, a checkpoint_id."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+
+    for step in (1, 2):
+        dcp.save({"x": torch.full((4,), float(step))}, storage_writer=AtomicStorageWriter(ctx.root, RUN, step))
+    outcome = {}
+    for name, reader, kwargs in (
+            ("latest", AtomicStorageReader(ctx.root, RUN), {}),
+            ("step", AtomicStorageReader(ctx.root, RUN, 1), {}),
+            ("checkpoint_id", AtomicStorageReader(), {"checkpoint_id": f"{ctx.root}/{RUN}/step_1"})):
+        got = {"x": torch.zeros(4)}
+        try:
+            dcp.load(got, storage_reader=reader, no_dist=True, **kwargs)
+            outcome[name] = ("loaded", got["x"].tolist())
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            ours = _ours(e)
+            outcome[name] = (type(ours).__name__, str(ours))
+    return outcome
+
+
+def _ours(error: BaseException) -> BaseException:
+    """Our typed error, wherever DCP put it (its CheckpointException keeps each rank's as (error, traceback))."""
+    from dcp_atomic import CheckpointError
+
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        e = e[0] if isinstance(e, tuple) else e
+        if isinstance(e, CheckpointError):
+            return e
+        stack += list((getattr(e, "failures", None) or {}).values())
+    return error
+
+
+def test_a_no_dist_load_of_latest_in_a_multi_rank_job_is_refused_and_an_explicit_step_loads(root):
+    for outcome in assert_all_ok(run_world(_lone_loads, 2, root, timeout=120)):
+        kind, text = outcome["latest"]
+        assert kind == "ConfigurationError", outcome
+        assert "no_dist=True" in text and "explicit step" in text and "rank" in text, text
+        assert outcome["step"] == outcome["checkpoint_id"] == ("loaded", [1.0] * 4), outcome
+
+
+# -- 3: a .metadata whose dtype is not the manifest's --------------------------------------------------------
+
+FORMATS = {"raw": {}, "zstd": {"compression": "zstd"}, "stock_readable": {"stock_readable": True}}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("key,relabel", [("weight", "int32"), ("ids", "float32"), ("norm", "float16"),
+                                         ("half", "bfloat16")])
+def test_a_metadata_dtype_that_differs_from_the_manifest_is_refused_naming_key_dtypes_and_path(root, fmt, key,
+                                                                                                relabel):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CorruptCheckpointError
+    from tests.test_trust_fuzz import Sealed
+
+    g = torch.Generator().manual_seed(5)
+    state = {"weight": torch.randn(64, 3, generator=g), "ids": torch.arange(50, dtype=torch.int32),
+             "norm": torch.randn(33, generator=g).to(torch.bfloat16),
+             "half": torch.randn(20, generator=g).to(torch.float16)}
+    dcp.save(state, storage_writer=AtomicStorageWriter(root, RUN, 1, **FORMATS[fmt]))
+    ck = Sealed(root, 1)
+    metadata = ck.metadata()
+    before = metadata.state_dict_metadata[key].properties.dtype
+    metadata.state_dict_metadata[key].properties.dtype = getattr(torch, relabel)
+    assert getattr(torch, relabel).itemsize == before.itemsize  # every size check still passes
+    ck.write_metadata(metadata)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        AtomicStorageReader(root, RUN, 1).resolve()
+    text = str(caught.value)
+    assert repr(key) in text and f"torch.{relabel}" in text and str(before) in text, text
+    assert ck.metadata_path in text and caught.value.details["keys"] == [key], text
+    got = {k: torch.full_like(v, -3) for k, v in state.items()}
+    with pytest.raises(BaseException) as through_dcp:  # torch wraps read_metadata's error in an AssertionError
+        dcp.load(got, storage_reader=AtomicStorageReader(root, RUN, 1))
+    assert "CorruptCheckpointError" in str(through_dcp.value) and repr(key) in str(through_dcp.value)
+    assert all(bool((v == -3).all()) for v in got.values()), "nothing may be loaded"
