@@ -8,7 +8,8 @@ the state dict.  These subclasses of DCP's default planners add only that:
   the writer in ``SavePlan.storage_data``; the writer's coordinator runs the
   checks in :mod:`.reshard`.  With ``enable_plan_caching=True`` it still hands
   the writer every rank's report where DCP answers a rank with its cached plan,
-  so the checks run on every save.
+  so the checks run on every save, and each report names the DCP cache the
+  plan comes from, so the writer continues that cache's save series.
 * :class:`AtomicLoadPlanner` infers this job's layout, then checks every key
   against the checkpoint before DCP starts (DCP's default planner raises at the
   first size mismatch; this one lists them all).
@@ -52,6 +53,10 @@ class AtomicSavePlanner(DefaultSavePlanner):
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def create_local_plan(self):
+        # DCP holds a changed local plan as pending until finish_plan caches it.  A save refused while planning
+        # never gets there; reused for the next save, whose plan matches the cache, this planner would then cache
+        # the refused plan as if it had been written, and a later save with that plan would replay another one.
+        self.__dict__.pop("_pending_local_plan", None)
         with gc_paused():
             return self._create_local_plan()
 
@@ -62,6 +67,7 @@ class AtomicSavePlanner(DefaultSavePlanner):
             parallelism=infer_parallelism(self.state_dict),
             divergence=self.divergence,
             layout_dependent=self.layout_dependent,
+            plan_cache=self._cached_plans_key if self._enable_plan_caching else None,
         )
         return dataclasses.replace(plan, storage_data=report)
 

@@ -134,13 +134,20 @@ class _Series:
     first_save_id: str
     plans: list[_LocalPlanData]
     keys: dict[str, dict[str, Any]]
+    named: bool = False  # its planner names its DCP cache in every report (AtomicSavePlanner), so replays find it
 
 
 _MANIFEST_STATS = ("rank", "bytes", "items", "write_seconds", "fsync_seconds", "threads")  # per rank
 _series_lock = threading.Lock()
 _series_counts: dict[str, int] = {}  # series (first save_id) -> number of the last save of it this process wrote
 _MAX_SERIES = 64  # a series ends when every rank's plan changes; a process has one live series per planner class
-_cached_series: _Series | None = None  # coordinator: the series the ranks' cached plans replay
+# Coordinator: per DCP plan-cache key, the series whose plans every rank has cached.  DCP keys its caches by the
+# planner's class name (``_cached_plans_key``), so two planner classes (full and model-only saves) replay two
+# series, and two state dicts saved through one class share one (DCP re-plans when the structure changes).  Set in
+# write_data only: a save gets there after every rank's DCP cache advanced (finish_plan), never after a refusal.
+_cached_series: dict[str, _Series] = {}
+# What DCP's coordinator caches in create_global_plan, before prepare_global_plan may refuse the save.
+_DCP_COORDINATOR_CACHES = ("_cached_all_plans", "_cached_global_plan", "_cached_metadata")
 
 class AtomicStorageWriter(StorageWriter):
     """Write one DCP checkpoint as an immutable attempt, committed by global rank 0 alone.
@@ -245,6 +252,7 @@ class AtomicStorageWriter(StorageWriter):
         self._started_at = now()
         self._series: _Series | None = None  # coordinator: the series this save belongs to (prepare_global_plan)
         self._planned_save_id: str | None = None
+        self._dcp_caches_before = _dcp_coordinator_caches() if is_coordinator else None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         with gc_paused():
@@ -260,16 +268,28 @@ class AtomicStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Checks, then the attempt.  With DCP's plan caching, ranks whose plan is unchanged replay their cached
-        one: the save continues that series (its next number), and what they last reported stands in."""
-        failpoints.hit("plan.before_checks", self.rank)
-        with gc_paused():
-            return self._plan(plans)
+        one: the save continues that series (its next number), and what they last reported stands in.
+
+        A refusal here (a committed step, an identity or content check, the attempt's storage) puts DCP's
+        coordinator caches back as they were before this save.  DCP filled them in ``create_global_plan``, but no
+        rank's own cache advanced (``finish_plan`` comes after): left filled, the next save would tell every rank
+        to replay a plan it never cached (KeyError), or its previous plan under the refused save's metadata (a
+        committed checkpoint missing keys)."""
+        try:
+            failpoints.hit("plan.before_checks", self.rank)
+            with gc_paused():
+                return self._plan(plans)
+        except BaseException:
+            if self._dcp_caches_before is not None:
+                _restore_dcp_coordinator_caches(self._dcp_caches_before)
+            raise
 
     def _plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         replayed = not all(plan.usable for plan in plans)  # those ranks replay their cached plan: same series
         cached = [position for position, plan in enumerate(plans) if not plan.usable
                   or isinstance(plan.storage_data, _LocalPlanData) and plan.storage_data.items is None]
-        known = _cached_series
+        named = _named_plan_cache(plans)
+        known = _replayed_series(named) if cached else None
         if cached and (known is None or len(known.plans) != len(plans)):
             raise ConfigurationError(
                 f"rank {cached[0]} sent a DCP plan cached by a save this coordinator did not plan with dcp_atomic "
@@ -285,15 +305,13 @@ class AtomicStorageWriter(StorageWriter):
         else:
             self._keys = check_save([plan.items for plan in ranks], [plan.report for plan in ranks])
         replacing = self.overwrite or self._refuse_committed_step()
-        series = known if replayed else None
-        if series:
-            series.plans, series.keys = ranks, self._keys
+        if replayed:
             with _series_lock:
-                number = _series_counts.get(series.first_save_id, 0) + 1
-            first = series.first_save_id
+                number = _series_counts.get(known.first_save_id, 0) + 1
+            first = known.first_save_id
         else:
             first, number = new_save_id(), 1
-        self._series = series or _Series(first, ranks, self._keys)
+        self._series = _Series(first, ranks, self._keys, named=named is not None)  # remembered in write_data
         save_id = self._planned_save_id = _series_save_id(first, number)
         attempt = self.layout.attempt_dir(self.step, save_id)
         claim = {"save_id": save_id, "step": self.step, "host": socket.gethostname(), "pid": os.getpid(),
@@ -341,8 +359,7 @@ class AtomicStorageWriter(StorageWriter):
         if number == assigned.number and assigned.step != self.step:  # a replayed plan's step is stale: see finish
             raise ConfigurationError(f"rank {self.rank} writer is for step {self.step}, coordinator chose {assigned.step}")
         if caching and self._series is not None:  # the coordinator: ranks now cache this series
-            global _cached_series
-            _cached_series = self._series
+            _remember_series(planner, self._series)
         assigned = dataclasses.replace(assigned, save_id=_series_save_id(assigned.save_id, number), step=self.step)
         self.save_id = assigned.save_id
         self.data_prefixes = assigned.data_prefixes
@@ -742,6 +759,56 @@ def _advance_series(assigned: _AssignedPlanData, caching: bool) -> int:
         while len(_series_counts) > _MAX_SERIES:
             del _series_counts[next(iter(_series_counts))]
     return number
+
+
+def _named_plan_cache(plans: list[SavePlan]) -> str | None:
+    """The DCP cache key the planner's reports name (AtomicSavePlanner's); DCP's own planners name none."""
+    for plan in plans:
+        data = plan.storage_data
+        if isinstance(data, _LocalPlanData) and data.report is not None and data.report.plan_cache is not None:
+            return data.report.plan_cache
+    return None
+
+
+def _replayed_series(named: str | None) -> _Series | None:
+    """The series that ranks replaying their cached plans continue: the one of the cache their planner names, or
+    else the one series of a planner that names none (several such cannot be told apart)."""
+    with _series_lock:
+        if named is not None:
+            return _cached_series.get(named)
+        unnamed = sorted(key for key, series in _cached_series.items() if not series.named)
+        if len(unnamed) <= 1:
+            return _cached_series[unnamed[0]] if unnamed else None
+    raise ConfigurationError(
+        f"ranks replay a DCP plan cached by one of the planners {', '.join(unnamed)}, and nothing in it says which: "
+        "with enable_plan_caching=True in several planner classes of one process, make each an AtomicSavePlanner "
+        "(or a subclass), whose reports name the cache they replay, or turn caching off in all but one. Nothing "
+        "was written.",
+        planners=unnamed,
+    )
+
+
+def _remember_series(planner: SavePlanner, series: _Series) -> None:
+    """Coordinator, once every rank has cached the plans of ``series``: replays through this planner's cache
+    continue it (DCP keys its caches by ``_cached_plans_key``, the planner's class name)."""
+    with _series_lock:
+        _cached_series[getattr(planner, "_cached_plans_key", type(planner).__name__)] = series
+
+
+def _dcp_coordinator_caches() -> dict[str, dict]:
+    return {name: dict(getattr(SavePlanner, name)) for name in _DCP_COORDINATOR_CACHES}
+
+
+def _restore_dcp_coordinator_caches(before: dict[str, dict]) -> None:
+    """Put back, entry by entry, what :func:`_dcp_coordinator_caches` copied (DCP replaces an entry, never
+    mutates one), leaving the dicts DCP holds in place."""
+    for name, entries in before.items():
+        cache = getattr(SavePlanner, name)
+        for key in cache.keys() - entries.keys():
+            del cache[key]
+        for key, value in entries.items():
+            if cache.get(key) is not value:
+                cache[key] = value
 
 
 def _refuse_diverged_attempts(step: int, save_id: str, stats: list[_RankStats]) -> None:
