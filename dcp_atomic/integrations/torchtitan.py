@@ -6,10 +6,18 @@ reused :class:`AtomicStorageWriter` (``<folder>/step_<N>`` becomes ``<dirname(fo
 step_{N:010d}/<save_id>/``, committed by a marker), "latest" is the latest *committed* step (a crashed
 save is never resumed from), loads verify every byte, and ``keep_latest_k`` runs through retention,
 which counts only committed steps and never deletes what ``LATEST`` names — so ``keep_latest_k=1`` is safe.
+It runs on global rank 0 in a background thread, as torchtitan's own purge does: training never waits for it.
+
+Rollbacks (P14): after loading an earlier step (``load_step=8`` while step 10 is committed), the saves of steps
+above it supersede the abandoned branch's — where stock torchtitan overwrites the folder in place, and a plain
+re-save is refused.  ``initial_load_path`` may name a step of another dcp_atomic run
+(``<root>/<run>/step_{N:010d}``): it is read and verified like our own; anything else goes to torchtitan's
+stock loader.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -23,10 +31,13 @@ from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 
 from ..catalog import DEFAULT_TIMEOUT, latest_step
+from ..commit import read_marker, resume_point
 from ..errors import CheckpointError, StorageError
-from ..layout import RunLayout, root_key, step_dir_name
+from ..layout import RunLayout, parse_checkpoint_id, root_key, step_dir_name
 from ..planners import AtomicLoadPlanner, AtomicSavePlanner
+from ..backends import open_storage
 from ..reader import AtomicStorageReader
+from ..retry import Deadline
 from ..retention import apply_gc, plan_gc
 from ..writer import AtomicStorageWriter
 
@@ -62,6 +73,9 @@ class AtomicCheckpointManager(CheckpointManager):
         self.writer = AtomicStorageWriter(self.root, self.run_id, compression=config.compression,
                                           timeout=config.timeout)
         self.reader = AtomicStorageReader(self.root, self.run_id, timeout=config.timeout)
+        self.timeout = config.timeout
+        self._retention: concurrent.futures.ThreadPoolExecutor | None = None  # rank 0: purges off the training thread
+        self._retiring: concurrent.futures.Future | None = None
 
     def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
         """Our step directory, so torchtitan's "is it there" checks look where the checkpoint is."""
@@ -93,6 +107,15 @@ class AtomicCheckpointManager(CheckpointManager):
     def _is_ours(self, checkpoint_id: str) -> bool:
         return root_key(os.path.dirname(os.fspath(checkpoint_id).rstrip("/"))) == root_key(self.folder)
 
+    def _is_another_run(self, checkpoint_id: str) -> bool:
+        """``initial_load_path`` naming a committed step of another dcp_atomic run (one exact-name read)."""
+        try:
+            root, run_id, step = parse_checkpoint_id(checkpoint_id)
+            read_marker(RunLayout(open_storage(root), run_id), step, Deadline(0), missing_ok=True)
+        except (CheckpointError, FileNotFoundError, OSError, ValueError):
+            return False
+        return True
+
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
                  enable_garbage_collection: bool = False, to_hf: bool = False):
         if to_hf:  # a Hugging Face export is not a training checkpoint: torchtitan writes it itself
@@ -106,17 +129,45 @@ class AtomicCheckpointManager(CheckpointManager):
                               async_stager=self.stager, **kwargs)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        if from_hf or not self._is_ours(checkpoint_id):  # initial_load_path: a stock DCP or HF checkpoint
+        ours = not from_hf and self._is_ours(checkpoint_id)
+        if not ours and (from_hf or not self._is_another_run(checkpoint_id)):  # a stock DCP or HF checkpoint
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        dcp.load(state_dict, storage_reader=self.reader, checkpoint_id=checkpoint_id, planner=AtomicLoadPlanner())
+        reader = self.reader if ours else AtomicStorageReader(timeout=self.timeout)  # another run: follow the id
+        dcp.load(state_dict, storage_reader=reader, checkpoint_id=checkpoint_id, planner=AtomicLoadPlanner())
         if MODEL in self.states:  # torchtitan flattens the model's keys into the state dict, as its own dcp_load
             self.states[MODEL].load_state_dict(state_dict)
+        if ours and dist.get_rank() == 0:  # P14: saves above the loaded step supersede the abandoned branch
+            self.writer.resumed_from = resume_point(reader.layout, reader.step)
+            log.info("resumed run %s from step %d: later saves supersede steps above it committed before now",
+                     self.run_id, reader.step)
 
     def _purge_stale_checkpoints(self) -> None:
-        """Keep the ``keep_latest_k`` most recently *committed* steps (rank 0; an in-flight save is not counted)."""
+        """Keep the ``keep_latest_k`` most recently *committed* steps (an in-flight save is not counted).
+
+        Global rank 0 alone, in a background thread (torchtitan purges in one too): deleting a step's files on a
+        busy store can take long, and training must not wait.  Purges run one at a time, at most one queued; a failure
+        is logged, and the next purge tries again.
+        """
         if self.keep_latest_k <= 0 or dist.get_rank() != 0:
             return
-        layout = RunLayout(self.writer.storage, self.run_id)
-        plan = plan_gc(layout, self.keep_latest_k)
-        if not plan.empty:
-            apply_gc(layout, plan)
+        pending = self._retiring
+        if pending is not None and not pending.running() and not pending.done():
+            return  # a queued purge has not started: it will see this save too
+        if self._retention is None:
+            self._retention = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp_atomic-purge")
+        self._retiring = self._retention.submit(self._purge, RunLayout(self.writer.storage, self.run_id))
+
+    def _purge(self, layout: RunLayout) -> None:
+        try:
+            plan = plan_gc(layout, self.keep_latest_k)
+            if not plan.empty:
+                apply_gc(layout, plan)
+        except Exception as e:  # noqa: BLE001 - see _purge_stale_checkpoints
+            log.warning("purging old steps of run %s failed (%s: %s); the next save's purge retries", self.run_id,
+                        type(e).__name__, e)
+
+    def _close(self) -> None:
+        super()._close()
+        if getattr(self, "_retention", None) is not None:
+            self._retention.shutdown(wait=True)  # a purge in flight finishes; the process may exit next
+            self._retention = None
