@@ -1,8 +1,12 @@
-"""Issue 11: DCP's plan caching (``enable_plan_caching=True``) with dcp_atomic.
+"""Issues 11 and 19: DCP's plan caching (``enable_plan_caching=True``) with dcp_atomic.
 
 A cached plan is replayed by every rank without reaching the coordinator, so the save_id cannot ride in it:
 each save of a series derives its own from the series' first save_id and a count every rank advances in
 lockstep, and the coordinator refuses to commit unless every rank wrote the step and save_id it planned.
+
+Issue 19 (P14, one refused save never breaks the next): DCP's coordinator fills its plan caches before
+``prepare_global_plan`` may refuse, while the ranks' caches advance only after it; and each planner class has its
+own DCP cache, so its own series.
 """
 
 from __future__ import annotations
@@ -12,9 +16,21 @@ import os
 
 import torch
 
+import pytest
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from dcp_atomic import AtomicSavePlanner
 from tests.harness import assert_all_ok, run_world
 
 RUN = "cached"
+
+
+class ModelOnlySavePlanner(AtomicSavePlanner):
+    """A job's second caching planner class, for model-only saves: DCP caches its plans apart (by class name)."""
+
+
+class PlainModelOnlySavePlanner(DefaultSavePlanner):
+    """The same with DCP's own planner, whose plans do not say which cache they come from."""
 
 
 def _state(rank: int, value: int) -> dict:
@@ -22,16 +38,26 @@ def _state(rank: int, value: int) -> dict:
             "meta": {"value": value}}
 
 
-def _save(ctx, step: int, value: int, planner, *, overwrite: bool = False, run: str = RUN, asynchronous=False):
+def _model_state(rank: int, value: int) -> dict:
+    """What a model-only save holds: a part of ``_state``, so another plan."""
+    return {k: v for k, v in _state(rank, value).items() if k != "meta"}
+
+
+def _grown_state(rank: int, value: int) -> dict:
+    return {**_state(rank, value), "extra": torch.full((4,), float(value))}
+
+
+def _save(ctx, step: int, value: int, planner, *, overwrite: bool = False, run: str = RUN, asynchronous=False,
+          state=_state):
     import torch.distributed.checkpoint as dcp
 
     from dcp_atomic import AtomicStorageWriter
 
     writer = AtomicStorageWriter(ctx.root, run, step, thread_count=1, overwrite=overwrite)
     if asynchronous:
-        dcp.async_save(_state(ctx.rank, value), storage_writer=writer, planner=planner).result()
+        dcp.async_save(state(ctx.rank, value), storage_writer=writer, planner=planner).result()
     else:
-        dcp.save(_state(ctx.rank, value), storage_writer=writer, planner=planner)
+        dcp.save(state(ctx.rank, value), storage_writer=writer, planner=planner)
     return writer.save_id
 
 
@@ -43,12 +69,12 @@ def _refused(fn) -> str | None:
     return None
 
 
-def _loads_bit_exact(ctx, step: int, value: int, run: str = RUN) -> bool:
+def _loads_bit_exact(ctx, step: int, value: int, run: str = RUN, state=_state) -> bool:
     import torch.distributed.checkpoint as dcp
 
     from dcp_atomic import AtomicStorageReader
 
-    want = _state(ctx.rank, value)
+    want = state(ctx.rank, value)
     got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"value": -1} for k, v in want.items()}
     dcp.load(got, storage_reader=AtomicStorageReader(ctx.root, run, step))
     return all(torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k]
@@ -134,3 +160,159 @@ def test_cached_plans_save_distinct_committed_attempts_and_diverging_ranks_are_r
     for error in (rank0["diverged"], rank1["diverged"]):
         assert error and "ReshardError" in error and "'own0'" in error, error
     assert _committed(root, "atomic", 12) is None
+
+
+def _count_global_plans() -> dict[str, int]:
+    """DCP's dedup + global planning, per planner class: it runs only where a plan is not cached."""
+    counts: dict[str, int] = {}
+    build = DefaultSavePlanner._create_global_plan
+
+    def counted(self, plans):
+        counts[type(self).__name__] = counts.get(type(self).__name__, 0) + 1
+        return build(self, plans)
+
+    DefaultSavePlanner._create_global_plan = counted
+    return counts
+
+
+def _committed_step_refusals(ctx, kind: str):
+    """World 2: a job resumed at a committed step, then saves of committed steps in mid-series, one of them with
+    a grown state dict (DCP re-plans it), each followed by cached saves.  ``kind``: a fresh DefaultSavePlanner per
+    save, or one AtomicSavePlanner reused for every save, as a training loop holds it."""
+    reused = AtomicSavePlanner(enable_plan_caching=True)
+
+    def planner():
+        return DefaultSavePlanner(enable_plan_caching=True) if kind == "default" else reused
+
+    plans = _count_global_plans()
+    out = {"ids": {}, "refused": {}}
+    out["ids"][1] = _save(ctx, 1, 1, None)  # a previous job's checkpoint, saved without caching
+    out["refused"][1] = _refused(lambda: _save(ctx, 1, 1, planner()))  # this process's first cached save
+    out["ids"][2] = _save(ctx, 2, 2, planner())
+    out["ids"][3] = _save(ctx, 3, 3, planner())
+    out["refused"][2] = _refused(lambda: _save(ctx, 2, 2, planner()))  # the series' plans cached on every rank
+    out["ids"][4] = _save(ctx, 4, 4, planner())
+    out["refused"][3] = _refused(lambda: _save(ctx, 3, 3, planner(), state=_grown_state))  # a plan DCP re-made
+    out["ids"][5] = _save(ctx, 5, 5, planner())
+    out["ids"][6] = _save(ctx, 6, 6, planner(), state=_grown_state)
+    out["ids"][7] = _save(ctx, 7, 7, planner(), state=_grown_state)
+    out["global_plans"] = sum(plans.values())
+    out["loads"] = {step: _loads_bit_exact(ctx, step, step, state=_grown_state if step >= 6 else _state)
+                    for step in range(1, 8)}
+    return out
+
+
+@pytest.mark.parametrize("kind", ["default", "atomic"])
+def test_a_refused_save_of_a_committed_step_leaves_every_later_cached_save_committing(root, kind):
+    results = assert_all_ok(run_world(_committed_step_refusals, 2, root, args=(kind,), timeout=240))
+    rank0, rank1 = results
+    assert rank0["ids"] == rank1["ids"], results
+    ids = rank0["ids"]
+    assert len(set(ids.values())) == len(ids), ids
+    for step, save_id in ids.items():
+        assert _committed(root, RUN, step) == save_id, (step, ids)
+    for rank in results:
+        for step, error in rank["refused"].items():
+            assert error and "CommitConflictError" in error and f"step {step} " in error, (step, error)
+        assert all(rank["loads"].values()), rank["loads"]
+    # planned by DCP: the uncached save, the refused first one (its plan unknown to the ranks, planned again),
+    # the grown state refused, then written; every other save replayed its rank's cached plan
+    assert rank0["global_plans"] == 5, rank0["global_plans"]
+
+
+def _check_and_storage_refusals(ctx):
+    """World 2, AtomicSavePlanner with caching: a save its content check refuses (a plain tensor whose copies
+    differ, under a key rank 1 does not otherwise have), and a save whose attempt cannot be created (a file where
+    the step's directory goes) with a grown state dict; each followed by cached saves."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    def planner():
+        return AtomicSavePlanner(enable_plan_caching=True)
+
+    out = {"ids": {}}
+    out["ids"][1] = _save(ctx, 1, 1, planner())
+    out["ids"][2] = _save(ctx, 2, 2, planner())
+
+    def diverged():
+        state = _state(0, 9)  # "own0" on both ranks: a plain tensor whose copies differ
+        state["own0"] += ctx.rank
+        dcp.save(state, storage_writer=AtomicStorageWriter(ctx.root, RUN, 9, thread_count=1), planner=planner())
+
+    out["diverged"] = _refused(diverged)
+    out["ids"][3] = _save(ctx, 3, 3, planner())
+
+    blocker = os.path.join(ctx.root, RUN, f"step_{4:010d}")
+    if ctx.rank == 0:
+        open(blocker, "w").close()
+    # overwrite=True: past the committed-step check, the refusal comes from creating the attempt
+    out["storage"] = _refused(lambda: _save(ctx, 4, 4, planner(), state=_grown_state, overwrite=True))
+    if ctx.rank == 0:
+        os.remove(blocker)
+    out["ids"][4] = _save(ctx, 4, 4, planner(), state=_grown_state)
+    out["ids"][5] = _save(ctx, 5, 5, planner(), state=_grown_state)
+    out["loads"] = {step: _loads_bit_exact(ctx, step, step, state=_grown_state if step >= 4 else _state)
+                    for step in range(1, 6)}
+    return out
+
+
+def test_a_save_refused_by_a_check_or_by_storage_leaves_every_later_cached_save_committing(root):
+    results = assert_all_ok(run_world(_check_and_storage_refusals, 2, root, timeout=240))
+    rank0, rank1 = results
+    assert rank0["ids"] == rank1["ids"], results
+    ids = rank0["ids"]
+    assert len(set(ids.values())) == len(ids), ids
+    for step, save_id in ids.items():
+        assert _committed(root, RUN, step) == save_id, (step, ids)
+    assert _committed(root, RUN, 9) is None
+    for rank in results:
+        assert rank["diverged"] and "ReshardError" in rank["diverged"] and "'own0'" in rank["diverged"], rank
+        error = rank["storage"]
+        assert error and "StorageError" in error and "creating the attempt" in error and "step_0000000004" in error
+        assert all(rank["loads"].values()), rank["loads"]
+
+
+def _interleaved_planner_classes(ctx):
+    """World 2: full saves through AtomicSavePlanner and model-only saves through a subclass, alternating, both
+    cached; then two plain DCP planner classes, whose replays cannot be told apart."""
+    plans = _count_global_plans()
+    out = {"ids": {}}
+    for step in range(1, 9):
+        if step % 2:
+            out["ids"][step] = _save(ctx, step, step, AtomicSavePlanner(enable_plan_caching=True))
+        else:
+            out["ids"][step] = _save(ctx, step, step, ModelOnlySavePlanner(enable_plan_caching=True),
+                                     state=_model_state)
+    out["global_plans"] = dict(plans)
+    out["loads"] = {step: _loads_bit_exact(ctx, step, step, state=_model_state if step % 2 == 0 else _state)
+                    for step in range(1, 9)}
+
+    out["ids"][10] = _save(ctx, 10, 10, DefaultSavePlanner(enable_plan_caching=True), run="plain")
+    out["ids"][11] = _save(ctx, 11, 11, PlainModelOnlySavePlanner(enable_plan_caching=True), run="plain",
+                           state=_model_state)
+    out["ambiguous"] = _refused(lambda: _save(ctx, 12, 12, DefaultSavePlanner(enable_plan_caching=True),
+                                              run="plain"))
+    out["ids"][13] = _save(ctx, 13, 13, AtomicSavePlanner(enable_plan_caching=True))  # named: still found
+    out["loads"][13] = _loads_bit_exact(ctx, 13, 13)
+    return out
+
+
+def test_two_caching_planner_classes_interleaved_each_continue_their_own_series(root):
+    results = assert_all_ok(run_world(_interleaved_planner_classes, 2, root, timeout=240))
+    rank0, rank1 = results
+    assert rank0["ids"] == rank1["ids"], results
+    ids = rank0["ids"]
+    assert len(set(ids.values())) == len(ids), ids
+    for step, save_id in ids.items():
+        assert _committed(root, "plain" if step in (10, 11) else RUN, step) == save_id, (step, ids)
+    assert rank0["global_plans"] == {"AtomicSavePlanner": 1, "ModelOnlySavePlanner": 1}, rank0["global_plans"]
+    # a save of either series is the next of that series: same time part, as _series_save_id derives it
+    assert {ids[step][:17] for step in (1, 3, 5, 7, 13)} == {ids[1][:17]}
+    assert {ids[step][:17] for step in (2, 4, 6, 8)} == {ids[2][:17]}
+    for rank in results:
+        assert all(rank["loads"].values()), rank["loads"]
+        error = rank["ambiguous"]
+        assert error and "ConfigurationError" in error, error
+        assert "DefaultSavePlanner, PlainModelOnlySavePlanner" in error and "AtomicSavePlanner" in error, error
+    assert _committed(root, "plain", 12) is None
