@@ -9,7 +9,7 @@ diverged.  Every rank therefore summarises its keys (shape, dtype and, with
 coordinator refuses keys whose copies differ, all of them in one error.
 
 At load: same layout loads; a dp / world-size change is logged (FSDP and
-DTensor reshard natively); a tp or pp change raises :class:`ReshardError`
+DTensor reshard natively); a tp, pp or ep change raises :class:`ReshardError`
 naming both layouts unless ``allow_reshard=True``; and even with consent, keys
 that cannot be resharded soundly — saved as per-rank plain tensors, declared
 layout-dependent (a fused QKV with per-rank interleaving), or whose global
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .errors import ReshardError
+from .errors import ConfigurationError, ReshardError
 from .parallelism import Parallelism
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,6 @@ _warned: set[str] = set()
 
 SAMPLE_ELEMENTS = 1 << 16  # elements hashed per tensor: exact below this, strided sample above
 SAMPLE_VALUES = 32  # values shipped to the coordinator to say how far diverged copies differ
-_KNOWN_DIMS = {"tp", "pp", "dp", "dp_shard", "dp_replicate", "dp_shard_cp"}
 
 
 def _warn_once(key: str, message: str, *args) -> None:
@@ -140,23 +139,29 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 
 def infer_parallelism(state_dict: dict[str, Any]) -> Parallelism | None:
-    """The layout implied by the named device meshes of the state dict's DTensors."""
+    """The layout implied by the named device meshes of the state dict's DTensors.
+
+    None (with a warning naming them) where a mesh dim name is not one :data:`.parallelism.MESH_DIM_ROLES`
+    knows, or the meshes contradict each other: the checks that need the layout are then skipped, never run
+    against a guess.  A mesh without names says nothing and is skipped silently, as before."""
     from torch.distributed.tensor import DTensor
 
-    sizes: dict[str, int] = {}
+    meshes: dict[tuple, tuple] = {}
     for value in state_dict.values():
         if isinstance(value, DTensor):
             names = value.device_mesh.mesh_dim_names
             if not names:
                 return None
-            sizes.update(zip(names, (int(s) for s in value.device_mesh.mesh.shape)))
-    if not sizes or not set(sizes) <= _KNOWN_DIMS:
-        if sizes:
-            _warn_once("dims", "cannot infer Parallelism from mesh dims %s; pass parallelism= explicitly", sorted(sizes))
+            shape = tuple(int(s) for s in value.device_mesh.mesh.shape)
+            meshes.setdefault((tuple(names), shape), tuple(zip(names, shape)))
+    if not meshes:
         return None
-    dp = math.prod(sizes.get(n, 1) for n in ("dp", "dp_shard", "dp_replicate", "dp_shard_cp"))
-    return Parallelism(tp=sizes.get("tp", 1), dp=dp, pp=sizes.get("pp", 1),
-                       mesh_shape=tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    try:
+        return Parallelism.from_mesh_dims(meshes.values())
+    except ConfigurationError as e:
+        _warn_once(f"dims {sorted(meshes)}", "cannot infer Parallelism from the state dict's DTensor meshes (%s); "
+                   "layout checks are skipped: pass parallelism= explicitly", e.message)
+        return None
 
 
 @dataclass
@@ -318,21 +323,22 @@ class LoadContext:
 
 def check_layout(*, saved: dict[str, Any] | None, current: Parallelism | None, allow_reshard: bool,
                  where: str) -> bool:
-    """Apply the layout policy; returns True when tp or pp changed (with consent)."""
+    """Apply the layout policy; returns True when tp, pp or ep changed (with consent).  A cp change is a
+    data-parallel one: weights are replicated or FSDP-sharded across cp (see :mod:`.parallelism`)."""
     if saved is None or current is None:
         missing = "the checkpoint" if saved is None else "this job"
         _warn_once(missing, "%s: parallel layout check skipped (%s has no declared or inferable Parallelism)",
                    where, missing)
         return False
     before = Parallelism.from_dict(saved)
-    if (before.tp, before.pp) == (current.tp, current.pp):
-        if before.world_size != current.world_size or before.dp != current.dp:
+    if (before.tp, before.pp, before.ep) == (current.tp, current.pp, current.ep):
+        if (before.world_size, before.dp, before.cp) != (current.world_size, current.dp, current.cp):
             log.info("%s: data-parallel reshard %s -> %s", where, before.describe(), current.describe())
         return False
     if not allow_reshard:
         raise ReshardError(
             f"{where} was saved with {before.describe()}; this job has {current.describe()}; "
-            "pass allow_reshard=True if intended (loading across a tensor/pipeline-parallel size change "
+            "pass allow_reshard=True if intended (loading across a tensor/pipeline/expert-parallel size change "
             "without checking can produce silently wrong weights)",
             saved=before.to_dict(),
             current=current.to_dict(),
