@@ -172,6 +172,7 @@ class SaveReport:
     parallelism: Parallelism | None
     divergence: str  # "raise" | "warn"
     layout_dependent: tuple[str, ...] = ()
+    plan_cache: str | None = None  # with DCP's plan caching, the planner's cache key: which series a replay continues
 
 
 # -- save-time check (coordinator) -------------------------------------------------------------
