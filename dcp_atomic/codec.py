@@ -224,3 +224,14 @@ class Staging:
     def __init__(self, block_size: int) -> None:
         pin = torch.cuda.is_available()
         self.buffer = torch.empty(block_size, dtype=torch.uint8, pin_memory=pin)
+
+
+def narrow_tensor_by_index(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    """The view of ``tensor`` at ``offsets`` spanning ``lengths``: the part of a stored chunk a read item asks for.
+
+    Ours rather than torch's private ``torch.distributed._shard._utils`` helper of the same name, which may move
+    or change between releases.  A view, never a copy; dims taken whole are left alone."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if length != tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor

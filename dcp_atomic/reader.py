@@ -40,11 +40,10 @@ from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from . import failpoints
 from .catalog import DEFAULT_TIMEOUT, resolve
-from .codec import Decoder, plane_width, tensor_bytes
+from .codec import Decoder, narrow_tensor_by_index, plane_width, tensor_bytes
 from .commit import Committed
 from .container import find_payload
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError

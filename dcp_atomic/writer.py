@@ -728,7 +728,7 @@ def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     def size(item: WriteItem) -> int:
         if item.tensor_data is None:
             return 0
-        return item.tensor_data.size.numel() * torch._utils._element_size(item.tensor_data.properties.dtype)
+        return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
 
     buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
     loads = [0] * bins
