@@ -14,7 +14,17 @@ cross the network compressed and every receiver can verify them.
 Work is cut into rounds so that a rank holds at most ``budget`` bytes of fetched
 plus received items at once (a single larger item is a round of its own).  Each
 round ends with a status collective before any byte moves, so a rank whose
-storage read failed never leaves its peers waiting for bytes that will not come.
+storage read failed never leaves its peers waiting for bytes that will not come;
+one more status after the last round tells every rank how the exchange ended.
+
+A peer that dies or freezes breaks the group: gloo's error names an address, or
+only a timeout.  Each rank that sees the exchange break checks in on the
+rendezvous store, with the peer whose connection failed if it knows one, and
+waits (bounded) for the others; the error then names the ranks that peers saw
+fail, else those that never checked in (:meth:`PeerLink.lost`).  That error must
+reach the caller of plain ``dcp.load`` typed, although DCP's next step gathers
+every rank's outcome over the same broken group: :class:`PeerLost` refuses to be
+pickled for that gather and raises itself, as a plain RankFailureError, instead.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from __future__ import annotations
 import datetime
 import itertools
 import socket
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -159,17 +171,41 @@ def _pack_rounds(shared: dict[Ident, list[int]], sender: dict[Ident, int], lengt
     return rounds
 
 
+class PeerError(Exception):
+    """The exchange with ``peer`` (None: some peer, in a collective) failed on this rank; :meth:`PeerLink.lost`
+    turns it into the RankFailureError that names who is gone."""
+
+    def __init__(self, peer: int | None, cause: str) -> None:
+        super().__init__(cause)
+        self.peer, self.cause = peer, cause
+
+
+class PeerLost(RankFailureError):
+    """A RankFailureError raised out of ``read_data`` once the group is known broken.
+
+    DCP gathers ``read_data``'s outcome over that group: the gather would fail
+    with gloo's untyped error (after waiting out the group timeout if a peer is
+    frozen) and drop this one.  Pickling, which DCP does before sending anything,
+    raises the plain error instead, so ``dcp.load`` raises it on this rank.
+    """
+
+    def __reduce__(self):
+        raise RankFailureError(self.message, **self.details)
+
+
 class PeerLink:
     """Moves round buffers between the ranks of one process group.
 
     On NCCL the bytes travel as device tensors (one host-to-device copy of a
     sender's round buffer, one device-to-host copy per received message for
-    verification on the host); on gloo they stay on the host.
+    verification on the host); on gloo they stay on the host.  ``exchange_id``
+    (the same on every rank) names this exchange's keys on the rendezvous store.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout: float) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeout: float, exchange_id: str = "") -> None:
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout)
+        self.exchange_id = exchange_id
         self.rank = dist.get_rank(group)
         backend = dist.get_backend(group)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
@@ -201,13 +237,51 @@ class PeerLink:
             try:
                 work.wait() if timeout is None else work.wait(timeout)
             except Exception as e:  # a dead peer closes its connections: gloo / NCCL errors name nobody
-                whom = "a peer" if peer is None else f"rank {peer}"
-                raise RankFailureError(
-                    f"{what}: the exchange with {whom} failed on rank {self.rank} ({socket.gethostname()}): "
-                    f"{type(e).__name__}: {e}. A peer died, froze or lost its connection during a shared read; "
-                    "nothing was loaded on this rank. Restart the job and load again.",
-                    rank=self.rank, silent="unknown" if peer is None else str(peer),
-                ) from None
+                raise PeerError(peer, f"{type(e).__name__}: {str(e).strip()[:300]}") from None
+
+    def lost(self, error: PeerError, what: str) -> PeerLost:
+        """Check in on the rendezvous store with what this rank saw, wait (at most ``timeout``) for the other
+        ranks, and name the gone ones: those whose connection a rank saw fail, else those that never checked
+        in.  The store lives on global rank 0: if it does not answer, rank 0 is the one gone."""
+        world = dist.get_world_size(self.group)
+        prefix = f"dcp_atomic/exchange/{self.exchange_id}"
+        seen: dict[int, str] = {}
+
+        def check_in() -> None:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{prefix}/{self.rank}", "" if error.peer is None else str(error.peer))
+            deadline = time.monotonic() + self.timeout.total_seconds()
+            while True:
+                keys = {r: f"{prefix}/{r}" for r in range(world)}
+                seen.update({r: store.get(k).decode() for r, k in keys.items() if r not in seen and store.check([k])})
+                suspects = {int(s) for s in seen.values() if s}
+                if set(seen) | suspects >= set(range(world)) or time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
+
+        worker = threading.Thread(target=check_in, name="dcp-atomic-exchange-blame", daemon=True)
+        worker.start()  # a frozen rank 0 freezes its store, and store calls then never return: bounded here
+        worker.join(self.timeout.total_seconds() + 2.0)
+        def named(ranks) -> str:  # global ranks, whatever group the exchange runs on
+            return ", ".join(str(r if self.group is None else dist.get_global_rank(self.group, r)) for r in ranks)
+
+        suspects = sorted({int(s) for s in dict(seen).values() if s})
+        if worker.is_alive() or self.rank not in seen:
+            silent, how = "0", "the rendezvous store on global rank 0 does not answer: rank 0 is dead or frozen"
+        elif suspects:
+            silent, how = named(suspects), "peers saw their connection to it fail"
+        else:
+            missing = [r for r in range(world) if r not in seen]
+            silent = named(missing) or "unknown"
+            how = (f"it did not check in within {self.timeout.total_seconds():g}s" if missing
+                   else "every rank checked in: a transient network failure?")
+        whom = "a peer" if error.peer is None else f"rank {named([error.peer])}"
+        return PeerLost(
+            f"{what}: the exchange with {whom} failed on rank {self.rank} ({socket.gethostname()}): {error.cause}. "
+            f"Silent rank(s): {silent} ({how}). A peer died, froze or lost its connection during a shared read; "
+            "nothing was loaded on this rank. Restart the job and load again.",
+            rank=self.rank, silent=silent,
+        )
 
 
 @dataclass

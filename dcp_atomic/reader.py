@@ -47,7 +47,7 @@ from .codec import Decoder, narrow_tensor_by_index, plane_width, tensor_bytes
 from .commit import Committed
 from .container import find_payload
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
-from .exchange import Need, PeerLink, SharePlan, plan_exchange, round_layout
+from .exchange import Need, PeerError, PeerLink, SharePlan, plan_exchange, round_layout
 from .identity import default_thread_count
 from .integrity import sha256_hex, verify_blocks, verify_segments
 from .layout import DCP_METADATA, checked_checkpoint_id, no_location_error, validate_step
@@ -86,6 +86,7 @@ class _Assignment:
 
     view: _LoadView
     share: SharePlan | None
+    exchange_id: str = ""  # names the exchange's keys on the rendezvous store (the same on every rank)
 
 
 class AtomicStorageReader(StorageReader):
@@ -377,7 +378,8 @@ class AtomicStorageReader(StorageReader):
                 views=[dataclasses.asdict(v) for v in views],
             )
         shares = self._plan_shares(plans, views)
-        return [dataclasses.replace(p, storage_data=_Assignment(v, None if shares is None else shares[i]))
+        exchange_id = uuid.uuid4().hex
+        return [dataclasses.replace(p, storage_data=_Assignment(v, None if shares is None else shares[i], exchange_id))
                 for i, (p, v) in enumerate(zip(plans, views))]
 
     def _refuse_lone_latest(self) -> None:
@@ -416,12 +418,13 @@ class AtomicStorageReader(StorageReader):
         self.read_stats = ReadStats()
         planner_lock = threading.Lock()
         items = plan.items
-        share = plan.storage_data.share if isinstance(plan.storage_data, _Assignment) else None
+        assignment = plan.storage_data if isinstance(plan.storage_data, _Assignment) else None
+        share = assignment.share if assignment is not None else None
         # Shared items first: every rank must take part in every round, whatever fails on it afterwards.
         if share is not None:
             shared = share.idents
             mine = [i for i in items if _item_id(i.storage_index) in shared]
-            if not self._read_shared(share, mine, planner, planner_lock):
+            if not self._read_shared(share, mine, planner, planner_lock, assignment.exchange_id):
                 return _done()  # a peer failed: DCP's gather of read_data raises its error on every rank
             items = [i for i in items if _item_id(i.storage_index) not in shared]
         else:
@@ -449,12 +452,19 @@ class AtomicStorageReader(StorageReader):
     # -- shared reads ----------------------------------------------------------------------
 
     def _read_shared(self, share: SharePlan, items: list[ReadItem], planner: LoadPlanner,
-                     planner_lock: threading.Lock) -> bool:
+                     planner_lock: threading.Lock, exchange_id: str) -> bool:
         """This rank's part of every exchange round; False when a peer's storage read failed (its error is
-        reported by that peer), True when every shared item this rank needs is installed."""
-        committed = self.committed
-        what = f"shared read of run {self.layout.run_id!r} step {committed.step}"
-        link = PeerLink(self.process_group, self.timeout)
+        reported by that peer), True when every shared item this rank needs is installed.  A peer gone during
+        the exchange raises :class:`.exchange.PeerLost` naming it, which ``dcp.load`` raises as is."""
+        what = f"shared read of run {self.layout.run_id!r} step {self.committed.step}"
+        link = PeerLink(self.process_group, self.timeout, exchange_id)
+        try:
+            return self._exchange_rounds(link, share, items, planner, planner_lock, what)
+        except PeerError as e:
+            raise link.lost(e, what) from None
+
+    def _exchange_rounds(self, link: PeerLink, share: SharePlan, items: list[ReadItem], planner: LoadPlanner,
+                         planner_lock: threading.Lock, what: str) -> bool:
         by_ident: dict[tuple, list[ReadItem]] = {}
         for item in items:
             by_ident.setdefault(_item_id(item.storage_index), []).append(item)
@@ -511,8 +521,15 @@ class AtomicStorageReader(StorageReader):
             except BaseException as e:
                 error = e
             del buffer, outgoing, pending, messages, jobs  # freed before the next round's: at most one budget held
+        # How the last round ended, on every rank: a peer lost during it is then seen here, typed, not in DCP's
+        # gather that follows; a failure of this rank's own installs stops its peers at once.
+        failed = link.failed_ranks(error is not None, what)
         if error is not None:
             raise error
+        if failed:
+            log.error("%s: rank(s) %s could not install their share; rank %d stops here (their error follows)",
+                      what, ", ".join(map(str, failed)), self.rank)
+            return False
         return True
 
     def _fetch(self, idents: list, lengths: dict, what: str) -> tuple[torch.Tensor, list[int]]:

@@ -168,3 +168,39 @@ def test_a_metadata_dtype_that_differs_from_the_manifest_is_refused_naming_key_d
         dcp.load(got, storage_reader=AtomicStorageReader(root, RUN, 1))
     assert "CorruptCheckpointError" in str(through_dcp.value) and repr(key) in str(through_dcp.value)
     assert all(bool((v == -3).all()) for v in got.values()), "nothing may be loaded"
+
+
+# -- 2: plain dcp.load with share_reads, a peer killed mid-exchange --------------------------------------------
+
+
+def _plain_shared_load_with_a_killed_peer(ctx):
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, failpoints
+    from tests.test_read_once import _blank, _state, _survivors_barrier
+
+    dcp.save(_state(ctx.rank, 1), storage_writer=AtomicStorageWriter(ctx.root, RUN, 1, timeout=30))
+    failpoints.arm("read.exchange_send", "kill", rank=2)
+    started = time.monotonic()
+    try:
+        dcp.load(_blank(ctx.rank), storage_reader=AtomicStorageReader(ctx.root, RUN, 1, timeout=6, share_reads=True))
+        outcome, details = ("loaded", ""), {}
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        outcome, details = (type(e).__name__, str(e)), dict(getattr(e, "details", {}))
+    seconds = time.monotonic() - started
+    _survivors_barrier(ctx, parties=[0, 1, 3])  # rank 0 hosts the store: it must outlive its peers' verdicts
+    return outcome, seconds, details
+
+
+def test_a_peer_killed_during_a_plain_shared_load_reaches_every_survivor_as_a_rank_failure_naming_it(root):
+    outcomes = run_world(_plain_shared_load_with_a_killed_peer, 4, root, timeout=150, pg_timeout=60,
+                         wait_for=[0, 1, 3])
+    assert outcomes[2].killed
+    for outcome in (o for o in outcomes if o.rank != 2):
+        assert outcome.ok, outcome.error
+        (kind, text), seconds, details = outcome.value
+        assert kind == "RankFailureError", (outcome.rank, kind, text)  # raised by dcp.load itself, not gloo's
+        assert "Silent rank(s): 2 " in text and details["silent"] == "2", text
+        assert seconds < 30, seconds  # well inside the 60 s group timeout: nobody waits it out
