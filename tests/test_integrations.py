@@ -202,9 +202,12 @@ def test_lightning_trainer_saves_resumes_and_removes_through_the_library(root):
         assert out["exact"] and out["global_step"] == 6
         assert not out["code_ran"]
         assert out["files"] == ["epoch=0-step=6.ckpt", "foreign.ckpt", "last.ckpt", "lightning", "notes.ckpt",
-                                "stock.ckpt"]  # pointers, the run's steps, the planted foreign files
-    # save_top_k=1 removed steps 2 and 4 through retention; step 6 is what both files name
-    assert list_steps(os.path.join(root, "ckpts"), "lightning") == [6]
+                                "stock.ckpt"]  # pointers, the runs of each name, the planted foreign files
+    # save_top_k=1 removed the runs of epoch=0-step=2 and 4 through retention, last.ckpt's run keeps step 6 only
+    namespace = os.path.join(root, "ckpts", "lightning")
+    runs = sorted(os.listdir(namespace))
+    assert [r.split("-")[0] for r in runs] == ["epoch_0", "last.ckpt"], runs
+    assert [list_steps(namespace, r) for r in runs] == [[6], [6]]
 
 
 # -- review 6: Lightning reads only its own pointers, without unpickling; rank 0's failures reach every rank ---------
@@ -230,23 +233,28 @@ def test_lightning_retirement_skips_foreign_files_without_unpickling_them(root):
     import torch.distributed.checkpoint as dcp
 
     from dcp_atomic import AtomicStorageWriter
-    from dcp_atomic.integrations.lightning import AtomicModelParallelStrategy, _pointer
+    from dcp_atomic.integrations.lightning import _pointer, _retire_if_unreferenced, _write_pointer, checkpoint_id_for
+    from dcp_atomic.layout import parse_checkpoint_id
 
     canary = os.path.join(root, "pwned")
     _plant_foreign_files(root, canary)
-    strategy = AtomicModelParallelStrategy.__new__(AtomicModelParallelStrategy)
-    strategy.run_id = "lightning"
-    for step in (5, 6):
-        dcp.save({"w": torch.ones(2)}, storage_writer=AtomicStorageWriter(),
-                 checkpoint_id=f"{root}/lightning/step_{step}")
+    last = os.path.join(root, "last.ckpt")
+    ids = {step: checkpoint_id_for(last, step) for step in (5, 6)}
+    for step, checkpoint_id in ids.items():
+        dcp.save({"w": torch.ones(2)}, storage_writer=AtomicStorageWriter(), checkpoint_id=checkpoint_id)
+    namespace, run, _ = parse_checkpoint_id(ids[6])
     for name in ("foreign.ckpt", "notes.ckpt", "stock.ckpt"):
         assert _pointer(os.path.join(root, name)) is None
-    strategy._retire_if_unreferenced(root, f"{root}/lightning/step_5")  # no file refers to it: retired
+    _write_pointer(last, {"global_step": 6}, ids[6])  # last.ckpt moved on to step 6
+    _retire_if_unreferenced(root, ids[5])  # no file names step 5, last.ckpt names its run: the step goes
     assert not os.path.exists(canary), "retirement unpickled a foreign file and ran its code"
-    assert list_steps(root, "lightning") == [6]
-    strategy._retire_if_unreferenced(root, f"{root}/lightning/step_5")  # already gone: nothing to do, no error
-    strategy._retire_if_unreferenced(root, f"{root}/lightning/step_6")  # LATEST: kept
-    assert list_steps(root, "lightning") == [6] and not os.path.exists(canary)
+    assert list_steps(namespace, run) == [6]
+    _retire_if_unreferenced(root, ids[5])  # already gone: nothing to do, no error
+    _retire_if_unreferenced(root, ids[6])  # last.ckpt names it: kept
+    assert list_steps(namespace, run) == [6]
+    os.remove(last)
+    _retire_if_unreferenced(root, ids[6])  # no file names the run any more: the whole run goes
+    assert not os.path.exists(os.path.join(namespace, run)) and not os.path.exists(canary)
 
 
 def _lightning_failing_pointer_rank(ctx):

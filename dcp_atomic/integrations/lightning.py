@@ -2,37 +2,50 @@
 
 Lightning's ``ModelParallelStrategy`` saves a sharded (DCP) checkpoint itself, not through ``CheckpointIO``,
 into the directory ``ModelCheckpoint`` names (``<dirpath>/epoch=0-step=10.ckpt/``, files written in place).
-Here the sharded state is committed as step ``global_step`` of run ``run_id`` under ``<dirpath>``
-(``<dirpath>/<run_id>/step_{N:010d}/<save_id>/``), and the path Lightning names becomes a small file,
-published by global rank 0 after the commit, holding Lightning's non-tensor state (a ``torch.save`` archive)
-and which step it belongs to (a JSON record inside that archive, read without unpickling anything, so
-other ``*.ckpt`` files in the directory are skipped unread). So ``ModelCheckpoint``'s bookkeeping (top-k,
-``last.ckpt``, ``ckpt_path=``) works unchanged, a crash never leaves a half-written checkpoint Lightning could
-resume from, loads verify every byte, and removal un-commits the step through retention (never an ``rmtree``
-of a committed step; the step ``LATEST`` names is kept).
+Here **every path Lightning names is its own checkpoint**: the sharded state of ``<dirpath>/<name>`` is committed
+as step ``global_step`` of a run named after ``<name>`` under ``<dirpath>/<run_id>/`` (see
+:func:`checkpoint_id_for`), and the path itself becomes a small file, published by global rank 0 after the commit,
+holding Lightning's non-tensor state (a ``torch.save`` archive) and the checkpoint id it belongs to (a JSON
+record inside the archive, read without unpickling anything, so foreign ``*.ckpt`` files are skipped unread).
+
+Why one run per name: Lightning keeps a second run in the same ``dirpath`` apart by versioning the names
+(``last-v1.ckpt``), and a weights-only and a full ``ModelCheckpoint`` firing at one step write two names; keyed
+by name, neither can replace the other's state.  Re-saving one name (``last.ckpt`` every epoch, the same name
+after a rollback) replaces what that name held, as stock Lightning overwrites its file — and nothing else.
+So ``ModelCheckpoint``'s bookkeeping (top-k, ``last.ckpt``, ``-vN``, ``ckpt_path="last"``) works unchanged, a
+crash never leaves a half-written checkpoint Lightning could resume from, loads verify every byte, and a state
+no file names any more is removed through retention (the step, or the name's whole run).
+
+Both packages work: ``AtomicModelParallelStrategy`` is built over ``pytorch_lightning``'s ``ModelParallelStrategy``
+(over ``lightning.pytorch``'s where only that is installed), ``LightningAtomicModelParallelStrategy`` over
+``lightning.pytorch``'s.  ``LightningModule.load_from_checkpoint`` on one of these files needs
+the module to mix in :class:`AtomicCheckpointHooks` (Lightning calls no strategy there).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
 import json
 import logging
 import os
+import re
 import zipfile
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from pytorch_lightning.strategies import ModelParallelStrategy
 
+from ..backends import open_storage
 from ..catalog import DEFAULT_TIMEOUT
-from ..commit import read_latest
-from ..errors import CheckpointError
-from ..layout import RunLayout
+from ..errors import CheckpointError, CheckpointNotFoundError
+from ..layout import RunLayout, parse_checkpoint_id
+from ..parallelism import Parallelism
 from ..planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..reader import AtomicStorageReader
-from ..retention import GcPlan, apply_gc
-from ..retry import Deadline
-from ..backends import open_storage
+from ..retention import remove_run, remove_step
 from ..writer import AtomicStorageWriter
 
 log = logging.getLogger(__name__)
@@ -40,29 +53,50 @@ log = logging.getLogger(__name__)
 POINTER_KEY = "dcp_atomic_checkpoint_id"
 POINTER_RECORD = "dcp_atomic_pointer.json"  # inside the archive: {POINTER_KEY: checkpoint_id}
 MAX_POINTER_RECORD_BYTES = 64 * 1024
+_UNSAFE_RUN_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 
-class AtomicModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` whose sharded checkpoints are dcp_atomic commits (see the module docstring)."""
+def checkpoint_id_for(path: str, step: int, namespace: str = "lightning") -> str:
+    """Where the state of Lightning's ``path`` at ``step`` is committed: ``<dir>/<namespace>/<run>/step_<step>``.
 
-    def __init__(self, *args: Any, run_id: str = "lightning", timeout: float = DEFAULT_TIMEOUT,
-                 **kwargs: Any) -> None:
+    The run is the file name made safe for a run id, plus a digest of the exact name, so names that differ only in
+    characters a run id cannot hold (``epoch=1`` vs ``epoch_1``) never share a run.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    readable = _UNSAFE_RUN_CHARS.sub("_", name).lstrip("._-")[:110] or "checkpoint"
+    return f"{directory}/{namespace}/{readable}-{digest}/step_{step}"
+
+
+class _AtomicCheckpointing:
+    """The checkpointing half of the strategy, mixed over a ``ModelParallelStrategy`` (see :func:`strategy_class`)."""
+
+    def __init__(self, *args: Any, run_id: str = "lightning", parallelism: Parallelism | None = None,
+                 compression: str | None = None, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
+        """``run_id`` names the folder under each ``dirpath`` that holds the runs; ``parallelism`` is recorded
+        for reshard checks (None: inferred from the DTensor meshes, Lightning's ``data_parallel`` /
+        ``tensor_parallel`` names included)."""
         super().__init__(*args, **kwargs)
+        if parallelism is not None and not isinstance(parallelism, Parallelism):
+            raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
         self.run_id = run_id
+        self.parallelism = parallelism
+        self.compression = compression
         self.timeout = timeout
-        self._last_commit: str | None = None  # one commit serves every path Lightning names for that step
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         path = os.path.abspath(self.broadcast(os.fspath(filepath)))
-        checkpoint_id = f"{os.path.dirname(path)}/{self.run_id}/step_{checkpoint['global_step']}"
+        checkpoint_id = checkpoint_id_for(path, checkpoint["global_step"], self.run_id)
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        if checkpoint_id != self._last_commit:  # a re-save of a step by a restarted run replaces it (Lightning's way)
-            writer = AtomicStorageWriter(overwrite=True, timeout=self.timeout)
-            dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, planner=AtomicSavePlanner())
-            self._last_commit = checkpoint_id
+        # This name's own run: re-saving the name replaces what it held (Lightning overwrites its file), never
+        # what another name holds.
+        writer = AtomicStorageWriter(overwrite=True, timeout=self.timeout, parallelism=self.parallelism,
+                                     compression=self.compression)
+        dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, planner=AtomicSavePlanner())
+        checkpoint[POINTER_KEY] = checkpoint_id  # for AtomicCheckpointHooks, outside a Trainer
         failure = None
         if self.global_rank == 0:
             try:
@@ -71,7 +105,8 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             except Exception as e:  # noqa: BLE001 - sent to every rank below, so none waits in a collective for it
                 failure = f"{type(e).__name__}: {e}"
             else:
-                self._retire_if_unreferenced(os.path.dirname(path), replaced)  # e.g. last.ckpt moved on
+                if replaced != checkpoint_id:
+                    _retire_if_unreferenced(os.path.dirname(path), replaced)  # e.g. last.ckpt moved on
         failure = self.broadcast(failure)
         if failure is not None:
             raise CheckpointError(f"{checkpoint_id} is committed, but global rank 0 could not write Lightning's file "
@@ -84,20 +119,21 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
         path = self.broadcast(os.fspath(checkpoint_path))
         checkpoint_id = _pointer(path)
         if checkpoint_id is None:
-            raise CheckpointError(f"{path} was not saved by {type(self).__name__} (no dcp_atomic step recorded)",
-                                  path=path)
+            raise CheckpointError(f"{path} was not saved by {type(self).__name__} (no dcp_atomic checkpoint id "
+                                  "recorded in it): resume from a file this strategy wrote", path=path)
         meta = torch.load(path, weights_only=weights_only)  # Lightning's own rule: None is torch's default
+        meta.pop(POINTER_KEY, None)  # loaded here: AtomicCheckpointHooks must not load it again
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
-        dcp.load(state, storage_reader=AtomicStorageReader(timeout=self.timeout), checkpoint_id=checkpoint_id,
-                 planner=AtomicLoadPlanner())
+        reader = AtomicStorageReader(timeout=self.timeout, parallelism=self.parallelism)
+        dcp.load(state, storage_reader=reader, checkpoint_id=checkpoint_id, planner=AtomicLoadPlanner())
         set_model_state_dict(self.model, state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
         return meta
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Rank 0: drop Lightning's file, then the step once no other file (``last.ckpt``...) refers to it."""
+        """Rank 0: drop Lightning's file, then the state it named once no other file (``last.ckpt``...) names it."""
         if not self.is_global_zero:
             return
         path = os.path.abspath(os.fspath(filepath))
@@ -105,35 +141,87 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             checkpoint_id = _pointer(path)
             os.remove(path)
         except OSError as e:
-            log.warning("could not remove %s (%s); the step it names stays committed", path, e)
+            log.warning("could not remove %s (%s); the state it names stays committed", path, e)
             return
-        self._retire_if_unreferenced(os.path.dirname(path), checkpoint_id)
+        _retire_if_unreferenced(os.path.dirname(path), checkpoint_id)
 
-    def _retire_if_unreferenced(self, directory: str, checkpoint_id: str | None) -> None:
-        """Un-commit ``checkpoint_id``'s step once no file in ``directory`` names it (global rank 0 alone).
 
-        Cleanup after a committed save: a failure is logged, never raised, because the other ranks would wait
-        for rank 0 in their next collective, and the step stays committed and loadable.
-        """
-        if checkpoint_id is None:
+_CLASS_NAMES = {"pytorch_lightning": "AtomicModelParallelStrategy",
+                "lightning.pytorch": "LightningAtomicModelParallelStrategy"}  # unique names: instances pickle
+
+
+@functools.cache
+def strategy_class(package: str = "pytorch_lightning") -> type:
+    """The strategy over ``package``'s ``ModelParallelStrategy`` (``"pytorch_lightning"`` or ``"lightning.pytorch"``):
+    a Trainer accepts only strategies of its own package."""
+    if package not in _CLASS_NAMES:
+        raise ValueError(f"package must be one of {sorted(_CLASS_NAMES)}, got {package!r}")
+    base = importlib.import_module(f"{package}.strategies").ModelParallelStrategy
+    name = _CLASS_NAMES[package]
+    return type(name, (_AtomicCheckpointing, base),
+                {"__module__": __name__, "__qualname__": name, "__doc__": f"``{package}``'s ``ModelParallelStrategy`` "
+                 "whose sharded checkpoints are dcp_atomic commits (see the module docstring)."})
+
+
+def __getattr__(name: str) -> Any:
+    """``AtomicModelParallelStrategy`` (over ``pytorch_lightning``, or ``lightning.pytorch`` where only that is
+    installed) and ``LightningAtomicModelParallelStrategy`` (over ``lightning.pytorch``), built on first use."""
+    if name == "LightningAtomicModelParallelStrategy":
+        return strategy_class("lightning.pytorch")
+    if name != "AtomicModelParallelStrategy":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        return strategy_class("pytorch_lightning")
+    except ImportError:
+        return strategy_class("lightning.pytorch")
+
+
+class AtomicCheckpointHooks:
+    """Mix into a ``LightningModule`` (``class Model(AtomicCheckpointHooks, L.LightningModule)``) so that
+    ``Model.load_from_checkpoint(path)`` reads the weights a file written by the strategy names.
+
+    Lightning calls no strategy there: it unpickles the file and hands ``checkpoint["state_dict"]`` to the new
+    module after ``on_load_checkpoint``, which fills it here from the verified commit (resharded to this module's
+    unsharded tensors, in one process or on every rank of an initialised process group).
+    """
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint_id = checkpoint.get(POINTER_KEY)
+        if isinstance(checkpoint_id, str) and not checkpoint.get("state_dict"):
+            state = {"state_dict": self.state_dict()}
+            dcp.load(state, storage_reader=AtomicStorageReader(), checkpoint_id=checkpoint_id,
+                     planner=AtomicLoadPlanner(), no_dist=not (dist.is_available() and dist.is_initialized()))
+            checkpoint["state_dict"] = state["state_dict"]
+        parent = getattr(super(), "on_load_checkpoint", None)
+        if parent is not None:
+            parent(checkpoint)
+
+
+def _retire_if_unreferenced(directory: str, checkpoint_id: str | None) -> None:
+    """Remove ``checkpoint_id``'s state once no file in ``directory`` names it (global rank 0 alone): the step, or
+    the whole run when no file names any of its steps (a top-k file rotated out).
+
+    Cleanup after a committed save: a failure is logged, never raised, because the other ranks would wait for rank
+    0 in their next collective, and the state stays committed and loadable until ``dcp-atomic gc`` / ``rm``.
+    """
+    if checkpoint_id is None:
+        return
+    try:
+        root, run_id, step = parse_checkpoint_id(checkpoint_id)
+        run_prefix = checkpoint_id.rsplit("/", 1)[0] + "/"
+        named = {_pointer(os.path.join(directory, n)) for n in os.listdir(directory) if n.endswith(".ckpt")}
+        if checkpoint_id in named:
             return
-        try:
-            if any(_pointer(os.path.join(directory, n)) == checkpoint_id for n in os.listdir(directory)
-                   if n.endswith(".ckpt")):
-                return
-            root, step = os.path.dirname(os.path.dirname(checkpoint_id)), int(checkpoint_id.rsplit("_", 1)[1])
-            layout = RunLayout(open_storage(root), self.run_id)
-            if not layout.storage.is_dir(layout.step_dir(step)):
-                return  # retired already
-            try:
-                if read_latest(layout, Deadline(0)).step == step:
-                    return  # LATEST is never deleted: retention would keep it too
-            except CheckpointError:
-                pass
-            apply_gc(layout, GcPlan(delete_steps=[step]))  # un-commit first, then the data
-        except Exception as e:  # noqa: BLE001 - see the docstring
-            log.warning("could not retire %s, which no Lightning checkpoint file names any more (%s: %s); it stays "
-                        "committed until `dcp-atomic gc` removes it", checkpoint_id, type(e).__name__, e)
+        layout = RunLayout(open_storage(root), run_id)
+        if any(other is not None and other.startswith(run_prefix) for other in named):
+            remove_step(layout, step)
+        else:
+            remove_run(layout)
+    except CheckpointNotFoundError:
+        return  # retired already
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.warning("could not retire %s, which no Lightning checkpoint file names any more (%s: %s); it stays "
+                    "committed until `dcp-atomic rm` or `gc` removes it", checkpoint_id, type(e).__name__, e)
 
 
 def _write_pointer(path: str, checkpoint: dict[str, Any], checkpoint_id: str) -> None:

@@ -1,0 +1,193 @@
+"""Lightning the way its users run it: a ``Trainer`` with ``ModelCheckpoint`` callbacks and ``ckpt_path``, over a
+job's life — two fresh runs into one ``dirpath``, a weights-only and a full checkpoint at the same step, a rollback
+to an earlier file and training on, ``ckpt_path="last"``, ``trainer.save_checkpoint`` and ``load_from_checkpoint``
+— each file must load the state of the run and moment that wrote it.  Both ``pytorch_lightning`` and
+``lightning.pytorch``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.harness import assert_all_ok, run_world
+
+
+def _module_class(package: str):
+    import importlib
+
+    pl = importlib.import_module(package)
+    from dcp_atomic.integrations.lightning import AtomicCheckpointHooks
+
+    class Module(AtomicCheckpointHooks, pl.LightningModule):
+        def __init__(self, seed: int = 0, data_seed: int = 1):
+            super().__init__()
+            self.save_hyperparameters()
+            torch.manual_seed(seed)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+            self.data_seed = data_seed
+            self.at_start = None
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            if self.device_mesh is None:  # load_from_checkpoint outside a Trainer: a plain module
+                return
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch, _):
+            return self.net(batch).sum()
+
+        def on_train_start(self):
+            self.at_start = _weights(self)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.net.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            torch.manual_seed(self.data_seed)
+            return torch.utils.data.DataLoader(torch.randn(64, 8), batch_size=4)
+
+    return pl, Module
+
+
+def _weights(module) -> dict:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in module.net.state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _trainer(pl, ctx, max_steps, callbacks=(), **kwargs):
+    from dcp_atomic.integrations.lightning import strategy_class
+
+    strategy = strategy_class("lightning.pytorch" if pl.__name__.startswith("lightning") else "pytorch_lightning")
+    return pl.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=ctx.root,
+                      strategy=strategy(data_parallel_size=2, tensor_parallel_size=1, timeout=30),
+                      callbacks=list(callbacks), enable_checkpointing=bool(callbacks), **kwargs)
+
+
+def _resumed_weights(pl, Module, ctx, path, max_steps):
+    """What ``fit(ckpt_path=path)`` restores (one more step to reach on_train_start; no checkpoints written)."""
+    module = Module(seed=99)
+    _trainer(pl, ctx, max_steps).fit(module, ckpt_path=path)
+    return module.at_start
+
+
+def _two_runs_one_dirpath(ctx, package):
+    pl, Module = _module_class(package)
+    callbacks_module = __import__(f"{package}.callbacks", fromlist=["ModelCheckpoint"])
+    dirpath = os.path.join(ctx.root, "ckpts")
+
+    def callbacks():  # weights-only every step and first: it fires before the full checkpoint at steps 2 and 4
+        return [callbacks_module.ModelCheckpoint(dirpath=dirpath, filename="weights-{step}", every_n_train_steps=1,
+                                                 save_top_k=-1, save_weights_only=True),
+                callbacks_module.ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1,
+                                                 save_last=True)]
+
+    runs = {}
+    for name, seed, data_seed in (("first", 0, 1), ("second", 5, 6)):
+        module = Module(seed=seed, data_seed=data_seed)
+        _trainer(pl, ctx, 4, callbacks()).fit(module)
+        runs[name] = _weights(module)
+    files = sorted(n for n in os.listdir(dirpath) if n.endswith(".ckpt"))
+    out = {"files": files, "runs_differ": not _same(runs["first"], runs["second"])}
+    # each file loads its own run's state; the full one with its optimizer (resuming needs it)
+    for name, file in (("first", "epoch=0-step=4.ckpt"), ("second", "epoch=0-step=4-v1.ckpt"),
+                       ("first", "last.ckpt"), ("second", "last-v1.ckpt")):
+        out[file] = _same(_resumed_weights(pl, Module, ctx, os.path.join(dirpath, file), 5), runs[name])
+    # weights-only files hold the weights; load_from_checkpoint reads them outside any Trainer state
+    for name, file in (("first", "weights-step=4.ckpt"), ("second", "weights-step=4-v1.ckpt")):
+        loaded = Module.load_from_checkpoint(os.path.join(dirpath, file))
+        out[file] = _same(_weights(loaded), runs[name])
+    return out
+
+
+@pytest.mark.parametrize("package", ["pytorch_lightning", "lightning.pytorch"])
+def test_two_runs_in_one_dirpath_and_weights_only_beside_full_each_load_their_own_state(root, package):
+    for out in assert_all_ok(run_world(_two_runs_one_dirpath, 2, root, args=(package,), timeout=300)):
+        assert out["runs_differ"]
+        assert out["files"] == ["epoch=0-step=2-v1.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=4-v1.ckpt",
+                                "epoch=0-step=4.ckpt", "last-v1.ckpt", "last.ckpt"] + [
+                                f"weights-step={n}{v}.ckpt" for n in range(1, 5) for v in ("-v1", "")]
+        bad = [file for file, ok in out.items() if file.endswith(".ckpt") and ok is not True]
+        assert not bad, f"files that did not load their own run's state: {bad}"
+
+
+def _rollback_and_last(ctx):
+    pl, Module = _module_class("pytorch_lightning")
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    dirpath = os.path.join(ctx.root, "ckpts")
+
+    def callbacks():
+        return [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1, save_last=True)]
+
+    first = Module(seed=0, data_seed=1)
+    _trainer(pl, ctx, 6, callbacks()).fit(first)
+    at_6 = _weights(first)
+    # a loss spike: go back to step 2 and train on other data; the files of steps 4 and 6 are re-saved
+    rolled = Module(seed=0, data_seed=7)
+    trainer = _trainer(pl, ctx, 6, callbacks())
+    trainer.fit(rolled, ckpt_path=os.path.join(dirpath, "epoch=0-step=2.ckpt"))
+    rolled_6 = _weights(rolled)
+    manual = os.path.join(dirpath, "manual.ckpt")
+    trainer.save_checkpoint(manual)
+    return {
+        "rolled_started_at_2": trainer.global_step == 6 and rolled.at_start is not None,
+        "branches_differ": not _same(at_6, rolled_6),
+        # the restored callback state predates last.ckpt, so Lightning versions the new branch's last file
+        "last_v1_is_the_new_branch": _same(_resumed_weights(pl, Module, ctx, os.path.join(dirpath, "last-v1.ckpt"),
+                                                            7), rolled_6),
+        "last_is_the_old_branch": _same(_resumed_weights(pl, Module, ctx, os.path.join(dirpath, "last.ckpt"), 7),
+                                        at_6),
+        "manual": _same(_resumed_weights(pl, Module, ctx, manual, 7), rolled_6),
+        "old_step_6_file": _same(_resumed_weights(pl, Module, ctx, os.path.join(dirpath, "epoch=0-step=6.ckpt"), 7),
+                                 at_6),
+        "files": sorted(n for n in os.listdir(dirpath) if n.endswith(".ckpt")),
+    }
+
+
+def test_rollback_to_an_earlier_file_trains_on_and_last_follows_the_new_branch(root):
+    for out in assert_all_ok(run_world(_rollback_and_last, 2, root, timeout=300)):
+        assert out["rolled_started_at_2"] and out["branches_differ"]
+        assert out["last_v1_is_the_new_branch"] and out["last_is_the_old_branch"] and out["manual"], out["files"]
+        assert out["old_step_6_file"]  # Lightning versioned the new branch's names: the old file keeps its state
+        assert {"epoch=0-step=6-v1.ckpt", "last.ckpt", "last-v1.ckpt"} <= set(out["files"])
+
+
+def _ckpt_path_last(ctx):
+    pl, Module = _module_class("pytorch_lightning")
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    dirpath = os.path.join(ctx.root, "ckpts")
+    first = Module(seed=0)
+    _trainer(pl, ctx, 4, [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_last=True)]).fit(first)
+    resumed = Module(seed=3)
+    trainer = _trainer(pl, ctx, 6, [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_last=True)])
+    trainer.fit(resumed, ckpt_path="last")
+    return _same(resumed.at_start, _weights(first)), trainer.global_step
+
+
+def test_ckpt_path_last_resumes_from_the_last_commit(root):
+    for exact, global_step in assert_all_ok(run_world(_ckpt_path_last, 2, root, timeout=240)):
+        assert exact and global_step == 6
+
+
+def test_checkpoint_ids_keep_names_apart():
+    from dcp_atomic.integrations.lightning import checkpoint_id_for
+    from dcp_atomic.layout import parse_checkpoint_id
+
+    ids = {checkpoint_id_for(f"/ckpts/{name}", 4) for name in ("epoch=0-step=4.ckpt", "epoch_0-step_4.ckpt",
+                                                               "last.ckpt", "last-v1.ckpt", "a" * 300)}
+    assert len(ids) == 5
+    for checkpoint_id in ids:
+        root, run_id, step = parse_checkpoint_id(checkpoint_id)
+        assert root == "/ckpts/lightning" and step == 4
