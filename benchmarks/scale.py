@@ -153,7 +153,7 @@ def cell(world: int, items: int, *, caching: bool = False, repeats: int = 3) -> 
         if caching:  # the first save of the series, as rank 0 runs it (its data writes left out)
             assigned = writer.prepare_global_plan(global_plans)
             writer_module._advance_series(assigned[0].storage_data, True)
-            writer_module._cached_series = writer._series
+            writer_module._remember_series(planner, writer._series)
             cached = [writer.prepare_local_plan(SavePlan([], usable=False)) for _ in plans]
         stock_results = _stock_results(plans)
         runs = []
@@ -187,7 +187,7 @@ def cell(world: int, items: int, *, caching: bool = False, repeats: int = 3) -> 
         return {**row, **_loading_rank(writer, items)}
     finally:
         _clear_dcp_plan_cache()
-        writer_module._cached_series = None
+        writer_module._cached_series.clear()
         shutil.rmtree(root, ignore_errors=True)
 
 
