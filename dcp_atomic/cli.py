@@ -1,18 +1,24 @@
 """``dcp-atomic``: look at, verify, export, import and demo checkpoints without writing Python.
 
 Subcommands: ``ls ROOT [RUN]``, ``show ROOT RUN [STEP]``, ``verify ROOT RUN
-[STEP|--all]``, ``gc ROOT RUN --keep-last N [--dry-run]``, ``export [--format
-safetensors] ROOT RUN STEP OUT``, ``import STOCK_DCP_DIR ROOT RUN STEP``,
-``demo``.  ``--json`` prints machine-readable output, errors included; it,
-``--timeout`` and ``--storage-options`` go before or after the subcommand.
-The CLI is one process, so it may scan (list) the run directory; training
-ranks never do.
+[STEP|--all]``, ``gc ROOT RUN --keep-last N [--dry-run]``, ``rm ROOT RUN [STEP]
+[--yes]``, ``export [--format safetensors] ROOT RUN STEP OUT``, ``import
+STOCK_DCP_DIR ROOT RUN STEP``, ``demo``.  ``--json`` prints machine-readable
+output, errors included; it, ``--timeout`` and ``--storage-options`` go before
+or after the subcommand.  The CLI is one process, so it may scan (list) the run
+directory; training ranks never do.
+
+Operators pipe it (``| head``), script it (``--json``) and point it at roots
+whose SDK or credentials are missing: every failure is one line on stderr (one
+JSON object on stdout with ``--json``) and a non-zero status, never a
+traceback (``DCP_ATOMIC_TRACEBACK=1`` shows one for a bug report).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import threading
@@ -23,12 +29,36 @@ from .audit import AuditReport, audit_step
 from .catalog import most_recent, scan_markers
 from .commit import read_committed
 from .errors import CheckpointError, CheckpointNotFoundError
-from .layout import RunLayout, parse_step_dir, validate_run_id
+from .layout import LATEST, RunLayout, parse_step_dir, validate_run_id
 from .manifest import Marker
-from .retention import apply_gc, plan_gc
+from .retention import COMMITS, apply_gc, plan_gc, remove_run, remove_step
 from .retry import Deadline
 from .backends import open_storage
 from .storage import Storage
+
+
+#: version of every ``--json`` object this command prints (its ``"schema"`` key); bumped when a field changes
+#: meaning or goes away, not when one is added.  See "JSON output" in the README.
+JSON_SCHEMA = 1
+
+#: the extra that brings each URL scheme's SDK
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+#: what to do about failures that arrive as a third-party SDK's own exception type
+_HINTS = {
+    "NoCredentialsError": "no credentials were found: pass them in --storage-options (e.g. {\"key\": ..., "
+                          "\"secret\": ...}), set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or "
+                          "pass {\"anon\": true} for a public bucket",
+    "PartialCredentialsError": "the credentials are incomplete: pass both key and secret",
+    "DefaultCredentialsError": "no Google credentials were found: run `gcloud auth application-default login`, set "
+                               "GOOGLE_APPLICATION_CREDENTIALS, or pass {\"token\": ...} in --storage-options",
+    "EndpointConnectionError": "the endpoint cannot be reached: check endpoint_url in --storage-options",
+}
+
+
+def _emit(body: dict[str, Any]) -> None:
+    """One ``--json`` object on stdout, versioned."""
+    print(json.dumps({"schema": JSON_SCHEMA, **body}, indent=1, sort_keys=False))
 
 
 class CliError(Exception):
@@ -54,6 +84,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _rename_rule(text: str) -> tuple[str, str]:
+    old, sep, new = text.partition("=")
+    if not sep or not old:
+        raise argparse.ArgumentTypeError(f"expected OLD=NEW with a non-empty OLD, got {text!r}")
+    return old, new
 
 
 def _size(text: str) -> str:
@@ -102,10 +139,21 @@ def _storage(args) -> Storage:
             raise CliError(f"--storage-options is not valid JSON ({e})", code=2, kind="UsageError") from None
         if not isinstance(options, dict):
             raise CliError("--storage-options must be a JSON object", code=2, kind="UsageError")
-    storage = open_storage(args.root, options)
+    try:
+        storage = open_storage(args.root, options)
+    except ImportError as e:
+        raise CliError(_missing_sdk(args.root, e), kind="MissingDependency") from None
     if not storage.is_dir(storage.root):
         raise CliError(f"{args.root}: no such checkpoint root (nothing there)", kind="NotFound")
     return storage
+
+
+def _missing_sdk(root: str, error: ImportError) -> str:
+    scheme = root.split("://", 1)[0] if "://" in root else ""
+    extra = _EXTRAS.get(scheme)
+    fix = (f"pip install 'dcp-atomic[{extra}]'" if extra else
+           f"install the fsspec implementation of {scheme}:// (see fsspec's list of known implementations)")
+    return f"{root}: the {scheme}:// backend cannot be imported ({error}); {fix}"
 
 
 def _layout(args) -> RunLayout:
@@ -170,8 +218,8 @@ def _run_rows(storage: Storage) -> list[dict[str, Any]]:
     now = time.time()
     for name in storage.list_dir(storage.root):
         layout = RunLayout(storage, name) if _is_run_id(name) else None
-        if layout is None or not storage.is_dir(layout.run_dir):
-            continue  # dot-files, temps, anything that is not a run
+        if layout is None or not _is_run_dir(layout):
+            continue  # hashed data prefixes, dot-files, temps, exports: anything that is not a run
         damaged: list[tuple[int, str]] = []
         markers = scan_markers(layout, unreadable=damaged)
         newest = most_recent(markers)
@@ -188,6 +236,15 @@ def _run_rows(storage: Storage) -> list[dict[str, Any]]:
     return rows
 
 
+def _is_run_dir(layout: RunLayout) -> bool:
+    """A directory that holds a step directory or a run-level control file (one listing)."""
+    try:
+        names = layout.storage.list_dir(layout.run_dir)
+    except NotADirectoryError:  # a stray file under the root (POSIX; object stores list it as nothing)
+        return False
+    return any(parse_step_dir(n) is not None or n in (LATEST, COMMITS) for n in names)
+
+
 def _is_run_id(name: str) -> bool:
     try:
         validate_run_id(name)
@@ -200,7 +257,7 @@ def cmd_ls(args) -> int:
     if not args.run:
         rows = _run_rows(_storage(args))
         if args.json:
-            print(json.dumps({"root": args.root, "runs": rows}, indent=1))
+            _emit({"root": args.root, "runs": rows})
         elif not rows:
             print(f"no runs under {args.root}")
         else:
@@ -218,7 +275,7 @@ def cmd_ls(args) -> int:
     rows = _step_rows(layout, markers, damaged)
     newest = most_recent(list(markers.values()))
     if args.json:
-        print(json.dumps({"run": args.run, "latest": newest.step if newest else None, "steps": rows}, indent=1))
+        _emit({"run": args.run, "latest": newest.step if newest else None, "steps": rows})
         return 0
     if not rows:
         print(f"no steps in {layout.run_dir}")
@@ -252,9 +309,8 @@ def cmd_show(args) -> int:
     committed.load_items(layout, None, Deadline(args.timeout))
     committed.load_rank_records(layout, Deadline(args.timeout))
     manifest = committed.manifest
-    if args.json:  # the manifest as stored, with what ranks.json holds
-        print(json.dumps({**json.loads(manifest.to_json()), "ranks": manifest.ranks, "stats": manifest.stats},
-                         indent=1, sort_keys=True))
+    if args.json:  # the manifest as stored (its own "schema_version"), with what ranks.json holds
+        _emit(dict(sorted({**json.loads(manifest.to_json()), "ranks": manifest.ranks, "stats": manifest.stats}.items())))
         return 0
     print(f"run {manifest.run_id}  step {manifest.step}  save {manifest.save_id}")
     print(f"world size {manifest.world_size}  parallelism {manifest.parallelism or 'not declared'}")
@@ -263,6 +319,9 @@ def cmd_show(args) -> int:
     if manifest.data_prefixes:
         print(f"data under {manifest.data_prefixes} hashed prefixes: "
               f"{layout.storage.join(layout.storage.root, '_dXX', layout.run_id, '...')}")
+    user_metadata = getattr(manifest, "user_metadata", None)
+    if user_metadata:
+        print(f"user metadata: {json.dumps(user_metadata, sort_keys=True)}")
     hosts = sorted({r.get("host") for r in manifest.ranks})
     print(f"hosts: {', '.join(hosts)}")
     for s in manifest.stats:
@@ -309,8 +368,8 @@ def cmd_verify(args) -> int:
             progress.close()
     reports.sort(key=lambda r: r.step)
     bad = [r for r in reports if not r.ok]
-    if args.json:
-        print(json.dumps([r.__dict__ for r in reports], indent=1))
+    if args.json:  # an array (as before schemas), each report versioned
+        print(json.dumps([{"schema": JSON_SCHEMA, **r.__dict__} for r in reports], indent=1))
     else:
         for r in reports:
             status = "OK" if r.ok else "FAILED"
@@ -343,7 +402,7 @@ def cmd_gc(args) -> int:
         if not args.dry_run:
             apply_gc(layout, plan)  # a failure is reported by main, after the lines above
         return 1 if unreadable else 0
-    report: dict[str, Any] = {"dry_run": args.dry_run, "delete_steps": plan.delete_steps,
+    report: dict[str, Any] = {"schema": JSON_SCHEMA, "dry_run": args.dry_run, "delete_steps": plan.delete_steps,
                               "delete_attempts": [list(a) for a in plan.delete_attempts],
                               "delete_temps": plan.delete_temps, "delete_data": plan.delete_data, "kept_steps": kept,
                               "unreadable_steps": [list(u) for u in unreadable]}
@@ -354,6 +413,47 @@ def cmd_gc(args) -> int:
             report["error"] = {"type": type(e).__name__, "message": getattr(e, "message", str(e))}
     print(json.dumps(report))
     return 1 if unreadable or "error" in report else 0
+
+
+def cmd_rm(args) -> int:
+    """Show what would go; delete it only with ``--yes`` (a step, or the whole run).  Never touches another run."""
+    layout = _layout(args)
+    markers, damaged = _scan(layout)
+    if args.step is not None:
+        _require_step(layout, args.step)
+        remaining = [m for step, m in markers.items() if step != args.step]
+        newest = most_recent(remaining)
+        plan: dict[str, Any] = {
+            "run": args.run, "step": args.step, "committed": args.step in markers,
+            "attempts": [a for a in layout.storage.list_dir(layout.step_dir(args.step))
+                         if a != "COMMITTED" and not a.startswith(".")],
+            "latest_after": newest.step if newest else None}
+        what = (f"{'committed' if plan['committed'] else 'uncommitted'} step {args.step} of run {args.run!r} "
+                f"({len(plan['attempts'])} attempt(s))")
+        after = f"step {newest.step}" if newest else "nothing (no commit left)"
+    else:
+        steps = sorted(s for s in map(parse_step_dir, layout.storage.list_dir(layout.run_dir)) if s is not None)
+        plan = {"run": args.run, "step": None, "committed_steps": sorted(markers), "all_steps": steps,
+                "damaged_steps": sorted(damaged)}
+        what = (f"run {args.run!r}: {len(markers)} committed step(s) {sorted(markers)}, {len(steps)} step "
+                f"director{'y' if len(steps) == 1 else 'ies'} in all, LATEST, and its data under {layout.run_dir}")
+        after = None
+    if not args.yes:
+        if args.json:
+            _emit({**plan, "removed": False})
+        else:
+            print(f"would remove {what}" + (f"; LATEST would then name {after}" if after else ""))
+        print("dcp-atomic: nothing was removed: pass --yes to remove it", file=sys.stderr)
+        return 2
+    if args.step is not None:
+        remove_step(layout, args.step)
+    else:
+        plan["committed_steps"] = remove_run(layout)
+    if args.json:
+        _emit({**plan, "removed": True})
+    else:
+        print(f"removed {what}" + (f"; LATEST now names {after}" if after else ""))
+    return 0
 
 
 def cmd_export(args) -> int:
@@ -367,22 +467,29 @@ def cmd_export(args) -> int:
     if not os.path.isdir(os.path.dirname(out)):
         raise CliError(f"cannot export to {args.out}: directory {os.path.dirname(out)} does not exist")
     if args.format == "torch":
-        if args.dtype or args.keys or args.shard_size:
-            raise CliError("--dtype, --keys and --shard-size apply to --format safetensors", code=2, kind="UsageError")
-        step, save_id = export_torch(args.root, args.run, args.step, out, timeout=args.timeout, storage_options=options)
+        if args.dtype or args.keys or args.shard_size or args.renames or args.ties:
+            raise CliError("--dtype, --keys, --shard-size, --strip-prefix, --rename and --tie apply to "
+                           "--format safetensors", code=2, kind="UsageError")
+        step, save_id = export_torch(args.root, args.run, args.step, out, timeout=args.timeout,
+                                     storage_options=options, force=args.force)
         if args.json:
-            print(json.dumps({"out": out, "format": "torch", "step": step, "save_id": save_id}))
+            _emit({"out": out, "format": "torch", "step": step, "save_id": save_id})
         else:
             print(f"exported run {args.run} step {step} (save {save_id}) to {args.out}")
         return 0
     report = export_safetensors(args.root, args.run, args.step, out, shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
-                                dtype=args.dtype, keys=args.keys or (), timeout=args.timeout, storage_options=options)
+                                dtype=args.dtype, keys=args.keys or (), renames=args.renames or (),
+                                ties=args.ties or (), force=args.force, timeout=args.timeout,
+                                storage_options=options)
     if args.json:
-        print(json.dumps({"out_dir": report.out_dir, "step": report.step, "save_id": report.save_id,
-                          "files": report.files, "total_size": report.total_size, "skipped": report.skipped}))
+        _emit({"out_dir": report.out_dir, "format": "safetensors", "step": report.step, "save_id": report.save_id,
+               "files": report.files, "total_size": report.total_size, "skipped": report.skipped,
+               "renamed": report.renamed, "tied": [list(t) for t in report.tied]})
     else:
         print(f"exported run {args.run} step {report.step} (save {report.save_id}) to {args.out}: "
-              f"{len(report.files)} safetensors shard(s), {report.total_size / 2**20:.1f} MiB")
+              f"{len(report.files)} safetensors shard(s), {report.total_size / 2**20:.1f} MiB"
+              + (f"; {len(report.renamed)} key(s) renamed" if report.renamed else "")
+              + (f"; tied {', '.join(f'{a} -> {t}' for a, t in report.tied)}" if report.tied else ""))
     return 0
 
 
@@ -394,7 +501,7 @@ def cmd_import(args) -> int:
     marker = import_stock(args.source, args.root, args.run, args.step, link=args.link, timeout=args.timeout,
                           storage_options=options)
     if args.json:
-        print(json.dumps({"run": args.run, "step": marker.step, "save_id": marker.save_id}))
+        _emit({"run": args.run, "step": marker.step, "save_id": marker.save_id})
     else:
         print(f"imported {args.source} as run {args.run} step {marker.step} (save {marker.save_id}, "
               f"{'hard-linked' if args.link else 'copied'})")
@@ -443,6 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=cmd_gc)
 
+    p = sub.add_parser("rm", parents=[after], help="delete one step (committed or not) or a whole run; needs --yes")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("step", nargs="?", type=int, help="the step to delete (default: the whole run)")
+    p.add_argument("--yes", action="store_true", help="really delete (without it: show what would go, exit 2)")
+    p.set_defaults(func=cmd_rm)
+
     p = sub.add_parser("export", parents=[after],
                        help="write one step as one torch.save file, or as safetensors shards")
     p.add_argument("root")
@@ -454,6 +568,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating tensors (safetensors)")
     p.add_argument("--keys", action="append", metavar="GLOB",
                    help="export only keys matching GLOB, e.g. 'model.*' (repeatable; safetensors)")
+    p.add_argument("--strip-prefix", dest="renames", action="append", type=lambda prefix: (prefix, ""),
+                   metavar="PREFIX", help="drop PREFIX from the names that start with it, e.g. 'model.' for a state "
+                   "dict saved as {'model': model.state_dict()} (repeatable, in order with --rename; safetensors)")
+    p.add_argument("--rename", dest="renames", action="append", type=_rename_rule, metavar="OLD=NEW",
+                   help="replace a leading OLD with NEW in the exported names (repeatable; safetensors)")
+    p.add_argument("--tie", dest="ties", action="append", type=_rename_rule, metavar="ALIAS=TARGET",
+                   help="ALIAS is tied to TARGET (exported names, e.g. lm_head.weight=model.embed_tokens.weight): "
+                   "checked bit-identical, written once under TARGET (repeatable; safetensors)")
+    p.add_argument("--force", action="store_true", help="replace an existing export at OUT")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import", parents=[after], help="adopt a stock DCP checkpoint directory as a committed step")
@@ -485,10 +608,48 @@ def _add_global_options(parser: argparse.ArgumentParser, *, after_subcommand: bo
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; every failure becomes one line (or one JSON object) and an exit status."""
     argv = sys.argv[1:] if argv is None else argv
+    handler = _one_line_logging()
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # inside the try: `| head` closing the pipe surfaces here at the latest
+        return code
+    except BrokenPipeError:  # the reader went away (`show | head -1`): end quietly, as Unix tools do
+        _silence_stdout()
+        return 141
+    except KeyboardInterrupt:
+        print("dcp-atomic: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+
+
+class _OneLineFormatter(logging.Formatter):
+    """Warnings as one line each: SDKs log their retries with ``logger.exception`` (gcsfs), a traceback here."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"dcp-atomic: {record.levelname.lower()}: {record.getMessage()}".replace("\n", " ")
+
+
+def _one_line_logging() -> logging.Handler | None:
+    """Give an unconfigured process (the console script) a one-line stderr handler; leave a configured one alone."""
+    if logging.getLogger().handlers or os.environ.get("DCP_ATOMIC_TRACEBACK"):
+        return None
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_OneLineFormatter())
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def _run(argv: list[str]) -> int:
     as_json = "--json" in argv  # known before parsing, so that usage errors are JSON too
+    root = None
     try:
         args = build_parser().parse_args(argv)
+        root = getattr(args, "root", None)
         if getattr(args, "run", None) is not None:
             try:
                 validate_run_id(args.run)
@@ -499,13 +660,36 @@ def main(argv: list[str] | None = None) -> int:
         return _report(as_json, e.kind, e.message, e.code)
     except CheckpointError as e:
         return _report(as_json, type(e).__name__, e.message, 1)
+    except BrokenPipeError:
+        raise
     except (OSError, ValueError) as e:  # storage and configuration failures: a message, not a traceback
-        return _report(as_json, type(e).__name__, str(e), 1)
+        text = str(e)
+        return _report(as_json, type(e).__name__, text if not root or root in text else f"{root}: {text}", 1)
+    except ImportError as e:
+        return _report(as_json, "MissingDependency", _missing_sdk(root or "", e), 1)
+    except Exception as e:  # noqa: BLE001 - an SDK's own type (credentials, endpoints) or a bug: still one line
+        if os.environ.get("DCP_ATOMIC_TRACEBACK"):
+            raise
+        hint = _HINTS.get(type(e).__name__)
+        where = f"{root}: " if root else ""
+        message = f"{where}{e}" + (f"; {hint}" if hint else
+                                   " (unexpected: set DCP_ATOMIC_TRACEBACK=1 and rerun for a traceback to report)")
+        return _report(as_json, type(e).__name__, message, 1)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's own flush at exit cannot raise BrokenPipeError again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (captured by a test harness)
+        pass
 
 
 def _report(as_json: bool, kind: str, message: str, code: int) -> int:
     if as_json:
-        print(json.dumps({"error": {"type": kind, "message": message}}))
+        print(json.dumps({"schema": JSON_SCHEMA, "error": {"type": kind, "message": message}}))
     else:
         print(f"dcp-atomic: {kind}: {message}", file=sys.stderr)
     return code

@@ -19,6 +19,10 @@ that kept the highest step numbers after a rollback restart.  Here:
   used, with or without a manifest), and *before* the step or attempt records that
   would lead a later gc back to it; prefixed data whose step has no record at all
   (an older dcp_atomic's gc removed it) is swept once its lease has expired.
+
+:func:`remove_step` and :func:`remove_run` are the operator's deletions (``dcp-atomic rm``, the Lightning
+integration's ``remove_checkpoint``): unlike gc they delete what is asked even when ``LATEST`` names it, and
+then leave ``LATEST`` and the ``COMMITS`` journal telling the truth about what remains.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 
-from .catalog import SCAN_RETRY_SECONDS, scan_markers
-from .commit import commit_order, read_latest, read_marker
-from .errors import CheckpointError
+from .catalog import SCAN_RETRY_SECONDS, most_recent, scan_markers
+from .commit import commit_order, read_latest, read_marker, write_latest
+from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import ATTEMPT, DATA_PREFIX_PATTERN, MARKER, RunLayout, parse_step_dir, step_dir_name
 from .manifest import CONTROL_SCHEMA, Marker, _sealed_json, _unseal
 from .retry import Deadline
@@ -173,6 +177,78 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
     abort = getattr(storage, "abort_stale_uploads", None)
     if abort is not None:
         abort(layout.run_dir, older_than_s=plan.lease_seconds)
+
+
+# -- deletions an operator asks for -----------------------------------------------------------------------------
+
+
+def remove_step(layout: RunLayout, step: int) -> None:
+    """Delete one step, committed or not, even the one ``LATEST`` names.
+
+    Order, so that a crash at any point leaves no committed step with missing files and no ``LATEST`` naming a
+    step that is gone for longer than the deletion: the marker is removed first (un-commit), then ``LATEST`` is
+    pointed at the most recent remaining commit (commit order, P10; deleted if none remains) and the step is
+    dropped from the ``COMMITS`` journal, and only then are the step's files deleted, its hashed-prefix data
+    (``_dXX/<run>/step_N/``) before the step directory that leads gc to it.  Run by one process (the CLI, global
+    rank 0), never while a job saves into this run.
+    """
+    storage = layout.storage
+    if not storage.is_dir(layout.step_dir(step)) and not any(
+            step_dir_name(step) in names for names in _data_steps(layout).values()):
+        raise CheckpointNotFoundError(f"run {layout.run_id!r} has no step {step} ({layout.step_dir(step)} does not "
+                                      "exist); nothing was removed", step=step, path=layout.step_dir(step))
+    storage.remove(layout.marker(step))  # un-commit first
+    storage.sync_dir(layout.step_dir(step))
+    _point_latest_at_newest(layout, exclude={step})
+    journal = _read_journal(layout)
+    if journal is not None:  # a missing journal stays missing: the next commit rebuilds it from a scan
+        _write_journal(layout, [m for m in journal if m.step != step])
+    apply_gc(layout, GcPlan(delete_steps=[step]))
+    log.info("removed step %d of run %r", step, layout.run_id)
+
+
+def remove_run(layout: RunLayout) -> list[int]:
+    """Delete a whole run: every step (committed, uncommitted, damaged), ``LATEST``, the journal, its data under
+    every hashed prefix, its unfinished multipart uploads and the run directory.  Returns the committed steps it
+    removed.
+
+    Markers go first, newest commit first, then ``LATEST``: a crash half-way leaves a run whose remaining
+    commits are complete (or none), never a ``LATEST`` or marker that leads to deleted files.  Only paths under
+    ``<root>/<run>/`` and ``<root>/_dXX/<run>/`` are touched (with the '/' after the run: run ``exp1`` never
+    reaches ``exp10``).
+    """
+    storage = layout.storage
+    data_steps = _data_steps(layout)
+    if not storage.is_dir(layout.run_dir) and not any(data_steps.values()):
+        raise CheckpointNotFoundError(f"no run {layout.run_id!r} under {storage.root}; nothing was removed",
+                                      path=layout.run_dir)
+    committed = scan_markers(layout)
+    steps = [parse_step_dir(name) for name in storage.list_dir(layout.run_dir)]
+    for marker in sorted(committed, key=commit_order, reverse=True):
+        storage.remove(layout.marker(marker.step))
+    for step in steps:  # damaged markers too: nothing of this run may stay committed
+        if step is not None:
+            storage.remove(layout.marker(step))
+    storage.remove(layout.latest())
+    storage.remove(storage.join(layout.run_dir, COMMITS))
+    for prefix, names in data_steps.items():
+        if names:
+            storage.remove(layout.data_run_dir(prefix))
+    abort = getattr(storage, "abort_stale_uploads", None)
+    if abort is not None:
+        abort(layout.run_dir, older_than_s=0)
+    storage.remove(layout.run_dir)
+    log.info("removed run %r (%d committed step(s))", layout.run_id, len(committed))
+    return sorted(m.step for m in committed)
+
+
+def _point_latest_at_newest(layout: RunLayout, exclude: set[int]) -> None:
+    """``LATEST`` names the most recent commit outside ``exclude``, or is deleted when there is none."""
+    newest = most_recent([m for m in scan_markers(layout) if m.step not in exclude])
+    if newest is None:
+        layout.storage.remove(layout.latest())
+    else:
+        write_latest(layout, newest)
 
 
 # -- per commit: O(keep_last), not O(steps) ----------------------------------------------------------------
