@@ -449,6 +449,9 @@ class AtomicStorageWriter(StorageWriter):
             marker = commit._read_marker_once(self.layout, self.step)
         except FileNotFoundError:
             return False
+        except OSError as e:  # e.g. a file where the step directory belongs
+            raise _storage_error(e, self.rank, e.filename or self.layout.marker(self.step),
+                                 phase="checking whether the step is committed") from e
         resumed = self.resumed_from
         if resumed is not None and resumed.supersedes(marker):
             log.info("step %d of run %r (save %s) belongs to the branch abandoned when this job %s: this save "

@@ -25,6 +25,23 @@ def blocks() -> list[tuple[str, str]]:
         return FENCE.findall(f.read())
 
 
+EXAMPLE_FILE = re.compile(r"# (examples/\w+\.py)\b")
+
+
+def console_commands() -> list[tuple[str, list[str]]]:
+    """Each ``$ `` command of the console blocks, with the output lines the README shows under it."""
+    commands: list[tuple[str, list[str]]] = []
+    for language, body in blocks():
+        if language != "console":
+            continue
+        for line in body.splitlines():
+            if line.startswith("$ "):
+                commands.append((line[2:], []))
+            elif line.strip() and commands:
+                commands[-1][1].append(line.strip())
+    return commands
+
+
 def test_every_block_declares_a_language_the_test_knows():
     languages = [language for language, _ in blocks()]
     assert languages, "README has no code blocks"
@@ -48,14 +65,20 @@ def test_python_and_console_blocks_run_as_written(tmp_path, monkeypatch):
     python = [body for language, body in blocks() if language == "python"]
     assert len(python) >= 3
     for number, body in enumerate(python):
+        shown = EXAMPLE_FILE.match(body)
+        if shown:  # a whole example file, run by a console block below: the README shows exactly that file
+            with open(os.path.join(HERE, shown.group(1))) as f:
+                assert f.read() == body, f"README.md shows {shown.group(1)} other than it is; copy the file in"
+            continue
         exec(compile(body, f"README.md python block {number}", "exec"), namespace)  # noqa: S102
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
                PYTHONPATH=HERE)
-    commands = [line[2:] for language, body in blocks() if language == "console"
-                for line in body.splitlines() if line.startswith("$ ")]
-    assert any(c.startswith("torchrun") for c in commands) and any(c.startswith("dcp-atomic") for c in commands)
-    for command in commands:
-        command = command.replace("examples/train.py", os.path.join(HERE, "examples", "train.py"))
+    commands = console_commands()
+    assert any(c.startswith("torchrun") for c, _ in commands) and any(c.startswith("dcp-atomic") for c, _ in commands)
+    for command, expected in commands:
+        command = command.replace(" examples/", f" {os.path.join(HERE, 'examples')}/")
         done = subprocess.run(command, shell=True, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, f"$ {command}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        for line in expected:  # the output the README promises
+            assert line in done.stdout, f"$ {command}\ndid not print {line!r}:\n{done.stdout[-2000:]}"
     assert os.path.exists("model.pt") and os.path.exists(os.path.join("hf-model", "model.safetensors.index.json"))

@@ -140,6 +140,8 @@ class _AtomicCheckpointing:
         try:  # rank 0 alone: raising here would leave the other ranks in their next collective
             checkpoint_id = _pointer(path)
             os.remove(path)
+        except FileNotFoundError:  # gone already (a resumed callback's state names a file it removed): as stock
+            return
         except OSError as e:
             log.warning("could not remove %s (%s); the state it names stays committed", path, e)
             return
