@@ -204,3 +204,45 @@ def test_a_peer_killed_during_a_plain_shared_load_reaches_every_survivor_as_a_ra
         assert kind == "RankFailureError", (outcome.rank, kind, text)  # raised by dcp.load itself, not gloo's
         assert "Silent rank(s): 2 " in text and details["silent"] == "2", text
         assert seconds < 30, seconds  # well inside the 60 s group timeout: nobody waits it out
+
+
+# -- 5: a manager load whose non-zero rank dies names that rank -----------------------------------------------
+
+
+def _manager_load_with_rank1_killed(ctx, hook: str):
+    """Rank 1 is SIGKILLed as its load starts: in ``resolve`` (before the manager's barriers) or in
+    ``prepare_local_plan`` (inside DCP's planning, where only the process group sees it)."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    from dcp_atomic import CheckpointManager, reader
+    from tests.test_read_once import _survivors_barrier
+
+    manager = CheckpointManager(ctx.root, RUN, timeout=4)
+    manager.save(1, {"x": torch.ones(8)})
+    if ctx.rank == 1:
+        setattr(reader.AtomicStorageReader, hook, lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+    started = time.monotonic()
+    try:
+        manager.load({"x": torch.zeros(8)})
+        outcome = ("loaded", "", {})
+    except Exception as e:  # noqa: BLE001
+        outcome = (type(e).__name__, str(e), dict(getattr(e, "details", {})))
+    seconds = time.monotonic() - started
+    _survivors_barrier(ctx, parties=[0, 2])
+    return outcome, seconds
+
+
+@pytest.mark.parametrize("hook", ["resolve", "prepare_local_plan"])
+def test_a_manager_load_whose_rank_1_is_killed_blames_rank_1_not_rank_0(root, hook):
+    outcomes = run_world(_manager_load_with_rank1_killed, 3, root, args=(hook,), timeout=120, wait_for=[0, 2])
+    assert outcomes[1].killed
+    for outcome in (outcomes[0], outcomes[2]):
+        assert outcome.ok, outcome.error
+        (kind, text, details), seconds = outcome.value
+        assert kind == "RankFailureError", (kind, text)
+        assert details["silent"].split(" ")[0] == "1" and "store" not in details["silent"], text
+        assert seconds < 30, seconds
