@@ -341,3 +341,122 @@ def test_the_reviewers_silent_cases_are_refused_or_exact(root, case):
     assert outcome in ("refused", "exact"), (outcome, detail)
     if case != "payload_shifted":  # a payload offset that cannot be proven loads the stock way, exactly
         assert outcome == "refused" and key in detail, detail
+
+
+# -- the other sealed control files: per-rank shards, ranks.json, .metadata's dtypes (issue 20) ---------------
+
+
+class _SealedFiles:
+    """One attempt's shards, ``ranks.json`` and ``.metadata`` rewritten as stored (no merged view), each
+    re-recorded in ``manifest.json`` (size, sha256) and the marker re-sealed over it."""
+
+    def __init__(self, root: str, step: int) -> None:
+        self.ck = Sealed(root, step)
+        self.saved = {name: open(os.path.join(self.ck.attempt, name), "rb").read()
+                      for name in ("ranks.json", ".metadata")}
+
+    def write(self, name: str, data: bytes) -> None:
+        with open(os.path.join(self.ck.attempt, name), "wb") as f:
+            f.write(data)
+        top = json.loads(self.ck.manifest_bytes)
+        digest = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        if name == "ranks.json":
+            top["ranks_file"].update(digest)
+        elif name == ".metadata":
+            top["dcp_metadata"].update(digest)
+        else:
+            next(ref for ref in top["shards"] if ref["name"] == name).update(digest)
+        self.ck.write_manifest(json.dumps(top, indent=1, sort_keys=True).encode())
+
+    def restore(self) -> None:
+        self.ck.restore()
+        for name, data in self.saved.items():
+            with open(os.path.join(self.ck.attempt, name), "wb") as f:
+                f.write(data)
+
+
+def _to_prefixed_schema(root: str, step: int, prefixes: int = 4) -> None:
+    """Move a saved attempt's data under hashed prefixes and record it (schema 3, as S3 saves write it)."""
+    from dcp_atomic.layout import data_prefix
+
+    ck = Sealed(root, step)
+    save_id = ck.marker["save_id"]
+    for entry in ck.manifest["files"]:
+        target = os.path.join(root, data_prefix(save_id, entry["name"], prefixes), RUN, f"step_{step:010d}", save_id)
+        os.makedirs(target, exist_ok=True)
+        os.replace(os.path.join(ck.attempt, entry["name"]), os.path.join(target, entry["name"]))
+    ck.manifest.update(data_prefixes=prefixes, schema_version=3)
+    ck.write_manifest()
+
+
+def _every_path(node, prefix: tuple = ()) -> list[tuple]:
+    """Every field and list entry of a JSON document, nested ones included."""
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    paths = []
+    for key, value in children:
+        paths.append(prefix + (key,))
+        paths += _every_path(value, prefix + (key,))
+    return paths
+
+
+_SAME_WIDTH = {1: ["torch.int8", "torch.uint8", "torch.bool"], 2: ["torch.float16", "torch.bfloat16", "torch.int16"],
+               4: ["torch.float32", "torch.int32"], 8: ["torch.float64", "torch.int64", "torch.complex64"]}
+
+
+def _file_cases(rng: random.Random, sealed: _SealedFiles):
+    """(description, file name, new bytes) for one-field changes of every shard, ranks.json, and every tensor's
+    dtype in .metadata (to each other dtype of its element size, and to one of another size)."""
+    attempt = sealed.ck.attempt
+    for name in sorted(n for n in os.listdir(attempt) if SHARD_NAME.fullmatch(n)) + ["ranks.json"]:
+        body = json.load(open(os.path.join(attempt, name)))
+        for path in _every_path(body):
+            mutated = copy.deepcopy(body)
+            what = _mutate(rng, mutated, path)
+            yield f"{name}: {what}", name, json.dumps(mutated, sort_keys=True, separators=(",", ":")).encode()
+    metadata = sealed.ck.metadata()
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if not hasattr(md, "properties"):
+            continue
+        old = md.properties.dtype
+        names = [n for n in _SAME_WIDTH[old.itemsize] if n != str(old)]
+        names.append(rng.choice([n for size, group in _SAME_WIDTH.items() if size != old.itemsize for n in group]))
+        for relabel in names:
+            md.properties.dtype = getattr(torch, relabel[6:])
+            yield f".metadata: {key!r} dtype {old} -> {relabel}", ".metadata", pickle.dumps(metadata)
+        md.properties.dtype = old
+
+
+SHARD_NAME = __import__("re").compile(r"manifest\.\d+\.json")
+
+
+def test_one_field_mutations_of_shards_ranks_json_and_metadata_dtypes_never_load_wrong_values(root):
+    """Every format, with data under hashed prefixes (schema 3) where the format has them (stock-readable
+    checkpoints keep data where stock DCP finds it)."""
+    started = time.monotonic()
+    results = []
+    for step, (fmt, options) in enumerate(FORMATS.items()):
+        _save(root, step, options)
+        if fmt != "stock_readable":
+            _to_prefixed_schema(root, step)
+            assert json.load(open(Sealed(root, step).manifest_path))["schema_version"] == 3
+        assert _load(root, step)[0] == "exact", f"{fmt}: the pristine checkpoint must load"
+        rng = random.Random(f"20261201/{fmt}")
+        sealed = _SealedFiles(root, step)
+        for what, name, data in list(_file_cases(rng, sealed)):
+            try:
+                sealed.write(name, data)
+                outcome, detail = _load(root, step)
+            finally:
+                sealed.restore()
+            results.append({"format": fmt, "mutation": what, "outcome": outcome, "detail": detail})
+        assert _load(root, step)[0] == "exact", f"{fmt}: the checkpoint must be pristine again"
+    silent = [r for r in results if r["outcome"] == "silent"]
+    untyped = [r for r in results if r["outcome"] == "untyped"]
+    assert not silent, f"{len(silent)} silent wrong loads, e.g. {silent[:5]}"
+    assert not untyped, f"{len(untyped)} loads failed without our typed error, e.g. {untyped[:5]}"
+    relabels = [r for r in results if r["mutation"].startswith(".metadata")]
+    assert relabels and all(r["outcome"] == "refused" for r in relabels), relabels[:5]
+    shards = {r["format"] for r in results if r["mutation"].startswith("manifest.0.json") and r["outcome"] == "refused"}
+    assert shards == set(FORMATS), shards
+    print(f"{len(results)} mutations, {sum(r['outcome'] == 'refused' for r in results)} refused, "
+          f"{time.monotonic() - started:.1f}s")
