@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step, scan_markers
-from .commit import ResumePoint, read_marker, resume_point
+from .commit import ResumePoint, read_committed, read_marker, resume_point
 from .retry import Deadline
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigurationError, RankConsistencyError,
                      RankFailureError)
@@ -191,8 +191,9 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------
 
     @_operation
-    def save(self, step: int, state_dict: dict[str, Any]) -> int:
-        """Save and commit ``step`` synchronously; returns the step.
+    def save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None = None) -> int:
+        """Save and commit ``step`` synchronously; returns the step.  ``metadata``: a small JSON dict kept with
+        the checkpoint (global rank 0's; see :meth:`metadata`).
 
         Raises the typed error if the save failed.  Before saving, raises the failure of an
         earlier ``async_save`` that nothing has reported yet (see ``async_save``).
@@ -201,7 +202,7 @@ class CheckpointManager:
         started = time.perf_counter()
         with self._failures_reported("save", step, started):
             watch = self._watch(f"saving step {step}")
-            writer = self._writer(step, watch)
+            writer = self._writer(step, watch, metadata)
             try:
                 dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
                          process_group=self._group)
@@ -213,8 +214,9 @@ class CheckpointManager:
         return step
 
     @_operation
-    def async_save(self, step: int, state_dict: dict[str, Any]) -> concurrent.futures.Future:
-        """Stage ``state_dict`` to host memory now, write and commit in the background.
+    def async_save(self, step: int, state_dict: dict[str, Any],
+                   metadata: dict[str, Any] | None = None) -> concurrent.futures.Future:
+        """Stage ``state_dict`` to host memory now, write and commit in the background (``metadata``: as ``save``).
 
         Returns a future that resolves to ``step`` once the save has *committed*
         (and retention ran), or raises the typed error.  A second call first
@@ -232,7 +234,7 @@ class CheckpointManager:
         started = time.perf_counter()
         with self._failures_reported("async_save", step, started):
             watch = self._watch(f"saving step {step}")
-            writer = self._writer(step, watch)
+            writer = self._writer(step, watch, metadata)
             try:
                 pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
                                          process_group=self._async_group)
@@ -359,15 +361,29 @@ class CheckpointManager:
             "find the latest step")
 
     @_operation
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The metadata saved with ``step`` (default: the most recent commit); ``{}`` when none was given.
+        Global rank 0 reads the verified manifest and tells the others."""
+        def read() -> dict[str, Any]:
+            chosen, _, _ = self._resolve_step(step)
+            if chosen is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint for run {self.run_id!r} under "
+                                              f"{self.layout.storage.describe()}", run_id=self.run_id)
+            return read_committed(self.layout, chosen, Deadline(self.timeout)).manifest.user_metadata or {}
+
+        return self._on_rank0(read, "read a step's metadata",
+                              request="the latest step" if step is None else f"step {step}")
+
+    @_operation
     def steps(self) -> list[int]:
         """Committed steps, ascending (global rank 0 scans, the others are told)."""
         return self._on_rank0(lambda: [m.step for m in scan_markers(self.layout)], "list committed steps")
 
     # -- internals ------------------------------------------------------------------------
 
-    def _writer(self, step: int, watch: OpWatch) -> AtomicStorageWriter:
+    def _writer(self, step: int, watch: OpWatch, metadata: dict[str, Any] | None = None) -> AtomicStorageWriter:
         validate_step(step)
-        return _WatchedWriter(self.root, self.run_id, step, parallelism=self.parallelism,
+        return _WatchedWriter(self.root, self.run_id, step, parallelism=self.parallelism, metadata=metadata,
                               compression=self.compression, thread_count=self.thread_count, resumed_from=self._resumed,
                               timeout=self.timeout, storage_options=self.storage_options, watch=watch)
 

@@ -182,6 +182,9 @@ class Manifest:
     # {"name", "size", "sha256"} of ranks.json, which then holds ``ranks`` and ``stats`` (empty in the JSON): loaders
     # never need them, and at 4,096 ranks they were half of what every loading rank read.  None: inline (older).
     ranks_file: dict[str, Any] | None = None
+    # what the user attached to this checkpoint (``save(..., metadata=...)``): small JSON, sealed with the rest;
+    # absent when None, so older readers (which ignore unknown fields) read such manifests unchanged
+    user_metadata: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
     kind: str = "dcp_atomic.manifest"
 
@@ -197,6 +200,8 @@ class Manifest:
             del body["ranks_file"]
         else:  # in ranks.json
             body["ranks"], body["stats"] = [], []
+        if self.user_metadata is None:
+            del body["user_metadata"]
         if self.data_prefixes:
             body["schema_version"] = PREFIXED_SCHEMA
         else:
@@ -263,6 +268,7 @@ class Manifest:
                 shards=shards,
                 data_prefixes=_data_prefixes(raw),
                 ranks_file=None if raw.get("ranks_file") is None else _file_ref(raw["ranks_file"], RANKS_FILE),
+                user_metadata=None if raw.get("user_metadata") is None else _dict(raw["user_metadata"]),
                 schema_version=raw["schema_version"],
             )
             manifest.extent_index()  # one item per (key, chunk offset)
@@ -276,6 +282,23 @@ class Manifest:
 
 
 RANKS_FILE = "ranks.json"
+MAX_USER_METADATA_BYTES = 64 * 1024  # every loading rank reads the manifest: metadata is for notes, not payloads
+
+
+def check_user_metadata(metadata: Any) -> dict[str, Any] | None:
+    """``metadata`` as the manifest will hold it, or ValueError saying what is wrong (before a byte is written)."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise ValueError(f"metadata must be a dict with str keys, got {type(metadata).__name__}")
+    try:
+        encoded = json.dumps(metadata, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"metadata must be JSON (str, numbers, bools, None, lists, dicts): {e}") from None
+    if len(encoded) > MAX_USER_METADATA_BYTES:
+        raise ValueError(f"metadata is {len(encoded)} bytes as JSON, more than {MAX_USER_METADATA_BYTES}: keep "
+                         "notes in it, and save data as state-dict items")
+    return json.loads(encoded)  # a copy: later changes by the caller do not reach the checkpoint
 
 
 @dataclass

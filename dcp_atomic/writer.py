@@ -56,8 +56,9 @@ from .gc_pause import gc_paused
 from .integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
 from .layout import ATTEMPT, checked_checkpoint_id, data_file_name, new_save_id, no_location_error, validate_step
 from .location import is_checkpoint_id, open_location, retarget
-from .manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, now
+from .manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, check_user_metadata, now
 from .parallelism import Parallelism
+from .progress import Progress
 from .reshard import SaveReport, check_save, summarize_items
 from .version import __version__
 
@@ -163,6 +164,8 @@ class AtomicStorageWriter(StorageWriter):
         compression_level: ``None`` for the tuned fast profile (see codec.py), or a zstd level.
         thread_count: files (and writer threads) per rank.
         overwrite: replace an already committed step (after the new attempt is complete).
+        metadata: a small JSON dict stored in the manifest (``dcp-atomic show`` prints it,
+            ``CheckpointManager.metadata(step)`` returns it); only global rank 0's is recorded.
         resumed_from: where this job resumed (``commit.resume_point(layout, step)`` after loading ``step``; the
             manager and the framework integrations set it): a save of a step above it that the abandoned branch
             committed supersedes that step instead of raising ``CommitConflictError`` (P14).
@@ -185,6 +188,7 @@ class AtomicStorageWriter(StorageWriter):
         thread_count: int | None = None,
         overwrite: bool = False,
         resumed_from: commit.ResumePoint | None = None,
+        metadata: dict[str, Any] | None = None,
         stock_readable: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
@@ -210,6 +214,10 @@ class AtomicStorageWriter(StorageWriter):
         self.thread_count = thread_count or default_thread_count()
         self.overwrite = overwrite
         self.resumed_from = resumed_from
+        try:
+            self.metadata = check_user_metadata(metadata)
+        except ValueError as e:
+            raise ConfigurationError(f"AtomicStorageWriter(metadata=...): {e}") from None
         self.stock_readable = stock_readable
         self.timeout = timeout
         self.block_size = block_size
@@ -512,6 +520,7 @@ class AtomicStorageWriter(StorageWriter):
             keys=self._keys,
             data_prefixes=self.data_prefixes,
             shards=sorted((s.shard for s in stats), key=lambda ref: ref.rank),
+            user_metadata=self.metadata,
         )
 
 
@@ -537,6 +546,7 @@ class _RankWrite:
         except OSError as e:
             raise _storage_error(e, self.rank, e.filename or self.attempt) from e
         buckets = [b for b in _split_by_size(items, self.writer.thread_count) if b] or [[]]
+        self.progress = Progress(f"saving step {self.writer.step}", sum(_planned_bytes(i) for i in items), self.rank)
         started = time.monotonic()
         results: list[WriteResult] = []
         with ThreadPoolExecutor(max_workers=len(buckets), thread_name_prefix=f"dcp-atomic-w{self.rank}") as pool:
@@ -583,6 +593,7 @@ class _RankWrite:
                         if self._failed.is_set():
                             raise _Aborted()
                         results.append(self._write_item(out, name, item, encoder))
+                        self.progress.add(_planned_bytes(item))
                         if not self._first_item.is_set():
                             self._first_item.set()
                             failpoints.hit("write.mid_data", self.rank)
@@ -740,6 +751,13 @@ def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
         buckets[k].append(item)
         loads[k] += max(size(item), 1)
     return buckets
+
+
+def _planned_bytes(item: WriteItem) -> int:
+    """An item's size before encoding, as planned (non-tensor items: unknown until resolved, counted as 0)."""
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
 
 
 def _series_save_id(first: str, number: int) -> str:
