@@ -81,6 +81,19 @@ class AtomicSavePlanner(DefaultSavePlanner):
         return plans, metadata
 
 
+#: what makes a plain local tensor a shard of a global one to DCP (torch >= 2.14's ``CheckpointableTensor``)
+_CHECKPOINTABLE_FIELDS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
+
+
+def _global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """What the checkpoint recorded for this destination: a DTensor's shape is already global; a
+    CheckpointableTensor is a local buffer that names its global shape (duck-typed, as torch's runtime protocol
+    check is, so older torch needs no import)."""
+    if all(hasattr(tensor, name) for name in _CHECKPOINTABLE_FIELDS):
+        return tuple(tensor.global_shape)
+    return tuple(tensor.shape)
+
+
 class AtomicLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         with gc_paused():
@@ -94,8 +107,8 @@ class AtomicLoadPlanner(DefaultLoadPlanner):
         if context is not None:
             requested = {}
             for fqn, value in self.state_dict.items():
-                if isinstance(value, torch.Tensor):  # DTensor.shape is the global shape
-                    requested[fqn] = (tuple(value.shape), value.dtype)
+                if isinstance(value, torch.Tensor):
+                    requested[fqn] = (_global_shape(value), value.dtype)
                 else:
                     requested[fqn] = None
             context.check_keys(requested)

@@ -6,6 +6,15 @@ opens a ``.metadata`` whose sha256 matches the committed manifest, and it decode
 it with this unpickler, which resolves only the handful of classes DCP's
 metadata is made of.  Anything else is refused by name.
 
+DCP's classes change between torch releases while checkpoints outlive them: torch
+2.15's ``TensorProperties`` pickles a ``strides`` field that 2.13's
+``__setstate__`` cannot unpack.  :class:`_TensorPropertiesAnyTorch` reads the
+states of every release it knows; ``strides`` is harmless here because our
+writer always stores a chunk's logical bytes contiguously (whatever the source
+tensor's strides), so it is kept as an attribute and not needed to read.  A
+state this torch cannot place is refused as :class:`TorchVersionError` naming
+both torch versions — never as corruption: the bytes are intact.
+
 Non-tensor items (optimizer ``param_groups``, RNG and dataloader state), which
 DCP's planners would ``torch.load(weights_only=False)``, are decoded by
 :func:`safe_byte_item` with torch's weights-only allow-list instead; users
@@ -22,7 +31,75 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, UnsafeItemError
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, TensorProperties
+
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeItemError
+
+
+class TorchVersionError(CheckpointError):
+    """A checkpoint written by a torch whose DCP metadata this torch cannot read; its bytes are intact."""
+
+
+class _UnknownState(Exception):
+    """Raised inside unpickling; :func:`load_dcp_metadata` turns it into a :class:`TorchVersionError`."""
+
+
+_MEMORY_FORMATS = {
+    _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
+    _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: torch.channels_last,
+    _MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: torch.preserve_format,
+}
+
+
+def _is_strides(value: Any) -> bool:
+    return value is None or (isinstance(value, (tuple, list)) and all(type(v) is int for v in value))
+
+
+class _TensorPropertiesAnyTorch(TensorProperties):
+    """Unpickles the ``TensorProperties`` of any torch we know into this torch's own class.
+
+    This torch's ``__setstate__`` is tried first (the common case costs one call).  Otherwise the state is read
+    by the type of each entry — the five fields every release since 2.0 pickles, plus ``strides`` (2.15) — so a
+    field added in another position is still placed, and anything else is refused by name, never guessed.
+    """
+
+    def __setstate__(self, state: Any) -> None:
+        try:
+            if isinstance(state, dict):  # never unpacked positionally: a dict of five names would "fit"
+                raise TypeError
+            TensorProperties.__setstate__(self, state)
+        except (ValueError, TypeError, RuntimeError):
+            self.__dict__.update(_read_properties(state))
+        self.__class__ = TensorProperties  # what DCP and its users compare and re-pickle
+
+
+def _read_properties(state: Any) -> dict[str, Any]:
+    if isinstance(state, dict):  # a release that pickles the fields by name
+        fields = dict(state)
+        encoding = fields.pop("mem_format_encoding", None)
+        if encoding is not None:
+            fields["memory_format"] = _MEMORY_FORMATS.get(encoding)
+    elif isinstance(state, tuple) and len(state) >= 5:
+        dtype, layout, requires_grad, encoding, *rest = state
+        flags = [v for v in rest if type(v) is bool]
+        others = [v for v in rest if type(v) is not bool]
+        if len(flags) != 1 or len(others) > 1 or (others and not _is_strides(others[0])):
+            raise _UnknownState(f"TensorProperties state {state!r}")
+        fields = {"dtype": dtype, "layout": layout, "requires_grad": requires_grad,
+                  "memory_format": _MEMORY_FORMATS.get(encoding), "pin_memory": flags[0]}
+        if others:
+            fields["strides"] = others[0]
+    else:
+        raise _UnknownState(f"TensorProperties state {state!r}")
+    known = {"dtype", "layout", "requires_grad", "memory_format", "pin_memory", "strides"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise _UnknownState(f"TensorProperties field(s) {unknown}")
+    if not isinstance(fields.get("dtype"), torch.dtype) or fields.get("memory_format") is None \
+            or not _is_strides(fields.get("strides")):
+        raise _UnknownState(f"TensorProperties state {state!r}")
+    defaults = {"layout": torch.strided, "requires_grad": False, "pin_memory": False}
+    return {**defaults, **fields}
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -45,6 +122,8 @@ _ALLOWED = {
 
 class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata" and name == "TensorProperties":
+            return _TensorPropertiesAnyTorch
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
@@ -52,12 +131,22 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not part of DCP metadata")
 
 
-def load_dcp_metadata(data: bytes, *, where: str):
-    """Unpickle DCP ``Metadata`` with the allow-list; any refusal is corruption."""
+def load_dcp_metadata(data: bytes, *, where: str, written_by: str | None = None):
+    """Unpickle DCP ``Metadata`` with the allow-list.  A state from a torch release this one cannot read raises
+    :class:`TorchVersionError` (``written_by``: the torch version the manifest records); any other refusal is
+    corruption."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
         metadata = _AllowListUnpickler(io.BytesIO(data)).load()
+    except _UnknownState as e:
+        writer = f"torch {written_by}" if written_by else "a torch release that was not recorded"
+        raise TorchVersionError(
+            f"{where}: DCP metadata written by {writer} holds {e}, which torch {torch.__version__} cannot read. "
+            "The checkpoint's bytes are intact (verify checks them): load it with the torch that wrote it, or a "
+            "newer one, or upgrade dcp_atomic if it knows that release",
+            path=where, written_by=written_by, running=torch.__version__,
+        ) from None
     except Exception as e:
         raise CorruptCheckpointError(f"{where}: cannot decode DCP metadata safely ({e})", path=where) from None
     if not isinstance(metadata, Metadata):
