@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -228,8 +229,9 @@ def run_demo(root: str, world: int = 4) -> int:
     steps = list_steps(root, RUN_ID)
     print(f"   committed steps: {steps}; latest = {latest_step(root, RUN_ID)}\n", flush=True)
     print(f"Files: {root}/{RUN_ID}  (took {time.monotonic() - began:.0f}s)")
-    print(f"Look:  dcp-atomic ls {root} {RUN_ID}  |  dcp-atomic show {root} {RUN_ID}  |  "
-          f"dcp-atomic verify {root} {RUN_ID} --all")
+    print("Look (each line is a command):")
+    for command in ("ls", "show", "verify"):  # shlex.quote: a root with spaces still pastes as one argument
+        print(f"  dcp-atomic {command} {shlex.quote(root)} {RUN_ID}" + (" --all" if command == "verify" else ""))
     ok = steps == [4, 8, 12, 16, 20]
     print("demo finished: " + ("OK" if ok else "UNEXPECTED STATE"))
     return 0 if ok else 1
