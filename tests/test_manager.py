@@ -55,26 +55,71 @@ def _full(model):
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+class _LatestWrites:
+    """Every ``LATEST`` rank 0 writes, checked as it is written: the marker of the step it names must already
+    exist and name the same attempt (P3: the marker first, ``LATEST`` last).  A spy on the real storage call."""
+
+    def __init__(self, run_dir):
+        from dcp_atomic.storage import LocalStorage
+
+        self.latest = os.path.join(run_dir, "LATEST")
+        self.written = []  # (step, save_id, sequence) in write order
+        self.early = []  # LATEST contents written while their marker was missing or named another attempt
+        self._replace = replace = LocalStorage.replace
+
+        def replace_checked(storage, path, data):
+            if os.path.abspath(path) == self.latest:
+                latest = json.loads(data)
+                marker = _read_json(os.path.join(run_dir, f"step_{latest['step']:010d}", "COMMITTED"))
+                if marker is None or marker["save_id"] != latest["save_id"]:
+                    self.early.append(latest)
+                self.written.append((latest["step"], latest["save_id"], latest["sequence"]))
+            return replace(storage, path, data)
+
+        LocalStorage.replace = replace_checked
+
+    def restore(self):
+        from dcp_atomic.storage import LocalStorage
+
+        LocalStorage.replace = self._replace
+
+
 def _train_with_async_saves(ctx, steps, keep_last):
     from dcp_atomic import CheckpointManager
 
     model, optim = _fsdp_app(ctx.world_size, 0)
     manager = CheckpointManager(ctx.root, RUN, keep_last=keep_last, timeout=30)
-    seen_latest = []
+    run_dir = os.path.join(ctx.root, RUN)
+    spy = _LatestWrites(run_dir) if ctx.rank == 0 else None
+    after_issue = []  # (step, what LATEST named right after async_save(step) returned)
     futures = []
     for step in range(1, steps + 1):
         _train_step(model, optim, step)
         if step % 2 == 0:
             futures.append(manager.async_save(step, {"app": _AppState(model, optim), "progress": {"step": step}}))
-            latest = json.load(open(os.path.join(ctx.root, RUN, "LATEST")))["step"] if os.path.exists(
-                os.path.join(ctx.root, RUN, "LATEST")) else None
-            seen_latest.append((step, latest))
+            latest = _read_json(os.path.join(run_dir, "LATEST"))
+            after_issue.append((step, None if latest is None else latest["step"]))
     manager.wait()
     results = [f.result() for f in futures]
     steps_now = manager.steps()
     latest = manager.latest_step()
     manager.close()
-    return {"results": results, "steps": steps_now, "latest": latest, "full": _full(model), "seen": seen_latest}
+    watched = {}
+    if spy is not None:
+        spy.restore()
+        watched = {"written": spy.written, "early": spy.early,
+                   "sequences": {s: _read_json(os.path.join(run_dir, f"step_{s:010d}", "COMMITTED"))["sequence"]
+                                 for s in steps_now}}
+    return {"results": results, "steps": steps_now, "latest": latest, "full": _full(model),
+            "after_issue": after_issue, **watched}
 
 
 def _resume(ctx, expect_step):
@@ -93,8 +138,18 @@ def test_async_saves_commit_in_order_keep_last_and_resume_exactly(root):
     for rank_out in out:
         assert rank_out["results"] == [2, 4, 6, 8]
         assert rank_out["steps"] == [6, 8] and rank_out["latest"] == 8
-    for step, latest in out[0]["seen"]:  # LATEST never names a step before its commit
-        assert latest is None or latest < step or latest == step
+    watched = out[0]
+    # LATEST never names a step before that step's marker exists (checked at each write, on rank 0) ...
+    assert watched["early"] == [], f"LATEST written before its step's marker: {watched['early']}"
+    # ... and moves forward only, once per commit, in commit order (P10: sequence numbers increase).
+    assert [step for step, _, _ in watched["written"]] == [2, 4, 6, 8], watched["written"]
+    sequences = [sequence for _, _, sequence in watched["written"]]
+    assert sequences == sorted(set(sequences)), f"commit sequence not increasing: {watched['written']}"
+    assert watched["sequences"] == {6: sequences[2], 8: sequences[3]}, (watched["sequences"], sequences)
+    # One save in flight: async_save(step) returns only once the previous save committed, so LATEST then
+    # names the previous step (or already this one).
+    for step, latest in watched["after_issue"]:
+        assert latest in ((None, 2) if step == 2 else (step - 2, step)), watched["after_issue"]
     assert list_steps(root, RUN) == [6, 8]
     resumed = assert_all_ok(run_world(_resume, 2, root, args=(8,)))
     for full in resumed:
