@@ -108,6 +108,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from dcp_atomic import CheckpointManager, CheckpointNotFoundError, Parallelism
+    from dcp_atomic.errors import shorten
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -132,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
             future.result()
             _say(rank, f"checkpoint step {step} committed (in the background)")
         except Exception as e:  # the typed error from the manager
-            _say(rank, f"checkpoint step {step} FAILED, nothing committed: {e}"[:400])
+            _say(rank, shorten(f"checkpoint step {step} FAILED, nothing committed: {e}", 400))
 
     future = None
     try:
@@ -153,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
     except Exception as e:  # a peer died: the job stops, as a launcher would stop it
         if future is not None:
             concurrent.futures.wait([future], timeout=30)  # let the manager name what failed
-        _say(rank, f"training stopped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        _say(rank, f"training stopped: {type(e).__name__}: {shorten(str(e).splitlines()[0], 120)}")
         os._exit(1)
     manager.close()
     dist.destroy_process_group()

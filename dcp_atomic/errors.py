@@ -27,6 +27,16 @@ class CheckpointError(Exception):
         return f"{type(self).__name__}: {self.message}"
 
 
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word boundary, marked with an ellipsis: a message cut
+    mid-word ("No space left on dev") reads as a different, garbled error."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + "…"
+
+
 def _rebuild_error(cls: type, message: str, details: dict) -> CheckpointError:
     return cls(message, **details)
 

@@ -50,7 +50,7 @@ from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step, scan_mark
 from .commit import ResumePoint, read_committed, read_marker, resume_point
 from .retry import Deadline
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigurationError, RankConsistencyError,
-                     RankFailureError)
+                     RankFailureError, shorten)
 from .layout import RunLayout, validate_step
 from .liveness import Heartbeat, OpWatch
 from .parallelism import Parallelism
@@ -673,7 +673,7 @@ def _rank_list(ranks: list[int]) -> str:
 
 def _first_line(error: BaseException) -> str:
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1][:300] if lines else ''}"
+    return f"{type(error).__name__}: {shorten(lines[-1], 300) if lines else ''}"
 
 
 class _SaveFuture(concurrent.futures.Future):
