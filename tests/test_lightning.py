@@ -30,9 +30,9 @@ def _module_class(package: str):
             self.at_start = None
 
         def configure_model(self):
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import FSDPModule, fully_shard
 
-            if self.device_mesh is None:  # load_from_checkpoint outside a Trainer: a plain module
+            if self.device_mesh is None or isinstance(self.net, FSDPModule):  # outside a Trainer, or sharded already
                 return
             mesh = self.device_mesh["data_parallel"]
             for layer in (self.net[0], self.net[2]):
@@ -191,3 +191,34 @@ def test_checkpoint_ids_keep_names_apart():
     for checkpoint_id in ids:
         root, run_id, step = parse_checkpoint_id(checkpoint_id)
         assert root == "/ckpts/lightning" and step == 4
+
+
+def _ckpt_path_best(ctx):
+    pl, Module = _module_class("pytorch_lightning")
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    class Validated(Module):
+        def validation_step(self, batch, _):
+            loss = self.net(batch).pow(2).mean()
+            self.log("val_loss", loss, sync_dist=True)
+            return loss
+
+        def val_dataloader(self):
+            torch.manual_seed(11)
+            return torch.utils.data.DataLoader(torch.randn(16, 8), batch_size=4)
+
+    best = ModelCheckpoint(dirpath=os.path.join(ctx.root, "ckpts"), monitor="val_loss", mode="min", save_top_k=2)
+    trainer = _trainer(pl, ctx, 8, [best], val_check_interval=2, check_val_every_n_epoch=None)
+    trainer.fit(Validated(data_seed=1))
+    (metrics,) = trainer.validate(ckpt_path="best", verbose=False)  # loads the best file through the strategy
+    return {"best_score": float(best.best_model_score), "validated": metrics["val_loss"],
+            "best": os.path.basename(best.best_model_path),
+            "kept": sorted(n for n in os.listdir(best.dirpath) if n.endswith(".ckpt"))}
+
+
+def test_ckpt_path_best_loads_the_best_checkpoint_top_k_keeps_two(root):
+    for out in assert_all_ok(run_world(_ckpt_path_best, 2, root, timeout=240)):
+        assert out["validated"] == out["best_score"], out  # the weights loaded are the ones that scored best
+        assert out["best"] in out["kept"] and len(out["kept"]) == 2, out
+    namespace = os.path.join(root, "ckpts", "lightning")
+    assert len(os.listdir(namespace)) == 2  # the runs of the rotated-out files are gone
