@@ -40,7 +40,7 @@ from typing import Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import RankFailureError
+from .errors import RankFailureError, shorten
 
 Ident = Hashable  # a stored item's identity: (key, chunk offset)
 
@@ -237,7 +237,7 @@ class PeerLink:
             try:
                 work.wait() if timeout is None else work.wait(timeout)
             except Exception as e:  # a dead peer closes its connections: gloo / NCCL errors name nobody
-                raise PeerError(peer, f"{type(e).__name__}: {str(e).strip()[:300]}") from None
+                raise PeerError(peer, f"{type(e).__name__}: {shorten(str(e).strip(), 300)}") from None
 
     def lost(self, error: PeerError, what: str) -> PeerLost:
         """Check in on the rendezvous store with what this rank saw, wait (at most ``timeout``) for the other
