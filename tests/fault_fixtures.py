@@ -19,6 +19,9 @@ is never deleted.
   wants it, and ``release()`` to free the space again (the operator's fix).
 * helpers for failpoints in worker ranks (``failpoint_env``) and for asserting
   that a run directory holds no debris (``debris``).
+* ``watched_reads``: a spy on this process's POSIX whole-file reads, so a test that
+  says "the lag was waited out" can show that the library did miss the file first
+  (and, with ``on_miss``, make the file appear only after that miss).
 
 bindfs and fuse3 are installed by ``scripts/test.sh`` (as root).  These fixtures
 do not skip when they are missing: they fail, naming the fix, so CI never passes
@@ -35,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -308,6 +312,52 @@ def failpoint_env(spec_by_rank: dict[int, str]) -> Callable[[int], dict[str, str
         return {"DCP_ATOMIC_FAILPOINTS": spec_by_rank.get(rank)}
 
     return rank_env
+
+
+# -- what the library read ------------------------------------------------------------------------
+
+
+@dataclass
+class ReadLog:
+    """Whole-file reads (``LocalStorage.read_file``) in this process: (monotonic time, path, outcome), where
+    the outcome is ``"ok"`` or the error's type name."""
+
+    events: list[tuple[float, str, str]] = field(default_factory=list)
+
+    def of(self, path: str, outcome: str | None = None) -> list[float]:
+        """When ``path`` was read (with that outcome)."""
+        path = os.path.realpath(path)
+        return [t for t, p, o in self.events if p == path and (outcome is None or o == outcome)]
+
+
+@contextlib.contextmanager
+def watched_reads(on_miss: Callable[[str], None] | None = None) -> Iterator[ReadLog]:
+    """Record every whole-file read of the POSIX backend in this process; ``on_miss(path)`` runs after a read
+    that found no file (from the reading thread, before the library sees the error).  The real read runs
+    unchanged: a spy, not a stub."""
+    from dcp_atomic.storage import LocalStorage
+
+    log, lock = ReadLog(), threading.Lock()
+    real = LocalStorage.read_file
+
+    def read_file(storage, path):
+        try:
+            data = real(storage, path)
+        except BaseException as e:
+            with lock:
+                log.events.append((time.monotonic(), os.path.realpath(path), type(e).__name__))
+            if on_miss is not None and isinstance(e, FileNotFoundError):
+                on_miss(os.path.realpath(path))
+            raise
+        with lock:
+            log.events.append((time.monotonic(), os.path.realpath(path), "ok"))
+        return data
+
+    LocalStorage.read_file = read_file
+    try:
+        yield log
+    finally:
+        LocalStorage.read_file = real
 
 
 # -- what is on disk -------------------------------------------------------------------------------

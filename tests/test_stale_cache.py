@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointNotFoundError, latest_step, failpoints
-from tests.fault_fixtures import nfs_clients_ctx
+from tests.fault_fixtures import nfs_clients_ctx, watched_reads
 from tests.harness import assert_all_ok, run_world
 
 RUN = "exp"
@@ -313,13 +313,19 @@ def test_visibility_lag_longer_than_timeout_ends_in_a_typed_error_in_time(nfs_cl
     assert AtomicStorageReader(b, RUN, 2, timeout=0.5).resolve().step == 2
 
 
-@pytest.mark.nfs(cache_seconds=1)
+@pytest.mark.nfs(cache_seconds=3)
 def test_visibility_lag_shorter_than_timeout_is_waited_out(nfs_clients):
     a, b = nfs_clients.a.path, nfs_clients.b.path
+    lag = nfs_clients.b.cache_seconds
     _save(a, 1)
-    assert not os.path.exists(os.path.join(b, RUN, "step_0000000002", "COMMITTED"))
+    marker_on_b = os.path.join(b, RUN, "step_0000000002", "COMMITTED")
+    assert not os.path.exists(marker_on_b)  # B caches the negative lookup for `lag` seconds
     save_id = _save(a, 2)
-    assert AtomicStorageReader(b, RUN, 2, timeout=5).resolve().save_id == save_id
+    with watched_reads() as reads:
+        assert AtomicStorageReader(b, RUN, 2, timeout=3 * lag).resolve().save_id == save_id
+    misses, found = reads.of(marker_on_b, "FileNotFoundError"), reads.of(marker_on_b, "ok")
+    assert misses, "the reader never missed the marker: the lag had ended before it looked, nothing was waited out"
+    assert found and misses[-1] < found[0], (misses, found)
 
 
 # -- latest_step on a stale client ------------------------------------------------------------------------

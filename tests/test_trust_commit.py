@@ -26,6 +26,7 @@ from dcp_atomic.layout import RunLayout
 from dcp_atomic.manifest import _sealed_json
 from dcp_atomic.retention import apply_gc, plan_gc
 from dcp_atomic.backends import open_storage
+from tests.fault_fixtures import ReadLog, watched_reads
 
 RUN = "exp"
 SKEW = -600.0  # a host whose clock is ten minutes behind
@@ -129,16 +130,44 @@ def test_damaged_or_future_marker_is_reported_at_once(root):
         assert seconds < 5, f"step {step}: {seconds:.1f}s"
 
 
+class _AppearsAfterMiss:
+    """``path`` (moved aside now) reappears ``delay`` s after the library first fails to read it, so a load that
+    succeeds must have waited; the read log shows the miss, the reappearance and the read that found it."""
+
+    def __init__(self, path: str, delay: float) -> None:
+        self.path, self.delay = path, delay
+        os.rename(path, path + ".hidden")
+        self.revealed_at: float | None = None
+        self.timer: threading.Timer | None = None
+
+    def on_miss(self, path: str) -> None:
+        if path == os.path.realpath(self.path) and self.timer is None:
+            self.timer = threading.Timer(self.delay, self._reveal)
+            self.timer.start()
+
+    def _reveal(self) -> None:
+        self.revealed_at = time.monotonic()
+        os.rename(self.path + ".hidden", self.path)
+
+    def join(self) -> None:
+        if self.timer is not None:
+            self.timer.join()
+
+    def assert_waited(self, reads: ReadLog) -> None:
+        misses, found = reads.of(self.path, "FileNotFoundError"), reads.of(self.path, "ok")
+        assert misses and self.revealed_at is not None and found, (misses, self.revealed_at, found)
+        assert misses[0] < self.revealed_at < found[0], "the read that found the file came after it reappeared"
+
+
 def test_a_manifest_not_visible_yet_is_still_waited_for(root):
     _save(root, 1)
-    manifest = os.path.join(_step_dir(root, 1), _marker_json(root, 1)["manifest"])
-    os.rename(manifest, manifest + ".hidden")
-    timer = threading.Timer(0.5, os.rename, (manifest + ".hidden", manifest))
-    timer.start()
+    manifest = _AppearsAfterMiss(os.path.join(_step_dir(root, 1), _marker_json(root, 1)["manifest"]), 0.5)
     try:
-        assert AtomicStorageReader(root, RUN, 1, timeout=10).resolve().step == 1
+        with watched_reads(manifest.on_miss) as reads:
+            assert AtomicStorageReader(root, RUN, 1, timeout=10).resolve().step == 1
     finally:
-        timer.join()
+        manifest.join()
+    manifest.assert_waited(reads)
 
 
 # -- item 4: a fresh run fails fast -----------------------------------------------------------------------------
@@ -162,14 +191,13 @@ def test_a_fresh_run_is_not_found_at_once(root, where):
 
 def test_a_missing_latest_beside_a_step_directory_is_still_waited_for(root):
     _save(root, 1)
-    latest = os.path.join(root, RUN, "LATEST")
-    os.rename(latest, latest + ".hidden")  # the first commit is between its marker and LATEST
-    timer = threading.Timer(0.7, os.rename, (latest + ".hidden", latest))
-    timer.start()
-    try:
-        assert AtomicStorageReader(root, RUN, timeout=10).resolve().step == 1
+    latest = _AppearsAfterMiss(os.path.join(root, RUN, "LATEST"), 0.7)  # the first commit is between its marker
+    try:                                                                  # and LATEST
+        with watched_reads(latest.on_miss) as reads:
+            assert AtomicStorageReader(root, RUN, timeout=10).resolve().step == 1
     finally:
-        timer.join()
+        latest.join()
+    latest.assert_waited(reads)
 
 
 # -- item 5: gc never deletes a step whose marker cannot be validated -----------------------------------------
