@@ -22,6 +22,10 @@ def _state(rank: int, step: int) -> dict:
 
 # -- slow is not dead (P8) ---------------------------------------------------------------------------
 
+# The liveness timeout of the slow-but-alive tests: a live rank's heartbeat thread must never go quiet this long,
+# even on a loaded 2-core machine (2 s did not leave that margin); the slow work then outlasts it twice over.
+ALIVE_TIMEOUT = 4.0
+
 
 def _slow_rank_job(ctx, timeout):
     from dcp_atomic import CheckpointManager
@@ -36,11 +40,11 @@ def _slow_rank_job(ctx, timeout):
 
 
 def test_a_rank_slower_than_timeout_but_alive_commits_and_loads(root):
-    timeout = 2.0
+    timeout = ALIVE_TIMEOUT
     slow = f"write.after_data@1=sleep:{2 * timeout + 1};read.before_data@1=sleep:{2 * timeout + 1}"
     results = assert_all_ok(run_world(_slow_rank_job, 2, root, args=(timeout,),
                                       rank_env=lambda r: {"DCP_ATOMIC_FAILPOINTS": slow} if r == 1 else {},
-                                      timeout=80))
+                                      timeout=60 + 3 * (2 * timeout + 1)))
     for result in results:
         assert result == {"saved": [1, 2], "loaded": 2, "right": True}, result
     assert list_steps(root, RUN) == [1, 2]
@@ -62,7 +66,8 @@ def _slow_retention_job(ctx, timeout):
 
 
 def test_rank0_retention_slower_than_timeout_does_not_fail_the_next_save(root):
-    results = assert_all_ok(run_world(_slow_retention_job, 2, root, args=(2.0,), timeout=60))
+    timeout = ALIVE_TIMEOUT
+    results = assert_all_ok(run_world(_slow_retention_job, 2, root, args=(timeout,), timeout=60 + 3 * (2 * timeout + 1)))
     assert results == [[1, 2, 3], [1, 2, 3]]
     assert list_steps(root, RUN) == [3]
 
