@@ -165,8 +165,8 @@ def export_safetensors(root: str, run_id: str, step: int, out_dir: str, *, shard
     existing = existing_export(out_dir)
     if existing and not force:
         raise ConfigurationError(
-            f"{out_dir} already holds an export ({', '.join(existing[:4])}{', ...' if len(existing) > 4 else ''}); "
-            "nothing was written: choose another directory, or pass --force (force=True) to replace it",
+            f"{out_dir} already holds an export ({_describe(existing)}); nothing was written: choose another "
+            "directory, or pass --force (force=True) to replace it",
             path=out_dir)
     source = StepTensors(root, run_id, step, timeout=timeout, storage_options=storage_options)
     where = f"run {run_id!r} step {source.step}"
@@ -224,6 +224,11 @@ def existing_export(out_dir: str) -> list[str]:
     return sorted(f for f in found if f in (INDEX_NAME, SINGLE_FILE_NAME) or _SHARD_NAME.fullmatch(f))
 
 
+def _describe(files: list[str]) -> str:
+    shards = [f for f in files if _SHARD_NAME.fullmatch(f)]
+    return ", ".join([f for f in files if f not in shards] + ([f"{len(shards)} shard file(s)"] if shards else []))
+
+
 def _rename(entries: list[_Entry], rules: list[tuple[str, str]], where: str) -> None:
     """Apply ``(old, new)`` prefix rules in order; refuse a rule that matches nothing, an empty name, a collision."""
     for old, new in rules:
@@ -248,7 +253,8 @@ def _rename(entries: list[_Entry], rules: list[tuple[str, str]], where: str) -> 
     if clashes:
         shown = "; ".join(f"{' and '.join(map(repr, found))} -> {name!r}" for name, found in list(clashes.items())[:5])
         raise ConfigurationError(
-            f"{where}: after renaming, {len(clashes)} exported name(s) would hold more than one key ({shown}); "
+            f"{where}: after renaming, {len(clashes)} exported name(s) would hold more than one key ({shown}"
+            f"{'; ...' if len(clashes) > 5 else ''}); "
             "narrow --keys or the rename rules; nothing was written", keys=sorted(clashes))
 
 
