@@ -16,9 +16,12 @@ import time
 from typing import Any
 
 from . import commit
-from .commit import Committed, ResumePoint, commit_order, read_committed, read_latest, read_marker, write_latest
+# scan_markers lives with the rest of the read side in commit (next_sequence needs it): re-exported as part of
+# this module's "finding steps" API, so that commit never imports catalog
+from .commit import (SCAN_RETRY_SECONDS, Committed, ResumePoint, commit_order, read_committed, read_latest,  # noqa: F401
+                     read_marker, scan_markers, write_latest)
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .layout import RunLayout, parse_step_dir
+from .layout import RunLayout
 from .manifest import Marker
 from .retry import Deadline
 from .backends import open_storage
@@ -26,39 +29,6 @@ from .backends import open_storage
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 120.0
-SCAN_RETRY_SECONDS = 1.0  # how long a scan re-reads a marker that looks torn
-
-
-def scan_markers(layout: RunLayout, *, strict: bool = False,
-                 unreadable: list[tuple[int, str]] | None = None) -> list[Marker]:
-    """Every valid commit marker of the run, ascending by step (one process only).
-
-    A marker that fails validation is re-read for a moment (it may be a torn
-    read of one being replaced); if it stays bad it is skipped with a warning
-    and appended to ``unreadable`` as (step, reason), or, with ``strict``,
-    raised: a resume decision must not quietly fall back to an older step
-    because the newest marker is damaged.
-    """
-    markers = []
-    for name in layout.storage.list_dir(layout.run_dir):
-        step = parse_step_dir(name)
-        if step is None:
-            continue
-        try:
-            markers.append(read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True))
-        except FileNotFoundError:
-            continue  # an attempt that never committed
-        except CorruptCheckpointError as e:
-            if strict:
-                raise CorruptCheckpointError(
-                    f"{e.message}. The newest commit cannot be determined while this marker is damaged: restore "
-                    f"it, delete that step (dcp-atomic gc / rm), or load an explicit step",
-                    **e.details,
-                ) from None
-            log.warning("ignoring step %d: %s", step, e)
-            if unreadable is not None:
-                unreadable.append((step, e.message))
-    return sorted(markers, key=lambda m: m.step)
 
 
 def most_recent(markers: list[Marker]) -> Marker | None:

@@ -48,6 +48,7 @@ from .version import __version__
 
 log = logging.getLogger(__name__)
 _warned_roots: set[str] = set()
+SCAN_RETRY_SECONDS = 1.0  # how long a scan re-reads a marker that looks torn
 _last_sequence: dict[str, int] = {}  # run directory -> the last sequence this process committed there
 
 
@@ -249,8 +250,6 @@ def next_sequence(layout: RunLayout) -> int:
         except (FileNotFoundError, CorruptCheckpointError):
             pass  # deleted or damaged since: LATEST's own number stands
     else:
-        from .catalog import scan_markers  # lazy: catalog builds on this module
-
         found.extend(m.sequence for m in scan_markers(layout))
     return max((n for n in found if n is not None), default=0) + 1
 
@@ -333,6 +332,38 @@ def read_marker(layout: RunLayout, step: int, deadline: Deadline, *, missing_ok:
             path=path,
         )
     return marker
+
+
+def scan_markers(layout: RunLayout, *, strict: bool = False,
+                 unreadable: list[tuple[int, str]] | None = None) -> list[Marker]:
+    """Every valid commit marker of the run, ascending by step (one process only).
+
+    A marker that fails validation is re-read for a moment (it may be a torn
+    read of one being replaced); if it stays bad it is skipped with a warning
+    and appended to ``unreadable`` as (step, reason), or, with ``strict``,
+    raised: a resume decision must not quietly fall back to an older step
+    because the newest marker is damaged.
+    """
+    markers = []
+    for name in layout.storage.list_dir(layout.run_dir):
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        try:
+            markers.append(read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True))
+        except FileNotFoundError:
+            continue  # an attempt that never committed
+        except CorruptCheckpointError as e:
+            if strict:
+                raise CorruptCheckpointError(
+                    f"{e.message}. The newest commit cannot be determined while this marker is damaged: restore "
+                    f"it, delete that step (dcp-atomic gc / rm), or load an explicit step",
+                    **e.details,
+                ) from None
+            log.warning("ignoring step %d: %s", step, e)
+            if unreadable is not None:
+                unreadable.append((step, e.message))
+    return sorted(markers, key=lambda m: m.step)
 
 
 def read_committed(layout: RunLayout, step: int, deadline: Deadline) -> Committed:

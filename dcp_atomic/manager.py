@@ -45,9 +45,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .backends import open_storage
-from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step, scan_markers
+from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
 from .collective import RankAgreement, _first_line, _raise_typed
-from .commit import ResumePoint, read_committed, read_marker, resume_point
+from .commit import ResumePoint, read_committed, read_marker, resume_point, scan_markers
 from .errors import CheckpointNotFoundError, ConfigurationError
 from .layout import RunLayout, validate_step
 from .liveness import Heartbeat, OpWatch

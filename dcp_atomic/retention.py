@@ -33,8 +33,8 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 
-from .catalog import SCAN_RETRY_SECONDS, most_recent, scan_markers
-from .commit import commit_order, read_latest, read_marker, write_latest
+from .catalog import most_recent
+from .commit import SCAN_RETRY_SECONDS, commit_order, read_latest, read_marker, scan_markers, write_latest
 from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import ATTEMPT, DATA_PREFIX_PATTERN, MARKER, RunLayout, parse_step_dir, step_dir_name
 from .manifest import CONTROL_SCHEMA, Marker, _sealed_json, _unseal
