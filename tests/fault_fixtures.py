@@ -19,6 +19,9 @@ is never deleted.
   wants it, and ``release()`` to free the space again (the operator's fix).
 * helpers for failpoints in worker ranks (``failpoint_env``) and for asserting
   that a run directory holds no debris (``debris``).
+* ``fat_volume``: a real FAT filesystem (an image file, mounted through FUSE by
+  ``fusefat``: no kernel vfat module or loop device needed), where ``link()``
+  fails with EPERM as on any filesystem without hard links.
 * ``watched_reads``: a spy on this process's POSIX whole-file reads, so a test that
   says "the lag was waited out" can show that the library did miss the file first
   (and, with ``on_miss``, make the file appear only after that miss).
@@ -73,7 +76,7 @@ def _require_fault_tools(*tools: str) -> None:
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         pytest.fail(f"fault fixtures need {missing}: run `bash scripts/test.sh` as root, or "
-                    "`apt-get install -y bindfs fuse3` (they are not optional: the fault matrix must run)",
+                    "`apt-get install -y bindfs fuse3 fusefat dosfstools` (they are not optional: the fault matrix must run)",
                     pytrace=False)
     if os.geteuid() != 0:
         pytest.fail("fault fixtures need root (/dev/fuse and mount are root-only here)", pytrace=False)
@@ -300,6 +303,50 @@ def small_tmpfs(request) -> Iterator[SmallTmpfs]:
     marker = request.node.get_closest_marker("tmpfs")
     with small_tmpfs_ctx(**(dict(marker.kwargs) if marker else {})) as fs:
         yield fs
+
+
+# -- a filesystem without hard links ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fat_volume_ctx(size_mib: int = 32) -> Iterator[str]:
+    """A fresh FAT volume mounted read-write through fusefat; yields the mount point."""
+    _require_fault_tools("fusefat", "mkfs.vfat")
+    _fusermount()
+    base = tempfile.mkdtemp(prefix="dcp-atomic-fat-")
+    image, path = os.path.join(base, "volume.img"), os.path.join(base, "mnt")
+    os.mkdir(path)
+    with open(image, "wb") as f:
+        f.truncate(size_mib << 20)
+    subprocess.run(["mkfs.vfat", image], check=True, capture_output=True)
+    proc = subprocess.Popen(["fusefat", "-f", "-o", "rw+", image, path], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + MOUNT_WAIT_S
+        while not is_mounted(path):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"fusefat did not mount {image} on {path} (exit {proc.poll()})")
+            time.sleep(0.002)
+        yield path
+    finally:
+        if is_mounted(path):
+            if subprocess.run([_fusermount(), "-u", path], capture_output=True).returncode != 0:
+                subprocess.run([_fusermount(), "-uz", path], capture_output=True)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+        if is_mounted(path):  # never rmtree through a live mount
+            raise RuntimeError(f"could not unmount {path}; leaving {base} in place")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def fat_volume() -> Iterator[str]:
+    """The mount point of a fresh FAT volume: a real filesystem on which ``link()`` fails (EPERM)."""
+    with fat_volume_ctx() as path:
+        yield path
 
 
 # -- worlds with failpoints ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 
@@ -280,19 +281,14 @@ def test_import_copies_commits_and_round_trips_bit_exact(saved, tmp_path, capsys
     assert main(["verify", root, "imported", "5"]) == 1
 
 
-def test_import_link_across_filesystems_fails_with_advice_and_commits_nothing(saved, tmp_path, capsys, monkeypatch):
-    import errno
-
-    real_link = os.link
-
-    def cross_device(src, dst):  # the stock files lie on another filesystem; the root's own link() works
-        if not os.fspath(src).startswith(saved["stock"]):
-            return real_link(src, dst)
-        raise OSError(errno.EXDEV, "Invalid cross-device link", src, None, dst)
-
-    monkeypatch.setattr(os, "link", cross_device)
+@pytest.mark.tmpfs(size_kib=65536)
+def test_import_link_across_filesystems_fails_with_advice_and_commits_nothing(saved, tmp_path, capsys, small_tmpfs):
+    stock = os.path.join(small_tmpfs.path, "stock")  # the stock files on a tmpfs of their own: link() says EXDEV
+    shutil.copytree(saved["stock"], stock)
     root = str(tmp_path / "root")
-    assert main(["import", "--link", saved["stock"], root, "linked", "4"]) == 1
+    os.makedirs(root)
+    assert os.stat(stock).st_dev != os.stat(root).st_dev, "the fixture must give two filesystems"
+    assert main(["import", "--link", stock, root, "linked", "4"]) == 1
     err = capsys.readouterr().err
     assert "StorageError" in err and "without --link" in err and "Nothing was committed" in err
     assert not os.path.exists(os.path.join(root, "linked", "step_0000000004", "COMMITTED"))

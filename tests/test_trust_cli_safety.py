@@ -358,38 +358,40 @@ def test_local_style_fsspec_filesystem_warns_what_it_loses(root):
     assert "link()" in str(record[0].message) and "MyLocal" in str(record[0].message)
 
 
-def _refuse_links(monkeypatch):
-    calls = []
+def _count_links(monkeypatch):
+    """A spy on ``os.link`` (the real call runs): the destinations the probe tried."""
+    calls, real_link = [], os.link
 
-    def no_link(src, dst, *args, **kwargs):
-        calls.append(dst)
-        raise OSError(errno.EPERM, "Operation not permitted", dst)
+    def link(src, dst, *args, **kwargs):
+        calls.append(os.fspath(dst))
+        return real_link(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(os, "link", link)
     return calls
 
 
-def test_commit_support_probe_refuses_a_filesystem_without_hard_links(root, monkeypatch):
+def test_commit_support_probe_refuses_a_filesystem_without_hard_links(root, fat_volume, monkeypatch):
+    calls = _count_links(monkeypatch)
     storage = LocalStorage(root)
     storage.check_commit_support(root)  # a real hard-link-capable filesystem: fine
     assert os.listdir(root) == [], "the probe leaves nothing behind"
-    calls = _refuse_links(monkeypatch)
-    fresh = LocalStorage(root)
-    with pytest.raises(ConfigurationError) as info:
-        fresh.check_commit_support(root)
-    assert "hard link" in str(info.value) and root in str(info.value)
-    assert os.listdir(root) == []
-    storage.check_commit_support(root)  # cached per filesystem: a passed probe is not repeated
     assert len(calls) == 1
+    fresh = LocalStorage(fat_volume)  # a real FAT volume: link() fails with EPERM
+    with pytest.raises(ConfigurationError) as info:
+        fresh.check_commit_support(fat_volume)
+    assert "hard link" in str(info.value) and fat_volume in str(info.value)
+    assert os.listdir(fat_volume) == [], "nor on the refused filesystem"
+    assert len(calls) == 2 and calls[1].startswith(fat_volume), calls
+    storage.check_commit_support(root)  # cached per filesystem: a passed probe is not repeated
+    assert len(calls) == 2, calls
 
 
-def test_save_onto_a_filesystem_without_hard_links_fails_before_any_data(root, monkeypatch):
-    """End to end (needs the writer's prepare_global_plan to call check_commit_support)."""
-    _refuse_links(monkeypatch)
+def test_save_onto_a_filesystem_without_hard_links_fails_before_any_data(fat_volume):
+    """End to end on a real FAT volume (needs the writer's prepare_global_plan to call check_commit_support)."""
     with pytest.raises(CheckpointException) as info:
-        _save(root, 1)
+        _save(fat_volume, 1)
     assert "hard link" in str(info.value)
-    written = [f for _, _, files in os.walk(root) for f in files if f.endswith(".distcp")]
+    written = [f for _, _, files in os.walk(fat_volume) for f in files if f.endswith(".distcp")]
     assert written == [], "no data may be written before the probe"
 
 
