@@ -22,6 +22,9 @@ is never deleted.
 * ``fat_volume``: a real FAT filesystem (an image file, mounted through FUSE by
   ``fusefat``: no kernel vfat module or loop device needed), where ``link()``
   fails with EPERM as on any filesystem without hard links.
+* ``HoldingProxy``: a reverse proxy that holds chosen requests (say, two jobs'
+  conditional marker writes) until all parties have sent theirs, then forwards
+  them together, so a race test provably races.
 * ``watched_reads``: a spy on this process's POSIX whole-file reads, so a test that
   says "the lag was waited out" can show that the library did miss the file first
   (and, with ``on_miss``, make the file appear only after that miss).
@@ -76,7 +79,8 @@ def _require_fault_tools(*tools: str) -> None:
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         pytest.fail(f"fault fixtures need {missing}: run `bash scripts/test.sh` as root, or "
-                    "`apt-get install -y bindfs fuse3 fusefat dosfstools` (they are not optional: the fault matrix must run)",
+                    "`apt-get install -y bindfs fuse3 fusefat dosfstools` (they are not optional: the fault matrix "
+                    "must run)",
                     pytrace=False)
     if os.geteuid() != 0:
         pytest.fail("fault fixtures need root (/dev/fuse and mount are root-only here)", pytrace=False)
@@ -359,6 +363,129 @@ def failpoint_env(spec_by_rank: dict[int, str]) -> Callable[[int], dict[str, str
         return {"DCP_ATOMIC_FAILPOINTS": spec_by_rank.get(rank)}
 
     return rank_env
+
+
+# -- requests that provably overlap ----------------------------------------------------------------
+
+
+@dataclass
+class HeldRequest:
+    group: str
+    arrived: float
+    forwarded: float | None = None
+    answered: float | None = None
+    status: int | None = None
+    together: bool = False  # released because every party had arrived (not by the hold timeout)
+
+
+class HoldingProxy:
+    """Reverse proxy on 127.0.0.1 in front of ``upstream`` (an http URL).  A request that ``match(method, path,
+    headers, body)`` maps to a group name is held until ``parties`` requests of that group have arrived (or
+    ``hold_s`` passed), then all of them are forwarded at once; later requests of a group (retries) pass through.
+
+    ``overlapped(group)``: every held request of the group was sent upstream before any reply came back, so
+    the server had to arbitrate them concurrently (sequential requests cannot prove a put-if-absent atomic)."""
+
+    def __init__(self, upstream: str, match: Callable[[str, str, dict, bytes], str | None], *, parties: int = 2,
+                 hold_s: float = 30.0) -> None:
+        import http.server
+        import urllib.parse
+
+        from tests.s3_servers import _QuietServer, _read_body
+
+        parsed = urllib.parse.urlsplit(upstream)
+        self.upstream = (parsed.hostname, parsed.port)
+        self.match, self.parties, self.hold_s = match, parties, hold_s
+        self.held: list[HeldRequest] = []
+        self._barriers: dict[str, threading.Barrier] = {}
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                proxy._handle(self, _read_body(self))
+
+            do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = do_GET
+
+        self.server = _QuietServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self._thread.start()
+
+    def requests(self, group: str) -> list[HeldRequest]:
+        with self._lock:
+            return [r for r in self.held if r.group == group]
+
+    def overlapped(self, group: str) -> bool:
+        held = self.requests(group)
+        return (len(held) == self.parties and all(r.together and r.answered is not None for r in held)
+                and max(r.forwarded for r in held) < min(r.answered for r in held))
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _handle(self, handler, body: bytes) -> None:
+        import http.client
+
+        from tests.s3_servers import HOP_BY_HOP
+
+        headers = {k: v for k, v in handler.headers.items() if k.lower() not in HOP_BY_HOP}
+        if body or handler.command in ("PUT", "POST", "PATCH"):
+            headers["Content-Length"] = str(len(body))
+        group = self.match(handler.command, handler.path, {k.lower(): v for k, v in headers.items()}, body)
+        record = None
+        if group is not None:
+            with self._lock:
+                if len([r for r in self.held if r.group == group]) < self.parties:
+                    record = HeldRequest(group, time.monotonic())
+                    self.held.append(record)
+                    barrier = self._barriers.setdefault(group, threading.Barrier(self.parties))
+        if record is not None:
+            try:
+                barrier.wait(self.hold_s)
+                record.together = True
+            except threading.BrokenBarrierError:
+                pass
+            record.forwarded = time.monotonic()
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            conn.request(handler.command, handler.path, body=body if body or "Content-Length" in headers else None,
+                         headers=headers)
+            reply = conn.getresponse()
+            status, reply_headers, reply_body = reply.status, reply.getheaders(), reply.read()
+        finally:
+            conn.close()
+        if record is not None:
+            record.answered, record.status = time.monotonic(), status
+        handler.send_response(status)
+        length = None
+        for k, v in reply_headers:
+            if k.lower() == "content-length":
+                length = v
+            elif k.lower() not in HOP_BY_HOP:
+                handler.send_header(k, v)
+        handler.send_header("Content-Length", length if handler.command == "HEAD" and length else str(len(reply_body)))
+        handler.end_headers()
+        if handler.command != "HEAD":
+            handler.wfile.write(reply_body)
+
+
+def conditional_marker_create(method: str, path: str, headers: dict, body: bytes) -> str | None:
+    """``HoldingProxy`` match: a create-if-absent of a commit marker (S3: PUT with ``If-None-Match: *``; GCS: an
+    upload with ``ifGenerationMatch=0``), grouped by its step directory."""
+    import re
+
+    if method not in ("PUT", "POST") or not (headers.get("if-none-match") == "*" or "ifGenerationMatch=0" in path):
+        return None
+    found = re.search(rb"step_\d{10}(?=/COMMITTED)", path.encode() + body[:4096])
+    return found.group().decode() if found else None
 
 
 # -- what the library read ------------------------------------------------------------------------

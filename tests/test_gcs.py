@@ -128,10 +128,20 @@ def test_round_trip_at_world_2_on_gs(gcs, caplog):
 
 
 def test_two_jobs_racing_for_one_step_on_gs_exactly_one_wins(gcs, tmp_path):
+    from tests.fault_fixtures import HoldingProxy, conditional_marker_create
+
     steps = [1, 2, 3]
-    results = assert_all_ok(run_world(_racing_job, 2, gcs.root, args=(steps, str(tmp_path)), no_process_group=True,
-                                      extra={"storage_options": gcs.options}, timeout=120))
+    holding = HoldingProxy(gcs.options["endpoint_url"], conditional_marker_create)  # both creates go up together
+    try:
+        results = assert_all_ok(run_world(_racing_job, 2, gcs.root, args=(steps, str(tmp_path)), no_process_group=True,
+                                          extra={"storage_options": {**gcs.options, "endpoint_url": holding.url}},
+                                          timeout=120))
+    finally:
+        holding.close()
     for i, step in enumerate(steps):
+        held = holding.requests(f"step_{step:010d}")
+        assert holding.overlapped(f"step_{step:010d}"), f"step {step}: the conditional creates did not overlap: {held}"
+        assert sorted(r.status for r in held) == [200, 412], held
         outcome = {job: results[job][i] for job in (0, 1)}
         winners = [job for job in (0, 1) if outcome[job]["won"]]
         assert len(winners) == 1, f"step {step}: {outcome}"

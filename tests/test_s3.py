@@ -457,11 +457,19 @@ def test_flipped_truncated_and_torn_objects_are_detected(s3):
 
 def test_two_jobs_racing_to_commit_one_step_exactly_one_wins_entirely(s3_seaweedfs, tmp_path):
     """On SeaweedFS, whose If-None-Match check is atomic (moto's is not, so a race there proves nothing)."""
+    from tests.fault_fixtures import HoldingProxy, conditional_marker_create
+
     s3 = s3_seaweedfs
     steps = list(range(1, 9))
-    results = assert_all_ok(run_world(_racing_job, 2, s3.root, args=(steps, str(tmp_path)), no_process_group=True,
-                                      extra={"storage_options": s3.options()}, timeout=90))
+    holding = HoldingProxy(s3.proxy.url, conditional_marker_create)  # both marker PUTs go upstream together
+    try:
+        results = assert_all_ok(run_world(_racing_job, 2, s3.root, args=(steps, str(tmp_path)), no_process_group=True,
+                                          extra={"storage_options": s3.options(endpoint_url=holding.url)}, timeout=90))
+    finally:
+        holding.close()
     for i, step in enumerate(steps):
+        assert holding.overlapped(f"step_{step:010d}"), f"step {step}: the two conditional PUTs did not overlap: " \
+            f"{holding.requests(f'step_{step:010d}')}"
         outcome = {job: results[job][i] for job in (0, 1)}
         winners = [job for job in (0, 1) if outcome[job]["won"]]
         assert len(winners) == 1, f"step {step}: {outcome}"

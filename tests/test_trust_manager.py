@@ -67,7 +67,8 @@ def _slow_retention_job(ctx, timeout):
 
 def test_rank0_retention_slower_than_timeout_does_not_fail_the_next_save(root):
     timeout = ALIVE_TIMEOUT
-    results = assert_all_ok(run_world(_slow_retention_job, 2, root, args=(timeout,), timeout=60 + 3 * (2 * timeout + 1)))
+    results = assert_all_ok(run_world(_slow_retention_job, 2, root, args=(timeout,),
+                                      timeout=60 + 3 * (2 * timeout + 1)))
     assert results == [[1, 2, 3], [1, 2, 3]]
     assert list_steps(root, RUN) == [3]
 
