@@ -58,7 +58,7 @@ _HINTS = {
 
 def _emit(body: dict[str, Any]) -> None:
     """One ``--json`` object on stdout, versioned."""
-    print(json.dumps({"schema": JSON_SCHEMA, **body}, indent=1, sort_keys=False))
+    print(json.dumps({"schema": JSON_SCHEMA, **body}, indent=1))
 
 
 class CliError(Exception):
