@@ -588,5 +588,7 @@ def test_store_ignoring_conditional_writes_is_refused_unless_the_user_opts_out(s
     probes_before = len(s3.proxy.requests("PUT", r"\.dcp-atomic-probe-"))
     _save(s3, 2, seed=2)
     _save(s3, 3, seed=3)
-    assert len(s3.proxy.requests("PUT", r"\.dcp-atomic-probe-")) - probes_before == 3, \
-        "one probe (create, create, If-Match) per root per process"
+    probes = s3.proxy.requests("PUT", r"\.dcp-atomic-probe-")[probes_before:]
+    assert len([r for r in probes if r.conditions]) == 3, "one probe (create, create, If-Match) per root per process"
+    assert [r.key.split("/")[1:3] for r in probes if not r.conditions] == [["_d00", RUN]], \
+        "and one plain PUT where the data goes, per run and process"

@@ -238,14 +238,15 @@ def test_a_store_enforcing_only_if_none_match_takes_saves_and_refuses_overwrite(
     assert _marker(s3, 1)["save_id"] == first.save_id
 
 
-def test_a_refused_probe_delete_is_harmless_and_the_probe_stays_under_the_run(s3_moto, caplog):
+def test_a_refused_probe_delete_is_harmless_and_the_probes_stay_in_the_attempt(s3_moto, caplog):
     s3 = s3_moto
     s3.proxy.fail("DELETE", r"\.dcp-atomic-probe-", status=403, code="AccessDenied")
-    with caplog.at_level(logging.WARNING, logger="dcp_atomic.s3"):
+    with caplog.at_level(logging.WARNING, logger="dcp_atomic"):
         writer = _save(s3, 1, seed=1)
     assert _marker(s3, 1)["save_id"] == writer.save_id
-    left = [k for k in s3.keys() if ".dcp-atomic-probe-" in k]
-    assert len(left) == 1 and left[0].startswith(f"{RUN}/step_0000000001/"), left
+    left = sorted(k for k in s3.keys() if ".dcp-atomic-probe-" in k)
+    attempt = f"{RUN}/step_0000000001/{writer.save_id}/"  # the conditional probe, and the data probe under _d00
+    assert len(left) == 2 and left[0].startswith("_d00/" + attempt) and left[1].startswith(attempt), left
     assert any("could not delete the probe object" in r.getMessage() for r in caplog.records)
 
 
