@@ -103,10 +103,11 @@ def check_identities(identities: list[dict[str, Any]]) -> None:
         )
     declared = identities[0]["parallelism"] if identities else None
     if declared and identities[0].get("parallelism_source") == "declared":
-        size = declared["tp"] * declared["dp"] * declared["pp"]
+        size = declared["tp"] * declared["dp"] * declared["pp"] * declared.get("cp", 1)
         if size != world:
             problems.append(
-                f"declared parallelism tp={declared['tp']} x dp={declared['dp']} x pp={declared['pp']} = {size} "
+                f"declared parallelism tp={declared['tp']} x dp={declared['dp']} x pp={declared['pp']} "
+                f"x cp={declared.get('cp', 1)} = {size} "
                 f"does not match the {world} ranks saving"
             )
     if problems:

@@ -14,7 +14,12 @@
   into the destination tensors; files are read in parallel.
 * Read once (``share_reads``): a stored item that several ranks need is read and
   verified by one of them and sent to the others over the process group, where
-  it is verified again before it is decoded (:mod:`.exchange` plans and moves it).
+  it is verified again before it is decoded (:mod:`.shared_read`; :mod:`.exchange`
+  plans and moves it).
+
+Beside this file: :mod:`.read_checks` (``.metadata`` and plans against the
+manifest, before a byte is read) and :mod:`.read_sources` (runs of small items,
+windows, counted and verified reads).
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import math
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -37,17 +41,16 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 from torch.futures import Future
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from . import failpoints
 from .catalog import DEFAULT_TIMEOUT, resolve
-from .codec import Decoder, narrow_tensor_by_index, plane_width, tensor_bytes
+from .codec import Decoder, narrow_tensor_by_index, tensor_bytes
 from .commit import Committed
-from .container import find_payload
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
-from .exchange import Need, PeerError, PeerLink, SharePlan, plan_exchange, round_layout
+from .exchange import SharePlan
 from .identity import default_thread_count
 from .integrity import sha256_hex, verify_blocks, verify_segments
 from .layout import DCP_METADATA, checked_checkpoint_id, no_location_error, validate_step
@@ -55,8 +58,11 @@ from .manifest import ItemExtent
 from .parallelism import Parallelism
 from .planners import LOAD_CONTEXT_ATTR
 from .reshard import LoadContext
+from .read_checks import Chunk, check_coverage, check_items, dtype_mismatches, item_id, payload_proven
+from .read_sources import Counted, Window, holds_bytes, item_runs
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata, safe_byte_item
+from .shared_read import SharedReads
 from .gc_pause import gc_paused
 from .stats import ReadStats
 from .storage import LocalStorage, RangeReader
@@ -89,7 +95,7 @@ class _Assignment:
     exchange_id: str = ""  # names the exchange's keys on the rendezvous store (the same on every rank)
 
 
-class AtomicStorageReader(StorageReader):
+class AtomicStorageReader(SharedReads, StorageReader):
     """Read a committed dcp_atomic checkpoint.
 
     Args:
@@ -156,7 +162,7 @@ class AtomicStorageReader(StorageReader):
         self._metadata: Metadata | None = None
         self._decoded: Metadata | None = None
         self._extents: dict[tuple, tuple[str, ItemExtent]] = {}  # (key, chunk offset) -> (file, extent)
-        self._chunks: dict[tuple, _Chunk] = {}  # (key, chunk offset) -> stored sizes and dtype
+        self._chunks: dict[tuple, Chunk] = {}  # (key, chunk offset) -> stored sizes and dtype
         self._file_sizes: dict[str, int] = {}
         self.share_reads = share_reads
         self.process_group = process_group
@@ -216,10 +222,10 @@ class AtomicStorageReader(StorageReader):
                 "sha256 differs); refusing to unpickle it",
                 path=path,
             )
-        metadata = load_dcp_metadata(data, where=path)
+        metadata = load_dcp_metadata(data, where=path, written_by=committed.manifest.versions.get("torch"))
         try:
-            holes = _check_coverage(metadata)
-            relabelled = _dtype_mismatches(metadata, committed.manifest.keys)
+            holes = check_coverage(metadata)
+            relabelled = dtype_mismatches(metadata, committed.manifest.keys)
         except (AttributeError, TypeError, ValueError) as e:  # a .metadata of the right classes, wrongly built
             raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path) from None
         if holes:
@@ -264,7 +270,7 @@ class AtomicStorageReader(StorageReader):
         except ValueError as e:
             raise CorruptCheckpointError(f"{path}: the manifest shards record {e}", path=path) from None
         try:
-            chunks, problems = _check_items(metadata, extents, infos)
+            chunks, problems = check_items(metadata, extents, infos)
         except (AttributeError, TypeError, ValueError) as e:  # a .metadata of the right classes, wrongly built
             raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path) from None
         if problems:
@@ -347,16 +353,6 @@ class AtomicStorageReader(StorageReader):
                          posix=isinstance(self.storage, LocalStorage))
         return dataclasses.replace(plan, storage_data=view)
 
-    def _can_share(self) -> bool:
-        """Whether this rank can take part in shared reads: DCP's collectives are on and the reader's group is
-        the one DCP loads on (this rank's rank in it is its DCP rank)."""
-        if self.share_reads is False or not self._use_collectives or not (dist.is_available() and dist.is_initialized()):
-            return False
-        try:
-            return dist.get_world_size(self.process_group) > 1 and dist.get_rank(self.process_group) == self.rank
-        except (RuntimeError, ValueError):  # this process is not in the group
-            return False
-
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if len(plans) == 1 and self.requested_step is None:
             self._refuse_lone_latest()
@@ -399,21 +395,6 @@ class AtomicStorageReader(StorageReader):
             rank=rank, world_size=world,
         )
 
-    def _plan_shares(self, plans: list[LoadPlan], views: list[_LoadView]) -> list[SharePlan] | None:
-        """Each rank's exchange schedule, or None when reads are not shared (see ``share_reads``)."""
-        wanted = self.share_reads if self.share_reads is not None else (
-            not all(v.posix for v in views) or len({v.host for v in views}) > 1)
-        if not wanted or len(plans) < 2 or not all(v.can_share and v.group_size == len(plans) for v in views):
-            return None  # e.g. dcp.load on a subgroup the reader was not given: read directly
-        needs: dict[tuple, list[Need]] = {}
-        lengths: dict[tuple, int] = {}
-        for rank, plan in enumerate(plans):
-            for item in plan.items:
-                ident = _item_id(item.storage_index)
-                needs.setdefault(ident, []).append(Need(rank, tuple(item.storage_offsets), tuple(item.lengths)))
-                lengths[ident] = self._storage_info(item).length
-        return plan_exchange(needs, lengths, [v.host for v in views], self.share_buffer_bytes)
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.read_stats = ReadStats()
         planner_lock = threading.Lock()
@@ -423,10 +404,10 @@ class AtomicStorageReader(StorageReader):
         # Shared items first: every rank must take part in every round, whatever fails on it afterwards.
         if share is not None:
             shared = share.idents
-            mine = [i for i in items if _item_id(i.storage_index) in shared]
+            mine = [i for i in items if item_id(i.storage_index) in shared]
             if not self._read_shared(share, mine, planner, planner_lock, assignment.exchange_id):
                 return _done()  # a peer failed: DCP's gather of read_data raises its error on every rank
-            items = [i for i in items if _item_id(i.storage_index) not in shared]
+            items = [i for i in items if item_id(i.storage_index) not in shared]
         else:
             failpoints.hit("read.before_data", self.rank)
         per_file: dict[str, list[ReadItem]] = {}
@@ -449,142 +430,6 @@ class AtomicStorageReader(StorageReader):
             for f in [pool.submit(job) for job in jobs]:
                 f.result()
 
-    # -- shared reads ----------------------------------------------------------------------
-
-    def _read_shared(self, share: SharePlan, items: list[ReadItem], planner: LoadPlanner,
-                     planner_lock: threading.Lock, exchange_id: str) -> bool:
-        """This rank's part of every exchange round; False when a peer's storage read failed (its error is
-        reported by that peer), True when every shared item this rank needs is installed.  A peer gone during
-        the exchange raises :class:`.exchange.PeerLost` naming it, which ``dcp.load`` raises as is."""
-        what = f"shared read of run {self.layout.run_id!r} step {self.committed.step}"
-        link = PeerLink(self.process_group, self.timeout, exchange_id)
-        try:
-            return self._exchange_rounds(link, share, items, planner, planner_lock, what)
-        except PeerError as e:
-            raise link.lost(e, what) from None
-
-    def _exchange_rounds(self, link: PeerLink, share: SharePlan, items: list[ReadItem], planner: LoadPlanner,
-                         planner_lock: threading.Lock, what: str) -> bool:
-        by_ident: dict[tuple, list[ReadItem]] = {}
-        for item in items:
-            by_ident.setdefault(_item_id(item.storage_index), []).append(item)
-        lengths = {ident: extent.length for ident, (_, extent) in self._extents.items()}
-        stats = self.read_stats
-        error: BaseException | None = None
-        for n, step_round in enumerate(share.rounds):
-            stats.rounds += 1
-            buffer, offsets = torch.empty(0, dtype=torch.uint8), [0]
-            if error is None:
-                try:
-                    if n == 0:
-                        failpoints.hit("read.before_data", self.rank)
-                    started = time.perf_counter()
-                    buffer, offsets = self._fetch(step_round.fetch, lengths, what)
-                    stats.storage_seconds += time.perf_counter() - started
-                except BaseException as e:  # told to the peers below, raised after
-                    error = e
-            self._before_exchange(n, failing=error is not None)
-            started = time.perf_counter()
-            failed = link.failed_ranks(error is not None, what)
-            if error is not None:
-                raise error
-            if failed:
-                log.error("%s: rank(s) %s could not read their share; rank %d stops here (their error follows)",
-                          what, ", ".join(map(str, failed)), self.rank)
-                return False
-            outgoing = buffer
-            if failpoints.hit("read.exchange_send", self.rank) == "flip" and buffer.numel():
-                outgoing = buffer.clone()  # tests: a peer whose memory or link corrupts what it sends
-                outgoing[buffer.numel() // 2] ^= 0x01
-            receives = [(sender, sum(lengths[i] for i in idents), tag) for sender, idents, tag in step_round.receives]
-            pending = link.post(outgoing, step_round.sends, offsets, receives, what)
-            try:  # this rank's own share decodes while the bytes travel
-                self._in_parallel([lambda ident=ident, start=start, data=buffer: self._install(
-                    by_ident[ident], ident, data, start, None, planner, planner_lock)
-                    for ident, start in zip(step_round.fetch, offsets)])
-            except BaseException as e:  # the next round's status tells the peers, or it is raised below
-                error = e
-            messages = pending.wait()
-            stats.exchange_seconds += time.perf_counter() - started
-            stats.peer_bytes_sent += sum(offsets[stop] - offsets[first] for _, first, stop, _ in step_round.sends)
-            stats.peer_bytes_received += sum(nbytes for _, nbytes, _ in receives)
-            stats.shared_items += len(step_round.fetch) + sum(len(idents) for _, idents, _ in step_round.receives)
-            jobs = []
-            if error is not None:
-                messages = []
-            for (sender, idents, _), message in zip(step_round.receives, messages):
-                jobs += [lambda ident=ident, sender=sender, message=message, start=start: self._install(
-                    by_ident[ident], ident, message, start, sender, planner, planner_lock, share.hosts)
-                    for ident, start in zip(idents, round_layout(idents, lengths))]
-            try:
-                self._in_parallel(jobs)
-            except BaseException as e:
-                error = e
-            del buffer, outgoing, pending, messages, jobs  # freed before the next round's: at most one budget held
-        # How the last round ended, on every rank: a peer lost during it is then seen here, typed, not in DCP's
-        # gather that follows; a failure of this rank's own installs stops its peers at once.
-        failed = link.failed_ranks(error is not None, what)
-        if error is not None:
-            raise error
-        if failed:
-            log.error("%s: rank(s) %s could not install their share; rank %d stops here (their error follows)",
-                      what, ", ".join(map(str, failed)), self.rank)
-            return False
-        return True
-
-    def _fetch(self, idents: list, lengths: dict, what: str) -> tuple[torch.Tensor, list[int]]:
-        """Read (and verify) the stored bytes of ``idents`` into one round buffer, files in parallel."""
-        offsets = round_layout(idents, lengths)
-        buffer = torch.empty(offsets[-1], dtype=torch.uint8)
-        if not idents:
-            return buffer, offsets
-        view = tensor_bytes(buffer)
-        per_file: dict[str, list[tuple[int, ItemExtent]]] = {}
-        for i, ident in enumerate(idents):
-            name, extent = self._extents[ident]
-            per_file.setdefault(name, []).append((i, extent))
-
-        def fetch_file(name: str, entries: list[tuple[int, ItemExtent]]) -> None:
-            with self._open_data(name) as source:
-                entries.sort(key=lambda e: e[1].pos)
-                for start, end, run in _runs([(entry, entry[1]) for entry in entries]):
-                    window = source if len(run) == 1 else _Window(source, start, end - start)
-                    for i, extent in run:
-                        target = view[offsets[i]:offsets[i + 1]]
-                        if window.readinto_range(extent.pos, target) != extent.length:
-                            raise CorruptCheckpointError(
-                                f"{source.path} item {extent.key!r}: file is truncated (item of {extent.length} "
-                                f"bytes at offset {extent.pos})", path=source.path, key=extent.key)
-                        if self.verify:  # before it is sent: a peer must never be blamed for bad storage
-                            _verify_stored(target, extent, f"{source.path} item {extent.key!r}")
-
-        self._in_parallel([lambda name=name, entries=entries: fetch_file(name, entries)
-                           for name, entries in sorted(per_file.items())])
-        return buffer, offsets
-
-    def _install(self, items: list[ReadItem], ident: tuple, data: torch.Tensor, start: int, sender: int | None,
-                 planner: LoadPlanner, planner_lock: threading.Lock, hosts: list[str] | None = None) -> None:
-        """Decode one shared item from memory into this rank's destinations, verifying it on the way (the
-        same checks as a read from storage); damage in bytes a peer sent names that peer."""
-        name, extent = self._extents[ident]
-        path = self._data_path(name)
-        source = _Window.held(path, extent.pos, tensor_bytes(data)[start:start + extent.length])
-        try:
-            for item in items:
-                self._read_item(source, path, item, planner, planner_lock)
-        except CorruptCheckpointError as e:
-            if sender is None:
-                raise
-            raise CorruptCheckpointError(
-                f"{e.message} [these bytes were received from rank {sender} (host {hosts[sender]}), which read and "
-                "verified them from storage: they were damaged in that rank's memory or on the way; the stored "
-                "checkpoint is not blamed. Load again; if it repeats, check that host]",
-                **{**e.details, "sender": sender},
-            ) from None
-
-    def _before_exchange(self, round_index: int, failing: bool) -> None:
-        """Hook before each round's status collective (the manager waits for its peers by heartbeat here)."""
-
     @contextlib.contextmanager
     def _open_data(self, name: str):
         """One data file of the committed attempt, its size checked against the manifest, reads counted."""
@@ -598,7 +443,7 @@ class AtomicStorageReader(StorageReader):
                         "(truncated or replaced); restore it or load another step",
                         path=path,
                     )
-                yield _Counted(source, self.read_stats)
+                yield Counted(source, self.read_stats)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: data file named by the manifest is missing", path=path) from None
 
@@ -646,16 +491,16 @@ class AtomicStorageReader(StorageReader):
         """Every item this rank reads from one data file, through one open handle (one NFS open, not one per item)."""
         with self._open_data(name) as source:
             ordered = sorted(items, key=lambda i: self._storage_info(i).offset)
-            for start, end, run in _runs([(item, self._extents.get(_item_id(item.storage_index), (None, None))[1])
+            for start, end, run in item_runs([(item, self._extents.get(item_id(item.storage_index), (None, None))[1])
                                           for item in ordered]):
-                window = source if len(run) == 1 else _Window(source, start, end - start)
+                window = source if len(run) == 1 else Window(source, start, end - start)
                 for item in run:
                     self._read_item(window, source.path, item, planner, planner_lock)
 
     def _read_item(self, source: RangeReader, path: str, item: ReadItem, planner: LoadPlanner,
                    planner_lock: threading.Lock) -> None:
         fqn = item.storage_index.fqn
-        ident = _item_id(item.storage_index)
+        ident = item_id(item.storage_index)
         extent = self._extents.get(ident, (None, None))[1]
         what = f"{path} item {fqn!r}"
         if extent is None or (item.type == LoadItemType.TENSOR and ident not in self._chunks):
@@ -686,7 +531,7 @@ class AtomicStorageReader(StorageReader):
         destination's when a planner cast at save); they are cast on copy, as
         stock DCP does.
         """
-        chunk = self._chunks[_item_id(item.storage_index)]
+        chunk = self._chunks[item_id(item.storage_index)]
         dtype, sizes = chunk.dtype, chunk.sizes
         offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
         with planner_lock:
@@ -698,7 +543,7 @@ class AtomicStorageReader(StorageReader):
         if dim0_only:
             row = dtype.itemsize * math.prod(sizes[1:])
             lo = offsets[0] * row if sizes else 0
-            fits = _holds_bytes(target, dtype)
+            fits = holds_bytes(target, dtype)
             dest = target if fits else torch.empty(lengths, dtype=dtype)
             self._decode(source, extent, lo, lo + dest.nbytes, tensor_bytes(dest), what)
             if dest is not target:
@@ -783,14 +628,14 @@ class AtomicStorageReader(StorageReader):
         """
         if item.type != LoadItemType.TENSOR or extent.payload is None or any(item.storage_offsets):
             return False
-        chunk = self._chunks[_item_id(item.storage_index)]
+        chunk = self._chunks[item_id(item.storage_index)]
         if chunk.sizes != tuple(item.lengths):
             return False
         with planner_lock:
             target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != chunk.sizes:
             return False
-        direct = _holds_bytes(target, chunk.dtype)
+        direct = holds_bytes(target, chunk.dtype)
         host = target if direct else torch.empty(chunk.sizes, dtype=chunk.dtype)
         nbytes = host.nbytes
         tail_start = extent.payload + nbytes
@@ -800,7 +645,7 @@ class AtomicStorageReader(StorageReader):
             raise CorruptCheckpointError(
                 f"{what}: file is truncated (item of {extent.length} bytes at offset {extent.pos})", path=source.path
             )
-        if not _payload_proven(head, tail, extent.payload, nbytes):
+        if not payload_proven(head, tail, extent.payload, nbytes):
             return False
         payload = tensor_bytes(host)
         if source.readinto_range(extent.pos + extent.payload, payload) != nbytes:
@@ -826,7 +671,7 @@ class AtomicStorageReader(StorageReader):
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
             raise CorruptCheckpointError(f"{what}: cannot decode tensor ({e})", key=fqn) from None
-        chunk = self._chunks[_item_id(item.storage_index)]
+        chunk = self._chunks[item_id(item.storage_index)]
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != chunk.dtype or tuple(tensor.shape) != chunk.sizes:
             found = (f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
                      else type(tensor).__name__)
@@ -846,295 +691,9 @@ class AtomicStorageReader(StorageReader):
             planner.commit_tensor(item, target)
 
 
-# -- checks of .metadata against the manifest (before any data is read) ----------------------------------
-
-
-SMALL_ITEM = 1 << 20  # items up to this size are read in runs of consecutive items,
-RUN_BYTES = 8 << 20  # each run at most this long: one request per run
-
-
-def _runs(items: list[tuple[ReadItem, ItemExtent | None]]) -> Iterable[tuple[int, int, list[ReadItem]]]:
-    """Items (by file offset) grouped into (start, end, items) runs of small items lying back to back (or read
-    twice), each run to be fetched with one request; any other item is a run of its own."""
-    run: list[ReadItem] = []
-    start = end = 0
-    joinable = False  # the run so far is of small items
-    for item, extent in items:
-        small = extent is not None and extent.length <= SMALL_ITEM
-        if joinable and small and extent.pos <= end and max(end, extent.pos + extent.length) - start <= RUN_BYTES:
-            run.append(item)
-            end = max(end, extent.pos + extent.length)
-            continue
-        if run:
-            yield start, end, run
-        run, joinable = [item], small
-        start, end = (extent.pos, extent.pos + extent.length) if extent is not None else (0, 0)
-    if run:
-        yield start, end, run
-
-
-class _Window:
-    """One byte range of a data file, fetched with one request and served from memory.
-
-    A run of small consecutive items costs one syscall (one ranged GET on an
-    object store) instead of one per item.  Verification is unchanged: each
-    item checks its own block digests on the bytes served to it.  Reads outside
-    the range (or past a short read at a truncated end) go to the file itself.
-    """
-
-    def __init__(self, source: RangeReader, start: int, length: int) -> None:
-        self.source, self.path, self.start = source, source.path, start
-        buffer = memoryview(bytearray(length))
-        self.data = buffer[: source.readinto_range(start, buffer)]
-
-    @classmethod
-    def held(cls, path: str, start: int, data: memoryview) -> "_Window":
-        """Bytes already in memory (a shared item): there is no file behind them to fall back on."""
-        window = cls.__new__(cls)
-        window.source, window.path, window.start, window.data = None, path, start, data
-        return window
-
-    def _piece(self, offset: int, length: int) -> memoryview | None:
-        lo = offset - self.start
-        if 0 <= lo and lo + length <= len(self.data):
-            return self.data[lo : lo + length]
-        if self.source is None:
-            raise CorruptCheckpointError(f"{self.path}: read of {length} bytes at offset {offset} lies outside the "
-                                         "shared item's bytes (its recorded layout is inconsistent)", path=self.path)
-        return None
-
-    def read_range(self, offset: int, length: int) -> bytes:
-        piece = self._piece(offset, length)
-        return self.source.read_range(offset, length) if piece is None else bytes(piece)
-
-    def readinto_range(self, offset: int, buffer: memoryview) -> int:
-        piece = self._piece(offset, len(buffer))
-        if piece is None:
-            return self.source.readinto_range(offset, buffer)
-        buffer[:] = piece
-        return len(piece)
-
-
-class _Counted:
-    """A data file's reader that adds every byte it returns to the load's ``ReadStats`` (threads share them)."""
-
-    _lock = threading.Lock()
-
-    def __init__(self, source: RangeReader, stats: ReadStats) -> None:
-        self.source, self.path, self.stats = source, source.path, stats
-
-    def _count(self, n: int) -> int:
-        with self._lock:
-            self.stats.storage_bytes += n
-        return n
-
-    def read_range(self, offset: int, length: int) -> bytes:
-        data = self.source.read_range(offset, length)
-        self._count(len(data))
-        return data
-
-    def readinto_range(self, offset: int, buffer: memoryview) -> int:
-        return self._count(self.source.readinto_range(offset, buffer))
-
-
-def _verify_stored(data: memoryview, extent: ItemExtent, what: str) -> None:
-    """Every block of one stored item (compressed items: every frame) against its recorded digest."""
-    if extent.format == "raw" and extent.codec != "none":
-        bounds = extent.frame_offsets()
-        for i in range(len(bounds) - 1):
-            verify_blocks(data[bounds[i]:bounds[i + 1]], extent.checksums, extent.block_size, what=what, first_block=i)
-    else:
-        verify_blocks(data, extent.checksums, extent.block_size, what=what)
-
-
 def _done() -> Future[None]:
     future: Future[None] = Future()
     future.set_result(None)
     return future
 
 
-def _holds_bytes(target: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether stored bytes of ``dtype`` can be read straight into ``target``'s memory: a contiguous CPU tensor of
-    that dtype whose memory is its value (not a lazily conjugated or negated view)."""
-    return (target.is_cpu and target.dtype == dtype and target.is_contiguous() and not target.is_conj()
-            and not target.is_neg())
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """One stored tensor chunk as .metadata and the manifest together describe it."""
-
-    sizes: tuple[int, ...]
-    dtype: torch.dtype  # as stored: the manifest's ItemExtent.dtype where a planner cast, else .metadata's
-
-
-def _item_id(index: MetadataIndex) -> tuple[str, tuple[int, ...] | None]:
-    """An item's identity, as ``Manifest.extent_index`` keys it: (key, chunk offset)."""
-    return index.fqn, None if index.offset is None else tuple(index.offset)
-
-
-def _stored_dtype(name: str | None, planned: torch.dtype) -> torch.dtype | None:
-    if name is None:
-        return planned
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def _described(metadata: Metadata, index: MetadataIndex) -> tuple[Any, tuple[int, ...] | None]:
-    """(.metadata's record of the key, the chunk's sizes or None for bytes) for one stored item, or (None, None).
-
-    By DCP's chunk-position hint where it holds (O(1)), else by a scan of that one key's chunks."""
-    md = metadata.state_dict_metadata.get(index.fqn)
-    if not isinstance(md, TensorStorageMetadata):
-        return (md, None) if md is not None and index.offset is None else (None, None)
-    if index.offset is None:
-        return None, None
-    offsets = tuple(index.offset)
-    hint = index.index
-    if hint is not None and 0 <= hint < len(md.chunks) and tuple(md.chunks[hint].offsets) == offsets:
-        return md, tuple(md.chunks[hint].sizes)
-    return next(((md, tuple(c.sizes)) for c in md.chunks if tuple(c.offsets) == offsets), (None, None))
-
-
-def _check_items(metadata: Metadata, extents: dict, infos: dict) -> tuple[dict[tuple, _Chunk], list[tuple[str, str]]]:
-    """The stored items ``infos`` (index -> .metadata's storage entry) against the manifest's ``extents`` of
-    their files; returns the tensor chunks and every (key, problem).  Every extent of those files must also be
-    named by .metadata."""
-    chunks: dict[tuple, _Chunk] = {}
-    problems: list[tuple[str, str]] = []
-    storage = metadata.storage_data or {}
-    for index, info in infos.items():
-        ident, fqn = _item_id(index), index.fqn
-        name, extent = extents.get(ident, (None, None))
-        where = f"{fqn!r}" + ("" if index.offset is None else f" chunk {list(index.offset)}")
-        if extent is None or (name, extent.pos, extent.length) != (info.relative_path, info.offset, info.length):
-            problems.append((fqn, f"{where}: .metadata names {info.relative_path!r} at offset {info.offset} "
-                                 f"({info.length} bytes), which the manifest does not record"))
-            continue
-        md, sizes = _described(metadata, index)
-        if md is None:
-            problems.append((fqn, f"{where}: stored in {name} but not described by .metadata"))
-            continue
-        kind = "tensor" if sizes is not None else "bytes"
-        if extent.kind != kind:
-            problems.append((fqn, f"{where}: the manifest records {extent.kind}, .metadata {kind}"))
-            continue
-        if sizes is None:
-            continue
-        dtype = _stored_dtype(extent.dtype, md.properties.dtype)
-        if dtype is None:
-            problems.append((fqn, f"{where}: unknown stored dtype {extent.dtype!r}"))
-            continue
-        nbytes = math.prod(sizes) * dtype.itemsize
-        if extent.format == "raw" and extent.logical != nbytes:
-            problems.append((fqn, f"{where}: holds {extent.logical} bytes; its chunk {list(sizes)} of {dtype} "
-                                 f"is {nbytes}"))
-        elif extent.format == "raw" and extent.codec == "zstd" and extent.planes != plane_width(dtype):
-            problems.append((fqn, f"{where}: {extent.planes} byte planes recorded for {dtype}"))
-        elif extent.format == "torch_save" and extent.payload is not None and extent.payload + nbytes > extent.length:
-            problems.append((fqn, f"{where}: payload of {nbytes} bytes at {extent.payload} overruns the "
-                                 f"{extent.length}-byte item"))
-        else:
-            chunks[ident] = _Chunk(sizes, dtype)
-    unnamed = sorted((ident for ident, (name, extent) in extents.items() if not _names(storage, ident, name, extent)),
-                     key=str)
-    if unnamed:
-        problems.append((unnamed[0][0], f"the manifest records {len(unnamed)} item(s) that .metadata does not name, "
-                                  f"e.g. {unnamed[0][0]!r}"))
-    return chunks, problems
-
-
-def _names(storage: dict, ident: tuple, name: str, extent: ItemExtent) -> bool:
-    """Whether .metadata's storage entries name this extent of the manifest exactly."""
-    fqn, offset = ident
-    info = storage.get(MetadataIndex(fqn, None if offset is None else torch.Size(offset)))
-    return info is not None and (info.relative_path, info.offset, info.length) == (name, extent.pos, extent.length)
-
-
-def _dtype_mismatches(metadata: Metadata, keys: dict[str, dict]) -> list[tuple[str, str, str]]:
-    """(key, .metadata's dtype, the manifest's) for every tensor whose two records of its planned dtype differ.
-
-    The manifest's per-key records come from the ranks' plans, before .metadata is written, so the two agree
-    on every intact checkpoint; a ``.metadata`` relabelled to a dtype of the same element size (fp32 / int32,
-    bf16 / fp16) passes every size check and would load its bytes reinterpreted.  Keys the manifest does not
-    type (bytes, older manifests) have nothing to compare."""
-    found = []
-    for fqn, md in metadata.state_dict_metadata.items():
-        recorded = (keys.get(fqn) or {}).get("dtype")
-        if isinstance(md, TensorStorageMetadata) and recorded is not None and str(md.properties.dtype) != recorded:
-            found.append((fqn, str(md.properties.dtype), recorded))
-    return sorted(found)
-
-
-def _check_coverage(metadata: Metadata) -> dict[str, str]:
-    """Keys whose stored chunks do not tile the global shape exactly: key -> what is wrong."""
-    stored = {_item_id(i) for i in (metadata.storage_data or {})}
-    holes: dict[str, str] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            if (fqn, None) not in stored:
-                holes[fqn] = "not stored"
-            continue
-        missing = [list(c.offsets) for c in md.chunks if (fqn, tuple(c.offsets)) not in stored]
-        why = (f"{len(missing)} chunk(s) described but not stored, at {missing[:3]}" if missing
-               else _tiling_problem(tuple(md.size), md.chunks))
-        if why:
-            holes[fqn] = why
-    return holes
-
-
-def _tiling_problem(shape: tuple[int, ...], chunks) -> str | None:
-    """Why ``chunks`` do not tile ``shape`` exactly (all in bounds, volumes add up, no overlap), or None."""
-    total, covered, boxes = math.prod(shape), 0, []
-    for c in chunks:
-        offsets, sizes = tuple(c.offsets), tuple(c.sizes)
-        if (len(offsets), len(sizes)) != (len(shape), len(shape)) or any(
-                o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
-            return f"chunk at {list(offsets)} of size {list(sizes)} lies outside the shape {list(shape)}"
-        volume = math.prod(sizes)
-        if volume:
-            covered += volume
-            boxes.append((offsets, sizes))
-    if covered != total:
-        return f"stored chunks hold {covered} of its {total} elements"
-    if _overlap(boxes):
-        return "stored chunks overlap, so other elements are missing"
-    return None
-
-
-def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
-    """Whether any two non-empty boxes intersect.
-
-    A sweep along the dimension with the most distinct offsets: row shards,
-    column shards and dp x tp grids cost O(n log n) plus, per box, the few
-    boxes that share its slab, so 1,000+ chunks per key stay cheap.
-    """
-    if len(boxes) < 2:
-        return False
-    ndim = len(boxes[0][0])
-    axis = max(range(ndim), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for offsets, sizes in sorted(boxes, key=lambda b: b[0][axis]):
-        active = [(o, s) for o, s in active if o[axis] + s[axis] > offsets[axis]]
-        for o, s in active:
-            if all(o[d] < offsets[d] + sizes[d] and offsets[d] < o[d] + s[d] for d in range(ndim)):
-                return True
-        active.append((offsets, sizes))
-    return False
-
-
-_DATA_DESCRIPTOR = b"PK\x07\x08"
-
-
-def _payload_proven(head: bytes, tail: bytes, payload: int, nbytes: int) -> bool:
-    """Whether the zip entry ``data/0`` of a torch.save item spans exactly ``[payload, payload + nbytes)``.
-
-    The local header must end exactly at ``payload`` (the writer's own proof,
-    :func:`.container.find_payload`), and the data descriptor torch writes
-    right after the entry must record ``nbytes`` (32- or 64-bit sizes).
-    """
-    if find_payload(head, [(payload, nbytes)], nbytes) != payload or not tail.startswith(_DATA_DESCRIPTOR):
-        return False
-    small = len(tail) >= 16 and struct.unpack_from("<II", tail, 8) == (nbytes, nbytes)
-    large = len(tail) >= 24 and struct.unpack_from("<QQ", tail, 8) == (nbytes, nbytes)
-    return small or large

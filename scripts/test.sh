@@ -2,14 +2,16 @@
 # The test suite: set up (if needed), then run every test, fault tests included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The fault tests need two bindfs FUSE mounts (NFS-like stale clients) and tmpfs; install them when we can.
-if [ "$(id -u)" = 0 ] && ! command -v bindfs >/dev/null 2>&1; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bindfs fuse3) >/dev/null
+# The fault tests need two bindfs FUSE mounts (NFS-like stale clients), tmpfs, and a FAT volume through fusefat
+# (a filesystem without hard links); install them when we can.
+if [ "$(id -u)" = 0 ] && ! { command -v bindfs && command -v fusefat && command -v mkfs.vfat; } >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bindfs fuse3 fusefat dosfstools) >/dev/null
 fi
 DCP_ATOMIC_EXTRAS=test,s3 bash scripts/bootstrap.sh
-# torchtitan's own pins would downgrade fsspec below what s3fs needs; its checkpointer needs only torch and tyro.
-if ! .venv/bin/python -c 'import torchtitan' 2>/dev/null; then
-    if ! log=$(.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0 2>&1); then
+# torchtitan's own pins would downgrade fsspec below what s3fs needs; its checkpointer needs only torch and tyro,
+# its ParallelDims (the mesh-name tests build torchtitan's own meshes) spmd-types.
+if ! .venv/bin/python -c 'import torchtitan, spmd_types' 2>/dev/null; then
+    if ! log=$(.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0 spmd-types==0.3.1 2>&1); then
         echo "$log" >&2
         exit 1
     fi

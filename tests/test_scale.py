@@ -227,9 +227,9 @@ def test_metadata_is_pickled_and_parsed_without_cyclic_gc_and_a_processs_own_gc_
         gc_during.append(("pickle", gc.isenabled()))
         return pickle.dumps(obj, *args, **kwargs)
 
-    def load_metadata(data, where):
+    def load_metadata(data, where, **kwargs):
         gc_during.append(("unpickle", gc.isenabled()))
-        return load_dcp_metadata(data, where=where)
+        return load_dcp_metadata(data, where=where, **kwargs)
 
     load_dcp_metadata = reader.load_dcp_metadata
     monkeypatch.setattr(writer, "pickle", types.SimpleNamespace(dumps=dumps, HIGHEST_PROTOCOL=pickle.HIGHEST_PROTOCOL))
