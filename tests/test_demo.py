@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -61,8 +62,13 @@ def test_demo_kills_a_rank_mid_save_and_resumes_at_another_tp_size(tmp_path):
             layout = json.load(f)["parallelism"]
         assert (layout["tp"], layout["dp"]) == ((2, 2) if step <= 8 else (1, 4)), (step, layout)
 
-    verified = subprocess.run(_cli("verify", root, RUN, "--all"), capture_output=True, text=True, timeout=120)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+    # The commands the demo suggests run as printed (verify --all among them: every byte checks out).
+    suggested = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("dcp-atomic ")]
+    assert [c.split()[1] for c in suggested] == ["ls", "show", "verify"], done.stdout[-2000:]
+    for command in suggested:
+        argv = _cli(*shlex.split(command)[1:])
+        ran = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert ran.returncode == 0, f"$ {command}\n{ran.stdout}{ran.stderr}"
 
     # What each step holds: its own progress counter, and AdamW's step count.  The resumed job loaded step 8's
     # optimizer state (a fresh optimizer would count 4 at step 12).
