@@ -16,6 +16,7 @@ from .errors import (
     RankFailureError,
     ReshardError,
     StorageError,
+    TorchVersionError,
     UnsafeItemError,
 )
 from .manager import CheckpointManager
@@ -45,6 +46,7 @@ __all__ = [
     "CheckpointManager",
     "ReshardError",
     "StorageError",
+    "TorchVersionError",
     "UnsafeItemError",
     "__version__",
 ]

@@ -73,5 +73,9 @@ class UnsafeItemError(ConfigurationError):
     """A non-tensor item holds a type the safe-decoding allow-list refuses (P11); the checkpoint itself is intact."""
 
 
+class TorchVersionError(CheckpointError):
+    """A checkpoint written by a torch whose DCP metadata this torch cannot read; its bytes are intact."""
+
+
 class RankFailureError(CheckpointError):
     """A peer died or froze inside a collective (seen through the process group)."""

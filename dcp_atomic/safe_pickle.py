@@ -33,11 +33,7 @@ import torch
 
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, TensorProperties
 
-from .errors import CheckpointError, CorruptCheckpointError, UnsafeItemError
-
-
-class TorchVersionError(CheckpointError):
-    """A checkpoint written by a torch whose DCP metadata this torch cannot read; its bytes are intact."""
+from .errors import CorruptCheckpointError, TorchVersionError, UnsafeItemError
 
 
 class _UnknownState(Exception):

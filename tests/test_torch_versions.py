@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointError, CorruptCheckpointError
-from dcp_atomic.safe_pickle import TorchVersionError, load_dcp_metadata
+from dcp_atomic import TorchVersionError
+from dcp_atomic.safe_pickle import load_dcp_metadata
 from tests.harness import assert_all_ok, run_world
 
 RUN = "versions"
