@@ -287,7 +287,8 @@ def cmd_ls(args) -> int:
         size = _mib(row["bytes"]) if "bytes" in row else "-"
         age = _age(now - row["committed_at"]) if "committed_at" in row else "-"
         par = row.get("parallelism") or {}
-        lay = f"tp={par.get('tp')} dp={par.get('dp')} pp={par.get('pp')}" if par else "-"
+        lay = " ".join(f"{d}={par.get(d, 1)}" for d in ("tp", "dp", "pp", "cp", "ep")
+                       if d in ("tp", "dp", "pp") or par.get(d, 1) != 1) if par else "-"  # cp, ep: only when used
         extra = f"  (+{row['partial_attempts']} partial attempt(s))" if row["partial_attempts"] and row["committed"] else ""
         latest = "  <- latest" if newest and row["step"] == newest.step else ""
         damage = f"  (commit marker cannot be validated: {row['marker_error']})" if "marker_error" in row else ""
