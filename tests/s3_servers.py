@@ -14,6 +14,9 @@ can produce what real stores do on a bad day, over real HTTP:
   the failure (a PUT that was applied but whose reply was lost);
   ``for_s=8`` makes a rule a storm that ends after 8 s; ``stall_s`` holds the
   request that long before answering (``status=None``: then forward it);
+  ``body=regex`` matches the request body (a GCS upload names its object there).
+  The proxy forwards any HTTP, so tests/test_gcs.py puts it in front of fake-gcs-server too;
+  there an error reply is an S3 XML body with the status, which gcsfs reads by its status;
 * ``proxy.ignore_conditions = True``: strip ``If-None-Match`` / ``If-Match``
   (a store that silently ignores conditional writes); a set such as
   ``{"if-match"}`` strips only those;
@@ -246,11 +249,13 @@ class Rule:
     message: str = "injected by the test proxy"
     stall_s: float = 0.0
     header: str | None = None  # only requests carrying this header (lower case)
+    body: re.Pattern | None = None  # only requests whose body matches (GCS uploads name the object there)
     hits: int = 0
 
-    def matches(self, op: str, key: str, headers: dict[str, str]) -> bool:
+    def matches(self, op: str, key: str, headers: dict[str, str], body: bytes = b"") -> bool:
         return ((self.op is None or self.op == op) and (self.key is None or bool(self.key.search(key)))
                 and (self.header is None or self.header in headers)
+                and (self.body is None or bool(self.body.search(body.decode("latin-1"))))
                 and (self.times is None or self.hits < self.times)
                 and (self.until is None or time.monotonic() < self.until))
 
@@ -296,13 +301,13 @@ class S3Proxy:
     def fail(self, op: str | None = None, key: str | None = None, *, status: int | None = 503,
              code: str = "SlowDown", times: int | None = None, after_forward: bool = False,
              for_s: float | None = None, message: str = "injected by the test proxy", stall_s: float = 0.0,
-             header: str | None = None) -> Rule:
+             header: str | None = None, body: str | None = None) -> Rule:
         """Answer requests of ``op`` whose key matches the regex ``key`` (and that carry ``header``) with an
         S3 error (``times`` of them, or all of them for ``for_s`` seconds from now), after holding each for
         ``stall_s``."""
         until = time.monotonic() + for_s if for_s is not None else None
         rule = Rule(op, re.compile(key) if key else None, status, code, times, after_forward, until, message, stall_s,
-                    header)
+                    header, re.compile(body) if body else None)
         with self.lock:
             self.rules.append(rule)
         return rule
@@ -346,7 +351,7 @@ class S3Proxy:
         conditions = {h: handler.headers[h] for h in CONDITIONAL if handler.headers.get(h) is not None}
         all_headers = {k.lower(): v for k, v in handler.headers.items()}
         with self.lock:
-            rule = next((r for r in self.rules if r.matches(op, key, all_headers)), None)
+            rule = next((r for r in self.rules if r.matches(op, key, all_headers, body)), None)
             if rule is not None:
                 rule.hits += 1
             elif self.reject_chunked and ("aws-chunked" in all_headers.get("content-encoding", "")

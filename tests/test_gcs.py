@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+import re
 import secrets
 import subprocess
+import time
 
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
@@ -23,7 +26,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from dcp_atomic import (AtomicStorageReader, AtomicStorageWriter, CommitConflictError, ConfigurationError,  # noqa: E402
-                        latest_step, list_steps)
+                        StorageError, latest_step, list_steps)
 from dcp_atomic.backends import open_storage  # noqa: E402
 from dcp_atomic.gcs import GCSStorage  # noqa: E402
 from dcp_atomic.layout import MARKER  # noqa: E402
@@ -80,8 +83,9 @@ def gcs(gcs_server):
     return GCSTarget(gcs_server)
 
 
-def _save(gcs: GCSTarget, step: int, seed: int, **kwargs) -> AtomicStorageWriter:
-    writer = AtomicStorageWriter(gcs.root, RUN, step, timeout=10, storage_options=gcs.options, **kwargs)
+def _save(gcs: GCSTarget, step: int, seed: int, overwrite: bool = False, **options) -> AtomicStorageWriter:
+    writer = AtomicStorageWriter(gcs.root, RUN, step, timeout=10, overwrite=overwrite,
+                                 storage_options={**gcs.options, **options})
     dcp.save(_job_state(seed, step), storage_writer=writer)
     return writer
 
@@ -187,3 +191,91 @@ def test_a_gcsfs_without_exclusive_create_is_refused(monkeypatch, gcs):
     monkeypatch.setattr(gcsfs.core.GCSFileSystem, "_pipe_file", pipe_file_without_mode)
     with pytest.raises(ConfigurationError, match="two jobs could both commit"):
         open_storage(gcs.root, gcs.options)
+
+
+# -- the object-store policy on GCS: throttling, stalls, typed errors (issue 20 item 10) -----------------------
+
+
+@pytest.fixture(scope="module")
+def gcs_proxy(gcs_server):
+    """The fault-injecting proxy of tests/s3_servers.py in front of fake-gcs-server (it forwards any HTTP)."""
+    from tests.s3_servers import S3Proxy
+
+    proxy = S3Proxy(gcs_server)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@pytest.fixture
+def faulty_gcs(gcs_server, gcs_proxy):
+    gcs_proxy.reset()
+    target = GCSTarget(gcs_server)  # the bucket is made directly; the job talks through the proxy
+    target.options = {**target.options, "endpoint_url": gcs_proxy.url, "dcp_atomic_backoff_s": 0.05,
+                      "dcp_atomic_max_backoff_s": 0.3}
+    target.proxy = gcs_proxy
+    yield target
+    gcs_proxy.reset()
+
+
+def _upload_of(name: str) -> str:
+    """A body regex for the upload that creates object ``name`` (its JSON metadata part names it)."""
+    return re.escape(name) + '"'
+
+
+def test_a_429_storm_on_gs_is_ridden_out_within_the_time_budget(faulty_gcs):
+    gcs = faulty_gcs
+    gcs.proxy.fail("POST", status=429, code="TooManyRequests", for_s=2)
+    started = time.monotonic()
+    writer = _save(gcs, 1, seed=1, dcp_atomic_retry_budget_s=30)
+    assert time.monotonic() - started >= 2
+    assert writer.save_id.encode() in gcs.marker(1)
+    assert [r for r in gcs.proxy.requests("POST") if r.injected], "the storm hit the save"
+    _assert_job_state(_load(gcs, 1)[1], 1, 1)
+
+
+def test_a_permanent_429_storm_on_gs_fails_in_budget_naming_rank_object_status_and_nothing_committed(faulty_gcs):
+    gcs = faulty_gcs
+    _save(gcs, 1, seed=1)
+    gcs.proxy.fail("POST", status=429, code="TooManyRequests", body=_upload_of("manifest.json"))
+    started = time.monotonic()
+    with pytest.raises(CheckpointException) as info:
+        _save(gcs, 2, seed=2, dcp_atomic_retry_budget_s=2)
+    elapsed = time.monotonic() - started
+    errors = [e for e in _inner(info.value) if isinstance(e, StorageError)]
+    assert errors, _inner(info.value)
+    message = str(errors[0])
+    assert "rank 0" in message and "GCS POST of gs://" in message and "manifest.json" in message, message
+    assert "HTTP 429" in message and "dcp_atomic_retry_budget_s (now 2)" in message, message
+    assert "Nothing of this save is committed" in message and errors[0].details["status"] == 429
+    assert elapsed < 10, elapsed  # gcsfs alone gave up after ~34 s with a raw HttpError
+    assert latest_step(gcs.root, RUN, gcs.options) == 1
+
+
+def test_a_stalled_request_on_gs_is_cancelled_and_retried(faulty_gcs):
+    gcs = faulty_gcs
+    rule = gcs.proxy.fail("POST", status=None, stall_s=20, times=1, body=_upload_of("manifest.json"))
+    started = time.monotonic()
+    writer = _save(gcs, 1, seed=1, dcp_atomic_stall_timeout_s=1)
+    assert time.monotonic() - started < 12, "gcsfs sends timeout=None: without a deadline the rank hangs 20 s"
+    assert rule.hits == 1 and writer.save_id.encode() in gcs.marker(1)
+    _assert_job_state(_load(gcs, 1)[1], 1, 1)
+
+
+def test_a_marker_create_cancelled_unanswered_and_applied_later_on_gs_is_committed(faulty_gcs):
+    gcs = faulty_gcs
+    _save(gcs, 1, seed=1)
+    marker = _upload_of(f"{RUN}/step_0000000002/{MARKER}")
+    gcs.proxy.fail("POST", status=None, stall_s=3, times=1, body=marker)  # held 3 s, then applied
+    gcs.proxy.fail("POST", status=503, code="ServiceUnavailable", body=marker)
+    writer = _save(gcs, 2, seed=2, dcp_atomic_stall_timeout_s=1, dcp_atomic_retry_budget_s=1.5)
+    assert writer.save_id.encode() in gcs.marker(2)
+    assert latest_step(gcs.root, RUN, gcs.options) == 2
+
+
+def test_gs_options_pickle_and_never_reach_gcsfs(gcs):
+    storage = open_storage(gcs.root, {**gcs.options, "dcp_atomic_stall_timeout_s": 7})
+    assert storage.policy.stall_timeout_s == 7 and "dcp_atomic_stall_timeout_s" not in storage.fs.storage_options
+    copy = pickle.loads(pickle.dumps(storage))
+    assert copy.policy == storage.policy and copy.fs is not storage.fs
