@@ -129,6 +129,20 @@ class Progress:
             sys.stderr.write("\n")
 
 
+STORAGE_OPTIONS_ENV = "DCP_ATOMIC_STORAGE_OPTIONS"  # JSON, or @FILE, like --storage-options
+
+
+def _storage_options_text(value: str) -> str:
+    """``--storage-options`` as JSON text: ``@FILE`` reads it from a file (credentials stay out of argv)."""
+    if not value.startswith("@"):
+        return value
+    try:
+        with open(os.path.expanduser(value[1:]), encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read storage options from {value[1:]}: {e.strerror}") from None
+
+
 def _storage(args) -> Storage:
     """The root's storage; a root that does not exist is an error, not an empty listing."""
     options = None
@@ -604,7 +618,10 @@ def _add_global_options(parser: argparse.ArgumentParser, *, after_subcommand: bo
 
     parser.add_argument("--json", action="store_true", default=default(False),
                         help="machine-readable output, errors included")
-    parser.add_argument("--storage-options", default=default(None), help="fsspec options as JSON, e.g. an S3 endpoint")
+    parser.add_argument("--storage-options", type=_storage_options_text,
+                        default=default(os.environ.get(STORAGE_OPTIONS_ENV) or None),
+                        help=f"fsspec options as JSON, e.g. an S3 endpoint, or @FILE holding that JSON (keeps secrets "
+                             f"out of shell history); default: ${STORAGE_OPTIONS_ENV}")
     parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds to wait for visibility")
 
 

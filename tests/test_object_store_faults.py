@@ -179,3 +179,29 @@ def test_a_lost_create_multipart_reply_leaves_no_orphan_upload(s3_moto):
     assert [r.status for r in s3.proxy.requests("CREATE_MPU")] == [500, 200]
     assert s3.uploads() == [], "the upload the lost reply created was aborted"
     assert len(s3.get("big.bin")) == 11 << 20
+
+
+# -- the CLI takes object-store options from a file or the environment -------------------------------------------
+
+
+def test_cli_takes_storage_options_from_a_file_or_the_environment(s3_moto, tmp_path, monkeypatch, capsys):
+    import json
+
+    from dcp_atomic import cli
+
+    s3 = s3_moto
+    _save(s3, 1, seed=1)
+    options = tmp_path / "s3.json"
+    options.write_text(json.dumps(s3.options()))
+    monkeypatch.delenv(cli.STORAGE_OPTIONS_ENV, raising=False)
+    assert cli.main(["--json", "--storage-options", f"@{options}", "ls", s3.root, RUN]) == 0
+    from_file = capsys.readouterr().out
+    assert json.loads(from_file), from_file
+    monkeypatch.setenv(cli.STORAGE_OPTIONS_ENV, json.dumps(s3.options()))
+    assert cli.main(["--json", "ls", s3.root, RUN]) == 0
+    assert capsys.readouterr().out == from_file, "the environment gives the same options"
+    monkeypatch.setenv(cli.STORAGE_OPTIONS_ENV, f"@{options}")
+    assert cli.main(["--json", "ls", s3.root, RUN]) == 0 and capsys.readouterr().out == from_file
+    monkeypatch.delenv(cli.STORAGE_OPTIONS_ENV)
+    assert cli.main(["--storage-options", f"@{tmp_path / 'missing.json'}", "ls", s3.root, RUN]) == 2
+    assert "cannot read storage options" in "".join(capsys.readouterr())
