@@ -15,7 +15,6 @@ import io
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -23,6 +22,8 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
+
+from tests.ports import free_port
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "dcp_atomic", "tests.harness"])
@@ -56,10 +57,6 @@ class Outcome:
         return self.exitcode is not None and self.exitcode < 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _describe_chain(exc: BaseException) -> list[str]:
