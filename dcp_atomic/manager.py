@@ -47,15 +47,18 @@ import torch.distributed.checkpoint as dcp
 from .backends import open_storage
 from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
 from .collective import RankAgreement, _first_line, _raise_typed
-from .commit import ResumePoint, read_committed, read_marker, resume_point, scan_markers
-from .errors import CheckpointNotFoundError, ConfigurationError
+from .commit import ResumePoint, next_sequence, read_committed, read_marker, resume_point, scan_markers
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, RankConsistencyError, StorageError
 from .layout import RunLayout, validate_step
 from .liveness import Heartbeat, OpWatch
+from .local_tier import LocalWriter, Topology, commit_local, local_markers, open_local, retain_local, scan_root
 from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
 from .retention import DEFAULT_LEASE_SECONDS, retain_after_commit
 from .retry import Deadline
+from .placement import failure_domain as resolve_failure_domain
 from .stats import FailureStats, LoadStats, SaveStats
+from .tier_restore import Durable, assemble, choose, not_found
 from .watched import WatchedReader, WatchedSavePlanner, WatchedWriter
 from .writer import AtomicStorageWriter
 
@@ -120,6 +123,14 @@ class CheckpointManager(RankAgreement):
         share_reads: read each stored item once and send it to the other ranks that need it
             (``AtomicStorageReader(share_reads=...)``; default: on for object stores and for ranks on
             several hosts).
+        local_root: this node's own storage (a local path; each rank passes its node's): saves go there
+            first, with ``replicas`` copies of each rank's files on ranks of other failure domains, and
+            ``load`` restores from the newest step assemblable from local roots, replicas or ``root``
+            (README, "Two tiers").  None: one tier, ``root``, exactly as without it.
+        replicas: copies of each rank's files on other failure domains (local tier).
+        durable_every, keep_local, failure_domain: the drain policy (not built yet: only None is
+            accepted), local steps kept per local root, and this rank's failure domain (default
+            ``$DCP_ATOMIC_FAILURE_DOMAIN``, else the host name).
     """
 
     _instances = 0
@@ -143,9 +154,20 @@ class CheckpointManager(RankAgreement):
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         allow_divergence: bool = False,
         share_reads: bool | None = None,
+        local_root: str | os.PathLike | None = None,
+        replicas: int = 1,
+        durable_every: int | None = None,
+        keep_local: int = 2,
+        failure_domain: str | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
+            raise ValueError(f"keep_local must be an int >= 1, got {keep_local!r}")
+        if durable_every is not None:
+            raise ConfigurationError("durable_every: draining local steps to the durable root is not built yet "
+                                     "(issue 18); leave it None, and save to the durable root with a manager "
+                                     "without local_root")
         self.root, self.run_id = root, run_id
         self.storage_options = storage_options
         self.layout = RunLayout(open_storage(root, storage_options), run_id)
@@ -184,18 +206,30 @@ class CheckpointManager(RankAgreement):
             self._heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(),
                                         f"dcp_atomic/{run_id}/{self._instance}", dist.get_rank(),
                                         dist.get_process_group_ranks(self._group), timeout)
+        self.local_root, self.keep_local = local_root, keep_local
+        self.restored_from: dict[str, Any] | None = None  # after load(): which tier served (see load)
+        self._tier: Topology | None = None
+        self._local_sequence = 0  # the newest commit sequence this process knows of, both tiers (rank 0 decides)
+        self._sequence_known = False
+        if local_root is not None:
+            self._local = open_local(os.fspath(local_root), run_id)
+            self._tier = Topology.learn(self.rank, self.world_size, resolve_failure_domain(failure_domain),
+                                        os.fspath(local_root), replicas, self._group)
         self._closed = False
 
     # -- saving --------------------------------------------------------------------------
 
     @_operation
-    def save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None = None) -> int:
+    def save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None = None,
+             durable: bool | None = None) -> int:
         """Save and commit ``step`` synchronously; returns the step.  ``metadata``: a small JSON dict kept with
         the checkpoint (global rank 0's; see :meth:`metadata`).
 
         Raises the typed error if the save failed.  Before saving, raises the failure of an
-        earlier ``async_save`` that nothing has reported yet (see ``async_save``).
+        earlier ``async_save`` that nothing has reported yet (see ``async_save``).  With ``local_root``
+        the step is committed to the local tier (replicas verified, README "Two tiers").
         """
+        self._refuse_drain(durable)
         self._drain()
         started = time.perf_counter()
         with self._failures_reported("save", step, started):
@@ -208,12 +242,13 @@ class CheckpointManager(RankAgreement):
                 self._settle_failed_save(e, step, writer, self._ops, watch)
             else:
                 watch.finish()
+            self._commit_local(step, writer, self._group)
         self._after_commit(step, writer, time.perf_counter() - started, stage_seconds=0.0, asynchronous=False)
         return step
 
     @_operation
-    def async_save(self, step: int, state_dict: dict[str, Any],
-                   metadata: dict[str, Any] | None = None) -> concurrent.futures.Future:
+    def async_save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None = None,
+                   durable: bool | None = None) -> concurrent.futures.Future:
         """Stage ``state_dict`` to host memory now, write and commit in the background (``metadata``: as ``save``).
 
         Returns a future that resolves to ``step`` once the save has *committed*
@@ -224,8 +259,9 @@ class CheckpointManager(RankAgreement):
         returned future's ``result()`` / ``exception()``, ``wait()``, ``close()``,
         or the next ``save`` / ``async_save`` / ``load`` (which then does
         nothing else).  Every rank sees the same failure; call these the same
-        way on every rank.
+        way on every rank.  With ``local_root`` the future resolves once the step is local-committed.
         """
+        self._refuse_drain(durable)
         self._drain()
         op = self._ops
         result = _SaveFuture()
@@ -251,6 +287,7 @@ class CheckpointManager(RankAgreement):
                     self._settle_failed_save(e, step, writer, op, watch)
                 else:
                     watch.finish()
+                self._commit_local(step, writer, self._async_group)
                 self._after_commit(step, writer, time.perf_counter() - started, stage_seconds, asynchronous=True)
                 result.set_result(step)
             except BaseException as e:
@@ -312,14 +349,24 @@ class CheckpointManager(RankAgreement):
     def load(self, state_dict: dict[str, Any], step: int | None = None, allow_reshard: bool = False) -> int:
         """Load ``step`` (default: the most recent commit) into ``state_dict``; returns the step loaded.
 
+        With ``local_root``: the most recent step (both tiers, by commit sequence) that can be assembled
+        completely from the local roots, peers' replicas or the durable root; ``restored_from`` then says
+        which tier served (``{"tier", "step", "save_id", "ranks_fetched"}``, every rank).
+
         Before loading, raises the failure of an earlier ``async_save`` that nothing has reported yet.
         """
         self._drain()
         started = time.perf_counter()
         with self._failures_reported("load", step, started) as attempt:
-            chosen, save_id, resumed = self._on_rank0(
-                lambda: self._resolve_step(step), "resolve the step to load",
-                request="the latest step" if step is None else f"step {step}")
+            root, storage_options = self.root, self.storage_options
+            local = self._restore_local(step) if self._tier is not None else None
+            if local is not None:
+                chosen, save_id, resumed = local
+                root, storage_options = os.fspath(self.local_root), None
+            else:
+                chosen, save_id, resumed = self._on_rank0(
+                    lambda: self._resolve_step(step), "resolve the step to load",
+                    request="the latest step" if step is None else f"step {step}")
             if chosen is None:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint for run {self.run_id!r} under {self.layout.storage.describe()}",
@@ -329,9 +376,9 @@ class CheckpointManager(RankAgreement):
             # Visibility waits get half the group timeout: the manifest shards read while DCP plans (no
             # barrier there) must give up before the peers' gather of plans times out.
             watch = self._watch(f"loading step {chosen}")
-            reader = WatchedReader(self.root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
+            reader = WatchedReader(root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
                                     allow_reshard=allow_reshard, timeout=self.timeout / 2,
-                                    storage_options=self.storage_options, thread_count=self.thread_count,
+                                    storage_options=storage_options, thread_count=self.thread_count,
                                     share_reads=self.share_reads, process_group=self._group, watch=watch)
             self._resolve_everywhere(reader, chosen)
             try:
@@ -373,14 +420,144 @@ class CheckpointManager(RankAgreement):
                               request="the latest step" if step is None else f"step {step}")
 
     @_operation
-    def steps(self) -> list[int]:
-        """Committed steps, ascending (global rank 0 scans, the others are told)."""
-        return self._on_rank0(lambda: [m.step for m in scan_markers(self.layout)], "list committed steps")
+    def steps(self, tier: str | None = None) -> list[int]:
+        """Committed steps, ascending (global rank 0 scans, the others are told).  ``tier``: ``"durable"``
+        (the durable root's), ``"local"`` (local-committed on any local root), or None (either)."""
+        if tier not in (None, "local", "durable"):
+            raise ValueError(f"tier must be None, 'local' or 'durable', got {tier!r}")
+        found: set[int] = set()
+        if tier != "local":
+            found |= set(self._on_rank0(lambda: [m.step for m in scan_markers(self.layout)], "list committed steps"))
+        if tier != "durable" and self._tier is not None:
+            for steps in self._gathered([m.step for m in local_markers(self._local)] if self._tier.is_leader else []):
+                found |= set(steps)
+        return sorted(found)
+
+    # -- the local tier (README "Two tiers"; local_tier.py, tier_restore.py) -----------------
+
+    def _refuse_drain(self, durable: bool | None) -> None:
+        if durable:
+            raise ConfigurationError("save(..., durable=True): draining local steps to the durable root is not "
+                                     "built yet (issue 18); save to the durable root with a manager without "
+                                     "local_root")
+
+    def _gathered(self, mine: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+        if not self._distributed or self.world_size == 1:
+            return [mine]
+        everyone: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(everyone, mine, group=group or self._group)
+        except BaseException as e:
+            _raise_typed(self._translate(e, "exchanging the local tier's state"))
+        return everyone
+
+    def _sequence_floor(self) -> int:
+        """Rank 0: the newest commit sequence of either tier it knows; the durable root's ``LATEST`` is read once
+        per manager (P10 across tiers: a local commit never sorts below a durable one made before it)."""
+        if self.rank == 0 and not self._sequence_known:
+            try:
+                self._local_sequence = max(self._local_sequence, next_sequence(self.layout) - 1)
+            except (OSError, CheckpointError) as e:
+                log.warning("local tier: could not read the durable root's commit sequence (%s); local commits "
+                            "number from the local roots alone", e)
+            self._sequence_known = True
+        return self._local_sequence
+
+    def _commit_local(self, step: int, writer: AtomicStorageWriter, group: dist.ProcessGroup | None) -> None:
+        """After DCP's save: replicas, rank 0's decision, the local markers, then local retention."""
+        if self._tier is None:
+            return
+        try:
+            marker = commit_local(self._tier, self._local, writer, step, group, self._sequence_floor())
+        except CheckpointError:
+            raise
+        except BaseException as e:
+            _raise_typed(self._translate(e, f"committing step {step} to the local tier"))
+        self._local_sequence = max(self._local_sequence, marker.sequence or 0)
+        writer.last_local_marker = marker
+        log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)", self.run_id, step,
+                 marker.sequence, len(self._tier.placement.holders[self.rank]))
+        if self._tier.is_leader:
+            try:
+                removed = retain_local(self._local, self.keep_local, protected={step})
+                if removed:
+                    log.info("local tier %s: removed step(s) %s (keep_local=%d)", self.local_root, removed,
+                             self.keep_local)
+            except OSError as e:  # the step is committed; the next save retries
+                log.warning("local tier %s: retention failed (the next save retries it): %s", self.local_root, e)
+
+    def _restore_local(self, step: int | None) -> tuple[int, str, ResumePoint] | None:
+        """Choose the step to restore (both tiers); assemble a local one in every local root.  Returns (step,
+        save_id, resume point) to load from the local root, or None to load the durable tier's choice."""
+        tier = self._tier
+        watch = self._watch("scanning the local tier")
+        held = watch.run("scan", lambda: scan_root(self._local)) if tier.is_leader else watch.run("scan", list)
+        gathered = self._gathered((step, held))
+        watch.finish()
+        asked = {request for request, _ in gathered}
+        if len(asked) > 1:
+            raise RankConsistencyError(f"restoring run {self.run_id!r}: the ranks asked for different steps "
+                                       f"({sorted(asked, key=str)}), so none loads. Every rank must call load alike.")
+        reports = {rank: held for rank, (_, held) in enumerate(gathered)}
+        outcome = None
+        if self.rank == 0:
+            declared = self.parallelism.to_dict() if self.parallelism is not None else None
+            try:
+                outcome = ("ok", choose(tier, reports, self._durable_candidate(step), self.world_size, declared, step))
+            except CheckpointError as e:
+                outcome = ("error", e)
+            except Exception as e:  # the durable root's storage, say: every rank must hear of it
+                outcome = ("error", StorageError(f"global rank 0 could not choose the step to restore: "
+                                                 f"{_first_line(e)}", rank=0))
+        status, choice = self._gathered(outcome)[0]
+        if status == "error":
+            raise choice
+        newest = max([self._local_sequence, choice.sequence or 0]
+                     + [h.sequence or 0 for held in reports.values() for h in held])
+        self._local_sequence = newest  # a save after this restore numbers above everything seen (P10, P14)
+        for why in choice.skipped:
+            log.warning("restore of run %r: %s", self.run_id, why)
+        if choice.tier == "none":
+            raise not_found(self.run_id, choice, self.layout.storage.describe())
+        if choice.tier == "durable":
+            self.restored_from = {"tier": "durable", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": 0}
+            log.info("run %r: restoring step %d from the durable tier (%s)%s", self.run_id, choice.step,
+                     self.layout.storage.describe(), " because no newer local step is complete" if choice.skipped else "")
+            return None
+        try:
+            fetched = assemble(tier, self._local, choice, self._group)
+        except CheckpointError:
+            raise
+        except BaseException as e:
+            _raise_typed(self._translate(e, f"assembling local step {choice.step}"))
+        moved = sum(len(t.ranks) for t in choice.transfers)
+        self.restored_from = {"tier": "local", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": fetched}
+        log.info("run %r: restoring step %d from the local tier (sequence %s; %d rank(s)' files copied between "
+                 "roots, %d into this one)", self.run_id, choice.step, choice.sequence, moved, fetched)
+        return choice.step, choice.save_id, ResumePoint(step=choice.step, sequence=newest)
+
+    def _durable_candidate(self, step: int | None) -> Durable | None:
+        """Rank 0: the durable tier's newest commit (or ``step``'s), None when it has none."""
+        try:
+            if step is None:
+                step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout)
+                if step is None:
+                    return None
+            elif not self.layout.storage.is_dir(self.layout.step_dir(step)):
+                return None
+            marker = read_marker(self.layout, step, Deadline(self.timeout))
+        except CheckpointNotFoundError:
+            return None
+        return Durable(step=step, save_id=marker.save_id, sequence=marker.sequence)
 
     # -- internals ------------------------------------------------------------------------
 
     def _writer(self, step: int, watch: OpWatch, metadata: dict[str, Any] | None = None) -> AtomicStorageWriter:
         validate_step(step)
+        if self._tier is not None:
+            return LocalWriter(os.fspath(self.local_root), self.run_id, step, parallelism=self.parallelism,
+                               metadata=metadata, compression=self.compression, thread_count=self.thread_count,
+                               resumed_from=self._resumed, timeout=self.timeout, watch=watch)
         return WatchedWriter(self.root, self.run_id, step, parallelism=self.parallelism, metadata=metadata,
                               compression=self.compression, thread_count=self.thread_count, resumed_from=self._resumed,
                               timeout=self.timeout, storage_options=self.storage_options, watch=watch)
@@ -485,7 +662,7 @@ class CheckpointManager(RankAgreement):
     def _retention(self, step: int, writer: AtomicStorageWriter, stats: SaveStats) -> None:
         """Applies ``keep_last`` reading only the journal and the markers of steps it may delete, so a commit
         costs the same at step 100,000 as at step 10 (no scan of every marker; see retain_after_commit)."""
-        if self.keep_last is None:
+        if self.keep_last is None or writer.last_marker is None:  # a local commit: retained per root (keep_local)
             return
         plan = retain_after_commit(self.layout, writer.last_marker, self.keep_last, lease_seconds=self.lease_seconds)
         if plan.unreadable_steps:
@@ -500,8 +677,9 @@ class CheckpointManager(RankAgreement):
     def _settle_failed_save(self, error: BaseException, step: int, writer: AtomicStorageWriter, op: int,
                             watch: OpWatch) -> None:
         """DCP said the save failed; if our marker exists anyway, it committed (returns), else raise typed
-        (a liveness verdict first: the gloo error that followed it names nobody)."""
-        if writer.save_id is not None:
+        (a liveness verdict first: the gloo error that followed it names nobody).  A local save has no marker
+        until after DCP returns, so there is nothing to settle."""
+        if writer.save_id is not None and self._tier is None:
             try:  # rank 0 may have just created it on another client: allow for visibility lag
                 marker = read_marker(self.layout, step, Deadline(min(self.timeout, 5.0)))
                 if marker.save_id == writer.save_id:

@@ -409,8 +409,7 @@ class AtomicStorageWriter(StorageWriter):
         manifest = self._manifest(save_id, stats, len(results), metadata_bytes)
         started = time.monotonic()
         try:
-            self.last_marker = commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite,
-                                              timeout=self.timeout, rank=self.rank, resumed=self.resumed_from)
+            self.last_marker = self._publish(manifest, metadata_bytes)
         except OSError as e:
             raise _storage_error(e, self.rank, e.filename or attempt, phase="committing") from e
         self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
@@ -422,6 +421,13 @@ class AtomicStorageWriter(StorageWriter):
             self.layout.run_id, self.step, save_id, len(manifest.files), manifest.total_bytes / 2**20,
             time.monotonic() - started,
         )
+
+    def _publish(self, manifest: Manifest, metadata_bytes: bytes):
+        """The commit (steps 2-4 of :mod:`.commit`); returns the marker.  The hook where the local tier
+        (:mod:`.local_tier`) publishes the control files without a marker, which it records only once every
+        rank's replicas are verified."""
+        return commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite, timeout=self.timeout,
+                              rank=self.rank, resumed=self.resumed_from)
 
     def storage_meta(self) -> StorageMeta | None:
         return None

@@ -1,0 +1,425 @@
+"""The local tier: a step saved on every node's own storage, with copies on other failure domains (P13).
+
+Saving to shared storage stalls training for as long as the slowest node takes to upload; a node's own NVMe
+takes seconds.  But a node's disk dies with the node, so a local save counts only once every rank's files also
+lie on ``replicas`` other failure domains (:mod:`.placement`).  The protocol, run by every rank after DCP's
+``save`` returned (no collective inside DCP's hooks):
+
+1. every rank has written its data files and its manifest shard into its own node's ``local_root``, in the
+   durable format and layout (``<local_root>/<run_id>/step_N/<save_id>/``), and global rank 0 has published
+   ``.metadata``, ``manifest.json`` and ``ranks.json`` there *without a marker* (:class:`LocalWriter`);
+2. rank 0 sends those control files to every rank; each rank sends its shard and data files, as stored bytes, to
+   its replica holders over the process group; a holder checks the shard against the manifest's digest and every
+   item against the shard's block digests before it writes them into its own ``local_root``;
+3. every rank reports; rank 0 decides and hands out the marker, with the next commit sequence number (P10);
+4. one process per local root (its lowest rank) writes the control files it lacks and the marker.
+
+Nothing here touches shared storage.  A crash before step 4 leaves no marker of the new step anywhere and the
+previous local step intact; a crash inside step 4 leaves the marker on some roots, which is enough: rank 0
+decided, and a restore (:mod:`.tier_restore`) takes the files of a marked step from any root that holds them.
+Local markers are rank 0's records, so a root's marker is replaced, not created exclusively.
+
+Stored bytes travel, never tensors: what a holder keeps is what the primary's disk keeps, so the drain and a
+restore copy files without re-serialising, and each side verifies the same digests.  A rank's files travel as
+one message per holder (the first slice: bounded by one rank's share of a step, see docs/design.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import failpoints
+from .commit import commit_order, write_rank_records
+from .errors import CheckpointError, CorruptCheckpointError, StorageError
+from .integrity import block_digest, sha256_hex, verify_segments
+from .layout import DCP_METADATA, MANIFEST, MARKER, RunLayout, parse_step_dir
+from .manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, ShardRef, now, shard_name
+from .placement import Placement, place_replicas
+from .storage import LocalStorage
+from .version import __version__
+from .watched import WatchedWriter
+
+log = logging.getLogger(__name__)
+
+_TAG = 0x7E18  # point-to-point tags of the tier's transfers (lengths, then payloads)
+
+
+# -- who is where ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Every rank's failure domain and local root, learned once; a *store* is one (domain, local root): ranks
+    that share it (the ranks of one node) share its files, and its lowest rank, the leader, writes them."""
+
+    rank: int
+    domains: tuple[str, ...]
+    roots: tuple[str, ...]
+    hosts: tuple[str, ...]
+    placement: Placement
+
+    @classmethod
+    def learn(cls, rank: int, world: int, domain: str, root: str, replicas: int, group) -> "Topology":
+        import socket
+
+        mine = (domain, os.path.abspath(root), socket.gethostname())
+        everyone: list[Any] = [mine]
+        if world > 1:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, mine, group=group)
+        domains = tuple(d for d, _, _ in everyone)
+        return cls(rank=rank, domains=domains, roots=tuple(r for _, r, _ in everyone),
+                   hosts=tuple(h for _, _, h in everyone), placement=place_replicas(list(domains), replicas))
+
+    def store(self, rank: int) -> tuple[str, str]:
+        return self.domains[rank], self.roots[rank]
+
+    def leader(self, rank: int) -> int:
+        return min(r for r in range(len(self.domains)) if self.store(r) == self.store(rank))
+
+    @property
+    def leaders(self) -> list[int]:
+        return sorted({self.leader(r) for r in range(len(self.domains))})
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader(self.rank) == self.rank
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank} ({self.domains[rank]}, {self.hosts[rank]}:{self.roots[rank]})"
+
+
+# -- step 1: the writer's half ------------------------------------------------------------------------------
+
+
+@dataclass
+class Staged:
+    """The control files rank 0 published in its local root without a marker (step 1)."""
+
+    manifest: bytes
+    metadata: bytes
+    ranks: bytes | None
+
+
+class LocalWriter(WatchedWriter):
+    """Writes a step into the local root exactly as the durable tier would, stopping short of the marker."""
+
+    staged: Staged | None = None
+
+    def _publish(self, manifest: Manifest, metadata_bytes: bytes) -> None:
+        storage, layout = self.storage, self.layout
+        attempt = layout.attempt_dir(self.step, manifest.save_id)
+        write_rank_records(layout, manifest)
+        ranks = storage.read_file(storage.join(attempt, RANKS_FILE)) if manifest.ranks_file else None
+        storage.publish(storage.join(attempt, DCP_METADATA), metadata_bytes)
+        manifest.written_at = now()
+        data = manifest.to_json()
+        storage.publish(storage.join(attempt, MANIFEST), data)
+        storage.sync_dir(attempt)
+        failpoints.hit("commit.after_manifest", self.rank)  # as in the durable commit: everything but the marker
+        self.staged = Staged(manifest=data, metadata=metadata_bytes, ranks=ranks)
+        return None
+
+
+# -- moving stored bytes between ranks ---------------------------------------------------------------------
+
+
+def pack(parts: list[tuple[str, bytes]]) -> bytes:
+    """Named byte strings as one message: a length-prefixed JSON index, then the bytes."""
+    index = json.dumps([[name, len(data)] for name, data in parts]).encode()
+    return b"".join([struct.pack("<Q", len(index)), index, *(data for _, data in parts)])
+
+
+def unpack(message: bytes, *, sender: str) -> dict[str, bytes]:
+    try:
+        (length,) = struct.unpack_from("<Q", message)
+        index = json.loads(message[8:8 + length])
+        parts, at = {}, 8 + length
+        for name, size in index:
+            parts[str(name)] = message[at:at + size]
+            at += size
+        if at != len(message):
+            raise ValueError(f"{len(message) - at} trailing bytes")
+        return parts
+    except (struct.error, ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"a malformed transfer from {sender}: {e}", sender=sender) from None
+
+
+def exchange(outgoing: dict[int, bytes], incoming: list[int], group) -> dict[int, bytes]:
+    """Send each ``outgoing[dst]`` and receive one message from each rank in ``incoming``; lengths first, so a
+    receiver sizes its buffer exactly.  Every send and receive is posted before any is waited for (no order can
+    deadlock); a dead peer surfaces as the group's error within its timeout."""
+    sizes = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
+    works = [dist.irecv(t, src=src, group=group, tag=_TAG) for src, t in sizes.items()]
+    works += [dist.isend(torch.tensor([len(data)], dtype=torch.int64), dst=dst, group=group, tag=_TAG)
+              for dst, data in outgoing.items()]
+    for work in works:
+        work.wait()
+    buffers = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes.items()}
+    works = [dist.irecv(b, src=src, group=group, tag=_TAG + 1) for src, b in buffers.items() if b.numel()]
+    works += [dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst, group=group, tag=_TAG + 1)
+              for dst, data in outgoing.items() if data]
+    for work in works:
+        work.wait()
+    return {src: b.numpy().tobytes() for src, b in buffers.items()}
+
+
+# -- verification ------------------------------------------------------------------------------------------
+
+
+def check_shard(manifest: Manifest, rank: int, data: bytes, where: str) -> ManifestShard:
+    """Rank ``rank``'s shard bytes, against the manifest's digest and file list."""
+    ref = manifest.shard_of(rank)
+    if ref is None or len(data) != ref.size or sha256_hex(data) != ref.sha256:
+        raise CorruptCheckpointError(f"{where}: manifest shard of rank {rank} does not match the manifest of step "
+                                     f"{manifest.step} (save {manifest.save_id})", path=where, rank=rank)
+    shard = ManifestShard.from_json(data, where=where)
+    recorded = sorted((f.name, f.size) for f in manifest.files if f.rank == rank)
+    if shard.rank != rank or sorted((f.name, f.size) for f in shard.files) != recorded:
+        raise CorruptCheckpointError(f"{where}: shard names other files than the manifest records for rank {rank}",
+                                     path=where, rank=rank)
+    return shard
+
+
+def check_file(entry: FileEntry, data: bytes, where: str) -> None:
+    """Every item of a data file against the block (or frame) digests its shard recorded at write time."""
+    if len(data) != entry.size:
+        raise CorruptCheckpointError(f"{where}: {len(data)} bytes, the shard records {entry.size}", path=where)
+    view = memoryview(data)
+    for item in entry.items:
+        what = f"{where} item {item.key!r}"
+        stored = view[item.pos:item.pos + item.length]
+        if item.frames is None:
+            verify_segments([stored], item.checksums, item.block_size, what=what)
+            continue
+        offsets = item.frame_offsets()
+        if len(offsets) - 1 != len(item.checksums):
+            raise CorruptCheckpointError(f"{what}: {len(offsets) - 1} frames, {len(item.checksums)} digests", path=where)
+        for block, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+            if block_digest(stored[lo:hi]) != item.checksums[block]:
+                raise CorruptCheckpointError(f"{what}: frame {block} does not match its digest; damaged after it "
+                                             "was written", path=where, block=block)
+
+
+def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int) -> list[tuple[str, bytes]]:
+    """Rank ``rank``'s shard and data files as this root stores them, each verified: [(name, bytes)]."""
+    storage, step, save_id = layout.storage, manifest.step, manifest.save_id
+    path = layout.attempt_file(step, save_id, shard_name(rank))
+    shard_bytes = storage.read_file(path)
+    shard = check_shard(manifest, rank, shard_bytes, path)
+    parts = [(shard_name(rank), shard_bytes)]
+    for entry in shard.files:
+        file_path = layout.data_file(step, save_id, entry.name, manifest.data_prefixes)
+        data = storage.read_file(file_path)
+        check_file(entry, data, file_path)
+        parts.append((entry.name, data))
+    return parts
+
+
+def write_rank_files(layout: RunLayout, manifest: Manifest, rank: int, parts: dict[str, bytes], sender: str) -> None:
+    """Verify another rank's shard and files as received, then keep them (a damaged copy here is replaced)."""
+    storage, step, save_id = layout.storage, manifest.step, manifest.save_id
+    where = f"rank {rank}'s files from {sender}"
+    shard = check_shard(manifest, rank, parts.get(shard_name(rank), b""), where)
+    for entry in shard.files:
+        if entry.name not in parts:
+            raise CorruptCheckpointError(f"{where}: {entry.name} is missing from the transfer", rank=rank)
+        check_file(entry, parts[entry.name], f"{where}: {entry.name}")
+    storage.makedirs(layout.attempt_dir(step, save_id))
+    for entry in shard.files:
+        storage.publish(layout.data_file(step, save_id, entry.name, manifest.data_prefixes), parts[entry.name])
+    storage.publish(layout.attempt_file(step, save_id, shard_name(rank)), parts[shard_name(rank)])
+
+
+def write_control(layout: RunLayout, manifest: Manifest, control: dict[str, bytes]) -> None:
+    """The attempt's control files (``.metadata``, ``manifest.json``, ``ranks.json``), each checked first."""
+    storage = layout.storage
+    attempt = layout.attempt_dir(manifest.step, manifest.save_id)
+    expected = {DCP_METADATA: (manifest.dcp_metadata["size"], manifest.dcp_metadata["sha256"])}
+    if manifest.ranks_file is not None:
+        expected[RANKS_FILE] = (manifest.ranks_file["size"], manifest.ranks_file["sha256"])
+    for name, (size, digest) in expected.items():
+        data = control.get(name, b"")
+        if len(data) != size or sha256_hex(data) != digest:
+            raise CorruptCheckpointError(f"{attempt}: the {name} received does not match the manifest", path=attempt)
+    storage.makedirs(attempt)
+    for name in expected:
+        storage.publish(storage.join(attempt, name), control[name])
+    storage.publish(storage.join(attempt, MANIFEST), control[MANIFEST])
+    storage.sync_dir(attempt)
+
+
+# -- what a root holds --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Held:
+    """One local-committed step as one root holds it: ``ranks`` whose shard and data files verified here."""
+
+    step: int
+    save_id: str
+    manifest_sha256: str
+    sequence: int | None
+    world_size: int
+    parallelism: dict | None
+    ranks: list[int]
+    damaged: dict[int, str]  # rank -> why its files here do not verify (or are missing)
+    files: dict[int, list[str]]  # rank -> its data files, as the manifest names them (to name what is lost)
+
+
+def local_markers(layout: RunLayout) -> list[Marker]:
+    """Every readable local marker of the run in this root (a node's own disk: listing it is cheap and exact)."""
+    markers = []
+    for name in layout.storage.list_dir(layout.run_dir):
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        try:
+            markers.append(Marker.from_json(layout.storage.read_file(layout.marker(step)), where=layout.marker(step)))
+        except FileNotFoundError:
+            continue
+        except CheckpointError as e:
+            log.warning("local tier: ignoring step %d in %s: %s", step, layout.run_dir, e)
+    return sorted(markers, key=commit_order)
+
+
+def read_manifest(layout: RunLayout, marker: Marker) -> Manifest:
+    path = layout.attempt_file(marker.step, marker.save_id, MANIFEST)
+    data = layout.storage.read_file(path)
+    if sha256_hex(data) != marker.manifest_sha256:
+        raise CorruptCheckpointError(f"{path}: does not match its local marker", path=path)
+    return Manifest.from_json(data, where=path)
+
+
+def scan_root(layout: RunLayout, verify_data: bool = True) -> list[Held]:
+    """What this root holds of each local-committed step, every rank's files verified (the restore's input)."""
+    held = []
+    for marker in local_markers(layout):
+        try:
+            manifest = read_manifest(layout, marker)
+        except (OSError, CheckpointError) as e:
+            log.warning("local tier: step %d in %s is unusable: %s", marker.step, layout.run_dir, e)
+            continue
+        ranks, damaged = [], {}
+        for rank in range(manifest.world_size):
+            try:
+                if verify_data:
+                    read_rank_files(layout, manifest, rank)
+                ranks.append(rank)
+            except FileNotFoundError as e:
+                damaged[rank] = f"missing {os.path.basename(e.filename or '?')}"
+            except (OSError, CheckpointError) as e:
+                damaged[rank] = str(e)
+        held.append(Held(step=marker.step, save_id=marker.save_id, manifest_sha256=marker.manifest_sha256,
+                         sequence=marker.sequence, world_size=manifest.world_size, parallelism=manifest.parallelism,
+                         ranks=ranks, damaged={r: why for r, why in damaged.items() if _is_damage(why)},
+                         files={r: sorted(f.name for f in manifest.files if f.rank == r) for r in damaged}))
+    return held
+
+
+def _is_damage(why: str) -> bool:
+    """A rank's files that are simply not here (not a holder) are no news; anything else is worth a log line."""
+    return not why.startswith("missing manifest.")
+
+
+def open_local(local_root: str, run_id: str) -> RunLayout:
+    return RunLayout(LocalStorage(local_root), run_id)
+
+
+# -- steps 2-4: replicate, decide, record ------------------------------------------------------------------
+
+
+def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, step: int, group,
+                 sequence_floor: int) -> Marker:
+    """Run steps 2-4 (module doc) on every rank after ``dcp.save`` returned; returns the marker recorded.
+
+    ``sequence_floor``: the newest commit sequence rank 0 knows of (both tiers); the marker gets the next one
+    above it and above every root's newest local marker.  Raises the same typed error on every rank when any
+    rank's replicas could not be written or verified: then no root has a marker of this step.
+    """
+    rank, world = topology.rank, len(topology.domains)
+    staged = [writer.staged if rank == 0 else None]
+    dist.broadcast_object_list(staged, src=0, group=group)
+    if staged[0] is None:
+        raise CheckpointError(f"step {step}: global rank 0 staged no control files for the local commit", step=step)
+    control = {MANIFEST: staged[0].manifest, DCP_METADATA: staged[0].metadata}
+    if staged[0].ranks is not None:
+        control[RANKS_FILE] = staged[0].ranks
+    manifest = Manifest.from_json(staged[0].manifest, where=f"step {step} manifest from rank 0")
+    placement = topology.placement
+
+    failure: str | None = None
+    outgoing: dict[int, bytes] = {}
+    try:
+        own = pack(read_rank_files(layout, manifest, rank))
+        outgoing = {holder: own for holder in placement.holders[rank]}
+    except (OSError, CheckpointError) as e:
+        failure = f"{topology.describe(rank)} could not read back its own files: {e}"
+        outgoing = {holder: b"" for holder in placement.holders[rank]}  # holders wait for a message: an empty one
+    received = exchange(outgoing, placement.held_by(rank), group)
+    if failure is None:
+        try:
+            for source, message in received.items():
+                write_rank_files(layout, manifest, source, unpack(message, sender=topology.describe(source)),
+                                 topology.describe(source))
+        except (OSError, CheckpointError) as e:
+            failure = f"{topology.describe(rank)} could not keep a replica: {e}"
+    newest = max((m.sequence or 0 for m in local_markers(layout)), default=0) if topology.is_leader else 0
+    reports: list[Any] = [(failure, newest)]
+    if world > 1:
+        reports = [None] * world
+        dist.all_gather_object(reports, (failure, newest), group=group)
+    failures = [why for why, _ in reports if why]
+    decision: list[Any] = [None]
+    if rank == 0 and not failures:
+        marker = Marker(run_id=layout.run_id, step=step, save_id=manifest.save_id,
+                        manifest=f"{manifest.save_id}/{MANIFEST}", manifest_sha256=sha256_hex(staged[0].manifest),
+                        committed_at=now(), library_version=__version__,
+                        sequence=max([sequence_floor] + [n for _, n in reports]) + 1)
+        decision = [marker.to_json()]
+    if failures:
+        raise StorageError(
+            f"step {step} was not committed to the local tier: {len(failures)} rank(s) failed to replicate: "
+            + "; ".join(failures[:4]) + ". The previous local step is intact; check the named nodes' local_root "
+            "(space, permissions) or lower replicas.", step=step)
+    if world > 1:
+        dist.broadcast_object_list(decision, src=0, group=group)
+    marker = Marker.from_json(decision[0], where=f"step {step} local marker from rank 0")
+    failure = None
+    if topology.is_leader:
+        try:
+            if topology.store(rank) != topology.store(0):
+                write_control(layout, manifest, control)
+            layout.storage.replace(layout.marker(step), decision[0])
+        except (OSError, CheckpointError) as e:
+            failure = f"{topology.describe(rank)}: {e}"
+    outcomes: list[Any] = [failure]
+    if world > 1:
+        outcomes = [None] * world
+        dist.all_gather_object(outcomes, failure, group=group)
+    missed = [why for why in outcomes if why]
+    if missed:
+        raise StorageError(
+            f"step {step} is local-committed (sequence {marker.sequence}) but its marker could not be recorded on "
+            f"every local root: " + "; ".join(missed[:4]) + ". The step stays restorable from the other roots; "
+            "check the named local_root.", step=step)
+    return marker
+
+
+def retain_local(layout: RunLayout, keep_local: int, protected: set[int]) -> list[int]:
+    """Keep this root's ``keep_local`` most recent local steps (by sequence) and every ``protected`` one (a drain
+    in flight, the newest step still waiting for its drain); remove the others, marker first."""
+    markers = local_markers(layout)
+    doomed = [m.step for m in markers[:max(0, len(markers) - keep_local)] if m.step not in protected]
+    for step in doomed:
+        layout.storage.remove(layout.marker(step))
+        layout.storage.remove(layout.step_dir(step))
+    return doomed

@@ -1,0 +1,272 @@
+"""Two tiers (P13): node-local saves replicated across failure domains, restored from the nearest complete copy.
+
+Worlds of 4 ranks as 2 simulated nodes (``DCP_ATOMIC_FAILURE_DOMAIN`` nodeA/nodeB, torchrun's per-node variables),
+each node's ``local_root`` its own tmpfs mount, the durable root on disk.  A *replaced node* is its local root
+emptied between two worlds.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import pytest
+import torch
+
+from dcp_atomic.errors import ConfigurationError
+from dcp_atomic.placement import place_replicas
+from tests.fault_fixtures import small_tmpfs_ctx
+from tests.harness import assert_all_ok, run_world
+from tests.test_manager import _AppState, _fsdp_app, _full, _train_step
+
+RUN = "exp"
+WORLD = 4
+
+
+# -- placement (pure) ----------------------------------------------------------------------------------------
+
+
+def test_placement_puts_each_copy_on_another_domain_spread_evenly():
+    domains = ["a", "a", "b", "b", "c", "c"]
+    for replicas in (1, 2):
+        placement = place_replicas(domains, replicas)
+        received = [0] * len(domains)
+        for rank, holders in enumerate(placement.holders):
+            assert len(holders) == replicas
+            held_domains = [domains[h] for h in holders]
+            assert domains[rank] not in held_domains, (rank, holders)
+            assert len(set(held_domains)) == replicas, (rank, holders)  # no domain holds two copies of one rank
+            for h in holders:
+                received[h] += 1
+        assert set(received) == {replicas}, received  # even: every rank keeps as many copies as it sends
+        assert placement.held_by(0) == [r for r, hs in enumerate(placement.holders) if 0 in hs]
+
+
+def test_placement_is_the_same_whatever_rank_computes_it_and_uneven_domains_still_spread():
+    domains = ["n1"] * 3 + ["n2"] * 1 + ["n3"] * 2
+    first, again = place_replicas(domains, 2), place_replicas(list(domains), 2)
+    assert first == again
+    for rank, holders in enumerate(first.holders):
+        assert domains[rank] not in {domains[h] for h in holders}
+
+
+def test_fewer_domains_than_replicas_plus_one_is_refused_naming_them():
+    with pytest.raises(ConfigurationError) as refused:
+        place_replicas(["nodeA", "nodeA", "nodeB", "nodeB"], 2)
+    message = str(refused.value)
+    assert "replicas=2 needs at least 3 failure domains" in message and "'nodeA' (ranks 0, 1)" in message
+    with pytest.raises(ConfigurationError):
+        place_replicas(["solo"], 1)
+    assert place_replicas(["solo"], 0).holders == ((),)
+
+
+# -- worlds ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nodes():
+    """Two nodes' local roots, each its own tmpfs (a node's disk), unmounted afterwards."""
+    with small_tmpfs_ctx(size_kib=65536) as a, small_tmpfs_ctx(size_kib=65536) as b:
+        yield [a.path, b.path]
+
+
+def _node_env(rank: int) -> dict[str, str]:
+    node = rank // 2
+    return {"DCP_ATOMIC_FAILURE_DOMAIN": "nodeAB"[4 + node], "LOCAL_RANK": str(rank % 2),
+            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node)}
+
+
+def _run(fn, root, nodes, *args, world=WORLD, rank_env=_node_env):
+    return run_world(fn, world, root, args=args, rank_env=rank_env, extra={"nodes": nodes}, timeout=120,
+                     pg_timeout=30)
+
+
+def _manager(ctx, **kwargs):
+    from dcp_atomic import CheckpointManager
+
+    local_root = ctx.extra["nodes"][ctx.rank // 2]
+    return CheckpointManager(ctx.root, RUN, local_root=local_root, replicas=1, timeout=20, **kwargs)
+
+
+def _state(model, optim, step):
+    return {"app": _AppState(model, optim), "progress": {"step": step}}
+
+
+def _train_and_save(ctx, steps, asynchronous_last=False, keep_local=2):
+    """Train, saving each step in ``steps`` to the local tier; returns the full weights at each saved step."""
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    saved = {}
+    with _manager(ctx, keep_local=keep_local) as manager:
+        for i, step in enumerate(steps):
+            _train_step(model, optim, step)
+            if asynchronous_last and i == len(steps) - 1:
+                assert manager.async_save(step, _state(model, optim, step)).result(timeout=60) == step
+            else:
+                assert manager.save(step, _state(model, optim, step)) == step
+            saved[step] = _full(model)
+        listed = {tier: manager.steps(tier=tier) for tier in ("local", "durable", None)}
+    return {"saved": saved, "listed": listed}
+
+
+def _restore(ctx, expect_step=None, step=None):
+    model, optim = _fsdp_app(ctx.world_size, 42)
+    with _manager(ctx) as manager:
+        state = _state(model, optim, -1)
+        loaded = manager.load(state, step=step)
+        served = manager.restored_from
+    assert expect_step is None or loaded == expect_step, (loaded, expect_step)
+    assert state["progress"]["step"] == loaded
+    return {"step": loaded, "full": _full(model), "served": served}
+
+
+def _exact(got, want):
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def _data_files(node_root, step):
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(node_root, RUN, f"step_{step:010d}", "*",
+                                                                      "__*_*.distcp")))
+
+
+def test_local_round_trip_is_exact_replicated_on_both_nodes_and_keeps_keep_local(root, nodes):
+    saved = assert_all_ok(_run(_train_and_save, root, nodes, [10, 20, 30], True))
+    assert all(out["listed"] == {"local": [20, 30], "durable": [], None: [20, 30]} for out in saved)
+    everyone = ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    for node_root in nodes:  # each rank's own files on its node plus its replica on the other: both hold all 4
+        assert _data_files(node_root, 30) == everyone and _data_files(node_root, 20) == everyone
+        assert not os.path.exists(os.path.join(node_root, RUN, f"step_{10:010d}"))  # keep_local=2
+        assert os.path.exists(os.path.join(node_root, RUN, f"step_{30:010d}", "COMMITTED"))
+    assert not os.path.exists(os.path.join(root, RUN))  # nothing reached the durable root
+    restored = assert_all_ok(_run(_restore, root, nodes, 30))
+    for out in restored:
+        assert out["served"] == {"tier": "local", "step": 30, "save_id": out["served"]["save_id"], "ranks_fetched": 0}
+        _exact(out["full"], saved[0]["saved"][30])
+
+
+def test_a_replaced_node_is_restored_exactly_from_the_replicas(root, nodes):
+    saved = assert_all_ok(_run(_train_and_save, root, nodes, [10, 20]))
+    shutil.rmtree(os.path.join(nodes[1], RUN))  # node B replaced: its local disk comes back empty
+    restored = assert_all_ok(_run(_restore, root, nodes, 20))
+    for out in restored:
+        assert out["served"]["tier"] == "local" and out["step"] == 20
+        _exact(out["full"], saved[0]["saved"][20])
+    assert restored[2]["served"]["ranks_fetched"] == WORLD  # node B's leader received every rank's files
+    assert restored[0]["served"]["ranks_fetched"] == 0
+    assert _data_files(nodes[1], 20) == _data_files(nodes[0], 20)  # node B holds the step again
+
+
+def _save_durable_then_local(ctx):
+    """Step 5 to the durable root (a manager without local_root), then steps 10, 20 to the local tier."""
+    from dcp_atomic import CheckpointManager
+
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    _train_step(model, optim, 5)
+    with CheckpointManager(ctx.root, RUN, timeout=20) as durable:
+        durable.save(5, _state(model, optim, 5))
+    saved = {5: _full(model)}
+    with _manager(ctx) as manager:
+        for step in (10, 20):
+            _train_step(model, optim, step)
+            manager.save(step, _state(model, optim, step))
+            saved[step] = _full(model)
+        listed = {tier: manager.steps(tier=tier) for tier in ("local", "durable", None)}
+    return {"saved": saved, "listed": listed}
+
+
+def test_every_local_root_gone_restores_the_newest_durable_step_and_says_so(root, nodes):
+    saved = assert_all_ok(_run(_save_durable_then_local, root, nodes))
+    assert saved[0]["listed"] == {"local": [10, 20], "durable": [5], None: [5, 10, 20]}
+    for node_root in nodes:
+        shutil.rmtree(os.path.join(node_root, RUN))
+    restored = assert_all_ok(_run(_restore, root, nodes, 5))
+    for out in restored:
+        assert out["served"]["tier"] == "durable" and out["step"] == 5
+        _exact(out["full"], saved[0]["saved"][5])
+
+
+def _flip_byte(path, offset=100):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_flipped_byte_in_a_local_primary_is_served_from_the_replica_never_wrong_values(root, nodes):
+    saved = assert_all_ok(_run(_train_and_save, root, nodes, [10, 20]))
+    [primary] = glob.glob(os.path.join(nodes[0], RUN, f"step_{20:010d}", "*", "__0_0.distcp"))
+    _flip_byte(primary)
+    restored = assert_all_ok(_run(_restore, root, nodes, 20))
+    for out in restored:
+        assert out["served"]["tier"] == "local" and out["step"] == 20
+        _exact(out["full"], saved[0]["saved"][20])
+    assert restored[0]["served"]["ranks_fetched"] == 1  # node A took rank 0's files back from node B's replica
+    assert restored[2]["served"]["ranks_fetched"] == 0
+
+
+def test_no_copy_left_is_a_typed_error_naming_the_rank_and_file(root, nodes):
+    assert_all_ok(_run(_train_and_save, root, nodes, [10]))
+    for node_root in nodes:  # rank 2's files lost on both nodes, nothing durable
+        for path in glob.glob(os.path.join(node_root, RUN, f"step_{10:010d}", "*", "__2_0.distcp")):
+            os.unlink(path)
+    outcomes = _run(_restore, root, nodes)
+    for out in outcomes:
+        assert out.error_type == "CheckpointNotFoundError", out
+        assert "rank 2 (__2_0.distcp)" in out.error and "local step 10" in out.error, out.error
+
+
+def test_an_incomplete_newest_local_step_falls_back_to_the_older_complete_one(root, nodes):
+    saved = assert_all_ok(_run(_train_and_save, root, nodes, [10, 20]))
+    for node_root in nodes:
+        for path in glob.glob(os.path.join(node_root, RUN, f"step_{20:010d}", "*", "__3_0.distcp")):
+            _flip_byte(path)
+    restored = assert_all_ok(_run(_restore, root, nodes, 10))
+    for out in restored:
+        assert out["served"]["tier"] == "local"
+        _exact(out["full"], saved[0]["saved"][10])
+
+
+def _one_domain(rank: int) -> dict[str, str]:
+    return {"DCP_ATOMIC_FAILURE_DOMAIN": "rack1"}
+
+
+def _construct(ctx):
+    _manager(ctx)
+
+
+def test_too_few_failure_domains_are_refused_at_construction(root, nodes):
+    outcomes = _run(_construct, root, nodes, world=2, rank_env=_one_domain)
+    for out in outcomes:
+        assert out.error_type == "ConfigurationError", out
+        assert "replicas=1 needs at least 2 failure domains" in out.error and "'rack1' (ranks 0, 1)" in out.error
+
+
+def _save_then_die(ctx):
+    """Step 10 local-committed, then step 20, during which rank 0 is SIGKILLed with its manifest published."""
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    with _manager(ctx) as manager:
+        _train_step(model, optim, 10)
+        manager.save(10, _state(model, optim, 10))
+        full = _full(model)
+        if ctx.rank == 1:
+            torch.save(full, os.path.join(ctx.root, "expected10.pt"))
+        _train_step(model, optim, 20)
+        manager.save(20, _state(model, optim, 20))
+
+
+def test_a_kill_before_the_local_commit_leaves_the_previous_local_step(root, nodes):
+    def env(rank):
+        return {**_node_env(rank), "DCP_ATOMIC_FAILPOINTS": "commit.after_manifest@0#2=kill" if rank == 0 else None}
+
+    outcomes = _run(_save_then_die, root, nodes, rank_env=env)
+    assert outcomes[0].killed and not any(out.ok for out in outcomes), outcomes
+    for node_root in nodes:  # step 20's files were written, but no root has its marker
+        assert not os.path.exists(os.path.join(node_root, RUN, f"step_{20:010d}", "COMMITTED"))
+    assert _data_files(nodes[0], 20)
+    restored = assert_all_ok(_run(_restore, root, nodes, 10))
+    for out in restored:
+        assert out["served"]["tier"] == "local"
+        _exact(out["full"], torch.load(os.path.join(root, "expected10.pt")))
