@@ -14,7 +14,7 @@ import re
 import socket
 import threading
 
-_BASE, _BLOCK = 20000, 1500  # 20000-31999: eight workers' blocks, all below the ephemeral range
+_BASE, _BLOCK = 20000, 1000  # 20000-27999: eight workers' blocks, below the ephemeral range (and +10000)
 
 
 def _worker_index() -> int:

@@ -61,6 +61,8 @@ from typing import Iterator
 
 import pytest
 
+from tests.ports import free_ports
+
 ACCESS_KEY, SECRET_KEY, REGION = "testing", "testing", "us-east-1"
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "expect"}
 CONDITIONAL = ("if-none-match", "if-match")
@@ -70,16 +72,7 @@ CONDITIONAL = ("if-none-match", "if-match")
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return free_ports(n)  # from this xdist worker's block (tests/ports.py): parallel workers never share one
 
 
 def _wait_http(url: str, deadline_s: float, alive=lambda: True) -> None:
@@ -188,8 +181,8 @@ def _stop(proc: subprocess.Popen) -> None:
 def _admin_port(taken: list[int]) -> int:
     """weed's embedded worker dials the admin server at http port + 10000: both must be free."""
     for _ in range(200):
-        port = 20000 + secrets.randbelow(25000)
-        if port not in taken and _port_free(port) and _port_free(port + 10000):
+        (port,) = free_ports(1)  # this xdist worker's block; port + 10000 lies above every worker's block
+        if port not in taken and _port_free(port + 10000):
             return port
     raise RuntimeError("no free port pair for SeaweedFS's admin server")
 
