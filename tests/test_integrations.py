@@ -139,61 +139,27 @@ def test_torchtitan_config_accepts_keep_latest_k_1_and_builds_our_manager():
 
 
 def _lightning_rank(ctx):
-    import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from dcp_atomic.integrations.lightning import AtomicModelParallelStrategy
+    from tests.test_lightning import _module_class, _same, _trainer, _weights
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-            self.loaded = None
-
-        def configure_model(self):
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = self.device_mesh["data_parallel"]
-            for layer in (self.net[0], self.net[2]):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(self.net, mesh=mesh)
-
-        def training_step(self, batch, _):
-            return self.net(batch).sum()
-
-        def on_train_start(self):
-            self.loaded = {k: v.full_tensor().clone() for k, v in self.net.state_dict().items()}
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.net.parameters(), lr=0.01)
-
-        def train_dataloader(self):
-            torch.manual_seed(1)
-            return torch.utils.data.DataLoader(torch.randn(64, 8), batch_size=4)
-
+    pl, Module = _module_class("pytorch_lightning")
     dirpath = os.path.join(ctx.root, "ckpts")
 
-    def trainer(max_steps):
-        return pl.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                          enable_model_summary=False, default_root_dir=ctx.root,
-                          strategy=AtomicModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                                                               timeout=20),
-                          callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=1,
-                                                     save_last=True)])
+    def callbacks():
+        return [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=1, save_last=True)]
 
     canary = os.path.join(ctx.root, "pwned")
     if ctx.rank == 0:  # files in the checkpoint directory that are not ours are never unpickled, never in the way
         _plant_foreign_files(dirpath, canary)
     first = Module()
-    trainer(4).fit(first)
-    saved = {k: v.full_tensor().clone() for k, v in first.net.state_dict().items()}
+    _trainer(pl, ctx, 4, callbacks()).fit(first)
+    saved = _weights(first)
     second = Module()
-    resumed = trainer(6)
+    resumed = _trainer(pl, ctx, 6, callbacks())
     resumed.fit(second, ckpt_path=os.path.join(dirpath, "last.ckpt"))
-    exact = all(torch.equal(saved[k], second.loaded[k]) for k in saved)
-    return {"exact": exact, "files": sorted(os.listdir(dirpath)), "global_step": resumed.global_step,
-            "code_ran": os.path.exists(canary)}
+    return {"exact": _same(saved, second.at_start), "files": sorted(os.listdir(dirpath)),
+            "global_step": resumed.global_step, "code_ran": os.path.exists(canary)}
 
 
 def test_lightning_trainer_saves_resumes_and_removes_through_the_library(root):
