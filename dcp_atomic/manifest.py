@@ -15,6 +15,7 @@ it reads.  Schema 1 (every item inline in ``manifest.json``) is still read.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -206,7 +207,7 @@ class Manifest:
             body["schema_version"] = PREFIXED_SCHEMA
         else:
             del body["data_prefixes"]  # absent = 0: the classic layout, byte for byte as before
-        return json.dumps(body, indent=1, sort_keys=True).encode()
+        return _readable_json(body)
 
     def shard_of(self, rank: int) -> ShardRef | None:
         return next((s for s in self.shards if s.rank == rank), None)
@@ -492,6 +493,24 @@ def _known_fields(cls, raw: dict) -> dict:
         raise ValueError(f"committed_at {fields['committed_at']!r} is not a time")
     sequence = raw.get("sequence")
     return {**fields, "sequence": None if sequence is None else _nonneg(sequence)}
+
+
+def _readable_json(body: dict[str, Any]) -> bytes:
+    """JSON laid out one line per top-level field and per element of a top-level dict or list (the per-key
+    records, files, shards), each element compact: still read with ``cat``, and written by json's C encoder.
+    ``indent=`` selects the pure-Python encoder, which took 0.3-1 s on the records of 20k keys."""
+    compact = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"))
+    lines = []
+    for name in sorted(body):
+        value = body[name]
+        if isinstance(value, dict) and value:
+            text = "{\n  " + ",\n  ".join(f"{compact(str(k))}:{compact(v)}" for k, v in sorted(value.items())) + "\n }"
+        elif isinstance(value, list) and value:
+            text = "[\n  " + ",\n  ".join(compact(v) for v in value) + "\n ]"
+        else:
+            text = compact(value)
+        lines.append(f" {compact(name)}: {text}")
+    return ("{\n" + ",\n".join(lines) + "\n}").encode()
 
 
 def _sealed_json(body: dict) -> bytes:

@@ -19,13 +19,16 @@ shape or dtype changed — are refused, every one of them in one error.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import logging
 import math
 import pickle
+from array import array
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -46,67 +49,232 @@ def _warn_once(key: str, message: str, *args) -> None:
 
 
 # -- per-rank summaries (computed where the data is) -----------------------------------------
+#
+# Both summaries travel to the coordinator inside DCP's gather of local plans, which pickles them with
+# Python's cyclic GC running.  As a dict per key (shape lists, a fingerprint string, 32 sampled floats)
+# they were ~40 objects per key, four times DCP's own plan, and the collections their (un)pickling set
+# off cost more than the checks: at world 2 with 10k keys per rank they took the whole gain of our
+# single-rank path.  So they are columns: a list of key names and a few flat arrays, which pickle as
+# a handful of bytes objects and are read on the coordinator without building a record per key.
+
+_ITEM_KINDS = {"plain": b"p"[0], "sharded": b"s"[0], "object": b"o"[0]}
+_ITEM_KIND_NAMES = {code: name for name, code in _ITEM_KINDS.items()}
 
 
-def summarize_items(items) -> dict[str, dict[str, Any]]:
-    """What the storage layer sees of a rank's plan: kind, global shape, dtype, chunk offsets."""
+class ItemSummary:
+    """What the storage layer sees of one rank's plan, one row per key: kind, global shape and dtype, and the
+    offset of the key's first chunk (the replicas of a chunk are compared by it)."""
+
+    __slots__ = ("fqns", "kinds", "signature_of", "signatures", "offset_of", "offsets")
+
+    def __init__(self) -> None:
+        self.fqns: list[str] = []
+        self.kinds = bytearray()
+        self.signature_of = array("I")  # -> signatures: (shape, dtype) of the key
+        self.signatures: list[tuple[tuple[int, ...], str]] = []
+        self.offset_of = array("I")  # -> offsets: the first chunk's offset
+        self.offsets: list[tuple[int, ...]] = []
+
+    def __getstate__(self):
+        return (self.fqns, bytes(self.kinds), self.signature_of.tobytes(), self.signatures,
+                self.offset_of.tobytes(), self.offsets)
+
+    def __setstate__(self, state) -> None:
+        self.fqns, kinds, signature_of, self.signatures, offset_of, self.offsets = state
+        self.kinds = bytearray(kinds)
+        self.signature_of, self.offset_of = array("I"), array("I")
+        self.signature_of.frombytes(signature_of)
+        self.offset_of.frombytes(offset_of)
+
+    def __len__(self) -> int:
+        return len(self.fqns)
+
+    def kind(self, i: int) -> str:
+        return _ITEM_KIND_NAMES[self.kinds[i]]
+
+    def signature(self, i: int) -> tuple[tuple[int, ...], str]:
+        return self.signatures[self.signature_of[i]]
+
+    def first_offset(self, i: int) -> tuple[int, ...]:
+        return self.offsets[self.offset_of[i]]
+
+
+def summarize_items(items) -> ItemSummary:
+    """Kind, global shape, dtype and first chunk offset of every key of a rank's plan."""
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    summary: dict[str, dict[str, Any]] = {}
+    summary = ItemSummary()
+    seen: set[str] = set()
+    signatures: dict[tuple, int] = {}
+    offsets: dict[tuple, int] = {}
     for item in items:
         fqn = item.index.fqn
+        if fqn in seen:
+            continue
+        seen.add(fqn)
+        summary.fqns.append(fqn)
         if item.type == WriteItemType.BYTE_IO:
-            summary[fqn] = {"kind": "object"}
+            summary.kinds.append(_ITEM_KINDS["object"])
+            summary.signature_of.append(0)
+            summary.offset_of.append(0)
             continue
         data = item.tensor_data
-        record = summary.setdefault(fqn, {
-            "kind": "plain" if item.type == WriteItemType.TENSOR else "sharded",
-            "shape": list(data.size),
-            "dtype": str(data.properties.dtype),
-            "chunks": [],
-        })
-        record["chunks"].append([list(data.chunk.offsets), list(data.chunk.sizes)])
+        summary.kinds.append(_ITEM_KINDS["plain" if item.type == WriteItemType.TENSOR else "sharded"])
+        signature = (tuple(data.size), str(data.properties.dtype))
+        summary.signature_of.append(signatures.setdefault(signature, len(signatures)))
+        offset = tuple(data.chunk.offsets)
+        summary.offset_of.append(offsets.setdefault(offset, len(offsets)))
+    summary.signatures = list(signatures)
+    summary.offsets = list(offsets)
     return summary
 
 
-def _tensor_fingerprint(tensor: torch.Tensor) -> dict[str, Any]:
-    flat = tensor.detach().reshape(-1)
-    stride = max(1, math.ceil(flat.numel() / SAMPLE_ELEMENTS))
-    sample = flat[::stride].to("cpu").contiguous()
+_PLAIN, _DTENSOR, _DTENSOR_SHARDED, _OBJECT = b"pdso"  # content kinds; _DTENSOR_SHARDED has no fingerprint
+_NO_PRINT = 0  # where a key has no fingerprint (a sharded-only DTensor)
+
+# numpy views for the sampled values; bfloat16 is widened by hand (numpy has no such type)
+_NUMPY_DTYPES = {getattr(torch, name): np.dtype(name) for name in (
+    "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool", "complex64", "complex128")}
+
+
+class ContentSummary:
+    """AtomicSavePlanner's content report of one rank, one row per key: kind, a content fingerprint (xxh3-64 of
+    shape, dtype and the elements, sampled above :data:`SAMPLE_ELEMENTS`) and up to :data:`SAMPLE_VALUES`
+    values, which only an error message reads (how far diverged copies differ).  ``summary[fqn]`` gives one key
+    as a record (``kind``, ``fingerprint``, ``sample``, a DTensor's ``placements`` and mesh)."""
+
+    __slots__ = ("fqns", "kinds", "prints", "counts", "samples", "layouts", "_index", "_starts")
+
+    def __init__(self) -> None:
+        self.fqns: list[str] = []
+        self.kinds = bytearray()
+        self.prints = array("Q")
+        self.counts = bytearray()  # sampled values per key
+        self.samples = array("d")
+        self.layouts: dict[str, tuple[list[str], list[int], list[str]]] = {}  # DTensor keys: placements, mesh
+        self._index: dict[str, int] | None = None
+        self._starts: list[int] | None = None
+
+    def __getstate__(self):
+        return (self.fqns, bytes(self.kinds), self.prints.tobytes(), bytes(self.counts), self.samples.tobytes(),
+                self.layouts)
+
+    def __setstate__(self, state) -> None:
+        self.fqns, kinds, prints, counts, samples, self.layouts = state
+        self.kinds, self.counts = bytearray(kinds), bytearray(counts)
+        self.prints, self.samples = array("Q"), array("d")
+        self.prints.frombytes(prints)
+        self.samples.frombytes(samples)
+        self._index = self._starts = None
+
+    def _add(self, fqn: str, kind: int, fingerprint: int = _NO_PRINT, sample=None) -> None:
+        self.fqns.append(fqn)
+        self.kinds.append(kind)
+        self.prints.append(fingerprint)
+        if sample is None or not len(sample):
+            self.counts.append(0)
+        else:
+            self.counts.append(len(sample))
+            self.samples.frombytes(sample.tobytes())
+
+    def index(self, fqn: str) -> int | None:
+        if self._index is None:
+            self._index = {name: i for i, name in enumerate(self.fqns)}
+        return self._index.get(fqn)
+
+    def fingerprint(self, i: int | None) -> int | None:
+        """The key's fingerprint; None where it has none (not reported, or a DTensor without replicas)."""
+        if i is None or self.kinds[i] == _DTENSOR_SHARDED:
+            return None
+        return self.prints[i]
+
+    def sample(self, i: int) -> list[float]:
+        if self._starts is None:
+            self._starts = [0, *itertools.accumulate(self.counts)]
+        return self.samples[self._starts[i]:self._starts[i + 1]].tolist()
+
+    def record(self, i: int) -> dict[str, Any]:
+        kind = self.kinds[i]
+        record: dict[str, Any] = {"kind": {_PLAIN: "plain", _OBJECT: "object"}.get(kind, "dtensor")}
+        if kind in (_DTENSOR, _DTENSOR_SHARDED):
+            placements, mesh_shape, names = self.layouts[self.fqns[i]]
+            record.update(placements=placements, mesh_shape=mesh_shape, mesh_dim_names=names)
+        if kind != _DTENSOR_SHARDED:
+            record["fingerprint"] = f"{self.prints[i]:016x}"
+        if kind != _OBJECT and kind != _DTENSOR_SHARDED:
+            record["sample"] = self.sample(i)
+        return record
+
+    def get(self, fqn: str, default: Any = None) -> dict[str, Any] | Any:
+        i = self.index(fqn)
+        return default if i is None else self.record(i)
+
+    def __getitem__(self, fqn: str) -> dict[str, Any]:
+        i = self.index(fqn)
+        if i is None:
+            raise KeyError(fqn)
+        return self.record(i)
+
+    def __contains__(self, fqn: object) -> bool:
+        return isinstance(fqn, str) and self.index(fqn) is not None
+
+    def __len__(self) -> int:
+        return len(self.fqns)
+
+
+def _tensor_fingerprint(tensor: torch.Tensor):
+    """(xxh3-64 of shape, dtype and the elements, float64 sample values): exact up to SAMPLE_ELEMENTS elements,
+    a strided sample above.  Contiguous CPU tensors hash their own memory and sample through numpy, without a
+    torch op per key (the per-op overhead was most of this pass at 10^4 small keys)."""
     digest = xxhash.xxh3_64(f"{tuple(tensor.shape)}|{tensor.dtype}".encode())
-    if sample.numel():
-        digest.update(sample.view(torch.uint8).numpy() if sample.dtype != torch.bool else sample.numpy())
+    flat = tensor.detach().reshape(-1)
+    numel = flat.numel()
+    if numel == 0:
+        return digest.intdigest(), None
+    stride = max(1, math.ceil(numel / SAMPLE_ELEMENTS))
+    dtype = flat.dtype
+    if stride == 1 and flat.device.type == "cpu" and (dtype in _NUMPY_DTYPES or dtype == torch.bfloat16):
+        if dtype == torch.bfloat16:
+            raw = flat.view(torch.int16).numpy()
+            digest.update(raw)
+            picked = raw[:: max(1, numel // SAMPLE_VALUES)][:SAMPLE_VALUES]
+            values = (picked.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        else:
+            raw = flat.numpy()
+            digest.update(raw.view(np.uint8))
+            values = raw[:: max(1, numel // SAMPLE_VALUES)][:SAMPLE_VALUES]
+            values = (np.abs(values) if values.dtype.kind == "c" else values).astype(np.float64)
+        return digest.intdigest(), values
+    sample = flat[::stride].to("cpu").contiguous()
+    digest.update(sample.view(torch.uint8).numpy() if sample.dtype != torch.bool else sample.numpy())
     values = sample[:: max(1, sample.numel() // SAMPLE_VALUES)][:SAMPLE_VALUES]
     if values.is_complex():
         values = values.abs()
-    return {"fingerprint": digest.hexdigest(), "sample": values.to(torch.float64).tolist() if values.numel() else []}
+    return digest.intdigest(), values.to(torch.float64).numpy()
 
 
-def summarize_state_dict(state_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def summarize_state_dict(state_dict: dict[str, Any]) -> ContentSummary:
     """Content-level summary of a flattened state dict (needs the data: runs in the planner)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    summary: dict[str, dict[str, Any]] = {}
+    summary = ContentSummary()
     for fqn, value in state_dict.items():
         if isinstance(value, DTensor):
             mesh = value.device_mesh
-            record: dict[str, Any] = {
-                "kind": "dtensor",
-                "placements": [repr(p) for p in value.placements],
-                "mesh_shape": list(mesh.mesh.shape),
-                "mesh_dim_names": list(mesh.mesh_dim_names or ()),
-            }
+            summary.layouts[fqn] = ([repr(p) for p in value.placements], list(mesh.mesh.shape),
+                                    list(mesh.mesh_dim_names or ()))
             if any(isinstance(p, Replicate) for p in value.placements):  # replicas exist: compare them
-                record.update(_tensor_fingerprint(value.to_local()))
-            summary[fqn] = record
+                summary._add(fqn, _DTENSOR, *_tensor_fingerprint(value.to_local()))
+            else:
+                summary._add(fqn, _DTENSOR_SHARDED)
         elif isinstance(value, torch.Tensor):
-            summary[fqn] = {"kind": "plain", **_tensor_fingerprint(value)}
+            summary._add(fqn, _PLAIN, *_tensor_fingerprint(value))
         else:
             try:
                 blob = canonical_bytes(value)
             except Exception:  # unpicklable objects are DCP's problem, not a content check's
                 continue
-            summary[fqn] = {"kind": "object", "fingerprint": xxhash.xxh3_64_hexdigest(blob)}
+            summary._add(fqn, _OBJECT, xxhash.xxh3_64_intdigest(blob))
     return summary
 
 
@@ -168,7 +336,7 @@ def infer_parallelism(state_dict: dict[str, Any]) -> Parallelism | None:
 class SaveReport:
     """What AtomicSavePlanner tells the writer about one rank (travels in SavePlan.storage_data)."""
 
-    keys: dict[str, dict[str, Any]]
+    keys: ContentSummary
     parallelism: Parallelism | None
     divergence: str  # "raise" | "warn"
     layout_dependent: tuple[str, ...] = ()
@@ -185,8 +353,7 @@ def _group_ranks(values: dict[int, Any]) -> str:
     return " vs ".join(f"ranks {','.join(map(str, ranks))}" for ranks in groups.values())
 
 
-def _max_sample_diff(records: list[dict]) -> str:
-    samples = [r.get("sample") or [] for r in records]
+def _max_sample_diff(samples: list[list[float]]) -> str:
     n = min(len(s) for s in samples) if samples else 0
     if n == 0:
         return ""
@@ -194,60 +361,48 @@ def _max_sample_diff(records: list[dict]) -> str:
     return f"; max |difference| over {n} sampled elements: {worst:.6g}"
 
 
-def check_save(item_summaries: list[dict], reports: list[SaveReport | None]) -> dict[str, dict[str, Any]]:
-    """Refuse keys whose copies differ across ranks; return the manifest's per-key records."""
-    records: dict[str, dict[str, Any]] = {}
-    holders: dict[str, dict[int, dict]] = defaultdict(dict)
+def check_save(item_summaries: list[ItemSummary], reports: list[SaveReport | None]) -> dict[str, dict[str, Any]]:
+    """Refuse keys whose copies differ across ranks; return the manifest's per-key records.
+
+    A key held by one rank only (most keys of a sharded job) gets its record and nothing else: only keys
+    that several ranks hold are compared."""
+    holder: dict[str, tuple[int, int]] = {}  # key -> (rank, row) of its first holder
+    others: dict[str, list[tuple[int, int]]] = {}  # key -> every holder, for keys held by several ranks
     for rank, summary in enumerate(item_summaries):
-        for fqn, record in summary.items():
-            holders[fqn][rank] = record
+        for row, fqn in enumerate(summary.fqns):
+            first = holder.setdefault(fqn, (rank, row))
+            if first[0] != rank:
+                others.setdefault(fqn, [first]).append((rank, row))
     have_content = all(r is not None for r in reports)
     if not have_content and len(reports) > 1:
         _warn_once("planner", "dcp_atomic: content checks (plain tensors, per-rank objects, diverged replicas) "
                    "need dcp.save(..., planner=AtomicSavePlanner()); only shapes and dtypes were compared")
     divergence = reports[0].divergence if have_content else "raise"
     globs = reports[0].layout_dependent if have_content else ()
+    records: dict[str, dict[str, Any]] = {}
+    for fqn in sorted(holder):
+        rank, row = holder[fqn]
+        summary = item_summaries[rank]
+        kind = summary.kind(row)
+        if kind == "object":
+            record: dict[str, Any] = {"kind": "object"}
+        else:
+            shape, dtype = summary.signature(row)
+            record = {"kind": kind, "shape": list(shape), "dtype": dtype}
+        if have_content:
+            holders = others.get(fqn, ((rank, row),))
+            layout = reports[holders[0][0]].keys.layouts.get(fqn)  # the lowest holder's report, as before
+            if layout is not None:
+                record.update(kind="dtensor", placements=layout[0], mesh_dim_names=layout[2], mesh_shape=layout[1])
+        record["layout_dependent"] = bool(globs) and any(fnmatch.fnmatchcase(fqn, g) for g in globs)
+        records[fqn] = record
     problems: list[str] = []
     per_rank: set[str] = set()
-    for fqn, by_rank in sorted(holders.items()):
-        first = next(iter(by_rank.values()))
-        content = {rank: reports[rank].keys.get(fqn, {}) for rank in by_rank} if have_content else {}
-        record = {k: first[k] for k in ("kind", "shape", "dtype") if k in first}
-        if content:
-            sample = next(iter(content.values()))
-            if sample.get("kind") == "dtensor":
-                record.update(kind="dtensor", placements=sample["placements"], mesh_dim_names=sample["mesh_dim_names"],
-                              mesh_shape=sample["mesh_shape"])
-        record["layout_dependent"] = any(fnmatch.fnmatchcase(fqn, g) for g in globs)
-        records[fqn] = record
-        if len(by_rank) < 2:
-            continue
-        kind = first["kind"]
-        if kind == "plain":
-            shapes = {rank: (tuple(r["shape"]), r["dtype"]) for rank, r in by_rank.items()}
-            if len(set(shapes.values())) > 1:
-                detail = ", ".join(f"rank {rank} {list(s)} {d}" for rank, (s, d) in sorted(shapes.items()))
-                problems.append(f"{fqn!r}: plain tensor with different shapes/dtypes across ranks ({detail})")
-                per_rank.add(fqn)
-                continue
-        if kind in ("plain", "object") and content:
-            prints = {rank: c.get("fingerprint") for rank, c in content.items()}
-            if len(set(prints.values())) > 1:
-                what = "plain tensor" if kind == "plain" else "object"
-                problems.append(f"{fqn!r}: {what} differs across ranks ({_group_ranks(prints)})"
-                                + (_max_sample_diff(list(content.values())) if kind == "plain" else ""))
-                per_rank.add(fqn)
-        elif kind == "sharded" and content:
-            by_chunk: dict[tuple, dict[int, str]] = defaultdict(dict)
-            for rank, r in by_rank.items():
-                if content[rank].get("fingerprint"):
-                    by_chunk[tuple(r["chunks"][0][0])][rank] = content[rank]["fingerprint"]
-            for offset, prints in sorted(by_chunk.items()):
-                if len(set(prints.values())) > 1:
-                    diverged = [content[rank] for rank in prints]
-                    problems.append(f"{fqn!r}: replicas of chunk at offset {list(offset)} diverged "
-                                    f"({_group_ranks(prints)}){_max_sample_diff(diverged)}")
-                    per_rank.add(fqn)
+    for fqn in sorted(others):
+        found = _compare_copies(fqn, others[fqn], item_summaries, reports if have_content else None)
+        if found:
+            problems.extend(found)
+            per_rank.add(fqn)
     for fqn in per_rank:
         records[fqn]["per_rank"] = True
     if problems:
@@ -262,6 +417,45 @@ def check_save(item_summaries: list[dict], reports: list[SaveReport | None]) -> 
             raise ReshardError(message, keys=sorted(per_rank))
         log.warning("%s", message)
     return records
+
+
+def _compare_copies(fqn: str, holders: list[tuple[int, int]], items: list[ItemSummary],
+                    reports: list[SaveReport] | None) -> list[str]:
+    """What is wrong with the copies of one key that several ranks hold (empty: nothing)."""
+    first_rank, first_row = holders[0]
+    kind = items[first_rank].kind(first_row)
+    if kind == "plain":
+        shapes = {rank: items[rank].signature(row) for rank, row in holders}
+        if len(set(shapes.values())) > 1:
+            detail = ", ".join(f"rank {rank} {list(s)} {d}" for rank, (s, d) in sorted(shapes.items()))
+            return [f"{fqn!r}: plain tensor with different shapes/dtypes across ranks ({detail})"]
+    if reports is None:
+        return []
+    rows = {rank: reports[rank].keys.index(fqn) for rank, _ in holders}
+    if kind in ("plain", "object"):
+        prints = {rank: reports[rank].keys.fingerprint(i) for rank, i in rows.items()}
+        if len(set(prints.values())) > 1:
+            what = "plain tensor" if kind == "plain" else "object"
+            return [f"{fqn!r}: {what} differs across ranks ({_group_ranks(prints)})"
+                    + (_max_sample_diff(_samples(reports, rows)) if kind == "plain" else "")]
+    if kind != "sharded":
+        return []
+    problems = []
+    by_chunk: dict[tuple, dict[int, int]] = defaultdict(dict)
+    for rank, row in holders:
+        fingerprint = reports[rank].keys.fingerprint(rows[rank])
+        if fingerprint is not None:
+            by_chunk[items[rank].first_offset(row)][rank] = fingerprint
+    for offset, prints in sorted(by_chunk.items()):
+        if len(set(prints.values())) > 1:
+            diverged = _samples(reports, {rank: rows[rank] for rank in prints})
+            problems.append(f"{fqn!r}: replicas of chunk at offset {list(offset)} diverged "
+                            f"({_group_ranks(prints)}){_max_sample_diff(diverged)}")
+    return problems
+
+
+def _samples(reports: list[SaveReport], rows: dict[int, int | None]) -> list[list[float]]:
+    return [[] if i is None else reports[rank].keys.sample(i) for rank, i in rows.items()]
 
 
 # -- load-time checks --------------------------------------------------------------------------
