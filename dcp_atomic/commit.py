@@ -79,8 +79,14 @@ class ResumePoint:
 
 
 def resume_point(layout: RunLayout, step: int) -> ResumePoint:
-    """The :class:`ResumePoint` of loading ``step`` now (global rank 0: two exact-name reads, no listing)."""
-    return ResumePoint(step=step, sequence=next_sequence(layout) - 1)
+    """The :class:`ResumePoint` of loading ``step`` now (global rank 0, once per resume: one listing).
+
+    ``LATEST`` alone can lag behind a marker (a crash between a step's marker and ``LATEST``): that step was
+    committed before the resume too, so it belongs to the abandoned branch, and the next commit must number
+    above it.  So every marker is read once, and the newest number found becomes this process's floor."""
+    newest = max([next_sequence(layout) - 1] + [m.sequence for m in scan_markers(layout) if m.sequence is not None])
+    _last_sequence[layout.run_dir] = max(_last_sequence.get(layout.run_dir, 0), newest)
+    return ResumePoint(step=step, sequence=newest)
 
 
 @dataclass
