@@ -35,7 +35,6 @@ import zipfile
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..backends import open_storage
@@ -184,15 +183,17 @@ class AtomicCheckpointHooks:
 
     Lightning calls no strategy there: it unpickles the file and hands ``checkpoint["state_dict"]`` to the new
     module after ``on_load_checkpoint``, which fills it here from the verified commit (resharded to this module's
-    unsharded tensors, in one process or on every rank of an initialised process group).
+    unsharded tensors), read by each process on its own: no collective, so rank 0 alone may call it.
     """
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint_id = checkpoint.get(POINTER_KEY)
         if isinstance(checkpoint_id, str) and not checkpoint.get("state_dict"):
             state = {"state_dict": self.state_dict()}
+            # This process alone, even inside a process group: Lightning calls this per process (often on rank 0
+            # only), and a collective would wait for ranks that never come.  The id names one step: no LATEST.
             dcp.load(state, storage_reader=AtomicStorageReader(), checkpoint_id=checkpoint_id,
-                     planner=AtomicLoadPlanner(), no_dist=not (dist.is_available() and dist.is_initialized()))
+                     planner=AtomicLoadPlanner(), no_dist=True)
             checkpoint["state_dict"] = state["state_dict"]
         parent = getattr(super(), "on_load_checkpoint", None)
         if parent is not None:
@@ -211,7 +212,8 @@ def _retire_if_unreferenced(directory: str, checkpoint_id: str | None) -> None:
     try:
         root, run_id, step = parse_checkpoint_id(checkpoint_id)
         run_prefix = checkpoint_id.rsplit("/", 1)[0] + "/"
-        named = {_pointer(os.path.join(directory, n)) for n in os.listdir(directory) if n.endswith(".ckpt")}
+        # every file, whatever its suffix: trainer.save_checkpoint("final.pt") names its state too
+        named = {_pointer(os.path.join(directory, n)) for n in os.listdir(directory)}
         if checkpoint_id in named:
             return
         layout = RunLayout(open_storage(root), run_id)
