@@ -338,12 +338,15 @@ def open_local(local_root: str, run_id: str) -> RunLayout:
 
 
 def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, step: int, group,
-                 sequence_floor: int) -> Marker:
-    """Run steps 2-4 (module doc) on every rank after ``dcp.save`` returned; returns the marker recorded.
+                 sequence_floor: int, protected: set[int] | None = None) -> tuple[Marker, set[int]]:
+    """Run steps 2-4 (module doc) on every rank after ``dcp.save`` returned; returns the marker recorded and the
+    steps local retention must keep on every root.
 
     ``sequence_floor``: the newest commit sequence rank 0 knows of (both tiers); the marker gets the next one
-    above it and above every root's newest local marker.  Raises the same typed error on every rank when any
-    rank's replicas could not be written or verified: then no root has a marker of this step.
+    above it and above every root's newest local marker.  ``protected`` (rank 0's): the steps its drain still
+    needs; handed out with the marker, so every root keeps the same ones (only rank 0 knows which step the drain
+    takes next).  Raises the same typed error on every rank when any rank's replicas could not be written or
+    verified: then no root has a marker of this step.
     """
     rank, world = topology.rank, len(topology.domains)
     staged = [writer.staged if rank == 0 else None]
@@ -384,7 +387,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
                         manifest=f"{manifest.save_id}/{MANIFEST}", manifest_sha256=sha256_hex(staged[0].manifest),
                         committed_at=now(), library_version=__version__,
                         sequence=max([sequence_floor] + [n for _, n in reports]) + 1)
-        decision = [marker.to_json()]
+        decision = [(marker.to_json(), sorted(protected or ()))]
     if failures:
         raise StorageError(
             f"step {step} was not committed to the local tier: {len(failures)} rank(s) failed to replicate: "
@@ -392,13 +395,14 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
             "(space, permissions) or lower replicas.", step=step)
     if world > 1:
         dist.broadcast_object_list(decision, src=0, group=group)
-    marker = Marker.from_json(decision[0], where=f"step {step} local marker from rank 0")
+    marker_bytes, kept = decision[0]
+    marker = Marker.from_json(marker_bytes, where=f"step {step} local marker from rank 0")
     failure = None
     if topology.is_leader:
         try:
             if topology.store(rank) != topology.store(0):
                 write_control(layout, manifest, control)
-            layout.storage.replace(layout.marker(step), decision[0])
+            layout.storage.replace(layout.marker(step), marker_bytes)
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)}: {e}"
     outcomes: list[Any] = [failure]
@@ -411,7 +415,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
             f"step {step} is local-committed (sequence {marker.sequence}) but its marker could not be recorded on "
             f"every local root: " + "; ".join(missed[:4]) + ". The step stays restorable from the other roots; "
             "check the named local_root.", step=step)
-    return marker
+    return marker, {step, *kept}
 
 
 def retain_local(layout: RunLayout, keep_local: int, protected: set[int]) -> list[int]:

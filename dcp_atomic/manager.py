@@ -51,13 +51,14 @@ from .commit import ResumePoint, next_sequence, read_committed, read_marker, res
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, RankConsistencyError, StorageError
 from .layout import RunLayout, validate_step
 from .liveness import Heartbeat, OpWatch
+from .drain import Drained, Drainer, DrainJob
 from .local_tier import LocalWriter, Topology, commit_local, local_markers, open_local, retain_local, scan_root
 from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
 from .retention import DEFAULT_LEASE_SECONDS, retain_after_commit
 from .retry import Deadline
 from .placement import failure_domain as resolve_failure_domain
-from .stats import FailureStats, LoadStats, SaveStats
+from .stats import DrainStats, FailureStats, LoadStats, SaveStats
 from .tier_restore import Durable, assemble, choose, not_found
 from .watched import WatchedReader, WatchedSavePlanner, WatchedWriter
 from .writer import AtomicStorageWriter
@@ -128,9 +129,15 @@ class CheckpointManager(RankAgreement):
             ``load`` restores from the newest step assemblable from local roots, replicas or ``root``
             (README, "Two tiers").  None: one tier, ``root``, exactly as without it.
         replicas: copies of each rank's files on other failure domains (local tier).
-        durable_every, keep_local, failure_domain: the drain policy (not built yet: only None is
-            accepted), local steps kept per local root, and this rank's failure domain (default
+        durable_every: with ``local_root``, every N-th local save is also drained to ``root`` in the
+            background (:mod:`.drain`; ``save(durable=)`` decides per save).  None: only saves with
+            ``durable=True``.
+        keep_local, failure_domain: local steps kept per local root (a step being drained, or the newest
+            one waiting for its drain, is kept besides), and this rank's failure domain (default
             ``$DCP_ATOMIC_FAILURE_DOMAIN``, else the host name).
+        on_drained: callback receiving a drain's statistics (``stats.DrainStats``; rank 0, once the step
+            is committed to ``root``).  A failed drain goes to ``on_failed`` (operation ``"drain"``) on
+            every rank and is raised once by ``wait()`` / ``close()``.
     """
 
     _instances = 0
@@ -159,15 +166,18 @@ class CheckpointManager(RankAgreement):
         durable_every: int | None = None,
         keep_local: int = 2,
         failure_domain: str | None = None,
+        on_drained: StatsCallback | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
             raise ValueError(f"keep_local must be an int >= 1, got {keep_local!r}")
-        if durable_every is not None:
-            raise ConfigurationError("durable_every: draining local steps to the durable root is not built yet "
-                                     "(issue 18); leave it None, and save to the durable root with a manager "
-                                     "without local_root")
+        if durable_every is not None and (isinstance(durable_every, bool) or not isinstance(durable_every, int)
+                                          or durable_every < 1):
+            raise ValueError(f"durable_every must be an int >= 1 or None, got {durable_every!r}")
+        if durable_every is not None and local_root is None:
+            raise ConfigurationError(f"durable_every={durable_every} needs local_root: without a local tier every "
+                                     "save already goes to the durable root")
         self.root, self.run_id = root, run_id
         self.storage_options = storage_options
         self.layout = RunLayout(open_storage(root, storage_options), run_id)
@@ -179,6 +189,7 @@ class CheckpointManager(RankAgreement):
         self.callback_failures = 0
         self.thread_count = thread_count
         self.on_saved, self.on_loaded, self.on_failed = on_saved, on_loaded, on_failed
+        self.on_drained = on_drained
         self.lease_seconds = lease_seconds
         self.share_reads = share_reads
         self.divergence = "warn" if allow_divergence else "raise"
@@ -193,6 +204,12 @@ class CheckpointManager(RankAgreement):
             self._group = dist.new_group(backend="gloo", timeout=pg_timeout)
             self._async_group = dist.new_group(backend="gloo", timeout=pg_timeout)
             self._owned_groups = [self._group, self._async_group]
+        self._drain_group: dist.ProcessGroup | None = None
+        if self._distributed and process_group is None and local_root is not None:
+            # the drain thread's own group (drain.py): created here, on the main thread, on every rank alike;
+            # it waits for every rank's upload, so it gets the work's limit, not the liveness one
+            self._drain_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout, work_timeout)))
+            self._owned_groups.append(self._drain_group)
         self.rank = dist.get_rank(self._group) if self._distributed else 0
         self.world_size = dist.get_world_size(self._group) if self._distributed else 1
         self._inflight: _SaveFuture | None = None
@@ -211,10 +228,18 @@ class CheckpointManager(RankAgreement):
         self._tier: Topology | None = None
         self._local_sequence = 0  # the newest commit sequence this process knows of, both tiers (rank 0 decides)
         self._sequence_known = False
+        self.durable_every = durable_every
+        self._local_saves = 0  # counts saves for durable_every (identical on every rank: SPMD)
+        self._drainer: Drainer | None = None
         if local_root is not None:
             self._local = open_local(os.fspath(local_root), run_id)
             self._tier = Topology.learn(self.rank, self.world_size, resolve_failure_domain(failure_domain),
                                         os.fspath(local_root), replicas, self._group)
+            if not self._distributed or self.world_size == 1 or self._drain_group is not None:
+                self._drainer = Drainer(rank=self.rank, world_size=self.world_size, group=self._drain_group,
+                                        local=self._local, durable=self.layout, timeout=self.timeout,
+                                        where=self.layout.storage.describe(), resumed=lambda: self._resumed,
+                                        committed=self._drained, failed=self._drain_failed)
         self._closed = False
 
     # -- saving --------------------------------------------------------------------------
@@ -227,9 +252,11 @@ class CheckpointManager(RankAgreement):
 
         Raises the typed error if the save failed.  Before saving, raises the failure of an
         earlier ``async_save`` that nothing has reported yet (see ``async_save``).  With ``local_root``
-        the step is committed to the local tier (replicas verified, README "Two tiers").
+        the step is committed to the local tier (replicas verified, README "Two tiers"), and queued for the
+        background drain to ``root`` if ``durable`` says so (None: the ``durable_every`` policy); the save
+        never waits for a drain.  Without ``local_root`` every save is durable and ``durable`` is ignored.
         """
-        self._refuse_drain(durable)
+        drain = self._wants_drain(durable)
         self._drain()
         started = time.perf_counter()
         with self._failures_reported("save", step, started):
@@ -242,7 +269,7 @@ class CheckpointManager(RankAgreement):
                 self._settle_failed_save(e, step, writer, self._ops, watch)
             else:
                 watch.finish()
-            self._commit_local(step, writer, self._group)
+            self._commit_local(step, writer, self._group, drain)
         self._after_commit(step, writer, time.perf_counter() - started, stage_seconds=0.0, asynchronous=False)
         return step
 
@@ -259,9 +286,10 @@ class CheckpointManager(RankAgreement):
         returned future's ``result()`` / ``exception()``, ``wait()``, ``close()``,
         or the next ``save`` / ``async_save`` / ``load`` (which then does
         nothing else).  Every rank sees the same failure; call these the same
-        way on every rank.  With ``local_root`` the future resolves once the step is local-committed.
+        way on every rank.  With ``local_root`` the future resolves once the step is local-committed (and
+        queued for the drain, ``durable`` as for ``save``), not once it is drained.
         """
-        self._refuse_drain(durable)
+        drain = self._wants_drain(durable)
         self._drain()
         op = self._ops
         result = _SaveFuture()
@@ -287,7 +315,7 @@ class CheckpointManager(RankAgreement):
                     self._settle_failed_save(e, step, writer, op, watch)
                 else:
                     watch.finish()
-                self._commit_local(step, writer, self._async_group)
+                self._commit_local(step, writer, self._async_group, drain)
                 self._after_commit(step, writer, time.perf_counter() - started, stage_seconds, asynchronous=True)
                 result.set_result(step)
             except BaseException as e:
@@ -300,11 +328,16 @@ class CheckpointManager(RankAgreement):
         return result
 
     def wait(self) -> int | None:
-        """Wait for the in-flight save and return its step (None if there is none).
+        """Wait for the in-flight save, then for the drains in flight or waiting; return the save's step (None if
+        there is none).
 
-        Raises its failure unless it was already reported (see ``async_save``).
+        Raises the save's failure unless it was already reported (see ``async_save``), then a drain's
+        failure that nothing has raised yet (once, on every rank).
         """
-        return self._drain()
+        step = self._drain()
+        if self._drainer is not None:
+            self._drainer.wait()
+        return step
 
     def close(self) -> None:
         """Wait for the in-flight save and release the manager's process groups.
@@ -320,16 +353,27 @@ class CheckpointManager(RankAgreement):
         try:
             self._drain()
         finally:
-            if self._inflight is None:  # never destroy the groups under a running save
-                self._closed = True
-                if self._heartbeat is not None:
-                    self._heartbeat.close()
-                for group in self._owned_groups:
-                    try:
-                        dist.destroy_process_group(group)
-                    except Exception:  # a dead peer can make teardown fail; nothing to save anymore
-                        pass
-                self._owned_groups = []
+            try:
+                if self._drainer is not None and self._inflight is None:
+                    self._drainer.wait()  # the last durable step must not be lost to a closing job
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        drainer = self._drainer
+        if self._inflight is not None or (drainer is not None and drainer.busy()):
+            return  # never destroy the groups under a running save or drain
+        if drainer is not None:
+            drainer.close()
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+        for group in self._owned_groups:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # a dead peer can make teardown fail; nothing to save anymore
+                pass
+        self._owned_groups = []
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -435,11 +479,50 @@ class CheckpointManager(RankAgreement):
 
     # -- the local tier (README "Two tiers"; local_tier.py, tier_restore.py) -----------------
 
-    def _refuse_drain(self, durable: bool | None) -> None:
-        if durable:
-            raise ConfigurationError("save(..., durable=True): draining local steps to the durable root is not "
-                                     "built yet (issue 18); save to the durable root with a manager without "
-                                     "local_root")
+    def _wants_drain(self, durable: bool | None) -> bool:
+        """Whether this save is drained to the durable root: ``durable``, else every ``durable_every``-th local save."""
+        if durable is not None and not isinstance(durable, bool):
+            raise ValueError(f"durable must be True, False or None, got {durable!r}")
+        if self._tier is None:
+            return False  # one tier: the save itself is durable
+        self._local_saves += 1
+        wanted = durable if durable is not None else bool(self.durable_every) and \
+            self._local_saves % self.durable_every == 0
+        if wanted and self._drainer is None:
+            raise ConfigurationError("draining to the durable root needs a process group of the drain's own, which "
+                                     "the manager cannot create when it is given process_group=; leave "
+                                     "process_group out, or save durable steps with a manager without local_root")
+        return wanted
+
+    def _drained(self, drained: Drained) -> None:
+        """Rank 0, on the drain thread: a step reached the durable root; durable retention, then ``on_drained``."""
+        job, marker = drained.job, drained.marker
+        log.info("run %r step %d drained to %s (sequence %s, %.1f MiB in %.3fs, attempt %d%s)", self.run_id,
+                 job.step, self.layout.storage.describe(), marker.sequence, drained.bytes / 2**20, drained.seconds,
+                 drained.attempts, f"; skipped step(s) {drained.skipped}" if drained.skipped else "")
+        if self.keep_last is not None:
+            try:
+                retain_after_commit(self.layout, marker, self.keep_last, lease_seconds=self.lease_seconds)
+            except Exception as e:  # the drain is committed; the next one retries
+                log.warning("run %r: durable retention after draining step %d failed (the next drain retries it): "
+                            "%s", self.run_id, job.step, e)
+        self._deliver(self.on_drained, "on_drained", DrainStats(
+            run_id=self.run_id, step=job.step, save_id=job.save_id, sequence=marker.sequence,
+            world_size=self.world_size, seconds=drained.seconds, queued_seconds=drained.queued_seconds,
+            bytes=drained.bytes, files=drained.files, gb_per_s=drained.bytes / max(drained.seconds, 1e-9) / 1e9,
+            attempts=drained.attempts, skipped_steps=list(drained.skipped)))
+
+    def _drain_failed(self, job: DrainJob, error: CheckpointError, seconds: float) -> None:
+        """Every rank, on the drain thread: a drain failed for good (``wait()`` raises it)."""
+        if self.on_failed is None:
+            return
+        try:
+            stats = FailureStats.from_error(error, operation="drain", run_id=self.run_id, step=job.step,
+                                            world_size=self.world_size, rank=self.rank, seconds=seconds)
+        except Exception:
+            log.exception("could not describe the failure of the drain of step %s for on_failed", job.step)
+            return
+        self._deliver(self.on_failed, "on_failed", stats)
 
     def _gathered(self, mine: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
         if not self._distributed or self.world_size == 1:
@@ -463,23 +546,29 @@ class CheckpointManager(RankAgreement):
             self._sequence_known = True
         return self._local_sequence
 
-    def _commit_local(self, step: int, writer: AtomicStorageWriter, group: dist.ProcessGroup | None) -> None:
-        """After DCP's save: replicas, rank 0's decision, the local markers, then local retention."""
+    def _commit_local(self, step: int, writer: AtomicStorageWriter, group: dist.ProcessGroup | None,
+                      drain: bool = False) -> None:
+        """After DCP's save: replicas, rank 0's decision, the local markers, the drain's queue, then local
+        retention (which keeps what the drain still needs)."""
         if self._tier is None:
             return
         try:
-            marker = commit_local(self._tier, self._local, writer, step, group, self._sequence_floor())
+            drainer = self._drainer
+            marker, protected = commit_local(self._tier, self._local, writer, step, group, self._sequence_floor(),
+                                             drainer.protected() if drainer is not None and self.rank == 0 else None)
         except CheckpointError:
             raise
         except BaseException as e:
             _raise_typed(self._translate(e, f"committing step {step} to the local tier"))
         self._local_sequence = max(self._local_sequence, marker.sequence or 0)
         writer.last_local_marker = marker
-        log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)", self.run_id, step,
-                 marker.sequence, len(self._tier.placement.holders[self.rank]))
+        log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)%s", self.run_id, step,
+                 marker.sequence, len(self._tier.placement.holders[self.rank]), "; queued for the drain" if drain else "")
+        if drain:
+            self._drainer.submit(step, marker)
         if self._tier.is_leader:
             try:
-                removed = retain_local(self._local, self.keep_local, protected={step})
+                removed = retain_local(self._local, self.keep_local, protected=protected)
                 if removed:
                     log.info("local tier %s: removed step(s) %s (keep_local=%d)", self.local_root, removed,
                              self.keep_local)

@@ -102,6 +102,26 @@ class LoadStats(_Stats):
 
 
 @dataclass
+class DrainStats(_Stats):
+    """A local step committed to the durable root by the background drain, on rank 0 (README "Two tiers")."""
+
+    run_id: str
+    step: int
+    save_id: str
+    sequence: int | None
+    world_size: int
+    seconds: float
+    queued_seconds: float
+    bytes: int
+    files: int
+    gb_per_s: float
+    attempts: int
+    skipped_steps: list[int] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+    kind: str = "drain"
+
+
+@dataclass
 class ReadStats(_Stats):
     """What one rank's ``read_data`` cost (``AtomicStorageReader.read_stats`` after a load)."""
 
@@ -116,7 +136,7 @@ class ReadStats(_Stats):
 
 @dataclass
 class FailureStats(_Stats):
-    """A failed save, async save or load, on each rank that raises it."""
+    """A failed save, async save, load or drain, on each rank that raises it."""
 
     operation: str
     run_id: str

@@ -270,3 +270,216 @@ def test_a_kill_before_the_local_commit_leaves_the_previous_local_step(root, nod
     for out in restored:
         assert out["served"]["tier"] == "local"
         _exact(out["full"], torch.load(os.path.join(root, "expected10.pt")))
+
+
+# -- the drain to the durable root -------------------------------------------------------------------------------
+
+
+def _durable_markers(root):
+    return sorted(int(os.path.basename(os.path.dirname(p))[5:])
+                  for p in glob.glob(os.path.join(root, RUN, "step_*", "COMMITTED")))
+
+
+def _marker(root, step):
+    import json
+
+    with open(os.path.join(root, RUN, f"step_{step:010d}", "COMMITTED")) as f:
+        return json.load(f)
+
+
+class _Lines:
+    """The log lines one logger emits in this rank (a handler, so the test reads what an operator reads)."""
+
+    def __init__(self, name):
+        import logging
+
+        self.lines = []
+        handler = logging.Handler()
+        handler.emit = lambda record: self.lines.append(record.getMessage())
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def _save_with_policy(ctx):
+    """Steps 10-40 with durable_every=2, then wait(): steps 20 and 40 are drained."""
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    drained, saved = [], {}
+    with _manager(ctx, durable_every=2, keep_local=4, on_drained=drained.append) as manager:
+        for step in (10, 20, 30, 40):
+            _train_step(model, optim, step)
+            manager.save(step, _state(model, optim, step))
+            saved[step] = _full(model)
+        manager.wait()
+        listed = {tier: manager.steps(tier=tier) for tier in ("local", "durable")}
+    return {"saved": saved, "listed": listed, "drained": drained}
+
+
+def _load_durable(ctx, step):
+    """Step ``step`` through a plain AtomicStorageReader, and the latest through a manager without local_root."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicLoadPlanner, AtomicStorageReader, CheckpointManager
+
+    model, optim = _fsdp_app(ctx.world_size, 42)
+    state = _state(model, optim, -1)
+    dcp.load(state, storage_reader=AtomicStorageReader(ctx.root, run_id=RUN, step=step), planner=AtomicLoadPlanner())
+    plain = {"step": state["progress"]["step"], "full": _full(model)}
+    model, optim = _fsdp_app(ctx.world_size, 43)
+    state = _state(model, optim, -1)
+    with CheckpointManager(ctx.root, RUN, timeout=20) as durable:
+        latest = durable.load(state)
+    return {"plain": plain, "latest": latest, "full": _full(model)}
+
+
+def test_durable_every_2_drains_every_second_step_bit_exact_for_plain_readers(root, nodes):
+    saved = assert_all_ok(_run(_save_with_policy, root, nodes))
+    assert _durable_markers(root) == [20, 40]
+    assert all(out["listed"] == {"local": [10, 20, 30, 40], "durable": [20, 40]} for out in saved), saved[0]["listed"]
+    for step in (20, 40):  # the step keeps its local commit sequence in the durable root (P10 across tiers)
+        local = _marker(nodes[0], step)
+        durable = _marker(root, step)
+        assert (durable["save_id"], durable["sequence"]) == (local["save_id"], local["sequence"])
+    stats = saved[0]["drained"]
+    assert [s["step"] for s in stats] == [20, 40] and all(s["kind"] == "drain" and s["attempts"] == 1 for s in stats)
+    assert stats[0]["files"] == WORLD and stats[0]["bytes"] > 0 and stats[0]["skipped_steps"] == []
+    assert all(out["drained"] == [] for out in saved[1:])  # on_drained: rank 0 only
+    loaded = assert_all_ok(_run(_load_durable, root, nodes, 20))
+    for out in loaded:
+        assert out["plain"]["step"] == 20 and out["latest"] == 40
+        _exact(out["plain"]["full"], saved[0]["saved"][20])
+        _exact(out["full"], saved[0]["saved"][40])
+
+
+def _hold_the_first_drain(ctx):
+    """Step 10 drains, held on rank 0 by an event; steps 20-40 are saved meanwhile (keep_local=1), then released."""
+    import threading
+
+    from dcp_atomic import drain
+
+    release, seen = threading.Event(), {}
+    if ctx.rank == 0:
+        drain.hooks["before_upload"] = lambda rank, step: step == 10 and release.wait(timeout=90)
+    lines = _Lines("dcp_atomic.drain")
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    drained, saved = [], {}
+    with _manager(ctx, keep_local=1, on_drained=drained.append) as manager:
+        for step in (10, 20, 30, 40):
+            _train_step(model, optim, step)
+            manager.save(step, _state(model, optim, step), durable=True)  # returns although the drain is held
+            saved[step] = _full(model)
+        on_disk = sorted(int(n[5:]) for n in os.listdir(os.path.join(ctx.extra["nodes"][ctx.rank // 2], RUN))
+                         if n.startswith("step_"))
+        seen["durable_while_held"] = _durable_markers(ctx.root)
+        release.set()
+        manager.wait()
+        seen["durable_after"] = _durable_markers(ctx.root)
+    return {"saved": saved, "on_disk": on_disk, "lines": lines.lines, "drained": drained, **seen}
+
+
+def test_saves_return_while_a_drain_is_held_the_queue_keeps_the_newest_and_retention_keeps_the_drained(root, nodes):
+    outcomes = assert_all_ok(_run(_hold_the_first_drain, root, nodes))
+    for out in outcomes:
+        assert out["durable_while_held"] == []  # every save returned while step 10's drain had not uploaded a byte
+        # keep_local=1 keeps 40 (newest), 10 (in flight) and 30 (waiting when 40 committed); 20 was replaced and removed
+        assert out["on_disk"] == [10, 30, 40], out["on_disk"]
+        assert out["durable_after"] == [10, 40]
+    behind = [line for line in outcomes[0]["lines"] if "is behind" in line]
+    assert any("[20]" in line and "by step 30" in line for line in behind), outcomes[0]["lines"]
+    assert any("[30]" in line and "by step 40" in line for line in behind), outcomes[0]["lines"]
+    assert [(s["step"], s["skipped_steps"]) for s in outcomes[0]["drained"]] == [(10, []), (40, [20, 30])]
+    loaded = assert_all_ok(_run(_load_durable, root, nodes, 10))
+    for out in loaded:
+        _exact(out["plain"]["full"], outcomes[0]["saved"][10])
+        _exact(out["full"], outcomes[0]["saved"][40])
+
+
+def _drain_into_a_full_disk(ctx, ballast):
+    """Step 10's drain meets a full durable root (ENOSPC); space comes back; step 20's drain succeeds."""
+    import torch.distributed as dist
+
+    from dcp_atomic import drain
+
+    drain.RETRY_BACKOFF = 0.2
+    failures, drained = [], []
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    with _manager(ctx, on_failed=failures.append, on_drained=drained.append) as manager:
+        _train_step(model, optim, 10)
+        manager.save(10, _state(model, optim, 10), durable=True)
+        try:
+            manager.wait()
+        except Exception as e:
+            raised = (type(e).__name__, str(e))
+        else:
+            raised = None
+        manager.wait()  # raised once
+        dist.barrier()
+        if ctx.rank == 0:
+            os.unlink(ballast)  # space is back
+        dist.barrier()
+        _train_step(model, optim, 20)
+        manager.save(20, _state(model, optim, 20), durable=True)
+        manager.wait()
+        full = _full(model)
+    return {"raised": raised, "failures": failures, "drained": [s["step"] for s in drained], "full": full}
+
+
+def test_a_drain_into_a_full_durable_root_is_reported_and_a_later_drain_succeeds(nodes):
+    with small_tmpfs_ctx(size_kib=1024) as durable:
+        ballast = os.path.join(durable.path, "ballast")
+        with open(ballast, "wb") as f:  # fill the durable root: a real ENOSPC for the uploads
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        outcomes = assert_all_ok(_run(_drain_into_a_full_disk, durable.path, nodes, ballast))
+        for out in outcomes:
+            assert out["raised"] is not None and out["raised"][0] == "StorageError", out["raised"]
+            assert "No space left" in out["raised"][1] and "step 10" in out["raised"][1], out["raised"]
+            [failure] = out["failures"]
+            assert (failure["operation"], failure["step"], failure["error_type"]) == ("drain", 10, "StorageError")
+        assert outcomes[0]["drained"] == [20]
+        assert _durable_markers(durable.path) == [20]  # step 10 never became visible
+        loaded = assert_all_ok(_run(_load_durable, durable.path, nodes, 20))
+        for out in loaded:
+            _exact(out["full"], outcomes[0]["full"])
+
+
+def _drain_then_die_before_the_marker(ctx):
+    """Step 10 drained; step 20's drain uploads every rank's files, then rank 0 is SIGKILLed before its marker."""
+    import signal
+
+    from dcp_atomic import drain
+
+    if ctx.rank == 0:
+        drain.hooks["before_marker"] = lambda rank, step: step == 20 and os.kill(os.getpid(), signal.SIGKILL)
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    with _manager(ctx) as manager:
+        _train_step(model, optim, 10)
+        manager.save(10, _state(model, optim, 10), durable=True)
+        manager.wait()
+        full = _full(model)
+        if ctx.rank == 1:
+            torch.save(full, os.path.join(ctx.root, "expected10.pt"))
+        _train_step(model, optim, 20)
+        manager.save(20, _state(model, optim, 20), durable=True)
+        manager.wait()
+
+
+def test_a_kill_before_the_durable_marker_leaves_the_previous_durable_step(root, nodes):
+    outcomes = _run(_drain_then_die_before_the_marker, root, nodes)
+    assert outcomes[0].killed and not any(out.ok for out in outcomes), outcomes
+    assert _durable_markers(root) == [10]  # step 20's files were all uploaded, but it is not visible
+    assert glob.glob(os.path.join(root, RUN, f"step_{20:010d}", "*", "__3_0.distcp"))
+    import json
+
+    with open(os.path.join(root, RUN, "LATEST")) as f:
+        assert json.load(f)["step"] == 10
+    expected = torch.load(os.path.join(root, "expected10.pt"))
+    for node_root in nodes:  # the durable tier alone: it serves step 10
+        shutil.rmtree(os.path.join(node_root, RUN))
+    for out in assert_all_ok(_run(_load_durable, root, nodes, 10)):
+        assert out["latest"] == 10
+        _exact(out["full"], expected)

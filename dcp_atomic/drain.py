@@ -1,0 +1,440 @@
+"""The drain: local-committed steps copied to the durable root in the background (P13).
+
+A local commit (:mod:`.local_tier`) survives the loss of a failure domain, not of the whole job's nodes; some
+steps must therefore also reach the durable root.  Training must not wait for that upload (it is what the local
+tier exists to avoid), so a background thread on every rank does it, while training keeps saving locally.  Which
+steps go: ``durable=`` per save, else the manager's ``durable_every`` policy.  One drain, run by every rank:
+
+1. global rank 0 picks the job (the newest step waiting) and announces it; every rank takes that step, never
+   one it chose itself (the ranks' queues fill at slightly different moments);
+2. each rank uploads *its own* primary files (its manifest shard and data files) from its own local root to the
+   durable attempt directory ``<root>/<run_id>/step_N/<save_id>/``, one file at a time, each checked against the
+   shard's block digests as it is read: the stored bytes travel, never re-serialised, never staged from device
+   memory again;
+3. every rank reports; rank 0 alone commits, as :mod:`.commit` does: ``ranks.json``, ``.metadata``, the local
+   manifest (verbatim: its digest is the local marker's), fsync, the marker created exclusively, ``LATEST``.  The
+   marker carries the step's *local* commit sequence: a step keeps its place in the run's history whichever tier
+   serves it (P10 across tiers), and ``LATEST`` never moves back to a lower sequence;
+4. rank 0 hands every rank the outcome, so a failure is raised (``wait()``) and reported (``on_failed``) on every
+   rank, as an async save's is.
+
+A crash or kill before step 3's marker leaves no marker of the step in the durable root and its previous step
+intact; the partial attempt directory is collected by ``gc`` like any crashed save.  A failed attempt is retried
+(``DRAIN_ATTEMPTS``, backoff doubling) unless a newer step is waiting by then, which supersedes it.
+
+Falling behind: the queue holds one drain in flight and the newest step waiting.  A step submitted while another
+waits replaces it: the replaced step is never drained, and rank 0 logs it by name (a durable copy of an older step
+than the newest waiting one protects nothing the newer does not).  Local retention never removes a step that is in
+flight or waiting (:meth:`Drainer.protected`).
+
+Coordination: the drain thread speaks only on a gloo group of its own, created on the main thread when the
+manager is built; gloo pairs collectives by their order in a group, so sharing a group with the training thread
+would interleave the two.  A peer that dies mid-drain surfaces as that group's error: the drain fails on every
+rank and drains stop (the group cannot be trusted after it); the local tier is untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from .commit import ResumePoint, read_marker, write_latest
+from .errors import CheckpointError, CommitConflictError, CorruptCheckpointError, StorageError
+from .integrity import sha256_hex
+from .layout import DCP_METADATA, MANIFEST, RunLayout
+from .local_tier import check_file, check_shard, read_manifest
+from .manifest import RANKS_FILE, Latest, Manifest, Marker, now, shard_name
+from .retry import Deadline
+
+log = logging.getLogger(__name__)
+
+DRAIN_ATTEMPTS = 3  # per step; a newer step waiting supersedes the retries
+RETRY_BACKOFF = 1.0  # seconds before the second attempt, doubled after each
+
+# Tests only: called as hook(rank, step) on the drain thread before this rank uploads ("before_upload") and on
+# rank 0 before the marker ("before_marker").  Empty in production.
+hooks: dict[str, Callable[[int, int], None]] = {}
+
+
+@dataclass(frozen=True)
+class DrainJob:
+    """One local-committed step to copy.  ``index`` numbers submissions; it is the same on every rank (SPMD)."""
+
+    index: int
+    step: int
+    save_id: str
+    manifest_sha256: str
+    sequence: int | None
+
+
+@dataclass
+class Uploaded:
+    """One rank's share of a drain attempt."""
+
+    error: CheckpointError | None = None
+    bytes: int = 0
+    files: int = 0
+
+
+@dataclass
+class Drained:
+    """A drain committed to the durable root (rank 0's figures, for ``DrainStats``)."""
+
+    job: DrainJob
+    marker: Marker
+    seconds: float
+    queued_seconds: float
+    bytes: int
+    files: int
+    attempts: int
+    skipped: list[int]
+
+
+# -- steps 2 and 3 ------------------------------------------------------------------------------------------
+
+
+def upload_own(local: RunLayout, durable: RunLayout, job: DrainJob, rank: int) -> Uploaded:
+    """Step 2: copy ``rank``'s shard and data files of ``job`` from its local root, each verified as read."""
+    manifest = _local_manifest(local, job)
+    shard_path = local.attempt_file(job.step, job.save_id, shard_name(rank))
+    shard_bytes = local.storage.read_file(shard_path)
+    shard = check_shard(manifest, rank, shard_bytes, shard_path)
+    storage = durable.storage
+    storage.makedirs(durable.attempt_dir(job.step, job.save_id))
+    done = Uploaded()
+    for entry in shard.files:  # one file in memory at a time
+        source = local.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
+        data = local.storage.read_file(source)
+        check_file(entry, data, source)
+        target = durable.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
+        if manifest.data_prefixes:
+            storage.makedirs(target.rsplit("/", 1)[0])
+        storage.publish(target, data)
+        done.bytes += len(data)
+        done.files += 1
+    storage.publish(durable.attempt_file(job.step, job.save_id, shard_name(rank)), shard_bytes)
+    return done
+
+
+def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed: ResumePoint | None,
+                   timeout: float) -> Marker:
+    """Step 3 (global rank 0): the control files from the local root, checked against the local marker's manifest,
+    then the durable marker with the step's local sequence, then ``LATEST`` unless a newer commit holds it."""
+    manifest_bytes, manifest = _local_manifest_bytes(local, job)
+    storage = durable.storage
+    attempt = durable.attempt_dir(job.step, job.save_id)
+    control = [(RANKS_FILE, manifest.ranks_file)] if manifest.ranks_file is not None else []
+    control.append((DCP_METADATA, manifest.dcp_metadata))
+    for name, ref in control:
+        path = local.attempt_file(job.step, job.save_id, name)
+        data = local.storage.read_file(path)
+        if len(data) != ref["size"] or sha256_hex(data) != ref["sha256"]:
+            raise CorruptCheckpointError(f"{path}: does not match the manifest of local step {job.step}; this step "
+                                         "cannot be drained (a later one can)", path=path, step=job.step)
+        storage.publish(storage.join(attempt, name), data)
+    storage.publish(storage.join(attempt, MANIFEST), manifest_bytes)
+    storage.sync_dir(attempt)
+    storage.sync_dir(durable.step_dir(job.step))
+    if "before_marker" in hooks:
+        hooks["before_marker"](0, job.step)
+    marker = Marker(run_id=durable.run_id, step=job.step, save_id=job.save_id, manifest=f"{job.save_id}/{MANIFEST}",
+                    manifest_sha256=job.manifest_sha256, committed_at=now(), library_version=_version(),
+                    sequence=job.sequence)
+    if not storage.create_exclusive(durable.marker(job.step), marker.to_json()):
+        existing = read_marker(durable, job.step, Deadline(timeout))
+        if existing.save_id == job.save_id:
+            log.info("drain: step %d was already in the durable root (save %s)", job.step, job.save_id)
+            return existing
+        if resumed is None or not resumed.supersedes(existing):
+            raise CommitConflictError(
+                f"draining step {job.step} to {durable.run_dir}: the durable root already holds step {job.step} from "
+                f"another save ({existing.save_id}, sequence {existing.sequence}); the local step (save "
+                f"{job.save_id}) stays local only. Two jobs on one run? Use another run_id.",
+                step=job.step, save_id=job.save_id, winner=existing.save_id)
+        storage.replace(durable.marker(job.step), marker.to_json())
+        log.info("drain: step %d superseded in the durable root (%s): marker now names %s (was %s)", job.step,
+                 resumed.describe(), job.save_id, existing.save_id)
+    storage.sync_dir(durable.step_dir(job.step))
+    newest = _latest_sequence(durable)
+    if newest is None or (marker.sequence or 0) >= newest:
+        write_latest(durable, marker)
+    else:
+        log.warning("drain: step %d (sequence %s) is committed to the durable root, but LATEST stays on a newer "
+                    "commit (sequence %d)", job.step, marker.sequence, newest)
+    return marker
+
+
+def _local_manifest_bytes(local: RunLayout, job: DrainJob) -> tuple[bytes, Manifest]:
+    path = local.attempt_file(job.step, job.save_id, MANIFEST)
+    data = local.storage.read_file(path)
+    if sha256_hex(data) != job.manifest_sha256:
+        raise CorruptCheckpointError(f"{path}: does not match the local marker of step {job.step}", path=path)
+    return data, Manifest.from_json(data, where=path)
+
+
+def _local_manifest(local: RunLayout, job: DrainJob) -> Manifest:
+    marker = Marker.from_json(local.storage.read_file(local.marker(job.step)), where=local.marker(job.step))
+    if (marker.save_id, marker.manifest_sha256) != (job.save_id, job.manifest_sha256):
+        raise CorruptCheckpointError(f"{local.marker(job.step)}: names save {marker.save_id}, the drain was asked for "
+                                     f"{job.save_id}", path=local.marker(job.step))
+    return read_manifest(local, marker)
+
+
+def _latest_sequence(durable: RunLayout) -> int | None:
+    try:
+        latest = Latest.from_json(durable.storage.read_file(durable.latest()), where=durable.latest())
+    except (FileNotFoundError, CorruptCheckpointError):
+        return None
+    return latest.sequence
+
+
+def _version() -> str:
+    from .version import __version__
+
+    return __version__
+
+
+# -- the background thread -----------------------------------------------------------------------------------
+
+
+class Drainer:
+    """One manager's drain queue and thread (module doc).  ``submit`` from the thread that committed a step,
+    ``wait``/``close`` from the training thread; the thread itself speaks only on ``group``."""
+
+    def __init__(self, *, rank: int, world_size: int, group: dist.ProcessGroup | None, local: RunLayout,
+                 durable: RunLayout, timeout: float, where: str,
+                 resumed: Callable[[], ResumePoint | None],
+                 committed: Callable[[Drained], None],
+                 failed: Callable[[DrainJob, CheckpointError, float], None]) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.local, self.durable, self.timeout, self.where = local, durable, timeout, where
+        self._resumed, self._committed, self._failed = resumed, committed, failed
+        self._cond = threading.Condition()
+        self._pending: list[DrainJob] = []  # rank 0: at most one (the newest); others: until rank 0 takes them
+        self._inflight: DrainJob | None = None
+        self._retry: tuple[DrainJob, int] | None = None  # rank 0: the job to attempt again, and its attempt number
+        self._another_round = False  # other ranks: rank 0 announced that a round follows (a retry)
+        self._submitted = 0
+        self._taken = 0  # the highest job index a round has taken
+        self._queued_at: dict[int, float] = {}
+        self._replaced: dict[int, list[int]] = {}  # rank 0: job index -> the waiting steps it replaced
+        self._failure: CheckpointError | None = None  # unreported
+        self._broken: CheckpointError | None = None  # the group failed: no more drains
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.drained = self.failed = self.skipped = 0  # counters (every rank; ``skipped`` on rank 0)
+
+    # -- the training side
+
+    def submit(self, step: int, marker: Marker) -> None:
+        with self._cond:
+            self._submitted += 1
+            job = DrainJob(self._submitted, step, marker.save_id, marker.manifest_sha256, marker.sequence)
+            if self._broken is not None:
+                self._failure = self._failure or self._broken
+                log.error("drain of step %d not started: drains stopped after an earlier failure (%s)", step,
+                          self._broken)
+                return
+            self._queued_at[job.index] = time.monotonic()
+            if self.rank == 0 and self._pending:
+                replaced = [s for j in self._pending for s in [*self._replaced.pop(j.index, []), j.step]]
+                self._replaced[job.index] = replaced
+                self.skipped += len(self._pending)
+                log.warning("drain to %s is behind (step %s in flight): step(s) %s replaced by step %d before they "
+                            "started, never drained; the newest waiting step drains next", self.where,
+                            self._inflight.step if self._inflight else "none", [j.step for j in self._pending], step)
+                self._pending = []
+            self._pending.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dcp-atomic-drain", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def protected(self) -> set[int]:
+        """Steps local retention must keep: in flight, waiting, or about to be retried."""
+        with self._cond:
+            steps = {j.step for j in self._pending}
+            if self._inflight is not None:
+                steps.add(self._inflight.step)
+            if self._retry is not None:
+                steps.add(self._retry[0].step)
+            return steps
+
+    def busy(self) -> bool:
+        with self._cond:
+            return self._has_work() or self._inflight is not None
+
+    def wait(self) -> None:
+        """Block until nothing is in flight or waiting; raise a failure nothing has reported yet (once)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._has_work() and self._inflight is None)
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout)
+
+    def _has_work(self) -> bool:
+        if self._broken is not None:
+            return False
+        if self.rank == 0:
+            return bool(self._pending) or self._retry is not None
+        return any(j.index > self._taken for j in self._pending) or self._another_round
+
+    # -- the drain thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._has_work())
+                if not self._has_work():
+                    return
+                planned = self._plan() if self.rank == 0 else None
+                if planned is not None:
+                    self._inflight = planned[0]  # from here on ``wait`` waits for it
+            try:
+                self._round(planned)
+            except BaseException as e:  # the group failed (a peer died), or a bug: every waiter must hear of it
+                error = e if isinstance(e, CheckpointError) else StorageError(
+                    f"the drain to {self.where} stopped on rank {self.rank}: {type(e).__name__}: {e}. No durable "
+                    "marker was written for the step in flight (the durable root's previous step is intact; gc "
+                    "collects the partial attempt); later steps stay local until the job restarts.",
+                    rank=self.rank)
+                with self._cond:
+                    job = self._inflight
+                    self._broken = error
+                    self._failure = error
+                    self._pending, self._retry, self._inflight, self._another_round = [], None, None, False
+                    self.failed += 1
+                    self._cond.notify_all()
+                log.error("%s", error)
+                if job is not None:
+                    self._failed(job, error, 0.0)
+                return
+
+    def _plan(self) -> tuple[DrainJob, int]:
+        """Rank 0, under the lock: the newest waiting step, else the retry."""
+        if self._pending:
+            job = self._pending.pop()
+            if self._retry is not None:
+                self._replaced.setdefault(job.index, []).insert(0, self._retry[0].step)
+                log.warning("drain: step %d is not retried, newer step %d supersedes it", self._retry[0].step,
+                            job.step)
+                self._retry = None
+            return job, 1
+        planned, self._retry = self._retry, None
+        return planned
+
+    def _round(self, planned: tuple[DrainJob, int] | None) -> None:
+        if planned is not None and planned[1] > 1:
+            time.sleep(RETRY_BACKOFF * 2 ** (planned[1] - 2))  # rank 0; the others wait in the announcement
+        started = time.perf_counter()
+        job, attempt = self._share(planned)
+        with self._cond:
+            self._pending = [j for j in self._pending if j.index > job.index]
+            self._taken = max(self._taken, job.index)
+            self._inflight, self._another_round = job, False
+            queued = time.monotonic() - self._queued_at.get(job.index, time.monotonic())
+            self._queued_at = {i: t for i, t in self._queued_at.items() if i > job.index}
+        mine = self._upload(job)
+        shares = self._gathered(mine)
+        outcome: Any = None
+        if self.rank == 0:
+            outcome = self._decide(job, attempt, shares, started, queued)
+        status, error, again = self._share(outcome[:3] if outcome is not None else None)
+        drained = outcome[3] if outcome is not None else None
+        with self._cond:
+            self._inflight = None
+            self._another_round = again
+            if status == "ok":
+                self.drained += 1
+            elif not again:
+                self.failed += 1
+                self._failure = error
+            self._cond.notify_all()
+        if status == "ok":
+            if drained is not None:
+                self._committed(drained)
+        elif again:
+            log.warning("drain of step %d to %s failed (attempt %d of %d), retrying: %s", job.step, self.where,
+                        attempt, DRAIN_ATTEMPTS, error)
+        else:
+            log.error("drain of step %d to %s failed: %s", job.step, self.where, error)
+            self._failed(job, error, time.perf_counter() - started)
+
+    def _upload(self, job: DrainJob) -> Uploaded:
+        try:
+            if "before_upload" in hooks:
+                hooks["before_upload"](self.rank, job.step)
+            return upload_own(self.local, self.durable, job, self.rank)
+        except CheckpointError as e:
+            return Uploaded(error=e)
+        except OSError as e:
+            path = e.filename or self.durable.attempt_dir(job.step, job.save_id)
+            return Uploaded(error=StorageError(
+                f"rank {self.rank} could not upload its files of step {job.step} to {path}: {e.strerror or e}",
+                rank=self.rank, path=str(path), errno=e.errno, step=job.step))
+
+    def _decide(self, job: DrainJob, attempt: int, shares: list[Uploaded], started: float, queued: float) -> tuple:
+        """Rank 0: commit if every rank uploaded; else whether to try again.  (status, error, again, Drained)."""
+        failed = [(r, s.error) for r, s in enumerate(shares) if s.error is not None]
+        error: CheckpointError | None = None
+        if failed:
+            error = StorageError(
+                f"drain of step {job.step} (save {job.save_id}) to {self.where}: {len(failed)} rank(s) could not "
+                f"upload: " + "; ".join(e.message for _, e in failed[:4]) + ". No durable marker was written; the "
+                "durable root's previous step is intact. Free space or fix access on the durable root: the next "
+                "drain retries.", step=job.step, ranks=[r for r, _ in failed],
+                path=failed[0][1].details.get("path"))
+        else:
+            try:
+                marker = commit_durable(self.local, self.durable, job, self._resumed(), self.timeout)
+            except CommitConflictError as e:
+                with self._cond:
+                    self._replaced.pop(job.index, None)
+                return "error", e, False, None
+            except (OSError, CheckpointError) as e:
+                where = getattr(e, "filename", None) or self.durable.step_dir(job.step)
+                error = StorageError(f"drain of step {job.step}: global rank 0 could not commit it to {where}: "
+                                     f"{getattr(e, 'strerror', None) or e}. No durable marker was written; the next "
+                                     "drain retries.", step=job.step, rank=0, path=str(where))
+            else:
+                with self._cond:
+                    skipped = self._replaced.pop(job.index, [])
+                return "ok", None, False, Drained(
+                    job=job, marker=marker, seconds=time.perf_counter() - started,
+                    queued_seconds=queued,
+                    bytes=sum(s.bytes for s in shares), files=sum(s.files for s in shares), attempts=attempt,
+                    skipped=skipped)
+        again = attempt < DRAIN_ATTEMPTS  # the others then enter one more round (a newer step may take it)
+        with self._cond:
+            if again:
+                self._retry = (job, attempt + 1)
+            else:
+                self._replaced.pop(job.index, None)
+        return "error", error, again, None
+
+    def _share(self, mine: Any) -> Any:
+        """Rank 0's value on every rank, over the drain's own group."""
+        if self.world_size == 1 or self.group is None:
+            return mine
+        box = [mine]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _gathered(self, mine: Any) -> list[Any]:
+        if self.world_size == 1 or self.group is None:
+            return [mine]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return everyone
