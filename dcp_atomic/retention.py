@@ -5,7 +5,10 @@ deleted the previous good checkpoint as soon as an async save *returned*, or
 that kept the highest step numbers after a rollback restart.  Here:
 
 * only committed steps count, ordered by commit sequence number (P10), not by
-  step number or clock;
+  step number or clock, and only those of the live branch: after a rollback
+  (a job resumed from step k and saved on), steps above the live branch's that
+  were committed before it are the abandoned branch's; they are not counted,
+  and go only once they are older than every step kept (see :func:`retained`);
 * the step ``LATEST`` names is never deleted;
 * a step whose marker exists but cannot be validated (damaged, torn, written by
   a newer dcp_atomic) is left whole and reported in ``unreadable_steps``: its
@@ -81,6 +84,29 @@ def _data_steps(layout: RunLayout) -> dict[str, list[str]]:
     return {prefix: storage.list_dir(layout.data_run_dir(prefix)) for prefix in prefixes}
 
 
+def retained(markers: list[Marker], keep_last: int | None) -> list[Marker]:
+    """The commits retention keeps: the ``keep_last`` most recent of the live branch, and the abandoned branch's
+    commits newer than the oldest of those (a rollback's superseding saves will replace them; until the live
+    branch has ``keep_last`` commits of its own, deleting them would leave fewer than asked).
+
+    The live branch, newest first: each older commit belongs to it only if its step is below every step of the
+    live branch after it (P14: a resumed job re-saves steps above where it resumed).
+    """
+    newest_first = sorted(markers, key=commit_order, reverse=True)
+    if keep_last is None:
+        return newest_first
+    live, lowest = [], None
+    for marker in newest_first:
+        if lowest is None or marker.step < lowest:
+            live.append(marker)
+            lowest = marker.step
+    kept = live[:keep_last]
+    if not kept:
+        return []
+    oldest = commit_order(kept[-1])
+    return [m for m in newest_first if commit_order(m) >= oldest]
+
+
 def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = DEFAULT_LEASE_SECONDS,
             now: float | None = None, markers: list[Marker] | None = None) -> GcPlan:
     now = time.time() if now is None else now
@@ -88,8 +114,7 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
     unreadable: list[tuple[int, str]] = []
     if markers is None:
         markers = scan_markers(layout, unreadable=unreadable)
-    newest_first = sorted(markers, key=commit_order, reverse=True)
-    keep = {m.step for m in (newest_first if keep_last is None else newest_first[:keep_last])}
+    keep = {m.step for m in retained(markers, keep_last)}
     keep.add(_latest_step_named(layout))
     keep.discard(None)
     plan = GcPlan(kept_steps=sorted(keep), lease_seconds=lease_seconds)
@@ -282,9 +307,12 @@ def retain_after_commit(layout: RunLayout, marker: Marker, keep_last: int | None
     entries = {m.step: m for m in journal}
     entries[marker.step] = marker
     protected = {marker.step, _latest_step_named(layout)}  # LATEST may still name an older step (its write failed)
-    newest_first = sorted(entries.values(), key=commit_order, reverse=True)
-    plan = GcPlan(kept_steps=sorted(m.step for m in newest_first[:keep_last]), lease_seconds=lease_seconds)
-    for old in newest_first[keep_last:]:
+    kept = retained(list(entries.values()), keep_last)
+    plan = GcPlan(kept_steps=sorted(m.step for m in kept), lease_seconds=lease_seconds)
+    kept_steps = {m.step for m in kept}
+    for old in sorted(entries.values(), key=commit_order, reverse=True):
+        if old.step in kept_steps:
+            continue
         if old.step in protected:
             continue
         try:

@@ -163,13 +163,7 @@ def _rollback_with_keep_last(ctx):
         return manager.steps()
 
 
-@pytest.mark.xfail(strict=True, reason="retention (retain_after_commit / plan_gc) ranks the abandoned branch's "
-                   "step 6 (sequence 3) above the live branch's step 4 (sequence 2), so keep_last=2 after a "
-                   "rollback keeps one live step (5) and one dead one (6, to be superseded), and deletes 4, the "
-                   "step the job resumed from: the 'kept the highest step numbers after a rollback' failure the "
-                   "retention docstring names. Fix (retention.py): a committed step above the newest commit's "
-                   "step with a lower sequence is abandoned; do not count it in keep_last (leave it for the "
-                   "superseding save or gc)")
 def test_keep_last_after_a_rollback_counts_the_live_branch(root):
     steps = assert_all_ok(run_world(_rollback_with_keep_last, 2, root, timeout=90))
-    assert 4 in steps[0] and 5 in steps[0], steps[0]
+    # keep_last=2 of the live branch (5, 4); the abandoned step 6 is newer than 4, so it stays until superseded
+    assert steps[0] == [4, 5, 6], steps[0]

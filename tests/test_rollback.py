@@ -143,3 +143,22 @@ def test_resume_point_is_picklable_and_says_where():
     assert not point.supersedes(Marker(**{**marker.__dict__, "sequence": 6}))  # committed after the resume
     assert not point.supersedes(Marker(**{**marker.__dict__, "step": 8}))  # the resumed step itself
     assert "resumed from step 8" in point.describe()
+
+
+def test_retention_keeps_the_live_branch_and_lets_the_abandoned_one_go_once_older_than_every_kept_step():
+    from dcp_atomic.manifest import Marker
+    from dcp_atomic.retention import retained
+
+    def commits(*steps):  # in commit order: sequence 1, 2, ...
+        return [Marker(run_id=RUN, step=step, save_id=f"s{n}", manifest="m", manifest_sha256="0" * 64,
+                       committed_at=0.0, library_version="x", sequence=n) for n, step in enumerate(steps, 1)]
+
+    def kept(markers, keep_last):
+        return sorted(m.step for m in retained(markers, keep_last))
+
+    assert kept(commits(2, 4, 6, 8), 2) == [6, 8]                # no rollback: the newest
+    assert kept(commits(2, 4, 6, 5), 2) == [4, 5, 6]             # resumed from 4: 6 is abandoned, not counted
+    assert kept(commits(2, 4, 6, 5, 7), 2) == [5, 7]             # the live branch has 2 newer commits: 6 goes
+    assert kept(commits(2, 4, 5, 6), 2) == [5, 6]                # step 6 superseded: one marker, the new sequence
+    assert kept(commits(10, 20, 30, 15, 25), 2) == [15, 25]      # the live branch wins over higher step numbers
+    assert kept(commits(2, 4, 6), None) == [2, 4, 6]
