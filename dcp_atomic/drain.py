@@ -114,7 +114,11 @@ def upload_own(local: RunLayout, durable: RunLayout, job: DrainJob, rank: int) -
         target = durable.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
         if manifest.data_prefixes:
             storage.makedirs(target.rsplit("/", 1)[0])
-        storage.publish(target, data)
+        try:
+            storage.publish(target, data)
+        except OSError as e:  # name the file, not only the directory (a short write carries no file name)
+            e.filename = e.filename or target
+            raise
         done.bytes += len(data)
         done.files += 1
     storage.publish(durable.attempt_file(job.step, job.save_id, shard_name(rank)), shard_bytes)

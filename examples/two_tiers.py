@@ -16,7 +16,7 @@ local_root = os.path.join(sys.argv[1], f"node{rank}-nvme")  # on a cluster: the 
 def manager():
     # Here each rank plays one node; on a cluster leave failure_domain out ($DCP_ATOMIC_FAILURE_DOMAIN, else the host).
     return CheckpointManager(os.path.join(sys.argv[1], "durable"), "run1", local_root=local_root, replicas=1,
-                             keep_local=2, failure_domain=f"node{rank}")
+                             keep_local=2, durable_every=2, failure_domain=f"node{rank}")
 
 
 torch.manual_seed(0)
@@ -26,7 +26,8 @@ with manager() as checkpoints:
         with torch.no_grad():
             model.weight.add_(0.1)
         checkpoints.save(step, {"model": model.state_dict()})  # local-committed: replicas on the other node verified
-    local_steps = checkpoints.steps(tier="local")
+    checkpoints.wait()  # step 2 was also drained to the durable root in the background; wait() waits for it
+    local_steps, durable_steps = checkpoints.steps(tier="local"), checkpoints.steps(tier="durable")
 
 dist.barrier()
 if rank == 1:
@@ -40,6 +41,6 @@ with manager() as checkpoints:
     served = checkpoints.restored_from
 assert torch.equal(fresh.weight, model.weight)
 if rank == 1:
-    print(f"local steps {local_steps}; restored step {step} from the {served['tier']} tier, "
+    print(f"local steps {local_steps}, durable {durable_steps}; restored step {step} from the {served['tier']} tier, "
           f"{served['ranks_fetched']} ranks' files fetched from the other node")
 dist.destroy_process_group()

@@ -344,6 +344,9 @@ def test_durable_every_2_drains_every_second_step_bit_exact_for_plain_readers(ro
     assert [s["step"] for s in stats] == [20, 40] and all(s["kind"] == "drain" and s["attempts"] == 1 for s in stats)
     assert stats[0]["files"] == WORLD and stats[0]["bytes"] > 0 and stats[0]["skipped_steps"] == []
     assert all(out["drained"] == [] for out in saved[1:])  # on_drained: rank 0 only
+    from tests.test_stats import _schema_problems, _table
+
+    assert _schema_problems(stats[0], _table("Drain")) == []  # as docs/statistics.md documents it
     loaded = assert_all_ok(_run(_load_durable, root, nodes, 20))
     for out in loaded:
         assert out["plain"]["step"] == 20 and out["latest"] == 40
@@ -440,6 +443,7 @@ def test_a_drain_into_a_full_durable_root_is_reported_and_a_later_drain_succeeds
             assert "No space left" in out["raised"][1] and "step 10" in out["raised"][1], out["raised"]
             [failure] = out["failures"]
             assert (failure["operation"], failure["step"], failure["error_type"]) == ("drain", 10, "StorageError")
+            assert failure["ranks"] == [0, 1, 2, 3] and failure["path"].startswith(durable.path), failure
         assert outcomes[0]["drained"] == [20]
         assert _durable_markers(durable.path) == [20]  # step 10 never became visible
         loaded = assert_all_ok(_run(_load_durable, durable.path, nodes, 20))
