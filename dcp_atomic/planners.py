@@ -103,16 +103,16 @@ class AtomicLoadPlanner(DefaultLoadPlanner):
             context.current = infer_parallelism(self.state_dict)
 
     def create_local_plan(self):
-        context: LoadContext | None = getattr(self.metadata, LOAD_CONTEXT_ATTR, None)
-        if context is not None:
-            requested = {}
-            for fqn, value in self.state_dict.items():
-                if isinstance(value, torch.Tensor):
-                    requested[fqn] = (_global_shape(value), value.dtype)
-                else:
-                    requested[fqn] = None
-            context.check_keys(requested)
-        with gc_paused():
+        with gc_paused():  # the key checks allocate per key too, beside the metadata's 10^5+ live objects
+            context: LoadContext | None = getattr(self.metadata, LOAD_CONTEXT_ATTR, None)
+            if context is not None:
+                requested = {}
+                for fqn, value in self.state_dict.items():
+                    if isinstance(value, torch.Tensor):
+                        requested[fqn] = (_global_shape(value), value.dtype)
+                    else:
+                        requested[fqn] = None
+                context.check_keys(requested)
             return super().create_local_plan()
 
     def create_global_plan(self, global_plan):
