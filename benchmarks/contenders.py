@@ -1,7 +1,13 @@
 """The save/load contenders, run on each rank of a world: dcp_atomic formats, stock DCP variants, torch.save.
 
 ``atomic-*`` go through ``AtomicSavePlanner`` / ``AtomicLoadPlanner`` as the README recommends; stock
-writers fsync too (``sync_files=True``, their default).  A contender's checkpoint ``number`` lives under
+writers fsync too (``sync_files=True``, their default, as ours always do on a file system).
+
+Thread counts are resolved *in the rank*: ``atomic_threads=None`` is the library's own default there
+(``default_thread_count()``: this host's CPUs over ``LOCAL_WORLD_SIZE``), not a number computed once in the
+parent and handed to every rank.  ``stock_threads`` is stock ``FileSystemWriter``'s ``thread_count``: 1 (its
+default) or ``"same"`` (the count dcp_atomic uses in that rank), so a ratio can compare equal thread counts.
+Stock's ``FileSystemReader`` has no thread option: stock loads always read with one thread.  A contender's checkpoint ``number`` lives under
 ``where``; :func:`checkpoint_path` names the directory to measure and delete afterwards.
 """
 
@@ -69,9 +75,14 @@ def _timed_stock_writer_class():
 class Contenders:
     """Save ``state`` / load into ``target`` (same structure) the way each contender does, on one rank."""
 
-    def __init__(self, rank: int, state: dict, target: dict, parallelism, atomic_threads: int | None) -> None:
+    def __init__(self, rank: int, state: dict, target: dict, parallelism, atomic_threads: int | None,
+                 stock_threads: int | str = 1) -> None:
+        from dcp_atomic.identity import default_thread_count
+
         self.rank, self.state, self.target = rank, state, target
-        self.parallelism, self.atomic_threads = parallelism, atomic_threads
+        self.parallelism = parallelism
+        self.atomic_threads = atomic_threads or default_thread_count()  # this rank's library default
+        self.stock_threads = self.atomic_threads if stock_threads == "same" else int(stock_threads)
         self.stock_writer = _timed_stock_writer_class()
         self.target_slots = _slots(target)  # computed once, outside the timed loads
 
@@ -88,9 +99,9 @@ class Contenders:
             from torch.distributed.checkpoint._extension import ZStandard
 
             if name == "stock-zstd":  # same thread_count as dcp_atomic, for fairness
-                writer = self.stock_writer(path, thread_count=self.atomic_threads or 1, _extensions=[ZStandard()])
+                writer = self.stock_writer(path, thread_count=self.atomic_threads, _extensions=[ZStandard()])
             else:
-                writer = self.stock_writer(path, thread_count=int(name[7:]) if name.startswith("stock-t") else 1)
+                writer = self.stock_writer(path, thread_count=self.stock_threads_of(name))
             dcp.save(self.state, storage_writer=writer)
             return {"commit_seconds": writer.commit_seconds if self.rank == 0 else None}
         if name == "torch-save":
@@ -101,6 +112,13 @@ class Contenders:
                 os.fsync(f.fileno())
             return {"commit_seconds": None}
         raise ValueError(f"unknown contender {name!r}")
+
+    def stock_threads_of(self, name: str) -> int:
+        return int(name[7:]) if name.startswith("stock-t") else self.stock_threads
+
+    def threads(self) -> dict[str, int]:
+        """The thread counts this rank uses: dcp_atomic's and stock ``FileSystemWriter``'s."""
+        return {"atomic": self.atomic_threads, "stock": self.stock_threads}
 
     def load(self, name: str, where: str, number: int) -> None:
         if name in ATOMIC_OPTIONS:

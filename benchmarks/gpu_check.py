@@ -6,7 +6,12 @@ tensors (bf16 weights, fp32 moments, an empty shard, a non-contiguous view, a
 byte item) with dcp_atomic in the raw, ``stock_readable`` and zstd formats and
 with stock ``FileSystemWriter``, loads each back into CUDA destinations,
 checks every tensor bit-exact, and prints save/load GB/s and ratios to stock in
-one JSON line.  Single process, no process group: it exercises the
+one JSON line, with the torch version and device it ran on.  A warm-up round
+(not counted) runs every contender once; then the contenders alternate, the
+order rotating and reversing each round, so no contender always runs first or
+last (page cache, allocator and GPU clocks warm up for all alike).  Every
+writer uses the same ``thread_count`` (dcp_atomic's default in this process,
+or ``--threads``); stock's reader has no thread option.  Single process, no process group: it exercises the
 device-to-host staging path (pinned block buffers) and device destinations on
 load, not NCCL.
 """
@@ -28,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter  # noqa: E402
+from dcp_atomic.identity import default_thread_count  # noqa: E402
 
 
 def make_state(gb: float, device: str) -> dict:
@@ -74,6 +80,8 @@ def run(args) -> dict:
     state = make_state(args.gb, device)
     nbytes = tensor_bytes(state)
     workdir = tempfile.mkdtemp(prefix="dcp-atomic-gpu-", dir=args.dir)
+    threads = args.threads or default_thread_count()
+    load_before = os.getloadavg()
     contenders = {
         "atomic-raw": {},
         "atomic-stock_readable": {"stock_readable": True},
@@ -81,32 +89,49 @@ def run(args) -> dict:
         "stock": None,
     }
     times: dict[str, dict[str, list[float]]] = {name: {"save": [], "load": []} for name in contenders}
+    names = list(contenders)
+    rounds = [("warm-up", names)]
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names):] + names[:repeat % len(names)]
+        rounds.append((f"{repeat + 1}/{args.repeats}", order[::-1] if repeat % 2 else order))
+    number = 0
     try:
-        for repeat in range(args.repeats):
-            for name, options in contenders.items():
-                path = os.path.join(workdir, f"{name}-{repeat}")
+        for round_label, order in rounds:
+            for name in order:
+                options = contenders[name]
+                number += 1
+                path = os.path.join(workdir, f"{name}-{number}")
                 sync()
                 started = time.perf_counter()
                 if options is None:
-                    dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+                    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=threads))
                 else:
-                    dcp.save(state, storage_writer=AtomicStorageWriter(path, "gpu", repeat, **options))
+                    dcp.save(state, storage_writer=AtomicStorageWriter(path, "gpu", number, thread_count=threads,
+                                                                       **options))
                 sync()
-                times[name]["save"].append(time.perf_counter() - started)
+                saved = time.perf_counter() - started
                 target = zeros_like(state)
+                sync()
                 started = time.perf_counter()
                 if options is None:
                     dcp.load(target, storage_reader=dcp.FileSystemReader(path))
                 else:
-                    dcp.load(target, storage_reader=AtomicStorageReader(path, "gpu", repeat))
+                    dcp.load(target, storage_reader=AtomicStorageReader(path, "gpu", number, thread_count=threads))
                 sync()
-                times[name]["load"].append(time.perf_counter() - started)
+                loaded = time.perf_counter() - started
                 check_equal(state, target, name)
                 shutil.rmtree(path)
+                if round_label != "warm-up":
+                    times[name]["save"].append(saved)
+                    times[name]["load"].append(loaded)
+                print(f"[{round_label}] {name:<22} save {nbytes / saved / 1e9:6.2f} GB/s  load "
+                      f"{nbytes / loaded / 1e9:6.2f} GB/s", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                    "torch": torch.__version__, "gb": nbytes / 1e9, "repeats": args.repeats, "results": {}}
+                    "torch": torch.__version__, "cuda": torch.version.cuda, "gb": nbytes / 1e9,
+                    "repeats": args.repeats, "warm_up_round": True, "thread_count": threads,
+                    "loadavg": [load_before[0], os.getloadavg()[0]], "results": {}}
     stock = {op: statistics.median(times["stock"][op]) for op in ("save", "load")}
     for name, measured in times.items():
         row = {}
@@ -121,7 +146,9 @@ def run(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="tensor bytes in the state dict")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="counted rounds after the warm-up (default 3)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="thread_count of every writer (default: dcp_atomic's default in this process)")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU (a dry run of the script)")
     args = parser.parse_args()

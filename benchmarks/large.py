@@ -42,7 +42,6 @@ import argparse
 import itertools
 import os
 import shutil
-import tempfile
 import time
 
 from benchmarks import compression, report
@@ -52,7 +51,7 @@ from benchmarks.contenders import ATOMIC_OPTIONS, Contenders, is_known, label
 from benchmarks.world import Progress, gather, launch, save_and_load
 
 DEFAULT_CONTENDERS = "atomic-default,atomic-stock,atomic-zstd,stock,{STOCK_T}stock-zstd,torch-save"
-QUICK_CONTENDERS = "atomic-default,atomic-stock,atomic-zstd,stock,stock-zstd,torch-save"
+QUICK_CONTENDERS = "atomic-default,atomic-stock,atomic-zstd,stock,stock-t2,stock-zstd,torch-save"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + " (stock-tN for any N)")
     parser.add_argument("--stock-threads", default="2,4",
                         help="thread counts N of the stock-tN contenders in the default set ('' for none)")
-    parser.add_argument("--atomic-threads", type=int, default=None, help="dcp_atomic thread_count (library default)")
+    parser.add_argument("--atomic-threads", type=int, default=None,
+                        help="dcp_atomic thread_count (default: the library's default, computed in each rank)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the uncounted first round (verification "
                         "still runs once per contender per world)")
     parser.add_argument("--no-async", dest="async_rss", action="store_false", help="skip the async_save RSS probe")
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", default="bench-results/bench.png", help="chart (default %(default)s; '' to skip)")
     parser.add_argument("--op-timeout", type=float, default=600, help="seconds one operation may take")
     parser.add_argument("--quick", action="store_true",
-                        help="0.25 GB, worlds 1,2, 2 repeats, no separate stock thread_count contender, no warm-up")
+                        help="0.25 GB, worlds 1,2, 2 repeats, stock-t2 the only stock thread_count variant")
     parser.add_argument("--smoke", action="store_true", help="seconds: 4 MB, world 1, tmpfs, 1 repeat, 2 contenders")
 
 
@@ -92,7 +92,6 @@ def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         args.size_gb, args.repeats = args.size_gb or 0.25, args.repeats or 2
         args.world_sizes = args.world_sizes or "1,2"
         args.contenders = args.contenders or QUICK_CONTENDERS
-        args.no_warmup = True
     args.size_gb = args.size_gb or 1.0
     args.repeats = args.repeats or 3
     args.world_sizes = [int(w) for w in (args.world_sizes or "1,2,4").split(",")]
@@ -123,6 +122,7 @@ def _rank(ctx, plan: dict, progress: Progress) -> dict | None:
     parallelism = Parallelism(dp=world)
     state = transformer_state(plan["size_gb"] * GB, plan["hidden"], rank, world, mesh)
     contenders = Contenders(rank, state, zeroed_like(state), parallelism, plan["atomic_threads"])
+    threads = gather(contenders.threads())
     data_bytes = plan["data_bytes"]
     numbers = itertools.count(1)
     verified: set[str] = set()
@@ -162,6 +162,7 @@ def _rank(ctx, plan: dict, progress: Progress) -> dict | None:
     if plan["async_rss"]:
         results["async_save"] = _async_save(rank, world, state, parallelism, plan, progress)
     dist.barrier()
+    results["threads"] = threads[0] if all(t == threads[0] for t in threads) else threads
     return results if rank == 0 else None
 
 
@@ -247,12 +248,11 @@ def run(args: argparse.Namespace) -> dict:
     began = time.monotonic()
     data_bytes = transformer_bytes(args.size_gb * GB, args.hidden)
     cold_ok, cold_note = can_drop_caches() if "disk" in args.media else (False, "no disk medium")
-    from dcp_atomic import AtomicStorageWriter
-
-    atomic_threads = AtomicStorageWriter(tempfile.gettempdir(), RUN_ID, 0, thread_count=args.atomic_threads).thread_count
+    atomic_threads = args.atomic_threads  # None: the library's default, resolved in each rank
     say(f"large tensors: state {data_bytes / GB:.3f} GB (hidden {args.hidden}, bf16 weights + fp32 Adam moments, "
         f"DTensor Shard(0)); worlds {args.world_sizes}; media {args.media}; {args.repeats} repeat(s); contenders "
-        f"{', '.join(args.contenders)}; dcp_atomic thread_count {atomic_threads}; cold loads: {cold_note}")
+        f"{', '.join(args.contenders)}; dcp_atomic thread_count {atomic_threads or 'default (in each rank)'}; "
+        f"cold loads: {cold_note}")
     load_before = os.getloadavg()
     say(f"load average {load_before[0]:.2f} before starting (the machine may be shared: numbers are noisy)")
     ops_per_round = sum(3 if m == "disk" and cold_ok else 2 for m in args.media) * len(args.contenders)
@@ -275,6 +275,7 @@ def run(args: argparse.Namespace) -> dict:
             results[str(world)] = launch(_rank, world, media.dirs[args.media[0]], args=(plan, progress),
                                          op_timeout=args.op_timeout, ops=ops_per_world)
             progress.done += ops_per_world
+    threads = {world: per_medium.pop("threads") for world, per_medium in results.items()}
     order = args.contenders
     summary = {world: {medium: report.summarize(per, data_bytes, order)
                        for medium, per in per_medium.items() if medium != "async_save"}
@@ -283,7 +284,9 @@ def run(args: argparse.Namespace) -> dict:
     report.print_contender_tables(
         summary, f"median of {args.repeats} repeat(s); {data_bytes / GB:.3f} GB logical per checkpoint (all ranks); "
                  "GB/s = 1e9 bytes/s; x = ratio to torch FSW (default) / to the best torch FSW thread_count; "
-                 "CPU s/GB = CPU seconds of all ranks (all threads) per GB")
+                 "CPU s/GB = CPU seconds of all ranks (all threads) per GB; dcp_atomic thread_count per rank: "
+                 + ", ".join(f"world {w}: {t['atomic']}" if isinstance(t, dict) else f"world {w}: {t}"
+                             for w, t in threads.items()) + " (stock FSW: 1, or N for stock-tN)")
     for world, per_medium in results.items():
         a = per_medium.get("async_save")
         if a:
@@ -303,7 +306,7 @@ def run(args: argparse.Namespace) -> dict:
                    "world_sizes": args.world_sizes, "media": args.media, "media_dirs": media.notes,
                    "repeats": args.repeats, "warmup_round": not args.no_warmup, "contenders": args.contenders,
                    "labels": {c: label(c) for c in args.contenders}, "dcp_atomic_thread_count": atomic_threads,
-                   "cold_loads": cold_note, "quick": args.quick, "smoke": args.smoke},
+                   "threads_per_world": threads, "cold_loads": cold_note, "quick": args.quick, "smoke": args.smoke},
         "environment": {**report.environment(), "loadavg_before": load_before},
         "wall_seconds": wall,
         "compression_minilm": compressed,

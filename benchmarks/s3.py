@@ -6,7 +6,10 @@ What it measures
     endpoint and credentials: dcp_atomic (``AtomicStorageWriter`` / ``AtomicStorageReader`` on
     ``s3://<bucket>/atomic``, defaults: block checksums, multipart uploads, parallel ranged reads,
     conditional-PUT commit), stock (``FsspecWriter`` / ``FsspecReader`` on ``s3://<bucket>/stock/<n>``,
-    s3fs underneath) and, where the optional package ``s3torchconnector`` imports (its ``dcp`` module also
+    s3fs underneath, configured as a careful user would: ``sync_files=False``, since an S3 file cannot be
+    fsynced and torch falls back to a machine-wide ``os.sync()`` per file, which on a local server's disk
+    charges stock's save for every dirty page of the machine; ``--stock-sync both`` also measures
+    ``sync_files=True`` as "stock-sync"; ``thread_count`` equal to dcp_atomic's) and, where the optional package ``s3torchconnector`` imports (its ``dcp`` module also
     needs ``tenacity``), its DCP ``S3StorageWriter`` / ``S3StorageReader`` on ``s3://<bucket>/s3tc/<n>``
     (AWS's CRT client; endpoint set explicitly, path-style addressing, credentials from the environment;
     its defaults otherwise; ``--smoke`` leaves it out).  The server runs in its own process: SeaweedFS
@@ -48,7 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-gb", type=float, default=0.5, help="logical tensor data, GB = 1e9 bytes (default 0.5)")
     parser.add_argument("--hidden", type=int, default=2048, help="model width (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="save+load rounds per contender (default 3)")
-    parser.add_argument("--threads", type=int, default=None, help="dcp_atomic thread_count (default: library's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="thread_count of dcp_atomic and of stock FsspecWriter (default: dcp_atomic's default)")
+    parser.add_argument("--stock-sync", choices=("off", "both"), default="off",
+                        help="stock FsspecWriter sync_files: off (default; sync_files=False) or both (adds "
+                             "'stock-sync', sync_files=True, torch's default)")
     parser.add_argument("--data-prefixes", type=int, default=None,
                         help="dcp_atomic's dcp_atomic_data_prefixes (default: library's, 16; 0 = classic layout)")
     parser.add_argument("--no-s3torchconnector", dest="s3torchconnector", action="store_false",
@@ -129,9 +136,10 @@ def s3torchconnector_contender(bucket: str, endpoint: str, region: str) -> tuple
     return save, load
 
 
-def contenders(bucket: str, options: dict, threads: int | None,
-               data_prefixes: int | None = None) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (save(state, number) -> path to delete, load(state, number))."""
+def contenders(bucket: str, options: dict, threads: int, data_prefixes: int | None = None,
+               stock_sync: str = "off") -> dict[str, tuple[Callable, Callable]]:
+    """name -> (save(state, number) -> path to delete, load(state, number)).  ``threads`` is every writer's
+    thread_count (FsspecReader has no such option)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -149,20 +157,31 @@ def contenders(bucket: str, options: dict, threads: int | None,
         dcp.load(state, storage_reader=AtomicStorageReader(atomic_root, RUN_ID, number, thread_count=threads,
                                                            storage_options=atomic_options))
 
-    def stock_save(state: dict, number: int) -> str:
-        dcp.save(state, storage_writer=FsspecWriter(f"s3://{bucket}/stock/{number:04d}", **options))
-        return f"s3://{bucket}/stock/{number:04d}"
+    def stock(sync_files: bool) -> tuple[Callable, Callable]:
+        def save(state: dict, number: int) -> str:
+            dcp.save(state, storage_writer=FsspecWriter(f"s3://{bucket}/stock/{number:04d}", sync_files=sync_files,
+                                                        thread_count=threads, **options))
+            return f"s3://{bucket}/stock/{number:04d}"
 
-    def stock_load(state: dict, number: int) -> None:
-        dcp.load(state, storage_reader=FsspecReader(f"s3://{bucket}/stock/{number:04d}", **options))
+        def load(state: dict, number: int) -> None:
+            dcp.load(state, storage_reader=FsspecReader(f"s3://{bucket}/stock/{number:04d}", **options))
 
-    return {"dcp_atomic": (atomic_save, atomic_load), "stock": (stock_save, stock_load)}
+        return save, load
+
+    named = {"dcp_atomic": (atomic_save, atomic_load), "stock": stock(sync_files=False)}
+    if stock_sync == "both":
+        named["stock-sync"] = stock(sync_files=True)
+    return named
 
 
 def run(args: argparse.Namespace) -> dict:
     import boto3
 
+    from dcp_atomic.identity import default_thread_count
+
     quiet_warnings()
+    threads = args.threads or default_thread_count()  # one process: the library's default here is its default
+    load_before = os.getloadavg()
     state = transformer_state(args.size_gb * GB, args.hidden)
     target = zeroed_like(state)
     data_bytes = tensor_bytes(state)
@@ -183,10 +202,11 @@ def run(args: argparse.Namespace) -> dict:
                 if keys:
                     client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
 
-        say(f"S3: {data_bytes / GB:.3f} GB of tensors; server {args.server} at {endpoint}, bucket {bucket}; dcp_atomic "
-            f"thread_count={args.threads or 'default'}; stock: FsspecWriter/FsspecReader defaults")
+        say(f"S3: {data_bytes / GB:.3f} GB of tensors; server {args.server} at {endpoint}, bucket {bucket}; "
+            f"thread_count={threads} (dcp_atomic and FsspecWriter); stock: FsspecWriter(sync_files=False)"
+            + (" and sync_files=True ('stock-sync')" if args.stock_sync == "both" else "") + ", FsspecReader")
         numbers = itertools.count()
-        named = contenders(bucket, options, args.threads, args.data_prefixes)
+        named = contenders(bucket, options, threads, args.data_prefixes, args.stock_sync)
         s3tc_status = "left out (--no-s3torchconnector or --smoke)"
         if args.s3torchconnector:
             os.environ.setdefault("AWS_ACCESS_KEY_ID", key)  # where its CRT client looks for credentials
@@ -232,7 +252,8 @@ def run(args: argparse.Namespace) -> dict:
                     "load_gbps": data_bytes / GB / report.med(t["load_seconds"])} for name, t in seconds.items()}
     ratios = {other: {kind: rates["dcp_atomic"][f"{kind}_gbps"] / rates[other][f"{kind}_gbps"]
                       for kind in ("save", "load")} for other in rates if other != "dcp_atomic"}
-    print(f"\nmedian of {args.repeats}, {data_bytes / GB:.3f} GB through S3 ({args.server})")
+    print(f"\nmedian of {args.repeats}, {data_bytes / GB:.3f} GB through S3 ({args.server}); thread_count {threads}; "
+          f"load average {load_before[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     print(f"{'contender':<24}{'save GB/s':>11}{'load GB/s':>11}")
     for name, rate in rates.items():
         print(f"{name:<24}{rate['save_gbps']:>11.3f}{rate['load_gbps']:>11.3f}")
@@ -242,9 +263,10 @@ def run(args: argparse.Namespace) -> dict:
         print(f"s3torchconnector {s3tc_status}")
     return {
         "config": {"server": args.server, "size_gb": args.size_gb, "repeats": args.repeats,
-                   "dcp_atomic_thread_count": args.threads, "dcp_atomic_data_prefixes": args.data_prefixes,
+                   "thread_count": threads, "stock_sync_files": "False" if args.stock_sync == "off" else "both",
+                   "dcp_atomic_data_prefixes": args.data_prefixes,
                    "data_bytes": data_bytes, "smoke": args.smoke},
-        "environment": report.environment(),
+        "environment": {**report.environment(), "loadavg_before": load_before},
         "runs": seconds,
         "median": rates,
         "ratio_atomic_over_stock": ratios["stock"],

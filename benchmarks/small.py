@@ -8,7 +8,10 @@ What it measures
     contender once (not counted) and checks every loaded tensor bit-exact; then ``--repeats`` rounds in
     alternating order (ABBA): save, then warm load (``--cold`` adds a load after ``drop_caches``, as root).
     Contenders default to dcp_atomic's default writer and stock ``FileSystemWriter`` /
-    ``FileSystemReader``; any of benchmarks/contenders.py can be named.
+    ``FileSystemReader``; any of benchmarks/contenders.py can be named.  Thread counts are each rank's own:
+    dcp_atomic's library default computed in the rank (CPUs per local rank: 1 at worlds 2 and 4 on 2 cores),
+    and stock's writer with the same count (``--stock-threads same``, the default; ``1`` for torch's default).
+    Stock's reader has no thread option (one thread); ours uses its default.
 
 What the numbers mean
     GB/s = tensor bytes of all ranks / wall time of the slowest rank's ``dcp.save`` / ``dcp.load``;
@@ -21,13 +24,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import tempfile
 import time
 
 from benchmarks import report
-from benchmarks.common import GB, RUN_ID, Media, can_drop_caches, quiet_warnings, say, zeroed_like
+from benchmarks.common import GB, Media, can_drop_caches, quiet_warnings, say, zeroed_like
 from benchmarks.contenders import Contenders, is_known, label
-from benchmarks.world import Progress, launch, save_and_load
+from benchmarks.world import Progress, gather, launch, save_and_load
 
 DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "uint8")
 TARGETS = {"save": 1.3, "warm_load": 1.5}  # vs stock, at 10k keys, worlds 1-2 (issue 11)
@@ -43,7 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tmpfs-root", default=None, help="directory on a tmpfs (default /dev/shm)")
     parser.add_argument("--repeats", type=int, default=3, help="counted rounds (default %(default)s)")
     parser.add_argument("--contenders", default="atomic-default,stock", help="comma-separated (default %(default)s)")
-    parser.add_argument("--atomic-threads", type=int, default=None, help="dcp_atomic thread_count (library default)")
+    parser.add_argument("--atomic-threads", type=int, default=None,
+                        help="dcp_atomic thread_count (default: the library's default, computed in each rank)")
+    parser.add_argument("--stock-threads", default="same",
+                        help="stock FileSystemWriter thread_count: 'same' as dcp_atomic's in each rank (default), "
+                             "or a number (1 = torch's default)")
     parser.add_argument("--cold", action="store_true", help="also load after dropping the page cache (root, disk)")
     parser.add_argument("--json", default="bench-results/small.json", help="results file (default %(default)s)")
     parser.add_argument("--op-timeout", type=float, default=600, help="seconds one operation may take")
@@ -61,6 +67,8 @@ def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"--contenders {args.contenders}: names from benchmarks/contenders.py, including stock")
     if any(m not in ("disk", "tmpfs") for m in args.media):
         parser.error(f"unknown medium in {args.media}: use disk, tmpfs")
+    if args.stock_threads != "same" and not args.stock_threads.isdigit():
+        parser.error(f"--stock-threads {args.stock_threads!r}: 'same' or a number")
     if args.repeats < 1 or min(args.keys + args.world_sizes) < 1 or not 0 < args.min_kib <= args.max_kib:
         parser.error("--repeats, --keys, world sizes and tensor sizes must be positive")
 
@@ -109,7 +117,11 @@ def _rank(ctx, plan: dict, progress: Progress) -> dict | None:
     results: dict = {}
     for keys in plan["keys"]:
         state = small_tensors(keys, rank, plan["min_kib"], plan["max_kib"])
-        contenders = Contenders(rank, state, zeroed_like(state), Parallelism(dp=world), plan["atomic_threads"])
+        contenders = Contenders(rank, state, zeroed_like(state), Parallelism(dp=world), plan["atomic_threads"],
+                                plan["stock_threads"])
+        threads = gather(contenders.threads())
+        if rank == 0:
+            results["threads"] = threads[0] if all(t == threads[0] for t in threads) else threads
         data_bytes, items = plan["data_bytes"][str(keys)] * world, keys * world
         number = 0
         for medium in plan["media"]:
@@ -139,27 +151,27 @@ def _rank(ctx, plan: dict, progress: Progress) -> dict | None:
 
 def run(args: argparse.Namespace) -> dict:
     began = time.monotonic()
-    from dcp_atomic import AtomicStorageWriter
-
-    atomic_threads = AtomicStorageWriter(tempfile.gettempdir(), RUN_ID, 0, thread_count=args.atomic_threads).thread_count
+    atomic_threads, stock_threads = args.atomic_threads, args.stock_threads
     cold_ok, cold_note = can_drop_caches() if args.cold and "disk" in args.media else (False, "no cold loads")
     data_bytes = {str(k): bytes_per_rank(k, args.min_kib, args.max_kib) for k in args.keys}
     need = 2.5 * max(data_bytes.values()) * max(args.world_sizes)
     say(f"many small tensors: {args.keys} keys per rank, {args.min_kib:g}-{args.max_kib:g} KiB ({', '.join(DTYPES)}); "
         f"worlds {args.world_sizes}; media {args.media}; {args.repeats} repeat(s); contenders "
-        f"{', '.join(args.contenders)}; dcp_atomic thread_count {atomic_threads}; {cold_note}")
+        f"{', '.join(args.contenders)}; dcp_atomic thread_count {atomic_threads or 'default (in each rank)'}, stock "
+        f"FileSystemWriter thread_count {stock_threads}; {cold_note}")
     load_before = os.getloadavg()
     ops_per_world = len(args.keys) * len(args.media) * len(args.contenders) * (args.repeats + 1) * (3 if cold_ok else 2)
     progress = Progress(total=len(args.world_sizes) * ops_per_world, started=time.monotonic())
     results: dict = {}
     with Media(args.media, need, args.disk_root, args.tmpfs_root) as media:
         plan = {"keys": args.keys, "min_kib": args.min_kib, "max_kib": args.max_kib, "data_bytes": data_bytes,
-                "atomic_threads": atomic_threads, "media": args.media, "dirs": media.dirs, "cold": cold_ok,
+                "atomic_threads": atomic_threads, "stock_threads": stock_threads, "media": args.media, "dirs": media.dirs, "cold": cold_ok,
                 "contenders": args.contenders, "repeats": args.repeats}
         for world in args.world_sizes:
             results[str(world)] = launch(_rank, world, media.dirs[args.media[0]], args=(plan, progress),
                                          op_timeout=args.op_timeout, ops=ops_per_world)
             progress.done += ops_per_world
+    threads = {world: per_keys.pop("threads") for world, per_keys in results.items()}
     summary: dict = {}
     checks: list[dict] = []
     for world, per_keys in results.items():
@@ -179,8 +191,10 @@ def run(args: argparse.Namespace) -> dict:
                             best=row[f"{metric}_gbps_vs_stock_best"],
                             note="" if keys == "10000" and int(world) <= 2 else "target set at 10k keys, worlds 1-2"))
     report.print_contender_tables(
-        summary, f"median of {args.repeats}; x = ratio to torch FSW (default); GB/s and items/s over all ranks",
-        items=True)
+        summary, f"median of {args.repeats}; x = ratio to torch FSW; GB/s and items/s over all ranks; thread counts "
+        f"per rank (dcp_atomic / stock writer; stock's reader has one): "
+        + ", ".join(f"world {w}: {t['atomic']} / {t['stock']}" if isinstance(t, dict) else f"world {w}: {t}"
+                    for w, t in threads.items()), items=True)
     report.print_targets(checks)
     wall = time.monotonic() - began
     print(f"\nwall time {wall:.0f} s; load average {os.getloadavg()[0]:.2f} at the end ({load_before[0]:.2f} at the "
@@ -190,7 +204,8 @@ def run(args: argparse.Namespace) -> dict:
                    "max_kib": args.max_kib, "dtypes": DTYPES, "tensor_bytes_per_rank": data_bytes,
                    "media": args.media, "media_dirs": media.notes, "repeats": args.repeats,
                    "contenders": args.contenders, "labels": {c: label(c) for c in args.contenders},
-                   "dcp_atomic_thread_count": atomic_threads, "cold_loads": cold_note, "smoke": args.smoke},
+                   "dcp_atomic_thread_count": atomic_threads, "stock_writer_thread_count": stock_threads,
+                   "threads_per_world": threads, "cold_loads": cold_note, "smoke": args.smoke},
         "environment": {**report.environment(), "loadavg_before": load_before},
         "wall_seconds": wall,
         "raw": results,

@@ -53,6 +53,11 @@ def test_many_small_tensors_smoke(root):
     assert 200 * 1024 <= per_rank <= 200 * 64 * 1024
     assert {(c["world"], c["target"]) for c in document["targets"]} == {
         (w, t) for w in ("1", "2") for t in ("save >= 1.3x stock", "warm load >= 1.5x stock")}
+    # "default" is each rank's own library default (CPUs over its LOCAL_WORLD_SIZE), and stock's writer runs
+    # with the same thread count: a ratio never compares 2 threads against 1
+    cpus = len(os.sched_getaffinity(0))
+    for world, threads in document["config"]["threads_per_world"].items():
+        assert threads == {"atomic": max(1, min(4, cpus // int(world))), "stock": threads["atomic"]}
 
 
 def test_compression_smoke(root):
@@ -65,7 +70,17 @@ def test_compression_smoke(root):
     assert [c["met"] is not None for c in document["targets"]] == [True, True]
 
 
-def test_s3_smoke(root):
+def test_s3_smoke(root, monkeypatch):
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    built = []
+    original = _fsspec_filesystem.FsspecWriter.__init__
+
+    def spy(self, path, *args, **kwargs):
+        built.append((kwargs.get("sync_files", True), kwargs.get("thread_count", 1)))
+        original(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(_fsspec_filesystem.FsspecWriter, "__init__", spy)
     document = _run(root, "s3")
     assert document["scenario"] == "s3"
     assert set(document["median"]) == {"dcp_atomic", "stock"}
@@ -73,6 +88,9 @@ def test_s3_smoke(root):
         assert rates["save_gbps"] > 0 and rates["load_gbps"] > 0
     assert document["ratio_atomic_over_stock"]["save"] > 0
     assert len(document["runs"]["dcp_atomic"]["save_seconds"]) == 1
+    # stock as a careful user configures it on an object store: no machine-wide os.sync() per file
+    assert document["config"]["stock_sync_files"] == "False"
+    assert built and set(built) == {(False, document["config"]["thread_count"])}
 
 
 def test_replicated_restore_smoke(root):
