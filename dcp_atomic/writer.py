@@ -59,7 +59,7 @@ from .location import is_checkpoint_id, open_location, retarget
 from .manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, check_user_metadata, now
 from .parallelism import Parallelism
 from .progress import Progress
-from .reshard import SaveReport, check_save, summarize_items
+from .reshard import ItemSummary, SaveReport, check_save, summarize_items
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class _LocalPlanData:
     """What a rank tells the coordinator about itself (travels in ``SavePlan.storage_data``)."""
 
     identity: dict[str, Any]
-    items: dict[str, dict[str, Any]] | None  # per key (reshard.summarize_items); None: a cached plan, no items
+    items: ItemSummary | None  # per key (reshard.summarize_items); None: a cached plan, no items
     report: SaveReport | None  # content summary from AtomicSavePlanner, if used
 
 
