@@ -226,6 +226,26 @@ def _step_rows(layout: RunLayout, markers: dict[int, Marker], damaged: dict[int,
     return rows
 
 
+def _local_steps(args) -> dict[int, Marker]:
+    """The local markers in ``--local-root`` (one node's disk: the CLI sees no other node's local tier)."""
+    if not getattr(args, "local_root", None):
+        return {}
+    from .local_tier import local_markers, open_local
+
+    return {m.step: m for m in local_markers(open_local(args.local_root, args.run))}
+
+
+def _with_tiers(rows: list[dict[str, Any]], local: dict[int, Marker]) -> list[dict[str, Any]]:
+    """Each row's ``tiers``: ``durable`` when committed in the root, ``local`` when ``--local-root`` holds it;
+    steps only that local root holds get a row of their own."""
+    for row in rows:
+        row["tiers"] = (["durable"] if row["committed"] else []) + (["local"] if row["step"] in local else [])
+    listed = {row["step"] for row in rows}
+    rows += [{"step": m.step, "committed": False, "attempts": 0, "partial_attempts": 0, "save_id": m.save_id,
+              "tiers": ["local"]} for m in local.values() if m.step not in listed]
+    return sorted(rows, key=lambda row: row["step"])
+
+
 def _run_rows(storage: Storage) -> list[dict[str, Any]]:
     """Each run under the root: committed step count, latest step, bytes of its committed steps, age."""
     rows = []
@@ -286,7 +306,7 @@ def cmd_ls(args) -> int:
         return 0
     layout = _layout(args)
     markers, damaged = _scan(layout)
-    rows = _step_rows(layout, markers, damaged)
+    rows = _with_tiers(_step_rows(layout, markers, damaged), _local_steps(args))
     newest = most_recent(list(markers.values()))
     if args.json:
         _emit({"run": args.run, "latest": newest.step if newest else None, "steps": rows})
@@ -295,9 +315,10 @@ def cmd_ls(args) -> int:
         print(f"no steps in {layout.run_dir}")
         return 0
     now = time.time()
-    print(f"{'step':>10}  {'state':<10} {'size':>10}  {'age':>6}  {'world':>5}  layout              save_id")
+    print(f"{'step':>10}  {'state':<10} {'tiers':<14} {'size':>10}  {'age':>6}  {'world':>5}  layout              save_id")
     for row in rows:
-        state = "committed" if row["committed"] else "damaged" if "marker_error" in row else "partial"
+        state = ("committed" if row["committed"] else "damaged" if "marker_error" in row
+                 else "local" if row["tiers"] == ["local"] else "partial")
         size = _mib(row["bytes"]) if "bytes" in row else "-"
         age = _age(now - row["committed_at"]) if "committed_at" in row else "-"
         par = row.get("parallelism") or {}
@@ -306,7 +327,7 @@ def cmd_ls(args) -> int:
         extra = f"  (+{row['partial_attempts']} partial attempt(s))" if row["partial_attempts"] and row["committed"] else ""
         latest = "  <- latest" if newest and row["step"] == newest.step else ""
         damage = f"  (commit marker cannot be validated: {row['marker_error']})" if "marker_error" in row else ""
-        print(f"{row['step']:>10}  {state:<10} {size:>10}  {age:>6}  {row.get('world_size', '-'):>5}  "
+        print(f"{row['step']:>10}  {state:<10} {'+'.join(row['tiers']) or '-':<14} {size:>10}  {age:>6}  {row.get('world_size', '-'):>5}  "
               f"{lay:<19} {row.get('save_id', '-')}{extra}{latest}{damage}")
     return 0
 
@@ -541,6 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", parents=[after], help="runs, or the steps of a run")
     p.add_argument("root")
     p.add_argument("run", nargs="?")
+    p.add_argument("--local-root", help="this node's local_root (two tiers): also list the steps it holds; other "
+                   "nodes' local roots are not visible from here")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("show", parents=[after], help="manifest summary of a step (default: latest)")

@@ -332,9 +332,21 @@ def _load_durable(ctx, step):
     return {"plain": plain, "latest": latest, "full": _full(model)}
 
 
-def test_durable_every_2_drains_every_second_step_bit_exact_for_plain_readers(root, nodes):
+def test_durable_every_2_drains_every_second_step_bit_exact_for_plain_readers(root, nodes, capsys):
     saved = assert_all_ok(_run(_save_with_policy, root, nodes))
     assert _durable_markers(root) == [20, 40]
+    import json
+
+    from dcp_atomic import cli
+
+    capsys.readouterr()
+    assert cli.main(["ls", root, RUN, "--json", "--local-root", nodes[1]]) == 0  # the CLI on node B
+    listing = json.loads(capsys.readouterr().out)
+    assert {row["step"]: row["tiers"] for row in listing["steps"]} == {
+        10: ["local"], 20: ["durable", "local"], 30: ["local"], 40: ["durable", "local"]}
+    assert cli.main(["ls", root, RUN]) == 0  # without --local-root it sees the durable tier only
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert sorted(lines) == ["20", "40"] and "durable " in lines["20"], lines
     assert all(out["listed"] == {"local": [10, 20, 30, 40], "durable": [20, 40]} for out in saved), saved[0]["listed"]
     for step in (20, 40):  # the step keeps its local commit sequence in the durable root (P10 across tiers)
         local = _marker(nodes[0], step)
