@@ -57,6 +57,7 @@ from .layout import DCP_METADATA, checked_checkpoint_id, no_location_error, vali
 from .manifest import ItemExtent
 from .parallelism import Parallelism
 from .planners import LOAD_CONTEXT_ATTR
+from .progress import Progress
 from .reshard import LoadContext
 from .read_checks import Chunk, check_coverage, check_items, dtype_mismatches, item_id, payload_proven
 from .read_sources import Counted, Window, holds_bytes, item_runs
@@ -399,6 +400,8 @@ class AtomicStorageReader(SharedReads, StorageReader):
         self.read_stats = ReadStats()
         planner_lock = threading.Lock()
         items = plan.items
+        self.progress = Progress(f"loading step {self.committed.step}",
+                                 sum(self._storage_info(i).length for i in items), self.rank)
         assignment = plan.storage_data if isinstance(plan.storage_data, _Assignment) else None
         share = assignment.share if assignment is not None else None
         # Shared items first: every rank must take part in every round, whatever fails on it afterwards.
@@ -499,6 +502,12 @@ class AtomicStorageReader(SharedReads, StorageReader):
 
     def _read_item(self, source: RangeReader, path: str, item: ReadItem, planner: LoadPlanner,
                    planner_lock: threading.Lock) -> None:
+        """One item into its destination (from storage, or from bytes a peer sent), counted for progress."""
+        self._read_stored_item(source, path, item, planner, planner_lock)
+        self.progress.add(self._storage_info(item).length)
+
+    def _read_stored_item(self, source: RangeReader, path: str, item: ReadItem, planner: LoadPlanner,
+                          planner_lock: threading.Lock) -> None:
         fqn = item.storage_index.fqn
         ident = item_id(item.storage_index)
         extent = self._extents.get(ident, (None, None))[1]
