@@ -68,7 +68,7 @@ def test_the_documented_schema_is_the_dataclasses_schema():
     from dcp_atomic import stats
 
     for prefix, cls in [("Save", stats.SaveStats), ("Per rank", stats.RankSaveStats), ("Load", stats.LoadStats),
-                        ("Failure", stats.FailureStats)]:
+                        ("Failure", stats.FailureStats), ("Drain", stats.DrainStats)]:
         hints = typing.get_type_hints(cls)
         declared = {f.name: str(hints[f.name]).replace("typing.", "").replace("dcp_atomic.stats.", "")
                     for f in dataclasses.fields(cls)}
