@@ -33,7 +33,7 @@ import time
 import fsspec
 
 from benchmarks import report
-from benchmarks.common import (GB, RUN_ID, Media, assert_bit_exact, can_drop_caches, clear, drop_caches,
+from benchmarks.common import (GB, RUN_ID, MiB, Media, assert_bit_exact, can_drop_caches, clear, drop_caches,
                                quiet_warnings, say, tensor_bytes, transformer_state, zeroed_like)
 from benchmarks.world import Progress, gather, launch, measured
 
@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default="seaweedfs", help="--store s3: seaweedfs, moto or an endpoint URL")
     parser.add_argument("--disk-root", default=None, help="directory on a disk (default /var/tmp)")
     parser.add_argument("--no-cold", action="store_true", help="skip cold loads")
+    parser.add_argument("--share-buffer-mib", type=int, default=None,
+                        help="AtomicStorageReader(share_buffer_bytes=) in MiB (default: the library's, 256)")
     parser.add_argument("--json", default="bench-results/restore.json", help="results file (default %(default)s)")
     parser.add_argument("--op-timeout", type=float, default=600, help="seconds one operation may take")
     parser.add_argument("--smoke", action="store_true", help="seconds: world 2, 8 MB, 1 repeat, warm only")
@@ -89,6 +91,7 @@ def _load(target: dict, name: str, plan: dict) -> dict:
 
     from dcp_atomic import AtomicLoadPlanner, AtomicStorageReader
 
+    buffer = {} if plan.get("share_buffer_mib") is None else {"share_buffer_bytes": plan["share_buffer_mib"] << 20}
     before = _io()
     stats = None
     options = plan["options"]
@@ -96,7 +99,8 @@ def _load(target: dict, name: str, plan: dict) -> dict:
         stock = plan["root"] + "/stock"
         dcp.load(target, storage_reader=FsspecReader(stock, **options) if options else dcp.FileSystemReader(stock))
     else:
-        reader = AtomicStorageReader(plan["root"], RUN_ID, 1, share_reads=name == "share-on", storage_options=options)
+        reader = AtomicStorageReader(plan["root"], RUN_ID, 1, share_reads=name == "share-on", storage_options=options,
+                                     **buffer)
         dcp.load(target, storage_reader=reader, planner=AtomicLoadPlanner())
         stats = reader.read_stats.to_dict()
     after = _io()
@@ -153,7 +157,8 @@ def _summary(per_load: dict, world: int, state_bytes: int, unique: int, s3: bool
             read = report.med([sum((r["reader"] or {}).get("storage_bytes", r["rchar"]) for r in rec)
                                for rec in records])
             device = report.med([sum(r["device_bytes"] for r in rec) for rec in records])
-            row[kind] = {"seconds": seconds, "gbps": world * state_bytes / GB / seconds,
+            rss = report.med([max(r["rss_extra"] for r in rec) for rec in records])
+            row[kind] = {"seconds": seconds, "gbps": world * state_bytes / GB / seconds, "peak_rss_extra": rss,
                          # rchar misses socket reads: stock's bytes from S3 are not counted
                          "read_vs_unique": read / unique if read or not s3 else None,
                          "device_vs_unique": None if s3 else device / unique}
@@ -190,6 +195,7 @@ def run(args: argparse.Namespace) -> dict:
         for world in args.world_sizes:
             root = (f"s3://{bucket}/w{world}" if args.store == "s3" else os.path.join(media.dirs["disk"], f"w{world}"))
             plan = {"gb": args.gb, "hidden": args.hidden, "root": root, "cold": cold_ok, "repeats": args.repeats,
+                    "share_buffer_mib": args.share_buffer_mib,
                     "options": options if args.store == "s3" else None}
             raw[str(world)] = launch(_rank, world, media.dirs["disk"], args=(plan, progress),
                                      op_timeout=args.op_timeout, ops=ops + 2)
@@ -207,21 +213,23 @@ def run(args: argparse.Namespace) -> dict:
                                            cell["x_vs_share_off"], TARGETS["cold"], True, world=str(world),
                                            medium=args.store, contender="share-on"))
     print(f"\nreplicated restore on {args.store}, {state_bytes / GB:.2f} GB per rank, median of {args.repeats}; "
-          "x = vs sharing off")
-    print("| world | load | warm s | warm GB/s | x | read / unique | cold s | cold GB/s | x | disk / unique |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"x = vs sharing off; RSS+ = peak resident-set growth of the largest rank during a warm load (VmHWM); "
+          f"share_buffer_bytes {args.share_buffer_mib or 256} MiB")
+    print("| world | load | warm s | warm GB/s | x | read / unique | RSS+ MiB | cold s | cold GB/s | x | disk / unique |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for world, rows in summary.items():
         for name, row in rows.items():
             warm, cold = row.get("warm", {}), row.get("cold", {})
             print(f"| {world} | {name} | {report.fmt(warm.get('seconds'), '.2f')} | {report.fmt(warm.get('gbps'), '.2f')}"
                   f" | {report.fmt(warm.get('x_vs_share_off'), '.2f')}x | {report.fmt(warm.get('read_vs_unique'), '.2f')}"
+                  f" | {report.fmt(warm['peak_rss_extra'] / MiB if warm else None, '.0f')}"
                   f" | {report.fmt(cold.get('seconds'), '.2f')} | {report.fmt(cold.get('gbps'), '.2f')}"
                   f" | {report.fmt(cold.get('x_vs_share_off'), '.2f')}x | {report.fmt(cold.get('device_vs_unique'), '.2f')} |")
     report.print_targets(checks)
     wall = time.monotonic() - began
     print(f"\nwall time {wall:.0f} s; load average {os.getloadavg()[0]:.2f} at the end")
     return {"config": {"world_sizes": args.world_sizes, "store": args.store, "state_bytes_per_rank": state_bytes,
-                       "repeats": args.repeats,
+                       "repeats": args.repeats, "share_buffer_mib": args.share_buffer_mib,
                        "cold_loads": cold_note, "media_dirs": media.notes, "smoke": args.smoke},
             "environment": report.environment(), "wall_seconds": wall, "raw": raw, "summary": summary,
             "targets": checks}
