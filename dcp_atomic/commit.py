@@ -340,6 +340,11 @@ def read_marker(layout: RunLayout, step: int, deadline: Deadline, *, missing_ok:
     return marker
 
 
+def listed_steps(layout: RunLayout) -> list[int]:
+    """The steps that have a directory in the run, committed or not, from one listing (both tiers scan so)."""
+    return [step for step in map(parse_step_dir, layout.storage.list_dir(layout.run_dir)) if step is not None]
+
+
 def scan_markers(layout: RunLayout, *, strict: bool = False,
                  unreadable: list[tuple[int, str]] | None = None) -> list[Marker]:
     """Every valid commit marker of the run, ascending by step (one process only).
@@ -351,10 +356,7 @@ def scan_markers(layout: RunLayout, *, strict: bool = False,
     because the newest marker is damaged.
     """
     markers = []
-    for name in layout.storage.list_dir(layout.run_dir):
-        step = parse_step_dir(name)
-        if step is None:
-            continue
+    for step in listed_steps(layout):
         try:
             markers.append(read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True))
         except FileNotFoundError:

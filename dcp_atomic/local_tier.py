@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from . import failpoints
-from .commit import commit_order, write_rank_records
+from .commit import commit_order, listed_steps, write_rank_records
 from .errors import CheckpointError, CorruptCheckpointError, StorageError
 from .integrity import block_digest, sha256_hex, verify_segments
-from .layout import DCP_METADATA, MANIFEST, MARKER, RunLayout, parse_step_dir
-from .manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, ShardRef, now, shard_name
+from .layout import DCP_METADATA, MANIFEST, RunLayout
+from .manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, now, shard_name
 from .placement import Placement, place_replicas
 from .storage import LocalStorage
 from .version import __version__
@@ -172,6 +172,15 @@ def exchange(outgoing: dict[int, bytes], incoming: list[int], group) -> dict[int
     return {src: b.numpy().tobytes() for src, b in buffers.items()}
 
 
+def gather_failures(failure: str | None, world: int, group) -> list[str]:
+    """Every rank's failure (None: none), on every rank: each raises the same error, or none does."""
+    outcomes: list[Any] = [failure]
+    if world > 1:
+        outcomes = [None] * world
+        dist.all_gather_object(outcomes, failure, group=group)
+    return [why for why in outcomes if why]
+
+
 # -- verification ------------------------------------------------------------------------------------------
 
 
@@ -278,10 +287,7 @@ class Held:
 def local_markers(layout: RunLayout) -> list[Marker]:
     """Every readable local marker of the run in this root (a node's own disk: listing it is cheap and exact)."""
     markers = []
-    for name in layout.storage.list_dir(layout.run_dir):
-        step = parse_step_dir(name)
-        if step is None:
-            continue
+    for step in listed_steps(layout):
         try:
             markers.append(Marker.from_json(layout.storage.read_file(layout.marker(step)), where=layout.marker(step)))
         except FileNotFoundError:
@@ -367,12 +373,14 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     except (OSError, CheckpointError) as e:
         failure = f"{topology.describe(rank)} could not read back its own files: {e}"
         outgoing = {holder: b"" for holder in placement.holders[rank]}  # holders wait for a message: an empty one
+    failpoints.hit("replicate.send", rank)
     received = exchange(outgoing, placement.held_by(rank), group)
     if failure is None:
         try:
             for source, message in received.items():
                 write_rank_files(layout, manifest, source, unpack(message, sender=topology.describe(source)),
                                  topology.describe(source))
+                failpoints.hit("replicate.receive", rank)
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)} could not keep a replica: {e}"
     newest = max((m.sequence or 0 for m in local_markers(layout)), default=0) if topology.is_leader else 0
@@ -402,14 +410,11 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
         try:
             if topology.store(rank) != topology.store(0):
                 write_control(layout, manifest, control)
+            failpoints.hit("local.before_marker", rank)
             layout.storage.replace(layout.marker(step), marker_bytes)
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)}: {e}"
-    outcomes: list[Any] = [failure]
-    if world > 1:
-        outcomes = [None] * world
-        dist.all_gather_object(outcomes, failure, group=group)
-    missed = [why for why in outcomes if why]
+    missed = gather_failures(failure, world, group)
     if missed:
         raise StorageError(
             f"step {step} is local-committed (sequence {marker.sequence}) but its marker could not be recorded on "

@@ -27,12 +27,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
 from .errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .layout import DCP_METADATA, MANIFEST, MARKER, RunLayout
-from .local_tier import (Held, Topology, exchange, pack, read_manifest, read_rank_files, unpack, write_control,
-                         write_rank_files)
+from .local_tier import (Held, Topology, exchange, gather_failures, pack, read_manifest, read_rank_files, unpack,
+                         write_control, write_rank_files)
 from .manifest import RANKS_FILE, Manifest, Marker
 
 log = logging.getLogger(__name__)
@@ -158,11 +156,7 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group) -> in
             got = _keep(topology, layout, choice, incoming, received)
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)} could not keep what it received: {e}"
-    outcomes: list[Any] = [failure]
-    if world > 1:
-        outcomes = [None] * world
-        dist.all_gather_object(outcomes, failure, group=group)
-    failed = [why for why in outcomes if why]
+    failed = gather_failures(failure, world, group)
     if failed:
         raise StorageError(f"restoring local step {choice.step} (save {choice.save_id}) failed: " + "; ".join(failed[:4])
                            + ". Nothing was loaded; restart to retry, or load from the durable tier.",
