@@ -77,9 +77,9 @@ def _node_env(rank: int) -> dict[str, str]:
             "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node)}
 
 
-def _run(fn, root, nodes, *args, world=WORLD, rank_env=_node_env):
+def _run(fn, root, nodes, *args, world=WORLD, rank_env=_node_env, pg_timeout=30):
     return run_world(fn, world, root, args=args, rank_env=rank_env, extra={"nodes": nodes}, timeout=120,
-                     pg_timeout=30)
+                     pg_timeout=pg_timeout)
 
 
 def _manager(ctx, **kwargs):
@@ -499,3 +499,81 @@ def test_a_kill_before_the_durable_marker_leaves_the_previous_durable_step(root,
     for out in assert_all_ok(_run(_load_durable, root, nodes, 10)):
         assert out["latest"] == 10
         _exact(out["full"], expected)
+
+
+# -- the kill matrix: a rank SIGKILLed at each point of a two-tier save, then a fresh world ------------------------
+
+
+def _save_10_then_die_in_20(ctx, drain_kill):
+    """Steps 10 and 20 to the local tier, each drained; a failpoint (``DCP_ATOMIC_FAILPOINTS``) or ``drain_kill``
+    (hook, rank) SIGKILLs a rank during step 20.  Rank 1 keeps the full weights of both steps for the checks."""
+    import signal
+
+    from dcp_atomic import drain
+
+    if drain_kill is not None and ctx.rank == drain_kill[1]:
+        drain.hooks[drain_kill[0]] = lambda rank, step: step == 20 and os.kill(os.getpid(), signal.SIGKILL)
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    with _manager(ctx) as manager:
+        for step in (10, 20):
+            _train_step(model, optim, step)
+            full = _full(model)
+            if ctx.rank == 1:
+                torch.save(full, os.path.join(ctx.root, f"expected{step}.pt"))
+            manager.save(step, _state(model, optim, step), durable=True)
+            manager.wait()
+
+
+def _attempts(layout, step):
+    from dcp_atomic.retention import plan_gc
+
+    return [s for s, _ in plan_gc(layout, None, lease_seconds=0).delete_attempts if s == step]
+
+
+KILLS = {  # cell -> (failpoint spec on the killed rank, drain hook, the killed rank, the step a restart restores)
+    "local_write": ("write.mid_data@1#2=kill", None, 1, 10),
+    "replication_send": ("replicate.send@1#2=kill", None, 1, 10),
+    "replication_receive": ("replicate.receive@3#2=kill", None, 3, 10),
+    "local_commit_other_root": ("local.before_marker@2#2=kill", None, 2, 20),  # rank 0 decided: its root has it
+    "local_commit_rank0": ("local.before_marker@0#2=kill", None, 0, 20),  # rank 0 decided, then died
+    "drain_upload": (None, ("before_upload", 1), 1, 20),  # local-committed; the durable root keeps step 10
+}
+
+
+@pytest.mark.parametrize("cell", sorted(KILLS))
+def test_kill_matrix_a_restart_loads_the_newest_local_commit_exactly_and_gc_collects_the_rest(root, nodes, cell):
+    from dcp_atomic.commit import scan_markers
+    from dcp_atomic.layout import RunLayout
+    from dcp_atomic.local_tier import local_markers, open_local
+    from dcp_atomic.retention import apply_gc, plan_gc
+    from dcp_atomic.storage import LocalStorage
+
+    spec, drain_kill, victim, expected = KILLS[cell]
+
+    def env(rank):
+        return {**_node_env(rank), "DCP_ATOMIC_FAILPOINTS": spec if rank == victim else None}
+
+    outcomes = _run(_save_10_then_die_in_20, root, nodes, drain_kill, rank_env=env, pg_timeout=5)  # survivors wait
+    assert outcomes[victim].killed and not any(out.ok for out in outcomes), outcomes
+    local = [open_local(node_root, RUN) for node_root in nodes]
+    committed_on = [20 in [m.step for m in local_markers(layout)] for layout in local]
+    if expected == 10:  # killed before rank 0 decided: no root has a marker of step 20, and its files are garbage
+        assert committed_on == [False, False]
+        assert any(_attempts(layout, 20) for layout in local)  # the partial attempt is collectable by gc
+    else:
+        assert any(committed_on), committed_on
+    durable = RunLayout(LocalStorage(root), RUN)
+    assert [m.step for m in scan_markers(durable)] == [10]  # no durable step half visible
+    assert _attempts(durable, 10) == []
+    if drain_kill is not None:
+        assert _attempts(durable, 20)  # the half-drained step: files, no marker, collectable
+    for layout in [durable, *local]:
+        apply_gc(layout, plan_gc(layout, None, lease_seconds=0))
+    restored = assert_all_ok(_run(_restore, root, nodes, expected))
+    want = torch.load(os.path.join(root, f"expected{expected}.pt"))
+    for out in restored:
+        assert out["served"]["tier"] == "local", out["served"]
+        _exact(out["full"], want)
+    for out in assert_all_ok(_run(_load_durable, root, nodes, 10)) if drain_kill is not None else ():
+        assert out["latest"] == 10
+        _exact(out["full"], torch.load(os.path.join(root, "expected10.pt")))
