@@ -86,7 +86,8 @@ def _manager(ctx, **kwargs):
     from dcp_atomic import CheckpointManager
 
     local_root = ctx.extra["nodes"][ctx.rank // 2]
-    return CheckpointManager(ctx.root, RUN, local_root=local_root, replicas=1, timeout=20, **kwargs)
+    kwargs.setdefault("timeout", 20)
+    return CheckpointManager(ctx.root, RUN, local_root=local_root, replicas=1, **kwargs)
 
 
 def _state(model, optim, step):
@@ -514,7 +515,7 @@ def _save_10_then_die_in_20(ctx, drain_kill):
     if drain_kill is not None and ctx.rank == drain_kill[1]:
         drain.hooks[drain_kill[0]] = lambda rank, step: step == 20 and os.kill(os.getpid(), signal.SIGKILL)
     model, optim = _fsdp_app(ctx.world_size, 0)
-    with _manager(ctx) as manager:
+    with _manager(ctx, timeout=5) as manager:  # the survivors of a kill give up after 5 s
         for step in (10, 20):
             _train_step(model, optim, step)
             full = _full(model)
