@@ -65,7 +65,7 @@ class ItemSummary:
     """What the storage layer sees of one rank's plan, one row per key: kind, global shape and dtype, and the
     offset of the key's first chunk (the replicas of a chunk are compared by it)."""
 
-    __slots__ = ("fqns", "kinds", "signature_of", "signatures", "offset_of", "offsets")
+    __slots__ = ("fqns", "kinds", "signature_of", "signatures", "offset_of", "offsets", "_index")
 
     def __init__(self) -> None:
         self.fqns: list[str] = []
@@ -74,6 +74,7 @@ class ItemSummary:
         self.signatures: list[tuple[tuple[int, ...], str]] = []
         self.offset_of = array("I")  # -> offsets: the first chunk's offset
         self.offsets: list[tuple[int, ...]] = []
+        self._index: dict[str, int] | None = None
 
     def __getstate__(self):
         return (self.fqns, bytes(self.kinds), self.signature_of.tobytes(), self.signatures,
@@ -85,9 +86,15 @@ class ItemSummary:
         self.signature_of, self.offset_of = array("I"), array("I")
         self.signature_of.frombytes(signature_of)
         self.offset_of.frombytes(offset_of)
+        self._index = None
 
     def __len__(self) -> int:
         return len(self.fqns)
+
+    def row(self, fqn: str) -> int:
+        if self._index is None:
+            self._index = {name: i for i, name in enumerate(self.fqns)}
+        return self._index[fqn]
 
     def kind(self, i: int) -> str:
         return _ITEM_KIND_NAMES[self.kinds[i]]
@@ -367,12 +374,17 @@ def check_save(item_summaries: list[ItemSummary], reports: list[SaveReport | Non
     A key held by one rank only (most keys of a sharded job) gets its record and nothing else: only keys
     that several ranks hold are compared."""
     holder: dict[str, tuple[int, int]] = {}  # key -> (rank, row) of its first holder
-    others: dict[str, list[tuple[int, int]]] = {}  # key -> every holder, for keys held by several ranks
+    others: dict[str, list[int]] = {}  # key -> the ranks holding it, for keys held by several ranks
     for rank, summary in enumerate(item_summaries):
         for row, fqn in enumerate(summary.fqns):
-            first = holder.setdefault(fqn, (rank, row))
-            if first[0] != rank:
-                others.setdefault(fqn, [first]).append((rank, row))
+            if fqn not in holder:
+                holder[fqn] = (rank, row)
+            else:  # a key is listed once per rank: a second holder is another rank
+                more = others.get(fqn)
+                if more is None:
+                    others[fqn] = [holder[fqn][0], rank]
+                else:
+                    more.append(rank)
     have_content = all(r is not None for r in reports)
     if not have_content and len(reports) > 1:
         _warn_once("planner", "dcp_atomic: content checks (plain tensors, per-rank objects, diverged replicas) "
@@ -390,8 +402,7 @@ def check_save(item_summaries: list[ItemSummary], reports: list[SaveReport | Non
             shape, dtype = summary.signature(row)
             record = {"kind": kind, "shape": shape, "dtype": dtype}  # a tuple: see below
         if have_content:
-            holders = others.get(fqn, ((rank, row),))
-            layout = reports[holders[0][0]].keys.layouts.get(fqn)  # the lowest holder's report, as before
+            layout = reports[rank].keys.layouts.get(fqn)  # the lowest holder's report, as before
             if layout is not None:
                 record.update(kind="dtensor", placements=layout[0], mesh_dim_names=layout[2], mesh_shape=layout[1])
         record["layout_dependent"] = bool(globs) and any(fnmatch.fnmatchcase(fqn, g) for g in globs)
@@ -423,11 +434,13 @@ def check_save(item_summaries: list[ItemSummary], reports: list[SaveReport | Non
     return records
 
 
-def _compare_copies(fqn: str, holders: list[tuple[int, int]], items: list[ItemSummary],
+def _compare_copies(fqn: str, ranks: list[int], items: list[ItemSummary],
                     reports: list[SaveReport] | None) -> list[str]:
     """What is wrong with the copies of one key that several ranks hold (empty: nothing)."""
-    first_rank, first_row = holders[0]
-    kind = items[first_rank].kind(first_row)
+    kind = items[ranks[0]].kind(items[ranks[0]].row(fqn))
+    if kind == "sharded" and reports is None:  # chunks of one key: nothing to compare without content
+        return []
+    holders = [(rank, items[rank].row(fqn)) for rank in ranks]
     if kind == "plain":
         shapes = {rank: items[rank].signature(row) for rank, row in holders}
         if len(set(shapes.values())) > 1:
