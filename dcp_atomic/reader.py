@@ -468,6 +468,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
         decoders are rebuilt on first use."""
         state = self.__dict__.copy()
         del state["_decoders"]
+        state.pop("progress", None)  # the last load's (it holds a lock); each read_data makes its own
         state["process_group"] = None  # process groups do not pickle: a copy shares on the default group
         return state
 
