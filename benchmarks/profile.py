@@ -6,7 +6,8 @@ Runs one world of ``--world`` gloo ranks (the benchmarks' launcher), each holdin
 (benchmarks/small.py's state), and times dcp_atomic (``AtomicSavePlanner`` / ``AtomicLoadPlanner``, the
 library's default thread count in each rank) and stock ``FileSystemWriter`` / ``FileSystemReader`` (writer
 with the same thread count), alternating, after a warm-up round.  Every DCP planner hook, storage hook and
-object collective is wrapped with a wall-clock timer (no cProfile: its per-call overhead doubles the time of
+object collective is wrapped with a wall-clock timer, and the cyclic GC's full collections are timed through
+``gc.callbacks`` (no cProfile: its per-call overhead doubles the time of
 exactly the per-key Python this is about), so a phase is the time spent inside that call on that rank,
 waits for other ranks included.  Prints the median per phase on rank 0 and the ratios to stock.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib
 import os
 import shutil
@@ -73,10 +75,26 @@ def _install() -> None:
 
         setattr(owner, name, functools.wraps(original)(timed))
         if class_name is None:  # the modules that imported the function by name call it through their own global
-            for user in ("torch.distributed", "torch.distributed.distributed_c10d", "dcp_atomic.writer"):
+            for user in ("torch.distributed", "torch.distributed.distributed_c10d", "dcp_atomic.writer",
+                         "dcp_atomic.planners"):
                 module_of_user = sys.modules.get(user)
                 if module_of_user is not None and getattr(module_of_user, name, None) is original:
                     setattr(module_of_user, name, getattr(owner, name))
+
+
+_collection_started = [0.0]
+
+
+def _time_full_collections(phase: str, info: dict) -> None:
+    """The cyclic GC's full collections count as a phase: DCP's pickled collectives set them off."""
+    if info.get("generation") != 2:
+        return
+    if phase == "start":
+        _collection_started[0] = time.perf_counter()
+    else:
+        _spent["gc: full collections"] = _spent.get("gc: full collections", 0.0) + time.perf_counter() - \
+            _collection_started[0]
+        _spent["gc: full collections (count)"] = _spent.get("gc: full collections (count)", 0.0) + 1
 
 
 def _rank(ctx, keys: int, repeats: int) -> dict:
@@ -88,6 +106,7 @@ def _rank(ctx, keys: int, repeats: int) -> dict:
     from dcp_atomic import Parallelism
 
     _install()
+    gc.callbacks.append(_time_full_collections)
     quiet_warnings()
     state = small_tensors(keys, ctx.rank, 1, 64)
     try:
@@ -147,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         for phase in sorted({p for _, phases in runs for p in phases}):
             median = statistics.median(phases.get(phase, 0.0) for _, phases in runs)
             if median >= 0.005:
-                print(f"    {phase:<44} {median:7.3f}")
+                print(f"    {phase:<44} {median:7.3f}" + ("" if "(count)" in phase else " s"))
     for op in ("save", "load"):
         print(f"{op}: stock / dcp_atomic = {totals[f'stock {op}'] / totals[f'atomic-default {op}']:.2f}x")
     return totals
