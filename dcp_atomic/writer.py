@@ -745,17 +745,12 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Largest-first greedy packing, so each writer thread gets a similar byte count."""
-    def size(item: WriteItem) -> int:
-        if item.tensor_data is None:
-            return 0
-        return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
-
     buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
     loads = [0] * bins
-    for item in sorted(items, key=size, reverse=True):
+    for item in sorted(items, key=_planned_bytes, reverse=True):
         k = loads.index(min(loads))
         buckets[k].append(item)
-        loads[k] += max(size(item), 1)
+        loads[k] += max(_planned_bytes(item), 1)
     return buckets
 
 
