@@ -93,9 +93,10 @@ def _default_params() -> zstandard.ZstdCompressionParameters:
     """zstd's "fast" strategy with a tiny hash table and long minimum matches.
 
     Exponent planes are low-entropy but have few long matches, so zstd's level 1
-    match finder spends its time for nothing.  Measured on the MiniLM bf16
-    exponent plane here: level 1 0.31 GB/s at 2.71x; this profile ~1.0-1.3 GB/s
-    at 2.93x.  An explicit ``compression_level`` selects zstd's own levels instead.
+    match finder spends its time for nothing.  On the exponent plane of random bf16
+    weights (``python -m benchmarks.primitives``): level 1 0.25 GB/s at 2.71x, this
+    profile 0.67 GB/s at 2.94x.  An explicit ``compression_level`` selects zstd's own
+    levels instead.
     """
     return zstandard.ZstdCompressionParameters(strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6,
                                                min_match=7, chain_log=6, search_log=1, target_length=0)
