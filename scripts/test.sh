@@ -16,4 +16,6 @@ if ! .venv/bin/python -c 'import torchtitan, spmd_types' 2>/dev/null; then
         exit 1
     fi
 fi
-exec .venv/bin/python -m pytest "$@"
+# Parallel workers (pytest-xdist): the suite mostly waits (timeouts, liveness, servers), so more workers than
+# cores pay off; every test is isolated in its ports (tests/ports.py), directories and mounts.
+exec .venv/bin/python -m pytest -n "${DCP_ATOMIC_TEST_WORKERS:-4}" "$@"
