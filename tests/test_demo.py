@@ -37,8 +37,11 @@ def test_demo_kills_a_rank_mid_save_and_resumes_at_another_tp_size(tmp_path):
     done = subprocess.run(_cli("demo", "--root", root), capture_output=True, text=True, timeout=400, cwd=tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    # The save of step 12 failed with the manager's typed error naming the killed rank (the error's own text).
-    assert "RankFailureError" in out and "silent rank(s): 3" in out, out[-4000:]
+    # The first job died with step 12 uncommitted.  Which failure the survivors saw first is timing: the save's
+    # typed error naming the killed rank, or (a loaded machine) the training step's own collective losing its peer.
+    assert "committed steps: [4, 8]; latest = 8: checkpoint 12 never became visible" in out, out[-4000:]
+    assert ("RankFailureError" in out and "silent rank(s): 3" in out) or "Connection closed by peer" in out, \
+        out[-4000:]
 
     run_dir = os.path.join(root, RUN)
     assert list_steps(root, RUN) == [4, 8, 12, 16, 20] and latest_step(root, RUN) == 20

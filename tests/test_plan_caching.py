@@ -202,22 +202,28 @@ def _committed_step_refusals(ctx, kind: str):
     return out
 
 
-@pytest.mark.parametrize("kind", ["default", "atomic"])
-def test_a_refused_save_of_a_committed_step_leaves_every_later_cached_save_committing(root, kind):
-    results = assert_all_ok(run_world(_committed_step_refusals, 2, root, args=(kind,), timeout=240))
+def _every_save_committed_its_own_attempt(root, results, run_of=lambda step: RUN) -> dict:
+    """Both ranks derived the same save ids, one per save, and each step's marker names its save's."""
     rank0, rank1 = results
     assert rank0["ids"] == rank1["ids"], results
     ids = rank0["ids"]
     assert len(set(ids.values())) == len(ids), ids
     for step, save_id in ids.items():
-        assert _committed(root, RUN, step) == save_id, (step, ids)
+        assert _committed(root, run_of(step), step) == save_id, (step, ids)
+    return ids
+
+
+@pytest.mark.parametrize("kind", ["default", "atomic"])
+def test_a_refused_save_of_a_committed_step_leaves_every_later_cached_save_committing(root, kind):
+    results = assert_all_ok(run_world(_committed_step_refusals, 2, root, args=(kind,), timeout=240))
+    _every_save_committed_its_own_attempt(root, results)
     for rank in results:
         for step, error in rank["refused"].items():
             assert error and "CommitConflictError" in error and f"step {step} " in error, (step, error)
         assert all(rank["loads"].values()), rank["loads"]
     # planned by DCP: the uncached save, the refused first one (its plan unknown to the ranks, planned again),
     # the grown state refused, then written; every other save replayed its rank's cached plan
-    assert rank0["global_plans"] == 5, rank0["global_plans"]
+    assert results[0]["global_plans"] == 5, results[0]["global_plans"]
 
 
 def _check_and_storage_refusals(ctx):
@@ -259,12 +265,7 @@ def _check_and_storage_refusals(ctx):
 
 def test_a_save_refused_by_a_check_or_by_storage_leaves_every_later_cached_save_committing(root):
     results = assert_all_ok(run_world(_check_and_storage_refusals, 2, root, timeout=240))
-    rank0, rank1 = results
-    assert rank0["ids"] == rank1["ids"], results
-    ids = rank0["ids"]
-    assert len(set(ids.values())) == len(ids), ids
-    for step, save_id in ids.items():
-        assert _committed(root, RUN, step) == save_id, (step, ids)
+    _every_save_committed_its_own_attempt(root, results)
     assert _committed(root, RUN, 9) is None
     for rank in results:
         assert rank["diverged"] and "ReshardError" in rank["diverged"] and "'own0'" in rank["diverged"], rank
@@ -300,12 +301,8 @@ def _interleaved_planner_classes(ctx):
 
 def test_two_caching_planner_classes_interleaved_each_continue_their_own_series(root):
     results = assert_all_ok(run_world(_interleaved_planner_classes, 2, root, timeout=240))
-    rank0, rank1 = results
-    assert rank0["ids"] == rank1["ids"], results
-    ids = rank0["ids"]
-    assert len(set(ids.values())) == len(ids), ids
-    for step, save_id in ids.items():
-        assert _committed(root, "plain" if step in (10, 11) else RUN, step) == save_id, (step, ids)
+    ids = _every_save_committed_its_own_attempt(root, results, lambda step: "plain" if step in (10, 11) else RUN)
+    rank0 = results[0]
     assert rank0["global_plans"] == {"AtomicSavePlanner": 1, "ModelOnlySavePlanner": 1}, rank0["global_plans"]
     # a save of either series is the next of that series: same time part, as _series_save_id derives it
     assert {ids[step][:17] for step in (1, 3, 5, 7, 13)} == {ids[1][:17]}

@@ -119,7 +119,9 @@ def _load_from_checkpoint_on_rank_zero(ctx):
             return _same(_weights(loaded), trained)
         finally:
             store.set("review/evaluated", "1")
+            store.wait(["review/acknowledged"], timedelta(seconds=60))  # rank 0 hosts the store: outlive the waiter
     store.wait(["review/evaluated"], timedelta(seconds=60))
+    store.set("review/acknowledged", "1")
     return True
 
 
