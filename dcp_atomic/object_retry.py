@@ -95,15 +95,20 @@ class ErrorClassifier(Protocol):
 
     store: str  # "S3", "GCS": how messages name the service
 
-    def reply(self, exc: BaseException) -> tuple[int | None, str | None, str]: ...
+    def reply(self, exc: BaseException) -> tuple[int | None, str | None, str]:
+        """(HTTP status, store error code, message) of the store's answer that ``exc`` carries."""
 
-    def retryable(self, exc: BaseException) -> bool: ...
+    def retryable(self, exc: BaseException) -> bool:
+        """A failure another attempt may cure (5xx, throttling, a dropped connection, a stall)."""
 
-    def throttled(self, exc: BaseException) -> bool: ...
+    def throttled(self, exc: BaseException) -> bool:
+        """The store asked us to slow down (S3's 503 SlowDown, GCS's 429): concurrency backs off."""
 
-    def precondition_failed(self, exc: BaseException) -> bool: ...
+    def precondition_failed(self, exc: BaseException) -> bool:
+        """HTTP 412: a conditional write found the object there (or changed)."""
 
-    def not_found(self, exc: BaseException) -> bool: ...
+    def not_found(self, exc: BaseException) -> bool:
+        """The object does not exist (404, NoSuchKey)."""
 
     def hint(self, status: int | None, code: str | None, message: str, url: str) -> str | None:
         """Advice for a final failure this store explains better than the generic text (None: generic)."""
