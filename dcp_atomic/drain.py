@@ -50,6 +50,7 @@ from .layout import DCP_METADATA, MANIFEST, RunLayout
 from .local_tier import check_file, check_shard, read_manifest
 from .manifest import RANKS_FILE, Latest, Manifest, Marker, now, shard_name
 from .retry import Deadline
+from .version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed:
     if "before_marker" in hooks:
         hooks["before_marker"](0, job.step)
     marker = Marker(run_id=durable.run_id, step=job.step, save_id=job.save_id, manifest=f"{job.save_id}/{MANIFEST}",
-                    manifest_sha256=job.manifest_sha256, committed_at=now(), library_version=_version(),
+                    manifest_sha256=job.manifest_sha256, committed_at=now(), library_version=__version__,
                     sequence=job.sequence)
     if not storage.create_exclusive(durable.marker(job.step), marker.to_json()):
         existing = read_marker(durable, job.step, Deadline(timeout))
@@ -195,12 +196,6 @@ def _latest_sequence(durable: RunLayout) -> int | None:
     except (FileNotFoundError, CorruptCheckpointError):
         return None
     return latest.sequence
-
-
-def _version() -> str:
-    from .version import __version__
-
-    return __version__
 
 
 # -- the background thread -----------------------------------------------------------------------------------
