@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -343,10 +344,19 @@ def open_local(local_root: str, run_id: str) -> RunLayout:
 # -- steps 2-4: replicate, decide, record ------------------------------------------------------------------
 
 
+@dataclass
+class LocalCommit:
+    """What :func:`commit_local` recorded: the marker, the steps every root's retention keeps, and the cost."""
+
+    marker: Marker
+    kept: set[int]
+    replica_bytes: int  # stored bytes all ranks sent to their replica holders
+    seconds: float  # this rank's steps 2-4: replication, decision, markers
+
+
 def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, step: int, group,
-                 sequence_floor: int, protected: set[int] | None = None) -> tuple[Marker, set[int]]:
-    """Run steps 2-4 (module doc) on every rank after ``dcp.save`` returned; returns the marker recorded and the
-    steps local retention must keep on every root.
+                 sequence_floor: int, protected: set[int] | None = None) -> LocalCommit:
+    """Run steps 2-4 (module doc) on every rank after ``dcp.save`` returned.
 
     ``sequence_floor``: the newest commit sequence rank 0 knows of (both tiers); the marker gets the next one
     above it and above every root's newest local marker.  ``protected`` (rank 0's): the steps its drain still
@@ -354,6 +364,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     takes next).  Raises the same typed error on every rank when any rank's replicas could not be written or
     verified: then no root has a marker of this step.
     """
+    started = time.perf_counter()
     rank, world = topology.rank, len(topology.domains)
     staged = [writer.staged if rank == 0 else None]
     dist.broadcast_object_list(staged, src=0, group=group)
@@ -384,17 +395,18 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)} could not keep a replica: {e}"
     newest = max((m.sequence or 0 for m in local_markers(layout)), default=0) if topology.is_leader else 0
-    reports: list[Any] = [(failure, newest)]
+    sent = sum(len(message) for message in outgoing.values())
+    reports: list[Any] = [(failure, newest, sent)]
     if world > 1:
         reports = [None] * world
-        dist.all_gather_object(reports, (failure, newest), group=group)
-    failures = [why for why, _ in reports if why]
+        dist.all_gather_object(reports, (failure, newest, sent), group=group)
+    failures = [why for why, _, _ in reports if why]
     decision: list[Any] = [None]
     if rank == 0 and not failures:
         marker = Marker(run_id=layout.run_id, step=step, save_id=manifest.save_id,
                         manifest=f"{manifest.save_id}/{MANIFEST}", manifest_sha256=sha256_hex(staged[0].manifest),
                         committed_at=now(), library_version=__version__,
-                        sequence=max([sequence_floor] + [n for _, n in reports]) + 1)
+                        sequence=max([sequence_floor] + [n for _, n, _ in reports]) + 1)
         decision = [(marker.to_json(), sorted(protected or ()))]
     if failures:
         raise StorageError(
@@ -420,7 +432,8 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
             f"step {step} is local-committed (sequence {marker.sequence}) but its marker could not be recorded on "
             f"every local root: " + "; ".join(missed[:4]) + ". The step stays restorable from the other roots; "
             "check the named local_root.", step=step)
-    return marker, {step, *kept}
+    return LocalCommit(marker=marker, kept={step, *kept}, replica_bytes=sum(n for _, _, n in reports),
+                       seconds=time.perf_counter() - started)
 
 
 def retain_local(layout: RunLayout, keep_local: int, protected: set[int]) -> list[int]:

@@ -395,7 +395,8 @@ class CheckpointManager(RankAgreement):
 
         With ``local_root``: the most recent step (both tiers, by commit sequence) that can be assembled
         completely from the local roots, peers' replicas or the durable root; ``restored_from`` then says
-        which tier served (``{"tier", "step", "save_id", "ranks_fetched"}``, every rank).
+        which tier served (``{"tier", "step", "save_id", "ranks_fetched", "bytes_fetched"}``, every rank: the
+        ranks' files, and their stored bytes, copied into this rank's local root from another root first).
 
         Before loading, raises the failure of an earlier ``async_save`` that nothing has reported yet.
         """
@@ -439,7 +440,9 @@ class CheckpointManager(RankAgreement):
             gb_per_s=reader.bytes_read / max(seconds, 1e-9) / 1e9,
             bytes_from_storage=reader.read_stats.storage_bytes, bytes_from_peers=reader.read_stats.peer_bytes_received,
             bytes_to_peers=reader.read_stats.peer_bytes_sent, storage_seconds=reader.read_stats.storage_seconds,
-            exchange_seconds=reader.read_stats.exchange_seconds))
+            exchange_seconds=reader.read_stats.exchange_seconds,
+            tier=None if self._tier is None else (self.restored_from or {}).get("tier"),
+            bytes_from_replicas=(self.restored_from or {}).get("bytes_fetched", 0) if self._tier is not None else 0))
         return chosen
 
     @_operation
@@ -554,14 +557,15 @@ class CheckpointManager(RankAgreement):
             return
         try:
             drainer = self._drainer
-            marker, protected = commit_local(self._tier, self._local, writer, step, group, self._sequence_floor(),
-                                             drainer.protected() if drainer is not None and self.rank == 0 else None)
+            committed = commit_local(self._tier, self._local, writer, step, group, self._sequence_floor(),
+                                     drainer.protected() if drainer is not None and self.rank == 0 else None)
         except CheckpointError:
             raise
         except BaseException as e:
             _raise_typed(self._translate(e, f"committing step {step} to the local tier"))
+        marker, protected = committed.marker, committed.kept
         self._local_sequence = max(self._local_sequence, marker.sequence or 0)
-        writer.last_local_marker = marker
+        writer.last_local_commit = committed
         log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)%s", self.run_id, step,
                  marker.sequence, len(self._tier.placement.holders[self.rank]), "; queued for the drain" if drain else "")
         if drain:
@@ -609,18 +613,20 @@ class CheckpointManager(RankAgreement):
         if choice.tier == "none":
             raise not_found(self.run_id, choice, self.layout.storage.describe())
         if choice.tier == "durable":
-            self.restored_from = {"tier": "durable", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": 0}
+            self.restored_from = {"tier": "durable", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": 0,
+                                  "bytes_fetched": 0}
             log.info("run %r: restoring step %d from the durable tier (%s)%s", self.run_id, choice.step,
                      self.layout.storage.describe(), " because no newer local step is complete" if choice.skipped else "")
             return None
         try:
-            fetched = assemble(tier, self._local, choice, self._group)
+            fetched, fetched_bytes = assemble(tier, self._local, choice, self._group)
         except CheckpointError:
             raise
         except BaseException as e:
             _raise_typed(self._translate(e, f"assembling local step {choice.step}"))
         moved = sum(len(t.ranks) for t in choice.transfers)
-        self.restored_from = {"tier": "local", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": fetched}
+        self.restored_from = {"tier": "local", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": fetched,
+                              "bytes_fetched": fetched_bytes}
         log.info("run %r: restoring step %d from the local tier (sequence %s; %d rank(s)' files copied between "
                  "roots, %d into this one)", self.run_id, choice.step, choice.sequence, moved, fetched)
         return choice.step, choice.save_id, ResumePoint(step=choice.step, sequence=newest)
@@ -701,6 +707,9 @@ class CheckpointManager(RankAgreement):
         stats = SaveStats.from_writer(writer.last_stats, run_id=self.run_id, step=step, save_id=writer.save_id,
                                       world_size=self.world_size, asynchronous=asynchronous, seconds=seconds,
                                       stage_seconds=stage_seconds)
+        local = getattr(writer, "last_local_commit", None)
+        if local is not None:
+            stats.tier, stats.local_commit_seconds, stats.replica_bytes = "local", local.seconds, local.replica_bytes
         try:
             self._retention(step, writer, stats)
         except Exception as e:  # EBUSY on NFS .nfsXXXX files, EIO, throttled deletes: the next save retries

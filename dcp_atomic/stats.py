@@ -65,6 +65,9 @@ class SaveStats(_Stats):
     ranks: list[RankSaveStats] = field(default_factory=list)
     retention_error: str | None = None
     unreadable_steps: list[int] = field(default_factory=list)
+    tier: str = "durable"
+    local_commit_seconds: float | None = None
+    replica_bytes: int | None = None
     schema_version: int = SCHEMA_VERSION
     kind: str = "save"
 
@@ -97,6 +100,8 @@ class LoadStats(_Stats):
     bytes_to_peers: int = 0
     storage_seconds: float = 0.0
     exchange_seconds: float = 0.0
+    tier: str | None = None
+    bytes_from_replicas: int = 0
     schema_version: int = SCHEMA_VERSION
     kind: str = "load"
 

@@ -123,9 +123,10 @@ def _transfers(topology: Topology, stores: dict[int, set[int]], world: int) -> l
     return [Transfer(source, target, ranks, control=target not in stores) for (source, target), ranks in plan.items()]
 
 
-def assemble(topology: Topology, layout: RunLayout, choice: Choice, group) -> int:
-    """Step 3 on every rank: leaders send and receive what the choice says, verified by the receiver; returns the
-    number of ranks' files this rank's root received.  Raises the same typed error on every rank on failure."""
+def assemble(topology: Topology, layout: RunLayout, choice: Choice, group) -> tuple[int, int]:
+    """Step 3 on every rank: leaders send and receive what the choice says, verified by the receiver; returns how
+    many ranks' files this rank's root received, and their stored bytes (control files included).  Raises the
+    same typed error on every rank on failure."""
     rank, world = topology.rank, len(topology.domains)
     outgoing: dict[int, bytes] = {}
     failure: str | None = None
@@ -161,7 +162,7 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group) -> in
         raise StorageError(f"restoring local step {choice.step} (save {choice.save_id}) failed: " + "; ".join(failed[:4])
                            + ". Nothing was loaded; restart to retry, or load from the durable tier.",
                            step=choice.step)
-    return got
+    return got, sum(len(message) for message in received.values())
 
 
 def _keep(topology: Topology, layout: RunLayout, choice: Choice, incoming: list[Transfer],

@@ -97,8 +97,8 @@ def _state(model, optim, step):
 def _train_and_save(ctx, steps, asynchronous_last=False, keep_local=2):
     """Train, saving each step in ``steps`` to the local tier; returns the full weights at each saved step."""
     model, optim = _fsdp_app(ctx.world_size, 0)
-    saved = {}
-    with _manager(ctx, keep_local=keep_local) as manager:
+    saved, stats = {}, []
+    with _manager(ctx, keep_local=keep_local, on_saved=stats.append) as manager:
         for i, step in enumerate(steps):
             _train_step(model, optim, step)
             if asynchronous_last and i == len(steps) - 1:
@@ -107,18 +107,19 @@ def _train_and_save(ctx, steps, asynchronous_last=False, keep_local=2):
                 assert manager.save(step, _state(model, optim, step)) == step
             saved[step] = _full(model)
         listed = {tier: manager.steps(tier=tier) for tier in ("local", "durable", None)}
-    return {"saved": saved, "listed": listed}
+    return {"saved": saved, "listed": listed, "stats": stats}
 
 
 def _restore(ctx, expect_step=None, step=None):
     model, optim = _fsdp_app(ctx.world_size, 42)
-    with _manager(ctx) as manager:
+    stats = []
+    with _manager(ctx, on_loaded=stats.append) as manager:
         state = _state(model, optim, -1)
         loaded = manager.load(state, step=step)
         served = manager.restored_from
     assert expect_step is None or loaded == expect_step, (loaded, expect_step)
     assert state["progress"]["step"] == loaded
-    return {"step": loaded, "full": _full(model), "served": served}
+    return {"step": loaded, "full": _full(model), "served": served, "stats": stats}
 
 
 def _exact(got, want):
@@ -143,8 +144,18 @@ def test_local_round_trip_is_exact_replicated_on_both_nodes_and_keeps_keep_local
     assert not os.path.exists(os.path.join(root, RUN))  # nothing reached the durable root
     restored = assert_all_ok(_run(_restore, root, nodes, 30))
     for out in restored:
-        assert out["served"] == {"tier": "local", "step": 30, "save_id": out["served"]["save_id"], "ranks_fetched": 0}
+        assert out["served"] == {"tier": "local", "step": 30, "save_id": out["served"]["save_id"], "ranks_fetched": 0,
+                                 "bytes_fetched": 0}
         _exact(out["full"], saved[0]["saved"][30])
+        [loaded] = out["stats"]
+        assert loaded["tier"] == "local" and loaded["bytes_from_replicas"] == 0 and loaded["bytes_from_storage"] > 0
+    # Rank 0's on_saved says where each step went and what replication cost: every rank's files sent once.
+    save_stats = saved[0]["stats"]
+    assert [s["step"] for s in save_stats] == [10, 20, 30] and {s["tier"] for s in save_stats} == {"local"}
+    for s in save_stats:
+        assert s["replica_bytes"] >= s["bytes"] > 0, s  # the data files, plus each rank's manifest shard
+        assert 0 < s["local_commit_seconds"] <= s["seconds"]
+    assert all(out["stats"] == [] for out in saved[1:])  # on_saved is rank 0's
 
 
 def test_a_replaced_node_is_restored_exactly_from_the_replicas(root, nodes):
@@ -156,6 +167,11 @@ def test_a_replaced_node_is_restored_exactly_from_the_replicas(root, nodes):
         _exact(out["full"], saved[0]["saved"][20])
     assert restored[2]["served"]["ranks_fetched"] == WORLD  # node B's leader received every rank's files
     assert restored[0]["served"]["ranks_fetched"] == 0
+    # The bytes that moved are counted where they arrived: node B's leader, which copied the step into its root.
+    on_b = restored[2]["stats"][0]["bytes_from_replicas"]
+    assert on_b == restored[2]["served"]["bytes_fetched"] > sum(os.path.getsize(p) for p in glob.glob(
+        os.path.join(nodes[1], RUN, f"step_{20:010d}", "*", "__*_*.distcp")))  # data files plus control files
+    assert [out["stats"][0]["bytes_from_replicas"] for out in restored] == [0, 0, on_b, 0]
     assert _data_files(nodes[1], 20) == _data_files(nodes[0], 20)  # node B holds the step again
 
 
@@ -185,6 +201,7 @@ def test_every_local_root_gone_restores_the_newest_durable_step_and_says_so(root
     restored = assert_all_ok(_run(_restore, root, nodes, 5))
     for out in restored:
         assert out["served"]["tier"] == "durable" and out["step"] == 5
+        assert out["stats"][0]["tier"] == "durable" and out["stats"][0]["bytes_from_replicas"] == 0
         _exact(out["full"], saved[0]["saved"][5])
 
 
