@@ -13,6 +13,17 @@ above it supersede the abandoned branch's — where stock torchtitan overwrites 
 re-save is refused.  ``initial_load_path`` may name a step of another dcp_atomic run
 (``<root>/<run>/step_{N:010d}``): it is read and verified like our own; anything else goes to torchtitan's
 stock loader.
+
+The local tier (``local_root="/local_nvme/ckpt"``; README, "Two tiers"): every save torchtitan makes lands first on
+each node's own ``<local_root>/<basename(folder)>/``, with each rank's files copied to ``replicas`` ranks on other
+failure domains (``$DCP_ATOMIC_FAILURE_DOMAIN``, else the host name) and committed there; it is *not* in ``folder``.
+Only the steps that are multiples of ``interval * durable_every``, and the last step, are drained to ``folder`` in
+the background (training never waits; ``close()`` does, for the last one).  ``keep_latest_k`` then counts the steps
+in ``folder``, ``keep_local`` those on each node.  A load takes the newest step that can be assembled completely and
+verified from the local roots, the replicas on other nodes (a replaced node gets its files back) or ``folder``;
+``load_step`` names a step of either tier.  Everything runs through one :class:`dcp_atomic.CheckpointManager` built
+with the trainer (its own process groups: the drain needs one), so rollbacks, interval saves and the async modes
+keep their meaning; ``async_with_pinned_mem`` stages synchronously there, as ``async`` does.
 """
 
 from __future__ import annotations
@@ -26,19 +37,20 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 
 from ..catalog import DEFAULT_TIMEOUT, latest_step
 from ..commit import read_marker, resume_point
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
 from ..layout import RunLayout, parse_checkpoint_id, root_key, step_dir_name
 from ..planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..backends import open_storage
 from ..reader import AtomicStorageReader
 from ..retry import Deadline
 from ..retention import apply_gc, plan_gc
+from ..manager import CheckpointManager as TierManager
 from ..writer import AtomicStorageWriter
 
 log = logging.getLogger(__name__)
@@ -55,7 +67,26 @@ class AtomicCheckpointManager(CheckpointManager):
         compression: str | None = None
         """None or "zstd"."""
 
+        local_root: str | None = None
+        """This node's own storage (a local path, the same on every node): saves land there, replicated to other
+        failure domains, and only some are drained to ``folder`` (module docstring).  None: every save to ``folder``."""
+
+        replicas: int = 1
+        """With ``local_root``: copies of each rank's files on ranks of other failure domains."""
+
+        durable_every: int = 1
+        """With ``local_root``: steps that are multiples of ``interval * durable_every`` (and the last step) are
+        drained to ``folder``; the others stay on the nodes.  1: every save, still without waiting for the durable store."""
+
+        keep_local: int = 2
+        """With ``local_root``: steps kept on each node (a step still draining is kept besides)."""
+
         def __post_init__(self) -> None:
+            if isinstance(self.durable_every, bool) or not isinstance(self.durable_every, int) or self.durable_every < 1:
+                raise ConfigurationError(f"checkpoint.durable_every must be an int >= 1, got {self.durable_every!r}")
+            if self.local_root is not None and not os.path.isabs(self.local_root):
+                raise ConfigurationError(f"checkpoint.local_root must be an absolute path on each node's own storage, "
+                                         f"got {self.local_root!r}")
             keep = self.keep_latest_k  # torchtitan refuses 1 (its purge may hit the save in flight); ours cannot
             self.keep_latest_k = 0 if keep == 1 else keep
             try:
@@ -76,6 +107,44 @@ class AtomicCheckpointManager(CheckpointManager):
         self.timeout = config.timeout
         self._retention: concurrent.futures.ThreadPoolExecutor | None = None  # rank 0: purges off the training thread
         self._retiring: concurrent.futures.Future | None = None
+        self.durable_every = config.durable_every
+        self._saving_last = False
+        self.tier: TierManager | None = None  # the two-tier manager, with local_root
+        if config.local_root is not None:  # its own groups (not self.pg): the drain needs one of its own
+            self.tier = TierManager(self.root, self.run_id, local_root=config.local_root, replicas=config.replicas,
+                                    keep_local=config.keep_local, keep_last=config.keep_latest_k or None,
+                                    compression=config.compression, timeout=config.timeout)
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        self._saving_last = last_step  # the local tier drains the last step whatever durable_every says
+        try:
+            return super()._save(curr_step, last_step)
+        finally:
+            self._saving_last = False
+
+    def _load(self, step: int = -1) -> bool:
+        """With the local tier: the newest step assemblable from either tier (or ``step``), through the manager.
+
+        Only when neither tier holds a step does torchtitan's own ``_load`` run (``initial_load_path``, Hugging Face
+        assets, a fresh start), so a restart never takes an initial checkpoint over this run's own steps.
+        """
+        if self.tier is None:
+            return super()._load(step)
+        held = self.tier.steps()
+        if not held:
+            if step != -1:
+                raise CheckpointNotFoundError(
+                    f"checkpoint.load_step={step}: run {self.run_id!r} has no committed step on the local roots "
+                    f"({self.tier.local_root} on this node) nor in {self.folder}; set load_step=-1 for a fresh start",
+                    step=step)
+            return super()._load(step)
+        model_only = (held[-1] if step == -1 else step) == 0  # torchtitan's seed checkpoint is the model alone
+        states = self._states_to_load(model_only)
+        loaded = self.tier.load(states, step=None if step == -1 else step)
+        if MODEL in self.states:  # torchtitan flattens the model's keys into the state dict, as its own dcp_load
+            self.states[MODEL].load_state_dict(states)
+        log.info("loaded step %d of run %s from the %s tier", loaded, self.run_id, self.tier.restored_from["tier"])
+        return True
 
     def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
         """Our step directory, so torchtitan's "is it there" checks look where the checkpoint is."""
@@ -120,6 +189,8 @@ class AtomicCheckpointManager(CheckpointManager):
                  enable_garbage_collection: bool = False, to_hf: bool = False):
         if to_hf:  # a Hugging Face export is not a training checkpoint: torchtitan writes it itself
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        if self.tier is not None:
+            return self._tier_save(state_dict, checkpoint_id, async_mode)
         kwargs = dict(storage_writer=self.writer, checkpoint_id=checkpoint_id, planner=AtomicSavePlanner())
         if async_mode == AsyncMode.DISABLED:
             return dcp.save(state_dict, **kwargs)
@@ -127,6 +198,20 @@ class AtomicCheckpointManager(CheckpointManager):
             return dcp.async_save(state_dict, process_group=self.pg, **kwargs)
         return dcp.async_save(state_dict, process_group=self.pg, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                               async_stager=self.stager, **kwargs)
+
+    def _tier_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode):
+        """A local-tier save, returned in the shape torchtitan expects of each mode (the step is the id's)."""
+        _, _, step = parse_checkpoint_id(checkpoint_id)
+        durable = self._saving_last or step % (self.interval * self.durable_every) == 0
+        if async_mode == AsyncMode.DISABLED:
+            self.tier.save(step, state_dict, durable=durable)
+            return None
+        future = self.tier.async_save(step, state_dict, durable=durable)  # staged when it returns
+        if async_mode == AsyncMode.ASYNC:
+            return future
+        staged: concurrent.futures.Future = concurrent.futures.Future()
+        staged.set_result(None)
+        return AsyncSaveResponse(staging_completion=staged, upload_completion=future)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         ours = not from_hf and self._is_ours(checkpoint_id)
@@ -148,8 +233,8 @@ class AtomicCheckpointManager(CheckpointManager):
         busy store can take long, and training must not wait.  Purges run one at a time, at most one queued; a failure
         is logged, and the next purge tries again.
         """
-        if self.keep_latest_k <= 0 or dist.get_rank() != 0:
-            return
+        if self.keep_latest_k <= 0 or dist.get_rank() != 0 or self.tier is not None:
+            return  # with the local tier, the manager applies keep_latest_k after each drain
         pending = self._retiring
         if pending is not None and not pending.running() and not pending.done():
             return  # a queued purge has not started: it will see this save too
@@ -167,7 +252,11 @@ class AtomicCheckpointManager(CheckpointManager):
                         type(e).__name__, e)
 
     def _close(self) -> None:
-        super()._close()
-        if getattr(self, "_retention", None) is not None:
-            self._retention.shutdown(wait=True)  # a purge in flight finishes; the process may exit next
-            self._retention = None
+        try:
+            if getattr(self, "tier", None) is not None:  # closing twice does nothing; a save after it is refused
+                self.tier.close()  # waits for the save and the drains in flight: the last durable step must not be lost
+        finally:
+            super()._close()
+            if getattr(self, "_retention", None) is not None:
+                self._retention.shutdown(wait=True)  # a purge in flight finishes; the process may exit next
+                self._retention = None
