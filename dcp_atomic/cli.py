@@ -27,7 +27,7 @@ from typing import Any
 
 from .audit import AuditReport, audit_step
 from .catalog import most_recent, scan_markers
-from .commit import read_committed
+from .commit import read_committed, read_marker
 from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import LATEST, RunLayout, parse_step_dir, validate_run_id
 from .manifest import Marker
@@ -235,6 +235,46 @@ def _local_steps(args) -> dict[int, Marker]:
     return {m.step: m for m in local_markers(open_local(args.local_root, args.run))}
 
 
+def _local_layout(args) -> RunLayout:
+    from .local_tier import open_local
+
+    layout = open_local(args.local_root, args.run)
+    if not layout.storage.is_dir(layout.run_dir):
+        raise CliError(f"no run {args.run!r} under the local root {args.local_root}", kind="NotFound")
+    return layout
+
+
+def _step_tiers(args, step: int, save_id: str) -> list[str]:
+    """Where ``step`` (save ``save_id``) is committed: ``durable`` (the root), ``local`` (``--local-root``)."""
+    tiers = ["local"] if args.local_root else []
+    if args.local_root:  # the durable root may hold the drained copy, or nothing of this run yet
+        durable = RunLayout(_storage(args), args.run)
+        try:
+            marker = read_marker(durable, step, Deadline(0), missing_ok=True)
+        except (OSError, CheckpointError):  # not drained (yet), or no durable root here
+            marker = None
+        if marker is not None and marker.save_id == save_id:
+            tiers.insert(0, "durable")
+    else:
+        local = _local_steps(args)
+        tiers = ["durable"] + (["local"] if step in local and local[step].save_id == save_id else [])
+    return tiers
+
+
+def _copies_by_domain(ranks: list[dict[str, Any]]) -> str:
+    """``nodeA: ranks 0, 1 (replicas on nodeB); ...`` from the records a local save keeps; "" for other saves."""
+    by_domain: dict[str, list[dict[str, Any]]] = {}
+    for record in ranks:
+        if isinstance(record.get("failure_domain"), str):
+            by_domain.setdefault(record["failure_domain"], []).append(record)
+    parts = []
+    for domain, records in sorted(by_domain.items()):
+        replicas = sorted({d for r in records for d in r.get("replicas_on") or []})
+        parts.append(f"{domain}: ranks {', '.join(str(r['rank']) for r in sorted(records, key=lambda r: r['rank']))}"
+                     f" (replicas on {', '.join(replicas) or 'none'})")
+    return "; ".join(parts)
+
+
 def _with_tiers(rows: list[dict[str, Any]], local: dict[int, Marker]) -> list[dict[str, Any]]:
     """Each row's ``tiers``: ``durable`` when committed in the root, ``local`` when ``--local-root`` holds it;
     steps only that local root holds get a row of their own."""
@@ -333,7 +373,8 @@ def cmd_ls(args) -> int:
 
 
 def cmd_show(args) -> int:
-    layout = _layout(args)
+    durable = _layout(args) if not args.local_root else None
+    layout = durable or _local_layout(args)
     step = args.step
     if step is None:
         newest = most_recent(scan_markers(layout))
@@ -345,10 +386,16 @@ def cmd_show(args) -> int:
     committed.load_items(layout, None, Deadline(args.timeout))
     committed.load_rank_records(layout, Deadline(args.timeout))
     manifest = committed.manifest
+    tiers = _step_tiers(args, step, committed.save_id)
     if args.json:  # the manifest as stored (its own "schema_version"), with what ranks.json holds
-        _emit(dict(sorted({**json.loads(manifest.to_json()), "ranks": manifest.ranks, "stats": manifest.stats}.items())))
+        _emit(dict(sorted({**json.loads(manifest.to_json()), "ranks": manifest.ranks, "stats": manifest.stats,
+                           "tiers": tiers}.items())))
         return 0
     print(f"run {manifest.run_id}  step {manifest.step}  save {manifest.save_id}")
+    print(f"tiers: {', '.join(tiers)}")
+    domains = _copies_by_domain(manifest.ranks)
+    if domains:
+        print(f"saved through the local tier: {domains}")
     print(f"world size {manifest.world_size}  parallelism {manifest.parallelism or 'not declared'}")
     print(f"{len(manifest.files)} files, {manifest.total_bytes / 2**20:.1f} MiB; "
           f"torch {manifest.versions.get('torch')}, dcp_atomic {manifest.versions.get('dcp_atomic')}")
@@ -570,6 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("root")
     p.add_argument("run")
     p.add_argument("step", nargs="?", type=int)
+    p.add_argument("--local-root", help="this node's local_root (two tiers): show the step as this root holds it, "
+                   "and whether the root (durable) holds it too")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("verify", parents=[after], help="re-read every byte and check every checksum")

@@ -111,13 +111,22 @@ class Staged:
 
 
 class LocalWriter(WatchedWriter):
-    """Writes a step into the local root exactly as the durable tier would, stopping short of the marker."""
+    """Writes a step into the local root exactly as the durable tier would, stopping short of the marker.
+
+    ``topology`` (set by the manager) goes into ``ranks.json``: each rank's failure domain and the domains holding
+    its replicas, so ``dcp-atomic show`` can say where a step's copies were, in either tier."""
 
     staged: Staged | None = None
+    topology: "Topology | None" = None
 
     def _publish(self, manifest: Manifest, metadata_bytes: bytes) -> None:
         storage, layout = self.storage, self.layout
         attempt = layout.attempt_dir(self.step, manifest.save_id)
+        if self.topology is not None:
+            for record in manifest.ranks:
+                rank = record["rank"]
+                record["failure_domain"] = self.topology.domains[rank]
+                record["replicas_on"] = [self.topology.domains[h] for h in self.topology.placement.holders[rank]]
         write_rank_records(layout, manifest)
         ranks = storage.read_file(storage.join(attempt, RANKS_FILE)) if manifest.ranks_file else None
         storage.publish(storage.join(attempt, DCP_METADATA), metadata_bytes)

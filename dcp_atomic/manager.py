@@ -650,9 +650,11 @@ class CheckpointManager(RankAgreement):
     def _writer(self, step: int, watch: OpWatch, metadata: dict[str, Any] | None = None) -> AtomicStorageWriter:
         validate_step(step)
         if self._tier is not None:
-            return LocalWriter(os.fspath(self.local_root), self.run_id, step, parallelism=self.parallelism,
-                               metadata=metadata, compression=self.compression, thread_count=self.thread_count,
-                               resumed_from=self._resumed, timeout=self.timeout, watch=watch)
+            writer = LocalWriter(os.fspath(self.local_root), self.run_id, step, parallelism=self.parallelism,
+                                 metadata=metadata, compression=self.compression, thread_count=self.thread_count,
+                                 resumed_from=self._resumed, timeout=self.timeout, watch=watch)
+            writer.topology = self._tier
+            return writer
         return WatchedWriter(self.root, self.run_id, step, parallelism=self.parallelism, metadata=metadata,
                               compression=self.compression, thread_count=self.thread_count, resumed_from=self._resumed,
                               timeout=self.timeout, storage_options=self.storage_options, watch=watch)

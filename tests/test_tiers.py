@@ -365,6 +365,16 @@ def test_durable_every_2_drains_every_second_step_bit_exact_for_plain_readers(ro
     assert cli.main(["ls", root, RUN]) == 0  # without --local-root it sees the durable tier only
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert sorted(lines) == ["20", "40"] and "durable " in lines["20"], lines
+    # show: a step's tiers, and where its copies were (each rank's failure domain and its replicas' domains).
+    where = "saved through the local tier: A: ranks 0, 1 (replicas on B); B: ranks 2, 3 (replicas on A)"
+    for args, tiers in [(["show", root, RUN, "20"], "durable, local"),  # the drained copy keeps ranks.json as is
+                        (["show", root, RUN, "30", "--local-root", nodes[1]], "local"),
+                        (["show", root, RUN, "40", "--local-root", nodes[0]], "durable, local")]:
+        assert cli.main(args if "--local-root" in args else args + ["--local-root", nodes[0]]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[1:3] == [f"tiers: {tiers}", where], (args, out[:4])
+    assert cli.main(["show", root, RUN, "40", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tiers"] == ["durable"]  # without --local-root: the root alone
     assert all(out["listed"] == {"local": [10, 20, 30, 40], "durable": [20, 40]} for out in saved), saved[0]["listed"]
     for step in (20, 40):  # the step keeps its local commit sequence in the durable root (P10 across tiers)
         local = _marker(nodes[0], step)
