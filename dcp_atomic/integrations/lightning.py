@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..backends import open_storage
 from ..catalog import DEFAULT_TIMEOUT
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
 from ..layout import RunLayout, parse_checkpoint_id
 from ..parallelism import Parallelism
 from ..planners import AtomicLoadPlanner, AtomicSavePlanner
@@ -53,6 +53,18 @@ POINTER_KEY = "dcp_atomic_checkpoint_id"
 POINTER_RECORD = "dcp_atomic_pointer.json"  # inside the archive: {POINTER_KEY: checkpoint_id}
 MAX_POINTER_RECORD_BYTES = 64 * 1024
 _UNSAFE_RUN_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
+# Why the strategy has no local tier: the tier's truth is "the newest step any copy can assemble, by commit sequence",
+# one run per job; here every file Lightning names is its own run, re-saved in place, and ``ckpt_path`` loads exactly
+# the step that file's non-tensor state (loops, callbacks) describes.  A tier would have to restore that exact step
+# or nothing, and a rollback (``ckpt_path`` of an older file) re-saves names whose drained steps the durable root
+# refuses to replace: neither fits without changing what a Lightning file means.
+LOCAL_TIER_REFUSAL = (
+    "the local tier is not available through Lightning's checkpoint files (each file name is its own run, re-saved "
+    "in place, and resuming must load exactly the step the file describes, which a restore from the newest "
+    "assemblable copy does not promise). Nothing was saved. Leave local_root out (every file is committed to its "
+    "dirpath), or save from a Callback with dcp_atomic.CheckpointManager(root, run_id, local_root=...), which "
+    "restores from the node-local tier (README, \"Two tiers\")")
 
 
 def checkpoint_id_for(path: str, step: int, namespace: str = "lightning") -> str:
@@ -71,10 +83,14 @@ class _AtomicCheckpointing:
     """The checkpointing half of the strategy, mixed over a ``ModelParallelStrategy`` (see :func:`strategy_class`)."""
 
     def __init__(self, *args: Any, run_id: str = "lightning", parallelism: Parallelism | None = None,
-                 compression: str | None = None, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
+                 compression: str | None = None, timeout: float = DEFAULT_TIMEOUT, local_root: str | None = None,
+                 **kwargs: Any) -> None:
         """``run_id`` names the folder under each ``dirpath`` that holds the runs; ``parallelism`` is recorded
         for reshard checks (None: inferred from the DTensor meshes, Lightning's ``data_parallel`` /
-        ``tensor_parallel`` names included)."""
+        ``tensor_parallel`` names included).  ``local_root`` is refused: see :data:`LOCAL_TIER_REFUSAL`."""
+        if local_root is not None:
+            raise ConfigurationError(f"{type(self).__name__}(local_root={local_root!r}): {LOCAL_TIER_REFUSAL}",
+                                     local_root=local_root)
         super().__init__(*args, **kwargs)
         if parallelism is not None and not isinstance(parallelism, Parallelism):
             raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
