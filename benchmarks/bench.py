@@ -6,6 +6,7 @@
     python benchmarks/bench.py compression         zstd on the real MiniLM weights
     python benchmarks/bench.py s3 [options]        S3 through a local server (SeaweedFS or moto)
     python benchmarks/bench.py restore [options]   replicated restore: shared reads on / off / stock, worlds 2-4
+    python benchmarks/bench.py tiers [options]     two tiers: local saves + replicas vs direct disk / S3, world 4
     python benchmarks/bench.py SCENARIO --help     what it measures, its options
     python benchmarks/bench.py SCENARIO --smoke    seconds: proves it still runs (tests/test_benchmarks.py)
 
@@ -25,7 +26,7 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == HERE:
     sys.path[0] = os.path.dirname(HERE)  # import benchmarks.* and tests.* as packages, never as loose files
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank, as in a job whose ranks share cores
 
-SCENARIOS = ("large", "small", "compression", "s3", "restore")
+SCENARIOS = ("large", "small", "compression", "s3", "restore", "tiers")
 
 
 def main(argv: list[str] | None = None) -> int:
