@@ -16,7 +16,9 @@ the state dict.  These subclasses of DCP's default planners add only that:
 
 Both plan with Python's cyclic GC paused (:mod:`.gc_pause`): DCP's per-item planning
 allocates 10^4-10^6 objects, and the collections that triggers cost more than the
-planning itself.
+planning itself.  ``set_up_planner`` begins the operation's lease (the pause that spans
+DCP's collectives between hooks) and ``finish_plan``, the planner's last hook before the
+data moves, ends the planner's part in it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Iterable
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from .gc_pause import gc_paused
+from .gc_pause import PLANNER, hook
 from .reshard import LoadContext, SaveReport, infer_parallelism, summarize_state_dict
 
 LOAD_CONTEXT_ATTR = "dcp_atomic_load_context"  # set on DCP's Metadata by AtomicStorageReader
@@ -49,7 +51,7 @@ class AtomicSavePlanner(DefaultSavePlanner):
         self.layout_dependent = tuple(layout_dependent)
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        with gc_paused():
+        with hook(PLANNER, first=True):
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def create_local_plan(self):
@@ -57,7 +59,7 @@ class AtomicSavePlanner(DefaultSavePlanner):
         # never gets there; reused for the next save, whose plan matches the cache, this planner would then cache
         # the refused plan as if it had been written, and a later save with that plan would replay another one.
         self.__dict__.pop("_pending_local_plan", None)
-        with gc_paused():
+        with hook(PLANNER):
             return self._create_local_plan()
 
     def _create_local_plan(self):
@@ -74,11 +76,16 @@ class AtomicSavePlanner(DefaultSavePlanner):
     def create_global_plan(self, all_plans):
         """DCP answers a rank whose plan it cached with an empty plan, dropping what the rank's writer reported
         this time (identity, content summary): pass that on, so the writer checks every save."""
-        with gc_paused():
+        with hook(PLANNER):
             plans, metadata = super().create_global_plan(all_plans)
-        if self._enable_plan_caching:
-            plans = [dataclasses.replace(plan, storage_data=local.storage_data) for plan, local in zip(plans, all_plans)]
-        return plans, metadata
+            if self._enable_plan_caching:
+                plans = [dataclasses.replace(plan, storage_data=local.storage_data)
+                         for plan, local in zip(plans, all_plans)]
+            return plans, metadata
+
+    def finish_plan(self, new_plan):
+        with hook(PLANNER, last=True):
+            return super().finish_plan(new_plan)
 
 
 #: what makes a plain local tensor a shard of a global one to DCP (torch >= 2.14's ``CheckpointableTensor``)
@@ -96,14 +103,14 @@ def _global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
 
 class AtomicLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        with gc_paused():
+        with hook(PLANNER, first=True):
             super().set_up_planner(state_dict, metadata, is_coordinator)
         context: LoadContext | None = getattr(metadata, LOAD_CONTEXT_ATTR, None)
         if context is not None and context.current is None:
             context.current = infer_parallelism(self.state_dict)
 
     def create_local_plan(self):
-        with gc_paused():  # the key checks allocate per key too, beside the metadata's 10^5+ live objects
+        with hook(PLANNER):  # the key checks allocate per key too, beside the metadata's 10^5+ live objects
             context: LoadContext | None = getattr(self.metadata, LOAD_CONTEXT_ATTR, None)
             if context is not None:
                 requested = {}
@@ -116,5 +123,9 @@ class AtomicLoadPlanner(DefaultLoadPlanner):
             return super().create_local_plan()
 
     def create_global_plan(self, global_plan):
-        with gc_paused():
+        with hook(PLANNER):
             return super().create_global_plan(global_plan)
+
+    def finish_plan(self, central_plan):
+        with hook(PLANNER, last=True):
+            return super().finish_plan(central_plan)

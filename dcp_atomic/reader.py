@@ -64,7 +64,7 @@ from .read_sources import Counted, Window, holds_bytes, item_runs
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata, safe_byte_item
 from .shared_read import SharedReads
-from .gc_pause import gc_paused
+from .gc_pause import STORAGE, gc_paused, hook
 from .stats import ReadStats
 from .storage import LocalStorage, RangeReader
 from .location import is_checkpoint_id, open_location, retarget
@@ -317,6 +317,10 @@ class AtomicStorageReader(SharedReads, StorageReader):
         self.step = self.save_id = self.committed = None
 
     def read_metadata(self) -> Metadata:
+        with hook(STORAGE, first=True):  # the load's lease (gc_pause): ends after read_data
+            return self._read_metadata()
+
+    def _read_metadata(self) -> Metadata:
         # A resolve() the caller just made (the manager does, for typed errors) is used once, not repeated.
         if not self._fresh:
             self.resolve()
@@ -331,13 +335,17 @@ class AtomicStorageReader(SharedReads, StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        with hook(STORAGE):
+            self._set_up(metadata, is_coordinator, kwargs)
+
+    def _set_up(self, metadata: Metadata, is_coordinator: bool, kwargs: dict) -> None:
         self.rank = kwargs.get("rank", 0 if is_coordinator else -1)
         self._use_collectives = kwargs.get("use_collectives", True)
         self._storage_data = metadata.storage_data or {}
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        with gc_paused():
+        with hook(STORAGE):
             return self._prepare_local_plan(plan)
 
     def _prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -355,6 +363,10 @@ class AtomicStorageReader(SharedReads, StorageReader):
         return dataclasses.replace(plan, storage_data=view)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        with hook(STORAGE):
+            return self._prepare_global_plan(plans)
+
+    def _prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if len(plans) == 1 and self.requested_step is None:
             self._refuse_lone_latest()
         views = [p.storage_data for p in plans]
@@ -397,6 +409,10 @@ class AtomicStorageReader(SharedReads, StorageReader):
         )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with hook(STORAGE, last=True):
+            return self._read_data(plan, planner)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.read_stats = ReadStats()
         planner_lock = threading.Lock()
         items = plan.items

@@ -52,7 +52,7 @@ from .codec import Encoder, Staging, host_blocks, plane_width, tensor_bytes
 from .container import find_payload
 from .errors import CheckpointError, CommitConflictError, ConfigurationError, RankConsistencyError, StorageError
 from .identity import check_identities, default_thread_count, local_identity
-from .gc_pause import gc_paused
+from .gc_pause import STORAGE, hook
 from .integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
 from .layout import ATTEMPT, checked_checkpoint_id, data_file_name, new_save_id, no_location_error, validate_step
 from .location import is_checkpoint_id, open_location, retarget
@@ -249,6 +249,10 @@ class AtomicStorageWriter(StorageWriter):
         self.step = step
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        with hook(STORAGE, first=True):  # the save's lease (gc_pause): ends after this rank's last hook
+            self._set_up(is_coordinator, kwargs)
+
+    def _set_up(self, is_coordinator: bool, kwargs: dict) -> None:
         if self.layout is None or self.step is None:
             raise no_location_error(type(self).__name__)
         self.is_coordinator = is_coordinator
@@ -263,7 +267,7 @@ class AtomicStorageWriter(StorageWriter):
         self._dcp_caches_before = _dcp_coordinator_caches() if is_coordinator else None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        with gc_paused():
+        with hook(STORAGE):
             return self._prepare_local_plan(plan)
 
     def _prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -284,8 +288,8 @@ class AtomicStorageWriter(StorageWriter):
         to replay a plan it never cached (KeyError), or its previous plan under the refused save's metadata (a
         committed checkpoint missing keys)."""
         try:
-            failpoints.hit("plan.before_checks", self.rank)
-            with gc_paused():
+            with hook(STORAGE):
+                failpoints.hit("plan.before_checks", self.rank)
                 return self._plan(plans)
         except BaseException:
             if self._dcp_caches_before is not None:
@@ -351,7 +355,8 @@ class AtomicStorageWriter(StorageWriter):
         )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        with gc_paused():  # 10^4+ item records and results per rank
+        # 10^4+ item records and results per rank; a rank other than the coordinator has no hook after this one
+        with hook(STORAGE, last=self.use_collectives and not self.is_coordinator):
             return self._write_data(plan, planner)
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -386,7 +391,7 @@ class AtomicStorageWriter(StorageWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        with gc_paused():
+        with hook(STORAGE, last=True):
             self._commit(metadata, results)
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
