@@ -6,10 +6,11 @@ Runs one world of ``--world`` gloo ranks (the benchmarks' launcher), each holdin
 (benchmarks/small.py's state), and times dcp_atomic (``AtomicSavePlanner`` / ``AtomicLoadPlanner``, the
 library's default thread count in each rank) and stock ``FileSystemWriter`` / ``FileSystemReader`` (writer
 with the same thread count), alternating, after a warm-up round.  Every DCP planner hook, storage hook and
-object collective is wrapped with a wall-clock timer, and the cyclic GC's full collections are timed through
-``gc.callbacks`` (no cProfile: its per-call overhead doubles the time of
+object collective is wrapped with a wall-clock timer, and the cyclic GC's collections (full and young apart) are
+timed through ``gc.callbacks`` (no cProfile: its per-call overhead doubles the time of
 exactly the per-key Python this is about), so a phase is the time spent inside that call on that rank,
-waits for other ranks included.  Prints the median per phase on rank 0 and the ratios to stock.
+waits for other ranks included.  Prints the median per phase on rank 0, the other ranks' collections, and the
+ratios to stock.
 """
 
 from __future__ import annotations
@@ -85,16 +86,16 @@ def _install() -> None:
 _collection_started = [0.0]
 
 
-def _time_full_collections(phase: str, info: dict) -> None:
-    """The cyclic GC's full collections count as a phase: DCP's pickled collectives set them off."""
-    if info.get("generation") != 2:
-        return
+def _time_collections(phase: str, info: dict) -> None:
+    """The cyclic GC's collections count as phases, full (generation 2) and young (0 and 1) apart: DCP's pickled
+    collectives set them off, and a pause that only raised the full collections' threshold would still pay
+    the young ones."""
     if phase == "start":
         _collection_started[0] = time.perf_counter()
-    else:
-        _spent["gc: full collections"] = _spent.get("gc: full collections", 0.0) + time.perf_counter() - \
-            _collection_started[0]
-        _spent["gc: full collections (count)"] = _spent.get("gc: full collections (count)", 0.0) + 1
+        return
+    label = "gc: full collections" if info.get("generation") == 2 else "gc: young collections"
+    _spent[label] = _spent.get(label, 0.0) + time.perf_counter() - _collection_started[0]
+    _spent[f"{label} (count)"] = _spent.get(f"{label} (count)", 0.0) + 1
 
 
 def _rank(ctx, keys: int, repeats: int) -> dict:
@@ -106,7 +107,7 @@ def _rank(ctx, keys: int, repeats: int) -> dict:
     from dcp_atomic import Parallelism
 
     _install()
-    gc.callbacks.append(_time_full_collections)
+    gc.callbacks.append(_time_collections)
     quiet_warnings()
     state = small_tensors(keys, ctx.rank, 1, 64)
     try:
@@ -167,6 +168,12 @@ def main(argv: list[str] | None = None) -> dict:
             median = statistics.median(phases.get(phase, 0.0) for _, phases in runs)
             if median >= 0.005:
                 print(f"    {phase:<44} {median:7.3f}" + ("" if "(count)" in phase else " s"))
+    for outcome in outcomes[1:]:  # the other ranks' collectors: their unpickling of the plan and .metadata
+        for label, runs in sorted(outcome.value.items()):
+            cells = [f"{name} {statistics.median(phases.get(f'gc: {name} collections', 0.0) for _, phases in runs):.3f} s "
+                     f"({statistics.median(phases.get(f'gc: {name} collections (count)', 0.0) for _, phases in runs):g})"
+                     for name in ("full", "young")]
+            print(f"rank {outcome.rank} {label:<22} gc: {', '.join(cells)}")
     for op in ("save", "load"):
         print(f"{op}: stock / dcp_atomic = {totals[f'stock {op}'] / totals[f'atomic-default {op}']:.2f}x")
     return totals
