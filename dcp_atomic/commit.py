@@ -14,7 +14,8 @@ P1-P3 of the design, in order, executed by global rank 0 alone inside DCP's
    written temp file on POSIX, put-if-absent on object stores), or, for an
    ``overwrite=True`` re-save, put over the old marker by rename once the new
    attempt is complete, or for a save superseding a step of a branch the job abandoned
-   by resuming from an earlier step (P14, :class:`ResumePoint`);
+   by resuming from an earlier step (P14, :class:`ResumePoint`); :func:`place_marker`, which the drain's
+   durable commit (:mod:`.drain`) uses too;
 4. ``LATEST`` is replaced.  It is only a hint: a crash before this step leaves
    the step committed, and ``latest_step`` repairs it.
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from . import failpoints
 from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
@@ -195,7 +196,37 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
         library_version=__version__,
         sequence=next_sequence(layout),
     )
+
+    def conflict(existing: Marker) -> str:
+        return (f"step {step} of run {layout.run_id!r} was committed by save {existing.save_id} while save "
+                f"{save_id} was writing (two jobs on one run?); nothing of {save_id} is visible. "
+                f"Use another run_id or step, or overwrite=True to replace it deliberately"
+                + (f" ({resumed.describe()}; this commit is newer than that)." if resumed is not None else "."))
+
+    marker = place_marker(layout, marker, overwrite=overwrite, resumed=resumed, timeout=timeout,
+                          conflict_message=conflict, what="commit")
+    _last_sequence[layout.run_dir] = marker.sequence
+    failpoints.hit("commit.after_marker", rank)
+    write_latest(layout, marker)
+    failpoints.hit("commit.after_latest", rank)
+    return marker
+
+
+def place_marker(layout: RunLayout, marker: Marker, *, overwrite: bool, resumed: ResumePoint | None, timeout: float,
+                 conflict_message: Callable[[Marker], str], what: str) -> Marker:
+    """Step 3 for every committer (a save's :func:`publish`, the drain's durable commit): make ``marker`` the
+    step's marker; returns the marker now visible, after the step directory is synced.
+
+    Created exclusively, so two jobs committing one step cannot both win.  If a marker is there already: the same
+    save's (an earlier attempt whose reply was lost) is accepted as it is; another save's is replaced only with
+    ``overwrite`` or when ``resumed`` says it belongs to the branch this job abandoned (judged on the marker read
+    now, so a step another job committed since the caller's own check is still refused); otherwise
+    :class:`CommitConflictError` with ``conflict_message(existing)``, the caller's words for what stays where.
+    ``what`` starts the log lines ("commit", "drain"), so an operator can tell which committer acted.
+    """
+    storage, step = layout.storage, marker.step
     marker_path = layout.marker(step)
+    visible = marker
     if not storage.exclusive_create_is_atomic and storage.describe() not in _warned_roots:
         _warned_roots.add(storage.describe())
         log.warning("%s offers no put-if-absent: the commit marker is created check-then-put, which is safe "
@@ -203,28 +234,20 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
     if not storage.create_exclusive(marker_path, marker.to_json()):
         # It exists on the server; this client may not see it yet (NFS negative-lookup cache): wait it out.
         existing = read_marker(layout, step, Deadline(timeout))
-        if existing.save_id == save_id:
-            log.info("commit marker for step %d already names save %s (an earlier retry)", step, save_id)
+        if existing.save_id == marker.save_id:
+            log.info("%s: the marker of step %d already names save %s (an earlier attempt)", what, step,
+                     marker.save_id)
+            visible = existing
         elif overwrite or (resumed is not None and resumed.supersedes(existing)):
             storage.replace(marker_path, marker.to_json())
             why = "re-saved" if overwrite else f"superseded ({resumed.describe()})"
-            log.info("step %d %s: marker now names %s (was %s)", step, why, save_id, existing.save_id)
+            log.info("%s: step %d %s in %s: marker now names %s (was %s)", what, step, why, storage.describe(),
+                     marker.save_id, existing.save_id)
         else:
-            raise CommitConflictError(
-                f"step {step} of run {layout.run_id!r} was committed by save {existing.save_id} while save "
-                f"{save_id} was writing (two jobs on one run?); nothing of {save_id} is visible. "
-                f"Use another run_id or step, or overwrite=True to replace it deliberately"
-                + (f" ({resumed.describe()}; this commit is newer than that)." if resumed is not None else "."),
-                step=step,
-                save_id=save_id,
-                winner=existing.save_id,
-            )
+            raise CommitConflictError(conflict_message(existing), step=step, save_id=marker.save_id,
+                                      winner=existing.save_id)
     storage.sync_dir(layout.step_dir(step))
-    _last_sequence[layout.run_dir] = marker.sequence
-    failpoints.hit("commit.after_marker", rank)
-    write_latest(layout, marker)
-    failpoints.hit("commit.after_latest", rank)
-    return marker
+    return visible
 
 
 def next_sequence(layout: RunLayout) -> int:

@@ -43,13 +43,12 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .commit import ResumePoint, read_marker, write_latest
+from .commit import ResumePoint, place_marker, write_latest
 from .errors import CheckpointError, CommitConflictError, CorruptCheckpointError, StorageError
 from .integrity import sha256_hex
 from .layout import DCP_METADATA, MANIFEST, RunLayout
 from .local_tier import check_file, check_shard, read_manifest
 from .manifest import RANKS_FILE, Latest, Manifest, Marker, now, shard_name
-from .retry import Deadline
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -150,21 +149,16 @@ def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed:
     marker = Marker(run_id=durable.run_id, step=job.step, save_id=job.save_id, manifest=f"{job.save_id}/{MANIFEST}",
                     manifest_sha256=job.manifest_sha256, committed_at=now(), library_version=__version__,
                     sequence=job.sequence)
-    if not storage.create_exclusive(durable.marker(job.step), marker.to_json()):
-        existing = read_marker(durable, job.step, Deadline(timeout))
-        if existing.save_id == job.save_id:
-            log.info("drain: step %d was already in the durable root (save %s)", job.step, job.save_id)
-            return existing
-        if resumed is None or not resumed.supersedes(existing):
-            raise CommitConflictError(
-                f"draining step {job.step} to {durable.run_dir}: the durable root already holds step {job.step} from "
+
+    def conflict(existing: Marker) -> str:
+        return (f"draining step {job.step} to {durable.run_dir}: the durable root already holds step {job.step} from "
                 f"another save ({existing.save_id}, sequence {existing.sequence}); the local step (save "
-                f"{job.save_id}) stays local only. Two jobs on one run? Use another run_id.",
-                step=job.step, save_id=job.save_id, winner=existing.save_id)
-        storage.replace(durable.marker(job.step), marker.to_json())
-        log.info("drain: step %d superseded in the durable root (%s): marker now names %s (was %s)", job.step,
-                 resumed.describe(), job.save_id, existing.save_id)
-    storage.sync_dir(durable.step_dir(job.step))
+                f"{job.save_id}) stays local only. Two jobs on one run? Use another run_id.")
+
+    visible = place_marker(durable, marker, overwrite=False, resumed=resumed, timeout=timeout,
+                           conflict_message=conflict, what="drain")
+    if visible is not marker:  # an earlier attempt of this drain placed it
+        return visible
     newest = _latest_sequence(durable)
     if newest is None or (marker.sequence or 0) >= newest:
         write_latest(durable, marker)
