@@ -197,9 +197,19 @@ def _titan_other_modes(ctx):
     titan_dcp.DefaultStager = _NoStager
     pinned = _titan(ctx, 4, data_seed=1, folder="pinned", async_mode="async_with_pinned_mem")
     again = _titan(ctx, 4, data_seed=1, folder="pinned", async_mode="async_with_pinned_mem")
-    _titan(ctx, 4, data_seed=1, folder="plain", tier=False)
+    plain = _titan(ctx, 4, data_seed=1, folder="plain", tier=False)
+    # neither tier holds a step: torchtitan's own initial load (another run's step, model only), never a silent start
+    initial = _titan(ctx, 2, data_seed=2, folder="finetune", initial_load_path=os.path.join(ctx.root, "plain",
+                                                                                            "step_0000000004"))
+    try:
+        _titan(ctx, 2, data_seed=2, folder="empty", load_step=2)
+        missing = None
+    except Exception as e:  # noqa: BLE001 - the test reads its type and message
+        missing = str(e)  # CheckpointError names its class
     return {run: _local_steps(_node_root(ctx), run) for run in ("export", "kept", "pinned", "plain")} | {
-        "pinned_restored": again["started"] == 4 and _same(again["start"], pinned["saved"][4])}
+        "pinned_restored": again["started"] == 4 and _same(again["start"], pinned["saved"][4]),
+        "initial_model": initial["started"] == 0 and _same((initial["start"][0], {}), (plain["saved"][4][0], {})),
+        "missing": missing}
 
 
 def test_torchtitan_last_step_keep_latest_k_pinned_mode_and_no_local_root(root, nodes):
@@ -208,7 +218,10 @@ def test_torchtitan_last_step_keep_latest_k_pinned_mode_and_no_local_root(root, 
     results = assert_all_ok(run_world(_titan_other_modes, WORLD, root, rank_env=_node_env, extra={"nodes": nodes},
                                       timeout=240))
     for out in results:
-        assert out == {"export": [2, 3], "kept": [4, 6], "pinned": [2, 4], "plain": [], "pinned_restored": True}, out
+        missing = out.pop("missing")
+        assert out == {"export": [2, 3], "kept": [4, 6], "pinned": [2, 4], "plain": [], "pinned_restored": True,
+                       "initial_model": True}, out
+        assert missing.startswith("CheckpointNotFoundError: checkpoint.load_step=2: run 'empty' has no committed step")
     assert _durable_steps(root, "export") == [3]  # step 2 (not a multiple of 2 x 100) stayed local
     keys = AtomicStorageReader(root, "export", step=3).read_metadata().state_dict_metadata.keys()
     assert keys and all(not k.startswith(("optimizer", "train_state")) for k in keys), sorted(keys)  # model only
