@@ -226,7 +226,11 @@ class _Rank:
         if verify:
             clear(self.target)
         with self.manager(store, run, True) as fresh:  # a restarted job's manager, built outside the timing
-            self.op("restore from replicas", lambda: {"step": fresh.load(self.target)}, counted, label, cold=True)
+            def from_replicas() -> dict:
+                step = fresh.load(self.target)
+                return {"step": step, "ranks_fetched": (fresh.restored_from or {}).get("ranks_fetched")}
+
+            self.op("restore from replicas", from_replicas, counted, label, cold=True)
             self.restored("the restore after losing node B", fresh.restored_from, 3, "local", verify)
         if verify:
             clear(self.target)

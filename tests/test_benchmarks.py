@@ -101,3 +101,31 @@ def test_replicated_restore_smoke(root):
     assert rows["share-on"]["warm"]["read_vs_unique"] <= 1.05  # read once...
     assert rows["share-off"]["warm"]["read_vs_unique"] >= 1.9  # ...where each replica reads its own copy
     assert all(row["warm"]["seconds"] > 0 for row in rows.values())
+
+
+def test_two_tiers_smoke(root):
+    document = _run(root, "tiers")
+    assert document["scenario"] == "tiers"
+    assert document["config"]["world"] == 4 and document["config"]["nodes"] == 2
+    assert document["config"]["local_roots"] == "tmpfs mounts"  # root here: each node its own mount
+    rows = document["summary"]
+    assert set(rows) == {
+        "local save", "local async_save", "local save + drain s3", "local save + drain disk", "drain s3", "drain disk",
+        "restore from replicas", "restore from s3", "restore from disk",
+        "direct save s3", "direct async_save s3", "direct save disk", "direct async_save disk"}
+    for name, row in rows.items():
+        assert row["seconds"] > 0 and row["peak_rss_mib"] > 0, name
+    for name in ("local async_save", "direct async_save s3", "direct async_save disk"):
+        assert 0 < rows[name]["stall_seconds"] <= rows[name]["seconds"], name
+    # each round: both durable roots (2 samples of the local rows), the drain committed step 3 once per root
+    assert len(rows["local save"]["runs"]) == 2 and len(rows["drain s3"]["runs"]) == 1
+    drained = document["raw"]["local save + drain s3"][0]["drain"]
+    assert drained["step"] == 3 and drained["bytes"] > 0 and drained["attempts"] == 1
+    # after node B's root was emptied, node B's leader (rank 2) got every rank's files back from node A
+    restore = document["raw"]["restore from replicas"][0]["records"]
+    assert [r["ranks_fetched"] for r in restore] == [0, 0, 4, 0] and {r["step"] for r in restore} == {3}
+    assert [(c["target"], c["value"] is not None) for c in document["targets"]] == [
+        ("time to local-committed >= 5x faster than a direct S3 save", True),
+        ("restore from replicas >= 2x faster than from S3", True),
+        ("drain no slower than a direct s3 save", True),
+        ("drain no slower than a direct disk save", True)]
