@@ -20,26 +20,24 @@ decided, and a restore (:mod:`.tier_restore`) takes the files of a marked step f
 Local markers are rank 0's records, so a root's marker is replaced, not created exclusively.
 
 Stored bytes travel, never tensors: what a holder keeps is what the primary's disk keeps, so the drain and a
-restore copy files without re-serialising, and each side verifies the same digests.  A rank's files travel as
-one message per holder (the first slice: bounded by one rank's share of a step, see docs/design.md).
+restore copy files without re-serialising, and each side verifies the same digests.  They travel in chunks
+(:mod:`.file_transfer`): memory per peer is one chunk, whatever a rank's share of the step.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from . import failpoints
 from .commit import commit_order, listed_steps, write_rank_records
 from .errors import CheckpointError, CorruptCheckpointError, StorageError
+from .file_transfer import Part, Received, discard, keep, transfer, viewed
 from .integrity import block_digest, sha256_hex, verify_segments
 from .layout import DCP_METADATA, MANIFEST, RunLayout
 from .manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, now, shard_name
@@ -49,8 +47,6 @@ from .version import __version__
 from .watched import WatchedWriter
 
 log = logging.getLogger(__name__)
-
-_TAG = 0x7E18  # point-to-point tags of the tier's transfers (lengths, then payloads)
 
 
 # -- who is where ------------------------------------------------------------------------------------------
@@ -139,47 +135,13 @@ class LocalWriter(WatchedWriter):
         return None
 
 
-# -- moving stored bytes between ranks ---------------------------------------------------------------------
+# -- moving stored bytes between ranks (:mod:`.file_transfer`) -----------------------------------------------
 
 
-def pack(parts: list[tuple[str, bytes]]) -> bytes:
-    """Named byte strings as one message: a length-prefixed JSON index, then the bytes."""
-    index = json.dumps([[name, len(data)] for name, data in parts]).encode()
-    return b"".join([struct.pack("<Q", len(index)), index, *(data for _, data in parts)])
-
-
-def unpack(message: bytes, *, sender: str) -> dict[str, bytes]:
-    try:
-        (length,) = struct.unpack_from("<Q", message)
-        index = json.loads(message[8:8 + length])
-        parts, at = {}, 8 + length
-        for name, size in index:
-            parts[str(name)] = message[at:at + size]
-            at += size
-        if at != len(message):
-            raise ValueError(f"{len(message) - at} trailing bytes")
-        return parts
-    except (struct.error, ValueError, TypeError) as e:
-        raise CorruptCheckpointError(f"a malformed transfer from {sender}: {e}", sender=sender) from None
-
-
-def exchange(outgoing: dict[int, bytes], incoming: list[int], group) -> dict[int, bytes]:
-    """Send each ``outgoing[dst]`` and receive one message from each rank in ``incoming``; lengths first, so a
-    receiver sizes its buffer exactly.  Every send and receive is posted before any is waited for (no order can
-    deadlock); a dead peer surfaces as the group's error within its timeout."""
-    sizes = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
-    works = [dist.irecv(t, src=src, group=group, tag=_TAG) for src, t in sizes.items()]
-    works += [dist.isend(torch.tensor([len(data)], dtype=torch.int64), dst=dst, group=group, tag=_TAG)
-              for dst, data in outgoing.items()]
-    for work in works:
-        work.wait()
-    buffers = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes.items()}
-    works = [dist.irecv(b, src=src, group=group, tag=_TAG + 1) for src, b in buffers.items() if b.numel()]
-    works += [dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst, group=group, tag=_TAG + 1)
-              for dst, data in outgoing.items() if data]
-    for work in works:
-        work.wait()
-    return {src: b.numpy().tobytes() for src, b in buffers.items()}
+def spool_dir(layout: RunLayout) -> str:
+    """Where a root's incoming files wait for verification: inside the run, so the rename into place stays on one
+    filesystem; step listings skip it (not a ``step_`` name)."""
+    return layout.storage.join(layout.run_dir, ".incoming")
 
 
 def gather_failures(failure: str | None, world: int, group) -> list[str]:
@@ -228,34 +190,36 @@ def check_file(entry: FileEntry, data: bytes, where: str) -> None:
                                              "was written", path=where, block=block)
 
 
-def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int) -> list[tuple[str, bytes]]:
-    """Rank ``rank``'s shard and data files as this root stores them, each verified: [(name, bytes)]."""
+def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int) -> list[Part]:
+    """Rank ``rank``'s shard and data files as this root stores them, each verified: the parts to send."""
     storage, step, save_id = layout.storage, manifest.step, manifest.save_id
     path = layout.attempt_file(step, save_id, shard_name(rank))
     shard_bytes = storage.read_file(path)
     shard = check_shard(manifest, rank, shard_bytes, path)
-    parts = [(shard_name(rank), shard_bytes)]
+    parts = [Part.inline(shard_name(rank), shard_bytes)]
     for entry in shard.files:
         file_path = layout.data_file(step, save_id, entry.name, manifest.data_prefixes)
-        data = storage.read_file(file_path)
-        check_file(entry, data, file_path)
-        parts.append((entry.name, data))
+        with viewed(file_path) as data:
+            check_file(entry, data, file_path)
+        parts.append(Part(entry.name, entry.size, path=file_path))
     return parts
 
 
-def write_rank_files(layout: RunLayout, manifest: Manifest, rank: int, parts: dict[str, bytes], sender: str) -> None:
+def write_rank_files(layout: RunLayout, manifest: Manifest, rank: int, parts: dict[str, Received], sender: str) -> None:
     """Verify another rank's shard and files as received, then keep them (a damaged copy here is replaced)."""
     storage, step, save_id = layout.storage, manifest.step, manifest.save_id
     where = f"rank {rank}'s files from {sender}"
-    shard = check_shard(manifest, rank, parts.get(shard_name(rank), b""), where)
+    shard_bytes = parts.get(shard_name(rank), b"")
+    shard = check_shard(manifest, rank, shard_bytes if isinstance(shard_bytes, bytes) else b"", where)
     for entry in shard.files:
         if entry.name not in parts:
             raise CorruptCheckpointError(f"{where}: {entry.name} is missing from the transfer", rank=rank)
-        check_file(entry, parts[entry.name], f"{where}: {entry.name}")
+        with viewed(parts[entry.name]) as data:
+            check_file(entry, data, f"{where}: {entry.name}")
     storage.makedirs(layout.attempt_dir(step, save_id))
     for entry in shard.files:
-        storage.publish(layout.data_file(step, save_id, entry.name, manifest.data_prefixes), parts[entry.name])
-    storage.publish(layout.attempt_file(step, save_id, shard_name(rank)), parts[shard_name(rank)])
+        keep(parts[entry.name], storage, layout.data_file(step, save_id, entry.name, manifest.data_prefixes))
+    storage.publish(layout.attempt_file(step, save_id, shard_name(rank)), shard_bytes)
 
 
 def write_control(layout: RunLayout, manifest: Manifest, control: dict[str, bytes]) -> None:
@@ -386,25 +350,30 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     placement = topology.placement
 
     failure: str | None = None
-    outgoing: dict[int, bytes] = {}
+    own: list[Part] = []
     try:
-        own = pack(read_rank_files(layout, manifest, rank))
-        outgoing = {holder: own for holder in placement.holders[rank]}
+        own = read_rank_files(layout, manifest, rank)
     except (OSError, CheckpointError) as e:
-        failure = f"{topology.describe(rank)} could not read back its own files: {e}"
-        outgoing = {holder: b"" for holder in placement.holders[rank]}  # holders wait for a message: an empty one
+        failure = f"{topology.describe(rank)} could not read back its own files: {e}"  # holders get an empty index
     failpoints.hit("replicate.send", rank)
-    received = exchange(outgoing, placement.held_by(rank), group)
-    if failure is None:
-        try:
-            for source, message in received.items():
-                write_rank_files(layout, manifest, source, unpack(message, sender=topology.describe(source)),
-                                 topology.describe(source))
+    received: dict[int, dict[str, Received]] = {}
+    try:
+        received = transfer({holder: own for holder in placement.holders[rank]},
+                            {source: topology.describe(source) for source in placement.held_by(rank)}, group,
+                            spool_dir(layout))
+    except (OSError, CheckpointError) as e:
+        failure = failure or f"{topology.describe(rank)} could not exchange replicas: {e}"
+    try:
+        if failure is None:
+            for source, parts in received.items():
+                write_rank_files(layout, manifest, source, parts, topology.describe(source))
                 failpoints.hit("replicate.receive", rank)
-        except (OSError, CheckpointError) as e:
-            failure = f"{topology.describe(rank)} could not keep a replica: {e}"
+    except (OSError, CheckpointError) as e:
+        failure = f"{topology.describe(rank)} could not keep a replica: {e}"
+    finally:
+        discard(received)  # what was kept was renamed into place; the rest goes
     newest = max((m.sequence or 0 for m in local_markers(layout)), default=0) if topology.is_leader else 0
-    sent = sum(len(message) for message in outgoing.values())
+    sent = sum(part.size for part in own) * len(placement.holders[rank])
     reports: list[Any] = [(failure, newest, sent)]
     if world > 1:
         reports = [None] * world

@@ -29,8 +29,9 @@ from typing import Any
 
 from .errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .layout import DCP_METADATA, MANIFEST, MARKER, RunLayout
-from .local_tier import (Held, Topology, exchange, gather_failures, pack, read_manifest, read_rank_files, unpack,
-                         write_control, write_rank_files)
+from .file_transfer import Part, Received, discard, transfer
+from .local_tier import (Held, Topology, gather_failures, read_manifest, read_rank_files, spool_dir, write_control,
+                         write_rank_files)
 from .manifest import RANKS_FILE, Manifest, Marker
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group) -> tu
     many ranks' files this rank's root received, and their stored bytes (control files included).  Raises the
     same typed error on every rank on failure."""
     rank, world = topology.rank, len(topology.domains)
-    outgoing: dict[int, bytes] = {}
+    outgoing: dict[int, list[Part]] = {}
     failure: str | None = None
     mine = [t for t in choice.transfers if t.source == rank]
     if mine:
@@ -137,39 +138,42 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group) -> tu
             marker = Marker.from_json(marker_bytes, where=layout.marker(choice.step))
             manifest = read_manifest(layout, marker)
             attempt = layout.attempt_dir(choice.step, choice.save_id)
-            control = [(MARKER, marker_bytes), (MANIFEST, layout.storage.read_file(layout.storage.join(attempt, MANIFEST))),
-                       (DCP_METADATA, layout.storage.read_file(layout.storage.join(attempt, DCP_METADATA)))]
-            if manifest.ranks_file is not None:
-                control.append((RANKS_FILE, layout.storage.read_file(layout.storage.join(attempt, RANKS_FILE))))
+            names = [MANIFEST, DCP_METADATA] + ([RANKS_FILE] if manifest.ranks_file is not None else [])
+            control = [Part.inline(MARKER, marker_bytes)] + [
+                Part.inline(name, layout.storage.read_file(layout.storage.join(attempt, name))) for name in names]
             for t in mine:
                 parts = list(control) if t.control else []
                 for source_rank in t.ranks:
                     parts += read_rank_files(layout, manifest, source_rank)
-                outgoing[t.target] = pack(parts)
+                outgoing[t.target] = parts
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)} could not read what it was to send: {e}"
-            outgoing = {t.target: b"" for t in mine}
+            outgoing = {t.target: [] for t in mine}  # the targets get an empty index
     incoming = [t for t in choice.transfers if t.target == rank]
-    received = exchange(outgoing, [t.source for t in incoming], group)
-    got = 0
-    if failure is None and incoming:
-        try:
+    got, received = 0, {}
+    try:
+        received = transfer(outgoing, {t.source: topology.describe(t.source) for t in incoming}, group,
+                            spool_dir(layout))
+        if failure is None and incoming:
             got = _keep(topology, layout, choice, incoming, received)
-        except (OSError, CheckpointError) as e:
-            failure = f"{topology.describe(rank)} could not keep what it received: {e}"
+    except (OSError, CheckpointError) as e:
+        failure = failure or f"{topology.describe(rank)} could not keep what it received: {e}"
+    finally:
+        discard(received)
     failed = gather_failures(failure, world, group)
     if failed:
         raise StorageError(f"restoring local step {choice.step} (save {choice.save_id}) failed: " + "; ".join(failed[:4])
                            + ". Nothing was loaded; restart to retry, or load from the durable tier.",
                            step=choice.step)
-    return got, sum(len(message) for message in received.values())
+    return got, sum(part.size if not isinstance(part, bytes) else len(part)
+                    for parts in received.values() for part in parts.values())
 
 
 def _keep(topology: Topology, layout: RunLayout, choice: Choice, incoming: list[Transfer],
-          received: dict[int, bytes]) -> int:
+          received: dict[int, dict[str, Received]]) -> int:
     manifest: Manifest | None = None
     marker_bytes: bytes | None = None
-    messages = {t.source: unpack(received[t.source], sender=topology.describe(t.source)) for t in incoming}
+    messages = received
     for t in incoming:
         parts = messages[t.source]
         if t.control:

@@ -83,8 +83,9 @@ def _run(fn, root, nodes, *args, world=WORLD, rank_env=_node_env, pg_timeout=30)
 
 
 def _manager(ctx, **kwargs):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, file_transfer
 
+    file_transfer.CHUNK_BYTES = 64 << 10  # every replica and restore transfer crosses chunk boundaries
     local_root = ctx.extra["nodes"][ctx.rank // 2]
     kwargs.setdefault("timeout", 20)
     return CheckpointManager(ctx.root, RUN, local_root=local_root, replicas=1, **kwargs)

@@ -1,0 +1,288 @@
+"""Stored files moved between ranks in bounded memory: the local tier's replicas and its restores (P13).
+
+A rank's share of a step can be tens of GB.  Sent as one message it would sit in memory on both sides, more than
+once (a tensor buffer per message, a copy per part).  Here each (sender, receiver) pair has one stream, the
+concatenation of the parts the sender sends it, cut into chunks of at most :data:`CHUNK_BYTES`: the sender reads
+each chunk from its file as it goes, the receiver appends it to a spool file in the receiving root.  Small parts
+(manifest shards, control files) travel inline and arrive as bytes.  Memory per peer is one chunk, whatever the
+step's size.  Nothing is trusted on the way: a receiver verifies a spooled file against the block digests, through
+a memory map (page cache, not heap), before :func:`keep` moves it into place.
+
+Order: every pair first exchanges its index (names, sizes); round ``k`` then carries chunk ``k`` of every stream,
+every send and receive of a round posted before any is waited for, so no order can deadlock (gloo pairs the
+``k``-th send of a pair with its ``k``-th receive).  A read or write that fails mid-stream does not stop the
+stream (the peer still waits for its bytes): zeros go out in place of what could not be read, the receiver drops
+what it cannot write, and the first error is raised once every round is done.  A dead peer surfaces as the
+group's error within its timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Iterator, Union
+
+import torch
+import torch.distributed as dist
+
+from .errors import CorruptCheckpointError
+from .storage import Storage
+
+CHUNK_BYTES = 32 << 20  # the most one message holds: a transfer's memory per peer
+_TAG = 0x7E18  # point-to-point tags (lengths, payloads, chunks)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One named part a rank sends: ``data`` in memory, or the stored file at ``path`` (sent chunk by chunk and
+    spooled on arrival)."""
+
+    name: str
+    size: int
+    data: bytes | None = None
+    path: str | None = None
+
+    @classmethod
+    def inline(cls, name: str, data: bytes) -> "Part":
+        return cls(name, len(data), data=data)
+
+
+@dataclass(frozen=True)
+class Spooled:
+    """A received file, complete but not yet verified, in the receiving root's spool directory."""
+
+    path: str
+    size: int
+
+
+Received = Union[bytes, Spooled]
+
+
+@contextlib.contextmanager
+def viewed(part: Received | str) -> Iterator[bytes | mmap.mmap]:
+    """The bytes of a received part or of a stored file (a path), without reading a file onto the heap."""
+    if isinstance(part, bytes):
+        yield part
+        return
+    path = part.path if isinstance(part, Spooled) else part
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:  # an empty file cannot be mapped
+            yield b""
+            return
+        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            yield view
+        finally:
+            try:
+                view.close()
+            except BufferError:  # a raised check's traceback still holds slices: unmapped once they are freed
+                pass
+
+
+def keep(part: Received, storage: Storage, path: str) -> None:
+    """Put a verified part at ``path`` in ``storage`` (the receiving root): publish bytes, rename a spool file."""
+    if isinstance(part, bytes):
+        storage.publish(path, part)
+        return
+    os.replace(part.path, path)
+    storage.sync_dir(os.path.dirname(path))
+
+
+def discard(received: dict[int, dict[str, Received]]) -> None:
+    """Remove the spool files nobody kept (a transfer that failed verification, or a step not committed)."""
+    for parts in received.values():
+        for part in parts.values():
+            if isinstance(part, Spooled):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(part.path)
+
+
+def exchange(outgoing: dict[int, bytes], incoming: list[int], group) -> dict[int, bytes]:
+    """One small message to each ``outgoing`` rank and from each ``incoming`` rank; lengths first, so a receiver
+    sizes its buffer exactly.  For indexes and control data: files go through :func:`transfer`."""
+    sizes = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
+    works = [dist.irecv(t, src=src, group=group, tag=_TAG) for src, t in sizes.items()]
+    works += [dist.isend(torch.tensor([len(data)], dtype=torch.int64), dst=dst, group=group, tag=_TAG)
+              for dst, data in outgoing.items()]
+    for work in works:
+        work.wait()
+    buffers = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes.items()}
+    works = [dist.irecv(b, src=src, group=group, tag=_TAG + 1) for src, b in buffers.items() if b.numel()]
+    works += [dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst, group=group, tag=_TAG + 1)
+              for dst, data in outgoing.items() if data]
+    for work in works:
+        work.wait()
+    return {src: b.numpy().tobytes() for src, b in buffers.items()}
+
+
+def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, spool_dir: str,
+             ) -> dict[int, dict[str, Received]]:
+    """Send ``outgoing[dst]``'s parts to each ``dst``; receive every part each rank in ``incoming`` sends
+    (``incoming[src]`` names the sender in errors).  Files arrive spooled under ``spool_dir``, inline parts as
+    bytes.  Every rank involved must call it with matching arguments."""
+    me = dist.get_rank(group) if group is not None else dist.get_rank()
+    os.makedirs(spool_dir, exist_ok=True)
+    for stale in os.listdir(spool_dir):  # this rank's leftovers from a transfer a crash interrupted
+        if stale.startswith(f"r{me}-"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(spool_dir, stale))
+    indexes = exchange({dst: json.dumps([[p.name, p.size, p.path is not None] for p in parts]).encode()
+                        for dst, parts in outgoing.items()}, list(incoming), group)
+    senders = {dst: _Sender(parts) for dst, parts in outgoing.items()}
+    receivers = {src: _Receiver(_index(indexes[src], incoming[src]), spool_dir, f"r{me}-from{src}", incoming[src])
+                 for src in incoming}
+    try:
+        while True:
+            buffers = {src: torch.empty(n, dtype=torch.uint8) for src, r in receivers.items() if (n := r.next_size())}
+            chunks = {dst: chunk for dst, s in senders.items() if (chunk := s.next_chunk())}
+            if not buffers and not chunks:
+                break
+            works = [dist.irecv(b, src=src, group=group, tag=_TAG + 2) for src, b in buffers.items()]
+            works += [dist.isend(torch.frombuffer(chunk, dtype=torch.uint8), dst=dst, group=group, tag=_TAG + 2)
+                      for dst, chunk in chunks.items()]
+            for work in works:
+                work.wait()
+            for src, buffer in buffers.items():
+                receivers[src].feed(memoryview(buffer.numpy()))
+    except BaseException:
+        for r in receivers.values():
+            r.close(discard=True)
+        raise
+    received = {src: r.close() for src, r in receivers.items()}
+    error = next((e for e in [*(s.error for s in senders.values()), *(r.error for r in receivers.values())] if e),
+                 None)
+    if error is not None:
+        discard(received)
+        raise error
+    return received
+
+
+def _index(message: bytes, sender: str) -> list[tuple[str, int, bool]]:
+    try:
+        index = [(str(name), int(size), bool(spooled)) for name, size, spooled in json.loads(message)]
+        if any(size < 0 for _, size, _ in index):
+            raise ValueError("a negative size")
+        return index
+    except (ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"a malformed transfer index from {sender}: {e}", sender=sender) from None
+
+
+class _Sender:
+    """One stream out: the parts' bytes in order, a chunk at a time."""
+
+    def __init__(self, parts: list[Part]) -> None:
+        self.parts, self.part, self.offset = parts, 0, 0
+        self.error: OSError | None = None
+
+    def next_chunk(self) -> bytearray | None:
+        chunk = bytearray()
+        while len(chunk) < CHUNK_BYTES and self.part < len(self.parts):
+            part = self.parts[self.part]
+            take = min(part.size - self.offset, CHUNK_BYTES - len(chunk))
+            chunk += self._read(part, self.offset, take)
+            self.offset += take
+            if self.offset == part.size:
+                self.part, self.offset = self.part + 1, 0
+        return chunk or None
+
+    def _read(self, part: Part, offset: int, length: int) -> bytes:
+        if part.data is not None:
+            return part.data[offset:offset + length]
+        if self.error is None:
+            try:
+                with open(part.path, "rb", buffering=0) as f:
+                    data = os.pread(f.fileno(), length, offset)
+                if len(data) == length:
+                    return data
+                raise OSError(f"{part.path}: {len(data)} bytes at offset {offset}, expected {length} (truncated?)")
+            except OSError as e:
+                self.error = e
+        return bytes(length)  # the peer waits for these bytes; the receiver's check refuses them
+
+
+class _Receiver:
+    """One stream in: inline parts collected in memory, files appended to spool files."""
+
+    def __init__(self, index: list[tuple[str, int, bool]], spool_dir: str, prefix: str, sender: str) -> None:
+        self.index, self.spool_dir, self.prefix, self.sender = index, spool_dir, prefix, sender
+        self.remaining = sum(size for _, size, _ in index)
+        self.part, self.offset = 0, 0
+        self.done: dict[str, Received] = {}
+        self.inline = bytearray()
+        self.file = None
+        self.error: OSError | None = None
+        self._skip_empty()
+
+    def next_size(self) -> int:
+        return min(self.remaining, CHUNK_BYTES)
+
+    def feed(self, data: memoryview) -> None:
+        self.remaining -= len(data)
+        while data:
+            name, size, spooled = self.index[self.part]
+            take = min(size - self.offset, len(data))
+            piece, data = data[:take], data[take:]
+            if not spooled:
+                self.inline += piece
+            else:
+                self._write(piece)
+            self.offset += take
+            if self.offset == size:
+                self._finish_part(name, size, spooled)
+                self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        """Empty parts take no bytes of the stream: they are complete as soon as the stream reaches them."""
+        while self.part < len(self.index) and self.index[self.part][1] == 0:
+            name, _, spooled = self.index[self.part]
+            self._finish_part(name, 0, spooled)
+
+    def _path(self) -> str:
+        return os.path.join(self.spool_dir, f"{self.prefix}-{self.part}")
+
+    def _write(self, piece: memoryview) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self.file is None:
+                self.file = open(self._path(), "wb")
+            self.file.write(piece)
+        except OSError as e:
+            e.filename = e.filename or self._path()
+            self.error = e
+
+    def _finish_part(self, name: str, size: int, spooled: bool) -> None:
+        if not spooled:
+            self.done[name] = bytes(self.inline)
+            self.inline = bytearray()
+        elif self.error is None:
+            try:
+                if self.file is None:
+                    self.file = open(self._path(), "wb")
+                self.file.flush()
+                os.fsync(self.file.fileno())
+                self.file.close()
+                self.done[name] = Spooled(self._path(), size)
+            except OSError as e:
+                e.filename = e.filename or self._path()
+                self.error = e
+        self.file = None
+        self.part, self.offset = self.part + 1, 0
+
+    def close(self, discard: bool = False) -> dict[str, Received]:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if discard or self.error is not None:
+            for part in self.done.values():
+                if isinstance(part, Spooled):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(part.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path())
+            return {}
+        return self.done
+
