@@ -188,6 +188,17 @@ class _Rank:
                 self.samples.setdefault(name, []).append({"records": records})
         return records
 
+    def split(self, saved: list[dict], name: str, counted: bool) -> None:
+        """Rank 0: how much of the local save was the local commit (replication, decision, markers: SaveStats'
+        ``local_commit_seconds``) rather than DCP's write into the node's own root."""
+        if self.rank != 0 or not saved:
+            return
+        commit = saved[-1].get("local_commit_seconds")
+        if commit is not None:
+            say(f"{'':>8}{name}: local commit (replication + markers) {commit:.2f}s of {saved[-1]['seconds']:.2f}s")
+            if counted:
+                self.samples[name][-1]["local_commit_seconds"] = commit
+
     def restored(self, where: str, served, step: int, tier: str | None, verify: bool) -> None:
         if verify:
             assert_bit_exact(self.state, self.target, f"rank {self.rank} after {where}")
@@ -198,8 +209,10 @@ class _Rank:
     def tiered(self, store: str, counted: bool, label: str, verify: bool) -> None:
         run = f"tiers-{next(self.runs)}"
         drained: list[dict] = []
-        with self.manager(store, run, True, on_drained=drained.append) as manager:
+        saved: list[dict] = []
+        with self.manager(store, run, True, on_drained=drained.append, on_saved=saved.append) as manager:
             self.op("local save", lambda: manager.save(1, self.state, durable=False), counted, label)
+            self.split(saved, "local save", counted)
 
             def asynchronous() -> dict:
                 started = time.perf_counter()
@@ -209,6 +222,7 @@ class _Rank:
                 return {"stall": stall}
 
             self.op("local async_save", asynchronous, counted, label)
+            self.split(saved, "local async_save", counted)
 
             def save_and_drain() -> None:
                 manager.save(3, self.state, durable=True)
@@ -333,6 +347,9 @@ def _summary(samples: dict, data_bytes: int) -> dict:
 
     for name, entries in samples.items():
         row(name, _seconds(entries), entries)
+        commits = [s["local_commit_seconds"] for s in entries if "local_commit_seconds" in s]
+        if commits:
+            rows[name]["local_commit_seconds"] = report.med(commits)
         if name.startswith("local save + drain"):
             store = name.rsplit(" ", 1)[1]
             row(f"drain {store}", [s["drain"]["seconds"] for s in entries], entries)
@@ -444,6 +461,11 @@ def run(args: argparse.Namespace) -> dict:
              f"thread_count {threads[0] if len(set(threads)) == 1 else threads} per rank (library default); "
              f"load average {load_before[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; {cold_note}")
     _print_table(rows, intro)
+    for name in ("local save", "local async_save"):
+        commit = rows.get(name, {}).get("local_commit_seconds")
+        if commit is not None:
+            print(f"{name}: of its {rows[name]['seconds']:.2f}s, the local commit (replicas sent, verified and "
+                  f"written; rank 0's decision; markers) took {commit:.2f}s (rank 0's SaveStats, median)")
     print("\n== targets ==")
     word = {True: "MET ", False: "MISS", None: "n/a "}
     for c in checks:
