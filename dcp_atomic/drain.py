@@ -20,7 +20,9 @@ steps go: ``durable=`` per save, else the manager's ``durable_every`` policy.  O
 
 A crash or kill before step 3's marker leaves no marker of the step in the durable root and its previous step
 intact; the partial attempt directory is collected by ``gc`` like any crashed save.  A failed attempt is retried
-(``DRAIN_ATTEMPTS``, backoff doubling) unless a newer step is waiting by then, which supersedes it.
+(``DRAIN_ATTEMPTS``, backoff doubling) unless a newer step is waiting by then, which supersedes it.  A failure after
+the marker (``LATEST`` refused) fails the attempt too, saying the step is committed: the retry accepts the marker
+it placed and writes ``LATEST``.
 
 Falling behind: the queue holds one drain in flight and the newest step waiting.  A step submitted while another
 waits replaces it: the replaced step is never drained, and rank 0 logs it by name (a durable copy of an older step
@@ -155,16 +157,24 @@ def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed:
                 f"another save ({existing.save_id}, sequence {existing.sequence}); the local step (save "
                 f"{job.save_id}) stays local only. Two jobs on one run? Use another run_id.")
 
-    visible = place_marker(durable, marker, overwrite=False, resumed=resumed, timeout=timeout,
-                           conflict_message=conflict, what="drain")
-    if visible is not marker:  # an earlier attempt of this drain placed it
-        return visible
+    # An earlier attempt of this drain may have placed the marker and then failed on LATEST: then the marker it
+    # placed is accepted, and LATEST is written now.
+    marker = place_marker(durable, marker, overwrite=False, resumed=resumed, timeout=timeout,
+                          conflict_message=conflict, what="drain")
     newest = _latest_sequence(durable)
-    if newest is None or (marker.sequence or 0) >= newest:
-        write_latest(durable, marker)
-    else:
+    if newest is not None and (marker.sequence or 0) < newest:
         log.warning("drain: step %d (sequence %s) is committed to the durable root, but LATEST stays on a newer "
                     "commit (sequence %d)", job.step, marker.sequence, newest)
+        return marker
+    try:
+        write_latest(durable, marker)
+    except (OSError, CheckpointError) as e:
+        reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+        raise StorageError(
+            f"drain of step {job.step}: the step is committed to the durable root ({durable.marker(job.step)}), but "
+            f"global rank 0 could not update {durable.latest()}: {reason.rstrip('.')}. Until LATEST is written, "
+            "readers that ask for the latest step by LATEST get an older one; the drain tries again.",
+            step=job.step, rank=0, path=durable.latest(), committed=True) from e
     return marker
 
 
@@ -397,10 +407,17 @@ class Drainer:
                     self._replaced.pop(job.index, None)
                 return "error", e, False, None
             except (OSError, CheckpointError) as e:
-                where = getattr(e, "filename", None) or self.durable.step_dir(job.step)
-                error = StorageError(f"drain of step {job.step}: global rank 0 could not commit it to {where}: "
-                                     f"{getattr(e, 'strerror', None) or e}. No durable marker was written; the next "
-                                     "drain retries.", step=job.step, rank=0, path=str(where))
+                committed = e.details.get("committed", False) if isinstance(e, CheckpointError) else False
+                if committed:  # only LATEST is missing (commit_durable says so)
+                    error = e
+                else:
+                    where = getattr(e, "filename", None) or self.durable.step_dir(job.step)
+                    reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+                    outcome = ("No durable marker was written" if committed is False else
+                               "Whether its durable marker was written is unknown")
+                    error = StorageError(f"drain of step {job.step}: global rank 0 could not commit it to {where}: "
+                                         f"{reason.rstrip('.')}. {outcome}; the next drain retries.", step=job.step,
+                                         rank=0, path=str(where))
             else:
                 with self._cond:
                     skipped = self._replaced.pop(job.index, [])
