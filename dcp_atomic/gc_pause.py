@@ -146,6 +146,11 @@ def _leave(role: str, failed: bool) -> None:
             _drop(ident)
 
 
+def leave(role: str) -> None:
+    """``role`` has no hook left in this thread's operation (one that ends outside a hook); no-op without a lease."""
+    _leave(role, False)
+
+
 @contextlib.contextmanager
 def hook(role: str, *, first: bool = False, last: bool = False) -> Iterator[None]:
     """One DCP hook of ``role`` (:data:`PLANNER` or :data:`STORAGE`): its own work runs paused; ``first``

@@ -52,7 +52,7 @@ from .codec import Encoder, Staging, host_blocks, plane_width, tensor_bytes
 from .container import find_payload
 from .errors import CheckpointError, CommitConflictError, ConfigurationError, RankConsistencyError, StorageError
 from .identity import check_identities, default_thread_count, local_identity
-from .gc_pause import STORAGE, hook
+from .gc_pause import STORAGE, hook, leave
 from .integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
 from .layout import ATTEMPT, checked_checkpoint_id, data_file_name, new_save_id, no_location_error, validate_step
 from .location import is_checkpoint_id, open_location, retarget
@@ -355,8 +355,9 @@ class AtomicStorageWriter(StorageWriter):
         )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        # 10^4+ item records and results per rank; a rank other than the coordinator has no hook after this one
-        with hook(STORAGE, last=self.use_collectives and not self.is_coordinator):
+        # 10^4+ item records and results per rank.  Another rank's lease lasts until DCP's broadcast of the
+        # global metadata has been unpickled (_MetadataVersion); without collectives, until its own finish.
+        with hook(STORAGE):
             return self._write_data(plan, planner)
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -393,6 +394,8 @@ class AtomicStorageWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with hook(STORAGE, last=True):
             self._commit(metadata, results)
+            if self.use_collectives and len(results) > 1:  # DCP broadcasts it to the other ranks next
+                metadata.version = _MetadataVersion(metadata.version)
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         stats: list[_RankStats] = []
@@ -746,6 +749,27 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous():
         tensor = tensor.contiguous().clone()
     return tensor
+
+
+class _MetadataVersion(str):
+    """The committed metadata's version, as the coordinator's ``finish`` hands it to DCP for its broadcast.
+
+    The other ranks have no hook after ``write_data``, yet their save's last and largest unpickling is still to
+    come: the global metadata (every rank's items) in that broadcast.  ``version`` is Metadata's last field, so
+    unpickling this string is the last thing of it; it ends the receiving rank's part in its lease
+    (:mod:`.gc_pause`) there.  Only the first pickling (the broadcast, right after ``finish``) carries the
+    signal: the Metadata that ``dcp.save`` returns pickles afterwards as a plain string."""
+
+    def __reduce__(self):
+        if self.__dict__.get("_sent"):
+            return str, (str(self),)
+        self._sent = True
+        return _metadata_received, (str(self),)
+
+
+def _metadata_received(version: str) -> str:
+    leave(STORAGE)
+    return version
 
 
 def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
