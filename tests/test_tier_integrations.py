@@ -141,7 +141,8 @@ def _titan_life(ctx):
         out["local_after_first"] = _local_steps(node)
         out["files_step8"] = _data_files(node, 8)
     out["durable_after_first"] = _durable_steps(ctx.root)
-    _barrier_then(ctx, lambda: ctx.rank == 2 and shutil.rmtree(os.path.join(_node_root(ctx), FOLDER)))  # node B replaced
+    # node B is replaced: its local disk comes back empty
+    _barrier_then(ctx, lambda: ctx.rank == 2 and shutil.rmtree(os.path.join(_node_root(ctx), FOLDER)))
     resumed = _titan(ctx, 10, data_seed=2, async_mode="disabled")  # latest: 8, node B's files from node A's replicas
     out.update(resumed_started=resumed["started"], resumed_served=resumed["served"],
                resumed_exact=_same(resumed["start"], first["saved"][8]))

@@ -76,13 +76,15 @@ class AtomicCheckpointManager(CheckpointManager):
 
         durable_every: int = 1
         """With ``local_root``: steps that are multiples of ``interval * durable_every`` (and the last step) are
-        drained to ``folder``; the others stay on the nodes.  1: every save, still without waiting for the durable store."""
+        drained to ``folder``; the others stay on the nodes.  1: every save, still without waiting for the durable
+        store."""
 
         keep_local: int = 2
         """With ``local_root``: steps kept on each node (a step still draining is kept besides)."""
 
         def __post_init__(self) -> None:
-            if isinstance(self.durable_every, bool) or not isinstance(self.durable_every, int) or self.durable_every < 1:
+            every = self.durable_every
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
                 raise ConfigurationError(f"checkpoint.durable_every must be an int >= 1, got {self.durable_every!r}")
             if self.local_root is not None and not os.path.isabs(self.local_root):
                 raise ConfigurationError(f"checkpoint.local_root must be an absolute path on each node's own storage, "
