@@ -15,25 +15,12 @@ import shutil
 import pytest
 import torch
 
-from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok, run_world
 from tests.test_integrations import _Stateful, _train_step
+from tests.test_tiers import _node_env
 
 WORLD = 4
 FOLDER = "ckpt"  # torchtitan's checkpoint folder: the durable root is ctx.root, the run is "ckpt"
-
-
-@pytest.fixture
-def nodes():
-    """Two nodes' local roots, each its own tmpfs (a node's disk), unmounted afterwards."""
-    with small_tmpfs_ctx(size_kib=65536) as a, small_tmpfs_ctx(size_kib=65536) as b:
-        yield [a.path, b.path]
-
-
-def _node_env(rank: int) -> dict[str, str]:
-    node = rank // 2
-    return {"DCP_ATOMIC_FAILURE_DOMAIN": "nodeAB"[4 + node], "LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2",
-            "GROUP_RANK": str(node)}
 
 
 def _node_root(ctx) -> str:

@@ -64,13 +64,6 @@ def test_fewer_domains_than_replicas_plus_one_is_refused_naming_them():
 # -- worlds ----------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def nodes():
-    """Two nodes' local roots, each its own tmpfs (a node's disk), unmounted afterwards."""
-    with small_tmpfs_ctx(size_kib=65536) as a, small_tmpfs_ctx(size_kib=65536) as b:
-        yield [a.path, b.path]
-
-
 def _node_env(rank: int) -> dict[str, str]:
     node = rank // 2
     return {"DCP_ATOMIC_FAILURE_DOMAIN": "nodeAB"[4 + node], "LOCAL_RANK": str(rank % 2),

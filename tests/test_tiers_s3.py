@@ -17,7 +17,7 @@ from dcp_atomic.drain import DRAIN_ATTEMPTS
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok
 from tests.test_manager import _fsdp_app, _full, _train_step
-from tests.test_tiers import RUN, WORLD, _exact, _Lines, _manager, _run, _state, nodes  # noqa: F401 - a fixture
+from tests.test_tiers import RUN, WORLD, _exact, _Lines, _manager, _run, _state
 
 S3_ATTEMPTS = 4  # dcp_atomic_max_attempts: one request's tries before the S3 layer gives up
 
