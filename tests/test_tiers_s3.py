@@ -217,7 +217,8 @@ def test_a_storm_longer_than_the_retries_fails_the_drain_naming_step_and_key_and
         assert "drain of step 10" in raised["message"] and "SlowDown" in raised["message"], raised["message"]
         assert re.search(re.escape(key) + r"[^/ ]+/__\d_0\.distcp", raised["message"]), raised["message"]
         assert raised["details"]["path"].startswith(key), raised["details"]
-        [failure] = out["failures"]
+        assert len(out["failures"]) == 1, f"on_failed heard {out['failures']}"
+        failure = out["failures"][0]
         assert (failure["operation"], failure["step"], failure["error_type"]) == ("drain", 10, "StorageError")
         assert failure["ranks"] == list(range(WORLD)) and failure["path"].startswith(key), failure
     assert outcomes[0]["drained"] == [30]
@@ -334,6 +335,8 @@ def _save_into_a_full_node(ctx, options, ballast_dir):
             raised = None
         listed_full = manager.steps(tier="local")
         dist.barrier()
+        node_root = ctx.extra["nodes"][ctx.rank // 2]
+        kept_on_node = os.path.exists(os.path.join(node_root, RUN, f"step_{10:010d}", "COMMITTED"))
         if ctx.rank == 0:
             shutil.rmtree(ballast_dir)  # the operator frees space
         dist.barrier()
@@ -347,7 +350,8 @@ def _save_into_a_full_node(ctx, options, ballast_dir):
         with _manager(ctx, storage_options=options) as manager:
             assert manager.load(_state(model, optim, -1), step=step) == step
             restored[step] = {"full": _full(model), "served": manager.restored_from}
-    return {"raised": raised, "listed_full": listed_full, "listed": listed, "saved": saved, "restored": restored}
+    return {"raised": raised, "listed_full": listed_full, "kept_on_node": kept_on_node, "listed": listed,
+            "saved": saved, "restored": restored}
 
 
 def _fill(ballast_dir):
@@ -372,6 +376,7 @@ def test_a_full_local_disk_fails_the_save_naming_rank_and_path_and_keeps_the_pre
             assert raised["details"].get("errno") == 28 and raised["details"]["path"].startswith(a.path), raised
             assert re.search(r"rank [01] ", raised["message"]) and "No space left" in raised["message"], raised
             assert out["listed_full"] == [10], out["listed_full"]  # step 20 is not committed anywhere
+            assert out["kept_on_node"], "the full node lost its previous step"
             assert out["listed"] == [10, 30], out["listed"]
             for step in (10, 30):
                 assert out["restored"][step]["served"]["tier"] == "local"
