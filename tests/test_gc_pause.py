@@ -256,3 +256,23 @@ def test_user_disabled_collector_stays_disabled(tmp_path):
     results = assert_all_ok(run_world(_user_disabled, 2, str(tmp_path), args=(2.0,), timeout=120))
     for rank, result in enumerate(results):
         assert result == {"after_success": False, "leases": 0, "after_watchdog": False}, f"rank {rank}: {result}"
+
+
+def test_forked_child_does_not_inherit_the_parents_leases():
+    """A child forked mid-operation (a data-loader worker) has no watchdog and none of the parent's hooks to come:
+    it must start with the collector as the user left it, not wait for a lease it cannot end."""
+    import os
+
+    assert gc.isenabled()
+    with gc_pause.hook(gc_pause.STORAGE, first=True):
+        pass  # this thread's lease stays held: its last hook has not come
+    try:
+        assert not gc.isenabled() and gc_pause.leases_held() == 1
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() and gc_pause.leases_held() == 0 else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        gc_pause.leave(gc_pause.STORAGE)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child kept the parent's pause"
+    assert gc.isenabled() and gc_pause.leases_held() == 0
