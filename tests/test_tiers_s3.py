@@ -1,7 +1,7 @@
 """Two tiers with the durable root on a real S3 server (P13): the drain under throttling, a stuck drain, a full disk.
 
 The worlds of ``tests/test_tiers.py`` (4 ranks as 2 simulated nodes, each node's ``local_root`` its own tmpfs);
-the durable root is an ``s3://`` URL on moto behind the fault proxy of ``tests/s3_servers.py``, which answers
+the durable root is an ``s3://`` URL on moto (the first test: and SeaweedFS) behind the fault proxy of ``tests/s3_servers.py``, which answers
 chosen PUTs with ``503 SlowDown`` or holds them.  The storms are counted per request, not timed: the S3 layer
 tries each request ``S3_ATTEMPTS`` times, so ``S3_ATTEMPTS`` refusals of one rank's data file fail exactly one
 drain attempt of that rank, whatever the machine's speed.
@@ -89,8 +89,8 @@ def _drain_one(ctx, options):
     return {"saved": saved, "drained": drained, "listed": listed}
 
 
-def test_a_step_drained_to_s3_loads_bit_exactly_for_plain_readers_with_its_local_sequence(s3_moto, nodes, capsys):
-    s3, options = s3_moto, _options(s3_moto)
+def test_a_step_drained_to_s3_loads_bit_exactly_for_plain_readers_with_its_local_sequence(s3, nodes, capsys):
+    options = _options(s3)  # on moto and on SeaweedFS
     outcomes = assert_all_ok(_run(_drain_one, s3.root, nodes, options))
     assert _durable_steps(s3) == [10]
     assert all(out["listed"] == {"local": [10, 20], "durable": [10]} for out in outcomes), outcomes[0]["listed"]
