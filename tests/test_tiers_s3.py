@@ -1,10 +1,10 @@
 """Two tiers with the durable root on a real S3 server (P13): the drain under throttling, a stuck drain, a full disk.
 
 The worlds of ``tests/test_tiers.py`` (4 ranks as 2 simulated nodes, each node's ``local_root`` its own tmpfs);
-the durable root is an ``s3://`` URL on moto (the first test: and SeaweedFS) behind the fault proxy of ``tests/s3_servers.py``, which answers
-chosen PUTs with ``503 SlowDown`` or holds them.  The storms are counted per request, not timed: the S3 layer
-tries each request ``S3_ATTEMPTS`` times, so ``S3_ATTEMPTS`` refusals of one rank's data file fail exactly one
-drain attempt of that rank, whatever the machine's speed.
+the durable root is an ``s3://`` URL on moto (the first test: and SeaweedFS) behind the fault proxy of
+``tests/s3_servers.py``, which answers chosen PUTs with ``503 SlowDown`` or holds them.  The storms are counted
+per request, not timed: the S3 layer tries each request ``S3_ATTEMPTS`` times, so ``S3_ATTEMPTS`` refusals of one
+rank's data file fail exactly one drain attempt of that rank, whatever the machine's speed.
 """
 
 from __future__ import annotations
