@@ -5,8 +5,8 @@ once (a tensor buffer per message, a copy per part).  Here each (sender, receive
 concatenation of the parts the sender sends it, cut into chunks of at most :data:`CHUNK_BYTES`: the sender reads
 each chunk from its file as it goes, the receiver appends it to a spool file in the receiving root.  Small parts
 (manifest shards, control files) travel inline and arrive as bytes.  Memory per peer is one chunk, whatever the
-step's size.  Nothing is trusted on the way: a receiver verifies a spooled file against the block digests, through
-a memory map (page cache, not heap), before :func:`keep` moves it into place.
+step's size.  Nothing is trusted on the way: a receiver verifies a spooled file against the block digests, one
+block at a time (:func:`.local_tier.check_stored_file`), before :func:`keep` moves it into place.
 
 Order: every pair first exchanges its index (names, sizes); round ``k`` then carries chunk ``k`` of every stream,
 every send and receive of a round posted before any is waited for, so no order can deadlock (gloo pairs the
@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 from dataclasses import dataclass
-from typing import Iterator, Union
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -59,27 +58,6 @@ class Spooled:
 
 
 Received = Union[bytes, Spooled]
-
-
-@contextlib.contextmanager
-def viewed(part: Received | str) -> Iterator[bytes | mmap.mmap]:
-    """The bytes of a received part or of a stored file (a path), without reading a file onto the heap."""
-    if isinstance(part, bytes):
-        yield part
-        return
-    path = part.path if isinstance(part, Spooled) else part
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:  # an empty file cannot be mapped
-            yield b""
-            return
-        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            yield view
-        finally:
-            try:
-                view.close()
-            except BufferError:  # a raised check's traceback still holds slices: unmapped once they are freed
-                pass
 
 
 def keep(part: Received, storage: Storage, path: str) -> None:
@@ -124,15 +102,20 @@ def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, s
     (``incoming[src]`` names the sender in errors).  Files arrive spooled under ``spool_dir``, inline parts as
     bytes.  Every rank involved must call it with matching arguments."""
     me = dist.get_rank(group) if group is not None else dist.get_rank()
-    os.makedirs(spool_dir, exist_ok=True)
-    for stale in os.listdir(spool_dir):  # this rank's leftovers from a transfer a crash interrupted
-        if stale.startswith(f"r{me}-"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(spool_dir, stale))
+    setup: OSError | None = None
+    try:  # a failure here must not skip the exchange: the peers would wait for it until the group times out
+        os.makedirs(spool_dir, exist_ok=True)
+        for stale in os.listdir(spool_dir):  # this rank's leftovers from a transfer a crash interrupted
+            if stale.startswith(f"r{me}-"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(spool_dir, stale))
+    except OSError as e:
+        e.filename = e.filename or spool_dir
+        setup = e
     indexes = exchange({dst: json.dumps([[p.name, p.size, p.path is not None] for p in parts]).encode()
                         for dst, parts in outgoing.items()}, list(incoming), group)
     senders = {dst: _Sender(parts) for dst, parts in outgoing.items()}
-    receivers = {src: _Receiver(_index(indexes[src], incoming[src]), spool_dir, f"r{me}-from{src}", incoming[src])
+    receivers = {src: _Receiver(indexes[src], spool_dir, f"r{me}-from{src}", incoming[src], setup)
                  for src in incoming}
     try:
         while True:
@@ -152,8 +135,8 @@ def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, s
             r.close(discard=True)
         raise
     received = {src: r.close() for src, r in receivers.items()}
-    error = next((e for e in [*(s.error for s in senders.values()), *(r.error for r in receivers.values())] if e),
-                 None)
+    error = next((e for e in [setup, *(s.error for s in senders.values()), *(r.error for r in receivers.values())]
+                  if e), None)
     if error is not None:
         discard(received)
         raise error
@@ -166,7 +149,7 @@ def _index(message: bytes, sender: str) -> list[tuple[str, int, bool]]:
         if any(size < 0 for _, size, _ in index):
             raise ValueError("a negative size")
         return index
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # its sender streams nothing it cannot describe; nothing to drain here
         raise CorruptCheckpointError(f"a malformed transfer index from {sender}: {e}", sender=sender) from None
 
 
@@ -206,14 +189,18 @@ class _Sender:
 class _Receiver:
     """One stream in: inline parts collected in memory, files appended to spool files."""
 
-    def __init__(self, index: list[tuple[str, int, bool]], spool_dir: str, prefix: str, sender: str) -> None:
-        self.index, self.spool_dir, self.prefix, self.sender = index, spool_dir, prefix, sender
-        self.remaining = sum(size for _, size, _ in index)
+    def __init__(self, message: bytes, spool_dir: str, prefix: str, sender: str, setup: OSError | None) -> None:
+        self.spool_dir, self.prefix, self.sender = spool_dir, prefix, sender
         self.part, self.offset = 0, 0
         self.done: dict[str, Received] = {}
         self.inline = bytearray()
         self.file = None
-        self.error: OSError | None = None
+        self.error: OSError | CorruptCheckpointError | None = setup  # set: what arrives is dropped
+        try:
+            self.index = _index(message, sender)
+        except CorruptCheckpointError as e:  # a sender we cannot follow streams nothing we expect: expect nothing
+            self.index, self.error = [], e
+        self.remaining = sum(size for _, size, _ in self.index)
         self._skip_empty()
 
     def next_size(self) -> int:
@@ -252,7 +239,18 @@ class _Receiver:
             self.file.write(piece)
         except OSError as e:
             e.filename = e.filename or self._path()
-            self.error = e
+            self._fail(e)
+
+    def _fail(self, error: OSError) -> None:
+        """Drop the rest of the stream: close and remove the part being written now (a full disk needs the space
+        back before the next save, not at the next transfer)."""
+        self.error = error
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                self.file.close()
+            self.file = None
+        with contextlib.suppress(OSError):
+            os.unlink(self._path())
 
     def _finish_part(self, name: str, size: int, spooled: bool) -> None:
         if not spooled:
@@ -265,24 +263,24 @@ class _Receiver:
                 self.file.flush()
                 os.fsync(self.file.fileno())
                 self.file.close()
+                self.file = None
                 self.done[name] = Spooled(self._path(), size)
             except OSError as e:
                 e.filename = e.filename or self._path()
-                self.error = e
-        self.file = None
+                self._fail(e)
         self.part, self.offset = self.part + 1, 0
 
     def close(self, discard: bool = False) -> dict[str, Received]:
         if self.file is not None:
-            self.file.close()
+            with contextlib.suppress(OSError):
+                self.file.close()
             self.file = None
+            if not discard and self.error is None:  # the stream ended inside a part: a bug, never kept
+                self.error = OSError(f"the stream from {self.sender} ended inside part {self.part}")
         if discard or self.error is not None:
-            for part in self.done.values():
-                if isinstance(part, Spooled):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(part.path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path())
+            for part in range(min(self.part, len(self.index) - 1) + 1):  # every spool file this stream may have made
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.spool_dir, f"{self.prefix}-{part}"))
             return {}
         return self.done
 

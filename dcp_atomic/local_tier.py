@@ -37,7 +37,7 @@ import torch.distributed as dist
 from . import failpoints
 from .commit import commit_order, listed_steps, write_rank_records
 from .errors import CheckpointError, CorruptCheckpointError, StorageError
-from .file_transfer import Part, Received, discard, keep, transfer, viewed
+from .file_transfer import Part, Received, Spooled, discard, keep, transfer
 from .integrity import block_digest, sha256_hex, verify_segments
 from .layout import DCP_METADATA, MANIFEST, RunLayout
 from .manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, now, shard_name
@@ -190,6 +190,27 @@ def check_file(entry: FileEntry, data: bytes, where: str) -> None:
                                              "was written", path=where, block=block)
 
 
+def check_stored_file(entry: FileEntry, path: str, where: str) -> None:
+    """:func:`check_file` for a file on disk, read one block (or frame) at a time: memory stays one block whatever
+    the file's size, and a failing disk is an ``OSError`` naming the file (a memory map would crash on it)."""
+    size = os.path.getsize(path)
+    if size != entry.size:
+        raise CorruptCheckpointError(f"{where}: {size} bytes, the shard records {entry.size}", path=where)
+    with open(path, "rb", buffering=0) as f:
+        for item in entry.items:
+            what = f"{where} item {item.key!r}"
+            offsets = item.frame_offsets() if item.length else [0, 0]  # an empty raw item has one digest: of b""
+            if len(offsets) - 1 != len(item.checksums):
+                raise CorruptCheckpointError(f"{what}: {len(offsets) - 1} blocks, {len(item.checksums)} digests",
+                                             path=where)
+            for block, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+                data = os.pread(f.fileno(), hi - lo, item.pos + lo)
+                if len(data) != hi - lo or block_digest(data) != item.checksums[block]:
+                    raise CorruptCheckpointError(f"{what}: block {block} (bytes {lo}..{hi} of the item) does not match "
+                                                 "its digest; the file was damaged after it was written", path=where,
+                                                 block=block)
+
+
 def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int) -> list[Part]:
     """Rank ``rank``'s shard and data files as this root stores them, each verified: the parts to send."""
     storage, step, save_id = layout.storage, manifest.step, manifest.save_id
@@ -199,8 +220,7 @@ def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int) -> list[Pa
     parts = [Part.inline(shard_name(rank), shard_bytes)]
     for entry in shard.files:
         file_path = layout.data_file(step, save_id, entry.name, manifest.data_prefixes)
-        with viewed(file_path) as data:
-            check_file(entry, data, file_path)
+        check_stored_file(entry, file_path, file_path)
         parts.append(Part(entry.name, entry.size, path=file_path))
     return parts
 
@@ -214,8 +234,11 @@ def write_rank_files(layout: RunLayout, manifest: Manifest, rank: int, parts: di
     for entry in shard.files:
         if entry.name not in parts:
             raise CorruptCheckpointError(f"{where}: {entry.name} is missing from the transfer", rank=rank)
-        with viewed(parts[entry.name]) as data:
-            check_file(entry, data, f"{where}: {entry.name}")
+        part = parts[entry.name]
+        if isinstance(part, Spooled):
+            check_stored_file(entry, part.path, f"{where}: {entry.name}")
+        else:
+            check_file(entry, part, f"{where}: {entry.name}")
     storage.makedirs(layout.attempt_dir(step, save_id))
     for entry in shard.files:
         keep(parts[entry.name], storage, layout.data_file(step, save_id, entry.name, manifest.data_prefixes))

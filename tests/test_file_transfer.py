@@ -20,12 +20,16 @@ def _files(directory: str, rank: int, sizes: list[int]) -> list[str]:
     return paths
 
 
-def _ring(ctx, sizes, truncate_after_index=False):
-    """Each rank sends an inline part and files of ``sizes`` to the next rank; counts every message's size."""
+def _ring(ctx, sizes, truncate_after_index=False, fault_on_rank1=None):
+    """Each rank sends an inline part and files of ``sizes`` to the next rank; counts every message's size.
+    ``fault_on_rank1``: "spool" (its spool directory cannot be made), "fsize" (its writes fail past 1.5 chunks)."""
+    import resource
+    import signal
+
     import torch.distributed as dist
 
     from dcp_atomic import file_transfer
-    from dcp_atomic.file_transfer import Part, Spooled, transfer, viewed
+    from dcp_atomic.file_transfer import Part, Spooled, transfer
 
     file_transfer.CHUNK_BYTES = CHUNK
     sent_sizes = []
@@ -41,18 +45,24 @@ def _ring(ctx, sizes, truncate_after_index=False):
     world = ctx.world_size
     source = (ctx.rank - 1) % world
     spool = os.path.join(mine, ".incoming")
+    if ctx.rank == 1 and fault_on_rank1 == "spool":
+        open(spool, "wb").close()  # a stray file where the spool directory goes
+    if ctx.rank == 1 and fault_on_rank1 == "fsize":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (CHUNK * 3 // 2, resource.RLIM_INFINITY))
     try:
         received = transfer({(ctx.rank + 1) % world: parts}, {source: f"rank {source}"}, dist.group.WORLD, spool)
     except OSError as e:
-        return {"error": str(e), "spool": os.listdir(spool)}
+        return {"error": str(e), "spool": os.listdir(spool) if os.path.isdir(spool) else None}
     finally:
         dist.isend = real_isend
     got = received[source]
     os.makedirs(os.path.join(ctx.root, "expect"), exist_ok=True)
     equal = []
     for i, path in enumerate(_files(os.path.join(ctx.root, "expect"), source, sizes)):
-        with viewed(got[f"file{i}"]) as data, open(path, "rb") as f:
-            equal.append(isinstance(got[f"file{i}"], Spooled) and bytes(data) == f.read())
+        part = got[f"file{i}"]
+        with open(part.path, "rb") as spooled, open(path, "rb") as f:
+            equal.append(isinstance(part, Spooled) and spooled.read() == f.read())
     return {"inline": got["shard"], "equal": equal, "largest_message": max(sent_sizes),
             "spooled": sorted(os.listdir(spool))}
 
@@ -73,3 +83,17 @@ def test_a_file_truncated_mid_transfer_fails_on_the_sender_and_its_receiver_gets
     # The receiver got the whole stream (the sender padded it): the first file exact, the second not what was
     # stored, which the block digests of write_rank_files refuse (tests/test_tiers.py covers that refusal).
     assert results[1]["equal"] == [True, False]
+
+
+def test_a_rank_that_cannot_make_its_spool_fails_alone_and_at_once_its_peers_complete(root):
+    # Before: the failing rank skipped the exchange and its peers waited in it until the group timed out.
+    results = assert_all_ok(run_world(_ring, 2, root, args=([3 * CHUNK], False, "spool"), timeout=60, pg_timeout=20))
+    assert ".incoming" in results[1]["error"] and results[1]["spool"] is None
+    assert results[0]["equal"] == [True]  # rank 1 still sent its files: rank 0's transfer completed
+
+
+def test_a_write_that_fails_mid_file_leaves_no_spool_file_behind(root):
+    results = assert_all_ok(run_world(_ring, 2, root, args=([3 * CHUNK, CHUNK], False, "fsize"), timeout=60))
+    assert "File too large" in results[1]["error"], results[1]
+    assert results[1]["spool"] == []  # the partial file went at once, not at the next transfer
+    assert results[0]["equal"] == [True, True]
