@@ -159,14 +159,22 @@ def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed:
 
     # An earlier attempt of this drain may have placed the marker and then failed on LATEST: then the marker it
     # placed is accepted, and LATEST is written now.
-    marker = place_marker(durable, marker, overwrite=False, resumed=resumed, timeout=timeout,
-                          conflict_message=conflict, what="drain")
-    newest = _latest_sequence(durable)
-    if newest is not None and (marker.sequence or 0) < newest:
-        log.warning("drain: step %d (sequence %s) is committed to the durable root, but LATEST stays on a newer "
-                    "commit (sequence %d)", job.step, marker.sequence, newest)
-        return marker
     try:
+        marker = place_marker(durable, marker, overwrite=False, resumed=resumed, timeout=timeout,
+                              conflict_message=conflict, what="drain")
+    except CommitConflictError:
+        raise
+    except (OSError, CheckpointError) as e:  # before or after the marker's create: say which, if we can tell
+        reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+        where = getattr(e, "filename", None) or durable.marker(job.step)
+        raise StorageError(reason, step=job.step, rank=0, path=str(where),
+                           committed=None if _holds_marker_of(durable, job) else False) from e
+    try:
+        newest = _latest_sequence(durable)
+        if newest is not None and (marker.sequence or 0) < newest:
+            log.warning("drain: step %d (sequence %s) is committed to the durable root, but LATEST stays on a newer "
+                        "commit (sequence %d)", job.step, marker.sequence, newest)
+            return marker
         write_latest(durable, marker)
     except (OSError, CheckpointError) as e:
         reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
@@ -192,6 +200,15 @@ def _local_manifest(local: RunLayout, job: DrainJob) -> Manifest:
         raise CorruptCheckpointError(f"{local.marker(job.step)}: names save {marker.save_id}, the drain was asked for "
                                      f"{job.save_id}", path=local.marker(job.step))
     return read_manifest(local, marker)
+
+
+def _holds_marker_of(durable: RunLayout, job: DrainJob) -> bool:
+    """Whether the durable root now shows this drain's marker (a failure inside the marker step came after it)."""
+    try:
+        marker = Marker.from_json(durable.storage.read_file(durable.marker(job.step)), where=durable.marker(job.step))
+    except (OSError, CheckpointError):
+        return False
+    return marker.save_id == job.save_id
 
 
 def _latest_sequence(durable: RunLayout) -> int | None:

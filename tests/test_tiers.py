@@ -599,3 +599,26 @@ def test_kill_matrix_a_restart_loads_the_newest_local_commit_exactly_and_gc_coll
     for out in assert_all_ok(_run(_load_durable, root, nodes, 10)) if drain_kill is not None else ():
         assert out["latest"] == 10
         _exact(out["full"], torch.load(os.path.join(root, "expected10.pt")))
+
+
+def _drain_with_an_unreadable_latest(ctx):
+    """World 1: the durable LATEST is a directory, so everything after the marker fails; returns close()'s error."""
+    from dcp_atomic import CheckpointManager, drain
+
+    drain.DRAIN_ATTEMPTS = 1
+    durable, local = os.path.join(ctx.root, "durable"), os.path.join(ctx.root, "local")
+    os.makedirs(os.path.join(durable, RUN, "LATEST"))
+    manager = CheckpointManager(durable, RUN, local_root=local, durable_every=1, replicas=0, timeout=10)
+    manager.save(1, {"w": torch.arange(4.0)})
+    try:
+        manager.close()
+    except Exception as e:  # the drain's failure
+        return {"error": str(e), "committed": os.path.exists(os.path.join(durable, RUN, f"step_{1:010d}", "COMMITTED"))}
+    return {"error": None}
+
+
+def test_a_drain_failing_after_its_marker_says_the_step_is_committed(root):
+    # Before: the read of LATEST after the marker failed outside the "committed" path: "No durable marker was written".
+    [out] = assert_all_ok(run_world(_drain_with_an_unreadable_latest, 1, root, timeout=60))
+    assert out["committed"] and "is committed to the durable root" in out["error"], out
+    assert "No durable marker" not in out["error"]
