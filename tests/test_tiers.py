@@ -452,7 +452,7 @@ def _drain_into_a_full_disk(ctx, ballast):
         manager.wait()  # raised once
         dist.barrier()
         if ctx.rank == 0:
-            os.unlink(ballast)  # space is back
+            shutil.rmtree(ballast)  # space is back
         dist.barrier()
         _train_step(model, optim, 20)
         manager.save(20, _state(model, optim, 20), durable=True)
@@ -463,15 +463,8 @@ def _drain_into_a_full_disk(ctx, ballast):
 
 def test_a_drain_into_a_full_durable_root_is_reported_and_a_later_drain_succeeds(nodes):
     with small_tmpfs_ctx(size_kib=1024) as durable:
-        ballast = os.path.join(durable.path, "ballast")
-        with open(ballast, "wb") as f:  # fill the durable root: a real ENOSPC for the uploads
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            except OSError:
-                pass
-        outcomes = assert_all_ok(_run(_drain_into_a_full_disk, durable.path, nodes, ballast))
+        durable.fill_bytes(leave=0)  # fill the durable root: a real ENOSPC for the uploads
+        outcomes = assert_all_ok(_run(_drain_into_a_full_disk, durable.path, nodes, durable.ballast_dir))
         for out in outcomes:
             assert out["raised"] is not None and out["raised"][0] == "StorageError", out["raised"]
             assert "No space left" in out["raised"][1] and "step 10" in out["raised"][1], out["raised"]
