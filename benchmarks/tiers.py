@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default %(default)s)")
     parser.add_argument("--hidden", type=int, default=1024, help="model width of the generated state")
     parser.add_argument("--repeats", type=int, default=3, help="counted rounds (default %(default)s)")
-    parser.add_argument("--server", default="seaweedfs", help="S3 server: seaweedfs (default), moto or a URL")
+    parser.add_argument("--server", default="seaweedfs", help="S3 server: seaweedfs (default), moto or an endpoint "
+                        "URL (credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)")
     parser.add_argument("--disk-root", default=None, help="durable directory on a disk (default /var/tmp)")
     parser.add_argument("--no-warmup", action="store_true", help="verify in the first counted round instead")
     parser.add_argument("--no-cold", action="store_true", help="do not drop the page cache before restores")
@@ -428,12 +429,14 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--disk-root {disk_parent} is on {fs_type(disk_parent)}, not a disk")
         disk = stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-tiers-durable-", dir=disk_parent))
         endpoint = stack.enter_context(server(args.server, None))
-        options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench",
+        key = os.environ.get("AWS_ACCESS_KEY_ID", "bench")  # a --server URL may need real credentials
+        secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "bench")
+        options = {"endpoint_url": endpoint, "key": key, "secret": secret,
                    "client_kwargs": {"region_name": "us-east-1"}}
         import boto3
 
         bucket = f"dcp-tiers-{secrets.token_hex(4)}"
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
                      region_name="us-east-1").create_bucket(Bucket=bucket)
         say(f"two tiers: {data_bytes / GB:.3f} GB of tensors over {WORLD} ranks as {NODES} nodes; local roots: {how}"
             f" ({', '.join(f'{n} ({fs_type(n)})' for n in nodes)}); durable: {disk} ({fs_type(disk)}) and "
