@@ -58,6 +58,7 @@ _lock = threading.RLock()  # reentrant: a collection inside a locked section may
 _changed = threading.Condition(_lock)  # wakes the watchdog when a lease begins
 _pauses = 0  # pauses and leases in progress, all threads together
 _was_enabled = False  # collection was on when the first of them began
+_blocks: dict[int, int] = {}  # thread ident -> its gc_paused blocks in progress (a forked child keeps its own)
 
 
 class _Lease:
@@ -94,12 +95,17 @@ def _resume() -> None:
 def gc_paused() -> Iterator[None]:
     """No cyclic collection inside the block (reference counting still frees everything); collection is on
     again once every overlapping pause and lease has ended, unless it was off before the first began."""
+    ident = threading.get_ident()
     with _lock:
         _pause()
+        _blocks[ident] = _blocks.get(ident, 0) + 1
     try:
         yield
     finally:
         with _lock:
+            _blocks[ident] -= 1
+            if not _blocks[ident]:
+                del _blocks[ident]
             _resume()
 
 
@@ -181,15 +187,19 @@ def leases_held() -> int:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has only the forking thread: the parent's leases and watchdog are not its own."""
+    """A forked child has only the forking thread: the parent's leases, watchdog and other threads' pauses are
+    not its own (a DataLoader worker forked while an async save's thread sits in a hook must collect)."""
     global _lock, _changed, _watchdog, _pauses
     _lock = threading.RLock()
     _changed = threading.Condition(_lock)
     _watchdog = None
-    leased = len(_leases)
     _leases.clear()
-    _pauses -= leased
-    if leased and _pauses == 0 and _was_enabled:
+    mine = _blocks.get(threading.get_ident(), 0)
+    _blocks.clear()
+    if mine:
+        _blocks[threading.get_ident()] = mine
+    held, _pauses = _pauses, mine
+    if held and not mine and _was_enabled:
         gc.enable()
 
 

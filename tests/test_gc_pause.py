@@ -276,3 +276,34 @@ def test_forked_child_does_not_inherit_the_parents_leases():
         gc_pause.leave(gc_pause.STORAGE)
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child kept the parent's pause"
     assert gc.isenabled() and gc_pause.leases_held() == 0
+
+
+def test_forked_child_does_not_inherit_another_threads_pause():
+    """An async save's thread inside a hook (gc_paused) while the training thread forks a worker: the worker has no
+    such thread, so that pause is not its own; one the forking thread holds itself stays until it ends."""
+    import os
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    def in_a_hook():
+        with gc_pause.gc_paused():
+            inside.set()
+            release.wait(30)
+
+    worker = threading.Thread(target=in_a_hook)
+    worker.start()
+    try:
+        assert inside.wait(30) and not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:
+            ok = gc.isenabled()
+            with gc_pause.gc_paused():  # the child's own pauses still count as usual
+                ok = ok and not gc.isenabled()
+            os._exit(0 if ok and gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        worker.join(30)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child kept another thread's pause"
+    assert gc.isenabled()
