@@ -317,7 +317,9 @@ class AtomicStorageReader(SharedReads, StorageReader):
         self.step = self.save_id = self.committed = None
 
     def read_metadata(self) -> Metadata:
-        with hook(STORAGE, first=True):  # the load's lease (gc_pause): ends after read_data
+        # Not the lease's first hook: read_metadata is also called on its own (export, listing keys), where no
+        # later hook would end a lease; DCP calls set_up_storage_reader right after it, before any collective.
+        with hook(STORAGE):
             return self._read_metadata()
 
     def _read_metadata(self) -> Metadata:
@@ -335,7 +337,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        with hook(STORAGE):
+        with hook(STORAGE, first=True):  # the load's lease (gc_pause): ends after read_data
             self._set_up(metadata, is_coordinator, kwargs)
 
     def _set_up(self, metadata: Metadata, is_coordinator: bool, kwargs: dict) -> None:

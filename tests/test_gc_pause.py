@@ -307,3 +307,17 @@ def test_forked_child_does_not_inherit_another_threads_pause():
         worker.join(30)
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child kept another thread's pause"
     assert gc.isenabled()
+
+
+def test_read_metadata_on_its_own_leaves_no_lease(tmp_path):
+    """export and key listings call read_metadata outside dcp.load: no later hook would end a lease begun there."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=AtomicStorageWriter(str(tmp_path), "run", 1), no_dist=True)
+    assert gc.isenabled() and gc_pause.leases_held() == 0
+    metadata = AtomicStorageReader(str(tmp_path), "run", 1).read_metadata()
+    assert "w" in metadata.state_dict_metadata
+    assert gc.isenabled() and gc_pause.leases_held() == 0
