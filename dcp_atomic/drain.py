@@ -9,8 +9,8 @@ steps go: ``durable=`` per save, else the manager's ``durable_every`` policy.  O
    one it chose itself (the ranks' queues fill at slightly different moments);
 2. each rank uploads *its own* primary files (its manifest shard and data files) from its own local root to the
    durable attempt directory ``<root>/<run_id>/step_N/<save_id>/``, one file at a time, each checked against the
-   shard's block digests as it is read: the stored bytes travel, never re-serialised, never staged from device
-   memory again;
+   shard's block digests a block at a time, then streamed in :data:`COPY_CHUNK` pieces: the stored bytes travel,
+   never re-serialised, never staged from device memory again, and never a whole file in memory;
 3. every rank reports; rank 0 alone commits, as :mod:`.commit` does: ``ranks.json``, ``.metadata``, the local
    manifest (verbatim: its digest is the local marker's), fsync, the marker created exclusively, ``LATEST``.  The
    marker carries the step's *local* commit sequence: a step keeps its place in the run's history whichever tier
@@ -49,12 +49,14 @@ from .commit import ResumePoint, place_marker, write_latest
 from .errors import CheckpointError, CommitConflictError, CorruptCheckpointError, StorageError
 from .integrity import sha256_hex
 from .layout import DCP_METADATA, MANIFEST, RunLayout
-from .local_tier import check_file, check_shard, read_manifest
+from .local_tier import check_shard, check_stored_file, read_manifest
 from .manifest import RANKS_FILE, Latest, Manifest, Marker, now, shard_name
+from .storage import Storage
 from .version import __version__
 
 log = logging.getLogger(__name__)
 
+COPY_CHUNK = 8 << 20  # bytes of a data file the drain reads and uploads at a time
 DRAIN_ATTEMPTS = 3  # per step; a newer step waiting supersedes the retries
 RETRY_BACKOFF = 1.0  # seconds before the second attempt, doubled after each
 
@@ -109,22 +111,40 @@ def upload_own(local: RunLayout, durable: RunLayout, job: DrainJob, rank: int) -
     storage = durable.storage
     storage.makedirs(durable.attempt_dir(job.step, job.save_id))
     done = Uploaded()
-    for entry in shard.files:  # one file in memory at a time
+    for entry in shard.files:
         source = local.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
-        data = local.storage.read_file(source)
-        check_file(entry, data, source)
+        check_stored_file(entry, source, source)  # a block at a time
         target = durable.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
         if manifest.data_prefixes:
             storage.makedirs(target.rsplit("/", 1)[0])
         try:
-            storage.publish(target, data)
+            _copy_file(source, storage, target)
         except OSError as e:  # name the file, not only the directory (a short write carries no file name)
             e.filename = e.filename or target
             raise
-        done.bytes += len(data)
+        done.bytes += entry.size
         done.files += 1
     storage.publish(durable.attempt_file(job.step, job.save_id, shard_name(rank)), shard_bytes)
     return done
+
+
+def _copy_file(source: str, storage: Storage, target: str) -> None:
+    """Stream a local file to ``target`` in the durable store, :data:`COPY_CHUNK` bytes at a time (an object store
+    gets a multipart upload for a large file), so the drain holds one chunk, not a data file, in memory.  A
+    durable file left by a failed earlier attempt of this drain is replaced."""
+    try:
+        stream = storage.open_write(target)
+    except FileExistsError:  # the same attempt directory, an earlier try: nothing references it yet
+        storage.remove(target)
+        stream = storage.open_write(target)
+    try:
+        with open(source, "rb", buffering=0) as f:
+            while chunk := f.read(COPY_CHUNK):
+                stream.write(chunk)
+        storage.close_write(stream)
+    except BaseException:
+        storage.abort_write(stream)
+        raise
 
 
 def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed: ResumePoint | None,
