@@ -119,13 +119,12 @@ def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, s
                  for src in incoming}
     try:
         while True:
-            buffers = {src: torch.empty(n, dtype=torch.uint8) for src, r in receivers.items() if (n := r.next_size())}
-            chunks = {dst: chunk for dst, s in senders.items() if (chunk := s.next_chunk())}
+            buffers = {src: r.buffer(n) for src, r in receivers.items() if (n := r.next_size())}
+            chunks = {dst: chunk for dst, s in senders.items() if (chunk := s.next_chunk()) is not None}
             if not buffers and not chunks:
                 break
             works = [dist.irecv(b, src=src, group=group, tag=_TAG + 2) for src, b in buffers.items()]
-            works += [dist.isend(torch.frombuffer(chunk, dtype=torch.uint8), dst=dst, group=group, tag=_TAG + 2)
-                      for dst, chunk in chunks.items()]
+            works += [dist.isend(chunk, dst=dst, group=group, tag=_TAG + 2) for dst, chunk in chunks.items()]
             for work in works:
                 work.wait()
             for src, buffer in buffers.items():
@@ -154,36 +153,49 @@ def _index(message: bytes, sender: str) -> list[tuple[str, int, bool]]:
 
 
 class _Sender:
-    """One stream out: the parts' bytes in order, a chunk at a time."""
+    """One stream out: the parts' bytes in order, a chunk at a time, read into one buffer the stream reuses (the
+    previous round's send has completed before the next chunk is read)."""
 
     def __init__(self, parts: list[Part]) -> None:
         self.parts, self.part, self.offset = parts, 0, 0
         self.error: OSError | None = None
+        self._buffer: torch.Tensor | None = None
 
-    def next_chunk(self) -> bytearray | None:
-        chunk = bytearray()
-        while len(chunk) < CHUNK_BYTES and self.part < len(self.parts):
+    def next_chunk(self) -> torch.Tensor | None:
+        length = min(CHUNK_BYTES, sum(p.size for p in self.parts[self.part:]) - self.offset)
+        if length <= 0:
+            return None
+        if self._buffer is None or self._buffer.numel() < length:
+            self._buffer = torch.empty(min(CHUNK_BYTES, length), dtype=torch.uint8)
+        chunk = self._buffer[:length]
+        view, filled = memoryview(chunk.numpy()), 0
+        while filled < length:
             part = self.parts[self.part]
-            take = min(part.size - self.offset, CHUNK_BYTES - len(chunk))
-            chunk += self._read(part, self.offset, take)
+            take = min(part.size - self.offset, length - filled)
+            self._read(part, self.offset, view[filled:filled + take])
+            filled += take
             self.offset += take
             if self.offset == part.size:
                 self.part, self.offset = self.part + 1, 0
-        return chunk or None
+        return chunk
 
-    def _read(self, part: Part, offset: int, length: int) -> bytes:
+    def _read(self, part: Part, offset: int, into: memoryview) -> None:
         if part.data is not None:
-            return part.data[offset:offset + length]
+            into[:] = part.data[offset:offset + len(into)]
+            return
         if self.error is None:
             try:
-                with open(part.path, "rb", buffering=0) as f:
-                    data = os.pread(f.fileno(), length, offset)
-                if len(data) == length:
-                    return data
-                raise OSError(f"{part.path}: {len(data)} bytes at offset {offset}, expected {length} (truncated?)")
+                fd = os.open(part.path, os.O_RDONLY)
+                try:
+                    got = os.preadv(fd, [into], offset)
+                finally:
+                    os.close(fd)
+                if got == len(into):
+                    return
+                raise OSError(f"{part.path}: {got} bytes at offset {offset}, expected {len(into)} (truncated?)")
             except OSError as e:
                 self.error = e
-        return bytes(length)  # the peer waits for these bytes; the receiver's check refuses them
+        into[:] = bytes(len(into))  # the peer waits for these bytes; the receiver's check refuses them
 
 
 class _Receiver:
@@ -195,6 +207,7 @@ class _Receiver:
         self.done: dict[str, Received] = {}
         self.inline = bytearray()
         self.file = None
+        self._buffer: torch.Tensor | None = None
         self.error: OSError | CorruptCheckpointError | None = setup  # set: what arrives is dropped
         try:
             self.index = _index(message, sender)
@@ -205,6 +218,12 @@ class _Receiver:
 
     def next_size(self) -> int:
         return min(self.remaining, CHUNK_BYTES)
+
+    def buffer(self, length: int) -> torch.Tensor:
+        """Where the next chunk arrives: one buffer per stream, reused (a round's chunk is fed before the next)."""
+        if self._buffer is None or self._buffer.numel() < length:
+            self._buffer = torch.empty(length, dtype=torch.uint8)
+        return self._buffer[:length]
 
     def feed(self, data: memoryview) -> None:
         self.remaining -= len(data)
