@@ -215,7 +215,8 @@ class PeerLink:
         """Every rank says whether its share of this round failed; all learn who did."""
         flags = torch.zeros(dist.get_world_size(self.group), dtype=torch.int32, device=self.device)
         flags[self.rank] = int(failed)
-        self._wait([(None, dist.all_reduce(flags, group=self.group, async_op=True))], what, timeout=None)
+        self._wait([(None, self._issue(None, lambda: dist.all_reduce(flags, group=self.group, async_op=True)))],
+                   what, timeout=None)
         return [r for r, flag in enumerate(flags.tolist()) if flag]
 
     def post(self, buffer: torch.Tensor, sends: list[tuple[int, int, int, int]], offsets: list[int],
@@ -226,11 +227,21 @@ class PeerLink:
         works = []
         inbox = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _, nbytes, _ in receives]
         for (sender, _, tag), message in zip(receives, inbox):
-            works.append((sender, dist.irecv(message, group=self.group, group_src=sender, tag=tag)))
+            works.append((sender, self._issue(sender, lambda m=message, s=sender, t=tag: dist.irecv(
+                m, group=self.group, group_src=s, tag=t))))
         for receiver, first, stop, tag in sends:
             piece = device_buffer[offsets[first]:offsets[stop]]
-            works.append((receiver, dist.isend(piece, group=self.group, group_dst=receiver, tag=tag)))
+            works.append((receiver, self._issue(receiver, lambda p=piece, r=receiver, t=tag: dist.isend(
+                p, group=self.group, group_dst=r, tag=t))))
         return Transfer(self, works, inbox, what)
+
+    @staticmethod
+    def _issue(peer: int | None, start):
+        """Start one operation: a connection a dead peer already closed fails here, at once, not in ``wait``."""
+        try:
+            return start()
+        except Exception as e:
+            raise PeerError(peer, f"{type(e).__name__}: {shorten(str(e).strip(), 300)}") from None
 
     def _wait(self, works: list, what: str, timeout: datetime.timedelta | None) -> None:
         for peer, work in works:
