@@ -16,6 +16,27 @@ So ``ModelCheckpoint``'s bookkeeping (top-k, ``last.ckpt``, ``-vN``, ``ckpt_path
 crash never leaves a half-written checkpoint Lightning could resume from, loads verify every byte, and a state
 no file names any more is removed through retention (the step, or the name's whole run).
 
+The local tier (``strategy(local_root="/local_nvme/ckpt", replicas=1)``; README "Two tiers"): the sharded state of
+every file then goes through one :class:`~dcp_atomic.CheckpointManager` per ``dirpath`` (run ``tier-<digest of
+dirpath>`` under ``<dirpath>/<run_id>/``, built on first use, in the same order on every rank), committed first to
+each node's ``local_root`` with replicas on other failure domains, then drained to ``dirpath`` in the background.
+What changes and why:
+
+* each save takes a *fresh* manager step, above every step either tier holds and every step a file names, so a
+  re-saved name or a rollback never reuses a step and the durable root never has to replace a commit; the file
+  records that step and its ``save_id``;
+* ``ckpt_path`` loads exactly that step (``CheckpointManager.load(step=)`` looks at that step alone in both tiers),
+  from whichever copy can be assembled: own local files, a peer's replicas (a replaced node), else the durable copy
+  once drained; the save_id is checked against the file's.  Never "the newest" instead: a file whose step has no
+  copy left is a :class:`CheckpointNotFoundError` saying so.  ``restored_from`` says which tier served;
+* every file is drained (Lightning saves are rare and each is a file a user may resume from), and never skipped:
+  the drain queue replaces a waiting step with a newer one, which here would leave a file local-only, so each save
+  first waits for the previous file's drain (at most one drain runs behind training);
+* a step no file in ``dirpath`` names any more (top-k rotation, a re-saved name) is retired from both tiers at the
+  next save and at the end of ``fit``, never while its drain runs (both happen after ``manager.wait()``), so no
+  drain can bring it back; the end of ``fit`` waits for the last drain, and a save outside ``fit``
+  (``trainer.save_checkpoint`` afterwards) waits for its own, so every file is durable when they return.
+
 Both packages work: ``AtomicModelParallelStrategy`` is built over ``pytorch_lightning``'s ``ModelParallelStrategy``
 (over ``lightning.pytorch``'s where only that is installed), ``LightningAtomicModelParallelStrategy`` over
 ``lightning.pytorch``'s.  ``LightningModule.load_from_checkpoint`` on one of these files needs
@@ -41,6 +62,7 @@ from ..backends import open_storage
 from ..catalog import DEFAULT_TIMEOUT
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
 from ..layout import RunLayout, parse_checkpoint_id
+from ..manager import CheckpointManager
 from ..parallelism import Parallelism
 from ..planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..reader import AtomicStorageReader
@@ -54,17 +76,7 @@ POINTER_RECORD = "dcp_atomic_pointer.json"  # inside the archive: {POINTER_KEY: 
 MAX_POINTER_RECORD_BYTES = 64 * 1024
 _UNSAFE_RUN_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
-# Why the strategy has no local tier: the tier's truth is "the newest step any copy can assemble, by commit sequence",
-# one run per job; here every file Lightning names is its own run, re-saved in place, and ``ckpt_path`` loads exactly
-# the step that file's non-tensor state (loops, callbacks) describes.  A tier would have to restore that exact step
-# or nothing, and a rollback (``ckpt_path`` of an older file) re-saves names whose drained steps the durable root
-# refuses to replace: neither fits without changing what a Lightning file means.
-LOCAL_TIER_REFUSAL = (
-    "the local tier is not available through Lightning's checkpoint files (each file name is its own run, re-saved "
-    "in place, and resuming must load exactly the step the file describes, which a restore from the newest "
-    "assemblable copy does not promise). Nothing was saved. Leave local_root out (every file is committed to its "
-    "dirpath), or save from a Callback with dcp_atomic.CheckpointManager(root, run_id, local_root=...), which "
-    "restores from the node-local tier (README, \"Two tiers\")")
+TIER_DIGEST_CHARS = 12  # "tier-<12 hex>": never a name's run, whose digest has 8 (checkpoint_id_for)
 
 
 def checkpoint_id_for(path: str, step: int, namespace: str = "lightning") -> str:
@@ -79,18 +91,39 @@ def checkpoint_id_for(path: str, step: int, namespace: str = "lightning") -> str
     return f"{directory}/{namespace}/{readable}-{digest}/step_{step}"
 
 
+def tier_run_for(directory: str, namespace: str = "lightning") -> tuple[str, str]:
+    """The (root, run id) of the local tier's run for Lightning files in ``directory``: one run per directory, named
+    after its absolute path, because several directories may share one node's ``local_root``."""
+    directory = os.path.abspath(directory)
+    digest = hashlib.sha256(directory.encode()).hexdigest()[:TIER_DIGEST_CHARS]
+    return f"{directory}/{namespace}", f"tier-{digest}"
+
+
+class _Tier:
+    """One directory's manager, and the save_id of rank 0's last commit (``on_saved``) for the file to record."""
+
+    def __init__(self, manager: CheckpointManager, directory: str) -> None:
+        self.manager, self.directory = manager, directory
+        self.last_save_id: str | None = None
+        self.last_step = 0  # the highest step this process handed out: above it even once retired
+
+    def saved(self, stats: dict[str, Any]) -> None:
+        self.last_save_id = stats.get("save_id")
+
+
 class _AtomicCheckpointing:
     """The checkpointing half of the strategy, mixed over a ``ModelParallelStrategy`` (see :func:`strategy_class`)."""
 
     def __init__(self, *args: Any, run_id: str = "lightning", parallelism: Parallelism | None = None,
                  compression: str | None = None, timeout: float = DEFAULT_TIMEOUT, local_root: str | None = None,
-                 **kwargs: Any) -> None:
+                 replicas: int = 1, keep_local: int = 2, failure_domain: str | None = None, **kwargs: Any) -> None:
         """``run_id`` names the folder under each ``dirpath`` that holds the runs; ``parallelism`` is recorded
         for reshard checks (None: inferred from the DTensor meshes, Lightning's ``data_parallel`` /
-        ``tensor_parallel`` names included).  ``local_root`` is refused: see :data:`LOCAL_TIER_REFUSAL`."""
-        if local_root is not None:
-            raise ConfigurationError(f"{type(self).__name__}(local_root={local_root!r}): {LOCAL_TIER_REFUSAL}",
-                                     local_root=local_root)
+        ``tensor_parallel`` names included).  ``local_root`` (each node's own absolute path), ``replicas``,
+        ``keep_local``, ``failure_domain``: the local tier, as ``CheckpointManager`` takes them (module doc)."""
+        if local_root is not None and not os.path.isabs(os.fspath(local_root)):
+            raise ConfigurationError(f"{type(self).__name__}(local_root={local_root!r}): the local tier needs an "
+                                     "absolute path on each node's own storage; nothing was saved", local_root=os.fspath(local_root))
         super().__init__(*args, **kwargs)
         if parallelism is not None and not isinstance(parallelism, Parallelism):
             raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
@@ -98,41 +131,91 @@ class _AtomicCheckpointing:
         self.parallelism = parallelism
         self.compression = compression
         self.timeout = timeout
+        self.local_root = None if local_root is None else os.fspath(local_root)
+        self.replicas, self.keep_local, self.failure_domain = replicas, keep_local, failure_domain
+        self.restored_from: dict[str, Any] | None = None  # after a local-tier load: the manager's restored_from
+        self._tiers: dict[tuple[str, str], _Tier] = {}
+        self._fitting = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         path = os.path.abspath(self.broadcast(os.fspath(filepath)))
-        checkpoint_id = checkpoint_id_for(path, checkpoint["global_step"], self.run_id)
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self.local_root is not None:
+            return self._tier_save(checkpoint, path, state)
+        checkpoint_id = checkpoint_id_for(path, checkpoint["global_step"], self.run_id)
         # This name's own run: re-saving the name replaces what it held (Lightning overwrites its file), never
         # what another name holds.
         writer = AtomicStorageWriter(overwrite=True, timeout=self.timeout, parallelism=self.parallelism,
                                      compression=self.compression)
         dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, planner=AtomicSavePlanner())
+        self._publish(checkpoint, path, checkpoint_id)
+
+    def _publish(self, checkpoint: dict[str, Any], path: str, checkpoint_id: str,
+                 record: dict[str, Any] | None = None) -> None:
+        """Global rank 0 writes Lightning's file naming the committed ``checkpoint_id`` (then retires the state of
+        one tier that the file named before and no file names now); a failure reaches every rank."""
         checkpoint[POINTER_KEY] = checkpoint_id  # for AtomicCheckpointHooks, outside a Trainer
         failure = None
         if self.global_rank == 0:
             try:
                 replaced = _pointer(path)
-                _write_pointer(path, checkpoint, checkpoint_id)
+                _write_pointer(path, checkpoint, checkpoint_id, record)
             except Exception as e:  # noqa: BLE001 - sent to every rank below, so none waits in a collective for it
                 failure = f"{type(e).__name__}: {e}"
             else:
-                if replaced != checkpoint_id:
+                if replaced != checkpoint_id and not _is_tier_id(replaced):  # a tier's: retired at a quiet point
                     _retire_if_unreferenced(os.path.dirname(path), replaced)  # e.g. last.ckpt moved on
         failure = self.broadcast(failure)
         if failure is not None:
             raise CheckpointError(f"{checkpoint_id} is committed, but global rank 0 could not write Lightning's file "
                                   f"{path} that names it ({failure}); fix the cause and save again", path=path)
 
+    def _tier_save(self, checkpoint: dict[str, Any], path: str, state: dict[str, Any]) -> None:
+        """A save through the directory's manager at a fresh step, drained; the file names step and save_id."""
+        tier = self._tier(*tier_run_for(os.path.dirname(path), self.run_id), os.path.dirname(path))
+        manager = tier.manager
+        step = tier.last_step = self._quiet_point(tier)
+        tier.last_save_id = None
+        manager.save(step, state, metadata={"lightning_file": os.path.basename(path),
+                                            "global_step": checkpoint.get("global_step")}, durable=True)
+        checkpoint_id = f"{manager.root}/{manager.run_id}/step_{step}"
+        save_id = tier.last_save_id if self.global_rank == 0 else None
+        self._publish(checkpoint, path, checkpoint_id, {"save_id": save_id, "tier": True})
+        if not self._fitting:  # trainer.save_checkpoint outside fit: nothing later would wait for the drain
+            manager.wait()
+
+    def _quiet_point(self, tier: _Tier) -> int:
+        """Every rank: wait for the drains, retire the steps no file names, and agree on a fresh step.
+
+        After ``wait()`` no drain runs or waits, so a retired step cannot be brought back by one, and the durable
+        root's ``LATEST``/journal are not being written while steps leave it."""
+        tier.manager.wait()  # also: a waiting drain would be replaced by the next save's, so that file never drains
+        held = tier.manager.steps()  # both tiers, every rank alike
+        plan = None
+        if self.global_rank == 0:
+            try:
+                named = _named_steps(tier)
+            except OSError as e:  # sent to every rank: none may wait in the broadcast for a rank that raised
+                plan = f"global rank 0 could not read the files of {tier.directory} ({e}): fix access and save again"
+            else:
+                plan = (sorted(set(held) - named), max([tier.last_step, *held, *named]) + 1)
+        plan = self.broadcast(plan)
+        if isinstance(plan, str):
+            raise CheckpointError(plan, path=tier.directory, rank=0)
+        unnamed, step = plan
+        _retire(tier, unnamed)
+        return step
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                              set_model_state_dict, set_optimizer_state_dict)
 
         path = self.broadcast(os.fspath(checkpoint_path))
-        checkpoint_id = _pointer(path)
+        record = _pointer_record(path)
+        checkpoint_id = None if record is None else record[POINTER_KEY]
         if checkpoint_id is None:
             raise CheckpointError(f"{path} was not saved by {type(self).__name__} (no dcp_atomic checkpoint id "
                                   "recorded in it): resume from a file this strategy wrote", path=path)
@@ -140,15 +223,49 @@ class _AtomicCheckpointing:
         meta.pop(POINTER_KEY, None)  # loaded here: AtomicCheckpointHooks must not load it again
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
-        reader = AtomicStorageReader(timeout=self.timeout, parallelism=self.parallelism)
-        dcp.load(state, storage_reader=reader, checkpoint_id=checkpoint_id, planner=AtomicLoadPlanner())
+        if record.get("tier") and self.local_root is not None:
+            self._tier_load(path, record, state)
+        else:  # one tier, or a local-tier file read where this job has no local root: its durable copy
+            reader = AtomicStorageReader(timeout=self.timeout, parallelism=self.parallelism)
+            try:
+                dcp.load(state, storage_reader=reader, checkpoint_id=checkpoint_id, planner=AtomicLoadPlanner())
+            except CheckpointNotFoundError as e:
+                if not record.get("tier"):
+                    raise
+                raise CheckpointNotFoundError(
+                    f"{path} names {checkpoint_id}, saved to the local tier, and its durable copy is not there "
+                    f"({e.message}); pass local_root= (each node's own path) to restore it from the nodes",
+                    path=path, checkpoint_id=checkpoint_id) from e
+            if record.get("save_id") not in (None, reader.save_id):
+                raise CheckpointError(f"{path} names save {record['save_id']} of {checkpoint_id}, but "
+                                      f"{reader.save_id} is stored there: resume from another file", path=path)
         set_model_state_dict(self.model, state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
         return meta
 
+    def _tier_load(self, path: str, record: dict[str, Any], state: dict[str, Any]) -> None:
+        """Exactly the step the file names, from the nearest complete copy of it (module doc)."""
+        checkpoint_id, save_id = record[POINTER_KEY], record.get("save_id")
+        root, run_id, step = parse_checkpoint_id(checkpoint_id)
+        tier = self._tier(root, run_id, os.path.dirname(root))
+        try:
+            tier.manager.load(state, step=step)
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(
+                f"{path} names step {step} (save {save_id}) of the local tier's run {run_id!r}, and no complete copy "
+                f"of it is left: not on any node's local root ({self.local_root} on this one) nor in {root} (its "
+                f"drain had not committed). {e.message} Resume from another file of {os.path.dirname(path)}.",
+                path=path, step=step, save_id=save_id) from e
+        self.restored_from = dict(tier.manager.restored_from or {})
+        if save_id is not None and self.restored_from.get("save_id") != save_id:
+            raise CheckpointError(f"{path} names save {save_id} of step {step}, but the {self.restored_from.get('tier')}"
+                                  f" tier holds save {self.restored_from.get('save_id')} there; nothing of it is "
+                                  "applied. Resume from another file.", path=path, step=step)
+
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Rank 0: drop Lightning's file, then the state it named once no other file (``last.ckpt``...) names it."""
+        """Rank 0: drop Lightning's file, then the state it named once no other file (``last.ckpt``...) names it
+        (the local tier's: at the next save or the end of ``fit``, when every rank retires it)."""
         if not self.is_global_zero:
             return
         path = os.path.abspath(os.fspath(filepath))
@@ -160,7 +277,42 @@ class _AtomicCheckpointing:
         except OSError as e:
             log.warning("could not remove %s (%s); the state it names stays committed", path, e)
             return
-        _retire_if_unreferenced(os.path.dirname(path), checkpoint_id)
+        if not _is_tier_id(checkpoint_id):  # a tier's: retired at the next quiet point (every rank takes part)
+            _retire_if_unreferenced(os.path.dirname(path), checkpoint_id)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._fitting = True
+
+    def on_train_end(self) -> None:
+        """Every file durable before ``fit`` returns: wait for the drains, then retire what no file names."""
+        self._fitting = False
+        for tier in list(self._tiers.values()):  # the same order on every rank: built in the same order
+            self._quiet_point(tier)
+        super().on_train_end()
+
+    def teardown(self) -> None:
+        """Close the managers (their process groups; a drain still running is waited for)."""
+        self._fitting = False
+        tiers, self._tiers = list(self._tiers.values()), {}
+        for tier in tiers:
+            try:
+                tier.manager.close()
+            except CheckpointError as e:  # on_train_end raised it already, or an exception is on its way
+                log.error("closing the local tier of %s: %s", tier.directory, e)
+        super().teardown()
+
+    def _tier(self, root: str, run_id: str, directory: str) -> _Tier:
+        """The manager of one directory's tier run, built on first use (its process groups: every rank, in order)."""
+        tier = self._tiers.get((root, run_id))
+        if tier is None:
+            tier = _Tier(None, directory)  # type: ignore[arg-type]
+            tier.manager = CheckpointManager(root, run_id, parallelism=self.parallelism, compression=self.compression,
+                                             timeout=self.timeout, local_root=self.local_root,
+                                             replicas=self.replicas, keep_local=self.keep_local,
+                                             failure_domain=self.failure_domain, on_saved=tier.saved)
+            self._tiers[(root, run_id)] = tier
+        return tier
 
 
 _CLASS_NAMES = {"pytorch_lightning": "AtomicModelParallelStrategy",
@@ -244,14 +396,70 @@ def _retire_if_unreferenced(directory: str, checkpoint_id: str | None) -> None:
                     "committed until `dcp-atomic rm` or `gc` removes it", checkpoint_id, type(e).__name__, e)
 
 
-def _write_pointer(path: str, checkpoint: dict[str, Any], checkpoint_id: str) -> None:
+def _is_tier_id(checkpoint_id: str | None) -> bool:
+    """Whether ``checkpoint_id`` names a step of a local tier's run (:func:`tier_run_for`), not a name's run."""
+    if checkpoint_id is None:
+        return False
+    try:
+        _, run_id, _ = parse_checkpoint_id(checkpoint_id)
+    except (CheckpointError, ValueError):
+        return False
+    return re.fullmatch(f"tier-[0-9a-f]{{{TIER_DIGEST_CHARS}}}", run_id) is not None
+
+
+def _named_steps(tier: _Tier) -> set[int]:
+    """Global rank 0: the steps of ``tier``'s run that some file in its directory names (every file, any suffix)."""
+    manager, steps = tier.manager, set()
+    if not os.path.isdir(tier.directory):
+        return steps  # the first save into a new dirpath
+    for name in os.listdir(tier.directory):
+        checkpoint_id = _pointer(os.path.join(tier.directory, name))
+        if checkpoint_id is None or not _is_tier_id(checkpoint_id):
+            continue
+        root, run_id, step = parse_checkpoint_id(checkpoint_id)
+        if run_id == manager.run_id and os.path.abspath(root) == os.path.abspath(os.fspath(manager.root)):
+            steps.add(step)
+    return steps
+
+
+def _retire(tier: _Tier, steps: list[int]) -> None:
+    """Every rank: remove ``steps`` from this root of the local tier (its leader) and from the durable root (rank 0).
+
+    Called only at a quiet point (no drain running or waiting).  Reaches into the manager for its local root and
+    topology: it has no public way to drop one step.  Failures are logged, never raised (the ranks would part ways
+    in their next collective); a step left behind is retired at the next quiet point, or by ``dcp-atomic rm``.
+    """
+    if not steps:
+        return
+    manager = tier.manager
+    local, topology = manager._local, manager._tier
+    for step in steps:
+        try:
+            if topology.is_leader:  # marker first: a step without it is no local commit
+                local.storage.remove(local.marker(step))
+                local.storage.remove(local.step_dir(step))
+            if manager.rank == 0:
+                try:
+                    remove_step(manager.layout, step)
+                except CheckpointNotFoundError:
+                    pass  # never drained, or retired already
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("could not retire step %d of %s, which no Lightning checkpoint file in %s names any more "
+                        "(%s: %s); the next save or the end of fit tries again", step, manager.run_id, tier.directory,
+                        type(e).__name__, e)
+    log.info("retired step(s) %s of %s: no file in %s names them", steps, manager.run_id, tier.directory)
+
+
+def _write_pointer(path: str, checkpoint: dict[str, Any], checkpoint_id: str,
+                   record: dict[str, Any] | None = None) -> None:
     """Publish Lightning's non-tensor state at ``path`` (durable, atomic) with the record :func:`_pointer` reads."""
     temp = f"{path}.{os.getpid()}.tmp"
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # the local tier's first save: the drain may not have run yet
     try:
         torch.save(checkpoint, temp)
         with zipfile.ZipFile(temp, "a") as archive:  # torch.load ignores records it does not know
             folder = archive.namelist()[0].partition("/")[0]
-            archive.writestr(f"{folder}/{POINTER_RECORD}", json.dumps({POINTER_KEY: checkpoint_id}))
+            archive.writestr(f"{folder}/{POINTER_RECORD}", json.dumps({**(record or {}), POINTER_KEY: checkpoint_id}))
         with open(temp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(temp, path)
@@ -261,7 +469,14 @@ def _write_pointer(path: str, checkpoint: dict[str, Any], checkpoint_id: str) ->
 
 
 def _pointer(path: str) -> str | None:
-    """The checkpoint id a file written by :func:`_write_pointer` names; None for any other file.
+    """The checkpoint id a file written by :func:`_write_pointer` names; None for any other file."""
+    record = _pointer_record(path)
+    return None if record is None else record[POINTER_KEY]
+
+
+def _pointer_record(path: str) -> dict[str, Any] | None:
+    """The record a file written by :func:`_write_pointer` holds (``POINTER_KEY``: the checkpoint id; a local-tier
+    file adds ``save_id`` and ``tier``); None for any other file.
 
     Only the JSON record is read, never the pickle: a foreign ``*.ckpt`` (Lightning's own, a download,
     notes) is skipped without running code.  An I/O error raises: such a file may well name the step.
@@ -276,5 +491,6 @@ def _pointer(path: str) -> str | None:
             record = json.loads(archive.read(names[0]))
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, NotImplementedError, RuntimeError, EOFError):
         return None  # not a zip, or not a record this module wrote
-    checkpoint_id = record.get(POINTER_KEY) if isinstance(record, dict) else None
-    return checkpoint_id if isinstance(checkpoint_id, str) else None
+    if not isinstance(record, dict) or not isinstance(record.get(POINTER_KEY), str):
+        return None
+    return record
