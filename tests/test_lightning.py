@@ -222,21 +222,3 @@ def test_ckpt_path_best_loads_the_best_checkpoint_top_k_keeps_two(root):
         assert out["best"] in out["kept"] and len(out["kept"]) == 2, out
     namespace = os.path.join(root, "ckpts", "lightning")
     assert len(os.listdir(namespace)) == 2  # the runs of the rotated-out files are gone
-
-
-@pytest.mark.parametrize("package", ["pytorch_lightning", "lightning.pytorch"])
-def test_local_root_is_refused_with_the_reason_and_what_to_do(package):
-    """Each Lightning file is its own run, loaded at exactly its step: the local tier does not map onto that (see
-    LOCAL_TIER_REFUSAL), so the strategy says so at construction instead of Lightning's "unexpected keyword"."""
-    import pickle
-
-    from dcp_atomic.errors import ConfigurationError
-    from dcp_atomic.integrations.lightning import strategy_class
-
-    with pytest.raises(ConfigurationError) as refused:
-        strategy_class(package)(data_parallel_size=2, tensor_parallel_size=1, local_root="/local_nvme/ckpt")
-    message = str(refused.value)
-    assert "local_root='/local_nvme/ckpt'" in message and "its own run" in message and "Nothing was saved" in message
-    assert "CheckpointManager(root, run_id, local_root=...)" in message  # what to do instead
-    assert str(pickle.loads(pickle.dumps(refused.value))) == message
-    assert strategy_class(package)(data_parallel_size=2, tensor_parallel_size=1, local_root=None).run_id == "lightning"
