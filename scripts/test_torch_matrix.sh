@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The suite's core files on a second torch (2.14.1 by default), plus the cross-version save/load test both ways.
+# The suite's core files (the two tiers included) on a second torch (2.14.1 by default), plus the cross-version
+# save/load test both ways.
 # Builds the second venv on first use (TORCH_MATRIX_VENV, default /work/venv214; the 2.14.1 wheel is a CUDA build
 # and runs on the CPU), sets up .venv (torch 2.13.0) through scripts/bootstrap.sh if needed, then runs one file
 # at a time (the machine is small).  Extra arguments go to every pytest run.
@@ -38,7 +39,7 @@ done
 
 status=0
 for file in test_torch_versions test_mesh_names test_single_process test_formats test_reshard test_checkpoint_id \
-            test_worlds test_manager; do
+            test_worlds test_manager test_tiers test_tier_worlds; do  # the two tiers: world 4 as 2 nodes, world 6 as 3
     echo "== torch $TORCH_VERSION: tests/$file.py"
     rc=0
     DCP_ATOMIC_OTHER_PYTHON="$PWD/.venv/bin/python" "$VENV/bin/python" -m pytest "tests/$file.py" -q \
