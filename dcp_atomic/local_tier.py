@@ -26,6 +26,7 @@ restore copy files without re-serialising, and each side verifies the same diges
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -40,7 +41,7 @@ from .errors import CheckpointError, CorruptCheckpointError, StorageError
 from .file_transfer import Part, Received, Spooled, discard, keep, transfer
 from .integrity import block_digest, sha256_hex, verify_segments
 from .layout import DCP_METADATA, MANIFEST, RunLayout
-from .manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, now, shard_name
+from .manifest import RANKS_FILE, FileEntry, ItemExtent, Manifest, ManifestShard, Marker, now, shard_name
 from .placement import Placement, place_replicas
 from .storage import LocalStorage
 from .version import __version__
@@ -176,18 +177,25 @@ def check_file(entry: FileEntry, data: bytes, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes, the shard records {entry.size}", path=where)
     view = memoryview(data)
     for item in entry.items:
-        what = f"{where} item {item.key!r}"
-        stored = view[item.pos:item.pos + item.length]
-        if item.frames is None:
-            verify_segments([stored], item.checksums, item.block_size, what=what)
-            continue
-        offsets = item.frame_offsets()
-        if len(offsets) - 1 != len(item.checksums):
-            raise CorruptCheckpointError(f"{what}: {len(offsets) - 1} frames, {len(item.checksums)} digests", path=where)
-        for block, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
-            if block_digest(stored[lo:hi]) != item.checksums[block]:
-                raise CorruptCheckpointError(f"{what}: frame {block} does not match its digest; damaged after it "
-                                             "was written", path=where, block=block)
+        check_item(item, view[item.pos:item.pos + item.length], where)
+
+
+def check_item(item: ItemExtent, stored, where: str) -> None:
+    """One stored item's bytes against its block (or frame) digests: what a partial copy (:func:`keep_extents`)
+    holds of a file is checked item by item."""
+    what = f"{where} item {item.key!r}"
+    if len(stored) != item.length:
+        raise CorruptCheckpointError(f"{what}: {len(stored)} bytes, the shard records {item.length}", path=where)
+    if item.frames is None:
+        verify_segments([stored], item.checksums, item.block_size, what=what)
+        return
+    offsets = item.frame_offsets()
+    if len(offsets) - 1 != len(item.checksums):
+        raise CorruptCheckpointError(f"{what}: {len(offsets) - 1} frames, {len(item.checksums)} digests", path=where)
+    for block, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+        if block_digest(stored[lo:hi]) != item.checksums[block]:
+            raise CorruptCheckpointError(f"{what}: frame {block} does not match its digest; damaged after it "
+                                         "was written", path=where, block=block)
 
 
 def check_stored_file(entry: FileEntry, path: str, where: str) -> None:
@@ -211,8 +219,10 @@ def check_stored_file(entry: FileEntry, path: str, where: str) -> None:
                                                  block=block)
 
 
-def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int) -> list[Part]:
-    """Rank ``rank``'s shard and data files as this root stores them, each verified: the parts to send."""
+def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int, verify: bool = True) -> list[Part]:
+    """Rank ``rank``'s shard and data files as this root stores them: the parts to send.  ``verify=False`` when
+    the receiver verifies every block anyway (a replica holder, a restore's receiver): a second pass on the
+    sender would only read the bytes once more."""
     storage, step, save_id = layout.storage, manifest.step, manifest.save_id
     path = layout.attempt_file(step, save_id, shard_name(rank))
     shard_bytes = storage.read_file(path)
@@ -220,7 +230,8 @@ def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int) -> list[Pa
     parts = [Part.inline(shard_name(rank), shard_bytes)]
     for entry in shard.files:
         file_path = layout.data_file(step, save_id, entry.name, manifest.data_prefixes)
-        check_stored_file(entry, file_path, file_path)
+        if verify:
+            check_stored_file(entry, file_path, file_path)
         parts.append(Part(entry.name, entry.size, path=file_path))
     return parts
 
@@ -268,7 +279,8 @@ def write_control(layout: RunLayout, manifest: Manifest, control: dict[str, byte
 
 @dataclass
 class Held:
-    """One local-committed step as one root holds it: ``ranks`` whose shard and data files verified here."""
+    """One local-committed step as one root holds it, file by file: a root that a restore assembled holds only
+    what its own ranks read (:mod:`.tier_restore`), so "this root holds rank r" is not all-or-nothing."""
 
     step: int
     save_id: str
@@ -276,9 +288,13 @@ class Held:
     sequence: int | None
     world_size: int
     parallelism: dict | None
-    ranks: list[int]
-    damaged: dict[int, str]  # rank -> why its files here do not verify (or are missing)
+    ranks: list[int]  # ranks whose shard and every data file verified here
+    intact: dict[str, int]  # data file -> its rank, for each file that verified here (its rank's shard too)
+    control: bool  # .metadata and ranks.json here match the manifest (a reader can open the step here)
+    damaged: dict[int, str]  # rank -> why a file of it here does not verify (absent or partial files are no damage)
     files: dict[int, list[str]]  # rank -> its data files, as the manifest names them (to name what is lost)
+    sizes: dict[str, int]  # data file -> its stored size
+    partial: dict[str, list[tuple[int, int]]]  # data file -> (offset, length) of the items a partial copy holds
 
 
 def local_markers(layout: RunLayout) -> list[Marker]:
@@ -303,7 +319,7 @@ def read_manifest(layout: RunLayout, marker: Marker) -> Manifest:
 
 
 def scan_root(layout: RunLayout, verify_data: bool = True) -> list[Held]:
-    """What this root holds of each local-committed step, every rank's files verified (the restore's input)."""
+    """What this root holds of each local-committed step, every file verified (the restore's input)."""
     held = []
     for marker in local_markers(layout):
         try:
@@ -311,26 +327,110 @@ def scan_root(layout: RunLayout, verify_data: bool = True) -> list[Held]:
         except (OSError, CheckpointError) as e:
             log.warning("local tier: step %d in %s is unusable: %s", marker.step, layout.run_dir, e)
             continue
-        ranks, damaged = [], {}
+        ranks, intact, damaged, partial = [], {}, {}, {}
         for rank in range(manifest.world_size):
-            try:
-                if verify_data:
-                    read_rank_files(layout, manifest, rank)
+            found, why = _held_files(layout, manifest, rank, verify_data, partial)
+            intact.update((name, rank) for name in found)
+            if why is not None:
+                damaged[rank] = why
+            if len(found) == sum(1 for f in manifest.files if f.rank == rank) and why is None:
                 ranks.append(rank)
-            except FileNotFoundError as e:
-                damaged[rank] = f"missing {os.path.basename(e.filename or '?')}"
-            except (OSError, CheckpointError) as e:
-                damaged[rank] = str(e)
         held.append(Held(step=marker.step, save_id=marker.save_id, manifest_sha256=marker.manifest_sha256,
                          sequence=marker.sequence, world_size=manifest.world_size, parallelism=manifest.parallelism,
-                         ranks=ranks, damaged={r: why for r, why in damaged.items() if _is_damage(why)},
-                         files={r: sorted(f.name for f in manifest.files if f.rank == r) for r in damaged}))
+                         ranks=ranks, intact=intact, control=_control_intact(layout, manifest), damaged=damaged,
+                         files={r: sorted(f.name for f in manifest.files if f.rank == r)
+                                for r in range(manifest.world_size)},
+                         sizes={f.name: f.size for f in manifest.files}, partial=partial))
     return held
 
 
-def _is_damage(why: str) -> bool:
-    """A rank's files that are simply not here (not a holder) are no news; anything else is worth a log line."""
-    return not why.startswith("missing manifest.")
+def _held_files(layout: RunLayout, manifest: Manifest, rank: int, verify: bool,
+                partial: dict[str, list[tuple[int, int]]]) -> tuple[list[str], str | None]:
+    """The data files of ``rank`` that verify in this root, and why one that is here does not (None: no damage).
+    A file that is absent, or a partial copy a restore left (:func:`keep_extents`), is not held; of a partial
+    copy, the items that verify go into ``partial``."""
+    storage, step, save_id = layout.storage, manifest.step, manifest.save_id
+    path = layout.attempt_file(step, save_id, shard_name(rank))
+    try:
+        shard = check_shard(manifest, rank, storage.read_file(path), path)
+    except FileNotFoundError:
+        return [], None
+    except (OSError, CheckpointError) as e:
+        return [], str(e)
+    found, why = [], None
+    for entry in shard.files:
+        file_path = layout.data_file(step, save_id, entry.name, manifest.data_prefixes)
+        try:
+            if verify:
+                check_stored_file(entry, file_path, file_path)
+            elif not os.path.exists(file_path):
+                raise FileNotFoundError(file_path)
+            found.append(entry.name)
+        except FileNotFoundError:
+            continue
+        except (OSError, CheckpointError) as e:
+            if not os.path.exists(partial_note(layout, manifest, entry.name)):
+                why = why or str(e)
+            elif verify:
+                partial[entry.name] = _intact_items(entry, file_path)
+    return found, why
+
+
+def _intact_items(entry: FileEntry, path: str) -> list[tuple[int, int]]:
+    """(offset, length) of each item of a partial copy that matches its digests (the rest are holes)."""
+    intact = []
+    with contextlib.suppress(OSError), open(path, "rb", buffering=0) as f:
+        for item in entry.items:
+            with contextlib.suppress(CheckpointError):
+                check_item(item, os.pread(f.fileno(), item.length, item.pos), path)
+                intact.append((item.pos, item.length))
+    return intact
+
+
+def _control_intact(layout: RunLayout, manifest: Manifest) -> bool:
+    attempt = layout.attempt_dir(manifest.step, manifest.save_id)
+    expected = [(DCP_METADATA, manifest.dcp_metadata)] + ([(RANKS_FILE, manifest.ranks_file)] if manifest.ranks_file
+                                                          else [])
+    try:
+        for name, ref in expected:
+            data = layout.storage.read_file(layout.storage.join(attempt, name))
+            if len(data) != ref["size"] or sha256_hex(data) != ref["sha256"]:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def partial_note(layout: RunLayout, manifest: Manifest, name: str) -> str:
+    """Beside a data file that a restore copied only in part: says the holes in it are intended, not damage."""
+    return layout.storage.join(layout.attempt_dir(manifest.step, manifest.save_id), f"{name}.partial")
+
+
+def keep_extents(layout: RunLayout, manifest: Manifest, entry: FileEntry, pieces: dict[int, bytes],
+                 spool: str) -> None:
+    """A partial copy of a data file: ``pieces`` (offset -> stored bytes, each a verified item) at their offsets in
+    a file of the recorded size, holes elsewhere.  The reader reads only the items its plan names, each checked
+    against its digests, so a hole can never load as values; the note beside it tells a later scan the holes are
+    intended (the file is not held, and not damaged)."""
+    storage = layout.storage
+    target = layout.data_file(manifest.step, manifest.save_id, entry.name, manifest.data_prefixes)
+    os.makedirs(spool, exist_ok=True)
+    temp = os.path.join(spool, f"partial-{os.getpid()}-{entry.name}")
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, entry.size)
+            for offset, data in pieces.items():
+                os.pwrite(fd, data, offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        storage.publish(partial_note(layout, manifest, entry.name), b"")  # first: a crash leaves no unexplained hole
+        os.replace(temp, target)
+        storage.sync_dir(os.path.dirname(target))
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
 
 
 def open_local(local_root: str, run_id: str) -> RunLayout:
@@ -375,7 +475,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     failure: str | None = None
     own: list[Part] = []
     try:
-        own = read_rank_files(layout, manifest, rank)
+        own = read_rank_files(layout, manifest, rank, verify=False)  # each holder verifies what it receives
     except (OSError, CheckpointError) as e:
         failure = f"{topology.describe(rank)} could not read back its own files: {e}"  # holders get an empty index
     failpoints.hit("replicate.send", rank)

@@ -395,8 +395,9 @@ class CheckpointManager(RankAgreement):
 
         With ``local_root``: the most recent step (both tiers, by commit sequence) that can be assembled
         completely from the local roots, peers' replicas or the durable root; ``restored_from`` then says
-        which tier served (``{"tier", "step", "save_id", "ranks_fetched", "bytes_fetched"}``, every rank: the
-        ranks' files, and their stored bytes, copied into this rank's local root from another root first).
+        which tier served (``{"tier", "step", "save_id", "ranks_fetched", "bytes_fetched"}``, every rank its own:
+        how many ranks' files (whole, or the items it reads of them) this rank received into its local root from
+        another root first, and their stored bytes).
 
         Before loading, raises the failure of an earlier ``async_save`` that nothing has reported yet.
         """
@@ -404,7 +405,7 @@ class CheckpointManager(RankAgreement):
         started = time.perf_counter()
         with self._failures_reported("load", step, started) as attempt:
             root, storage_options = self.root, self.storage_options
-            local = self._restore_local(step) if self._tier is not None else None
+            local = self._restore_local(step, state_dict) if self._tier is not None else None
             if local is not None:
                 chosen, save_id, resumed = local
                 root, storage_options = os.fspath(self.local_root), None
@@ -579,9 +580,10 @@ class CheckpointManager(RankAgreement):
             except OSError as e:  # the step is committed; the next save retries
                 log.warning("local tier %s: retention failed (the next save retries it): %s", self.local_root, e)
 
-    def _restore_local(self, step: int | None) -> tuple[int, str, ResumePoint] | None:
-        """Choose the step to restore (both tiers); assemble a local one in every local root.  Returns (step,
-        save_id, resume point) to load from the local root, or None to load the durable tier's choice."""
+    def _restore_local(self, step: int | None, state_dict: dict[str, Any]) -> tuple[int, str, ResumePoint] | None:
+        """Choose the step to restore (both tiers); for a local one, each rank receives into its root what its
+        load of ``state_dict`` reads there and the root lacks.  Returns (step, save_id, resume point) to load from
+        the local root, or None to load the durable tier's choice."""
         tier = self._tier
         watch = self._watch("scanning the local tier")
         held = watch.run("scan", lambda: scan_root(self._local)) if tier.is_leader else watch.run("scan", list)
@@ -619,16 +621,15 @@ class CheckpointManager(RankAgreement):
                      self.layout.storage.describe(), " because no newer local step is complete" if choice.skipped else "")
             return None
         try:
-            fetched, fetched_bytes = assemble(tier, self._local, choice, self._group)
+            fetched, fetched_bytes = assemble(tier, self._local, choice, self._group, state_dict)
         except CheckpointError:
             raise
         except BaseException as e:
             _raise_typed(self._translate(e, f"assembling local step {choice.step}"))
-        moved = sum(len(t.ranks) for t in choice.transfers)
         self.restored_from = {"tier": "local", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": fetched,
                               "bytes_fetched": fetched_bytes}
-        log.info("run %r: restoring step %d from the local tier (sequence %s; %d rank(s)' files copied between "
-                 "roots, %d into this one)", self.run_id, choice.step, choice.sequence, moved, fetched)
+        log.info("run %r: restoring step %d from the local tier (sequence %s; this rank received %d byte(s) of %d "
+                 "rank(s)' files it reads)", self.run_id, choice.step, choice.sequence, fetched_bytes, fetched)
         return choice.step, choice.save_id, ResumePoint(step=choice.step, sequence=newest)
 
     def _durable_candidate(self, step: int | None) -> Durable | None:

@@ -5,36 +5,55 @@ root may lag the local tier by a few steps.  Loading "the latest local step" on 
 versions or load garbage, so the choice is made once, by global rank 0, from what every root reports:
 
 1. the lowest rank of each local root (its leader, :class:`~.local_tier.Topology`) lists the local markers there
-   and reads back every rank's shard and data files of each marked step, verifying them against the digests
-   recorded at write time; it reports which ranks' files it holds intact (a damaged file counts as absent);
+   and reads back every data file of each marked step, verifying it against the digests recorded at write time;
+   it reports which files it holds intact (a damaged, partial or absent file is not held);
 2. rank 0 orders the local steps and the durable tier's newest commit by commit sequence (P10), and takes the
-   first one that can be assembled completely: a local step whose every rank's files are intact in at least one
+   first one that can be assembled completely: a local step whose every data file is intact in at least one
    root, for this world size (a changed world or declared layout restores from the durable tier); a local step
    that cannot be assembled is logged with the ranks and files it lacks, and the next one is tried;
-3. for a local step, every root that lacks (or holds damaged) files of it receives them, as stored bytes, from a
-   root that holds them intact; the receiver checks them against the manifest and block digests before it writes
-   them, then the control files and the marker.  Every rank then loads the step from its own root with an
-   ordinary verified :class:`~.reader.AtomicStorageReader`.
+3. for a local step (:func:`assemble`): every root that lacks the step's control files gets them from one root
+   that holds them; then each rank plans its own load (the load planner, on the step's ``.metadata`` and the
+   rank's state dict) and names the stored items it will read.  What its root lacks of them, the rank receives
+   *itself*, from a rank whose root holds the file intact (sources spread by bytes), so a replaced node's ranks
+   receive in parallel; ranks of one root never receive the same file twice.  A rank always receives its own
+   primary files whole (the drain and the next replicas read them); of another rank's file it needs only a
+   few items of (replicated objects DCP saved once, on some rank), it receives just those items' bytes, kept
+   as a partial copy (:func:`~.local_tier.keep_extents`).  The receiver checks every byte against the manifest
+   and block digests before it keeps it (the sender does not: that second pass bought nothing); the marker comes
+   last.  Every rank then loads from its own root with an ordinary verified
+   :class:`~.reader.AtomicStorageReader`, which reads exactly the items planned here (read-once sharing too:
+   it assigns an item to one of the ranks that read it, and each of them holds it).
 
-Each root assembles the whole step (the first slice: with two domains and one replica each root already holds
-every rank's files, so nothing moves unless a node was replaced).  Only one version is ever chosen: every byte
-is checked against the one manifest whose digest the chosen marker names.
+A root assembled this way holds what its ranks read, not the whole step: the step's redundancy comes back with
+the next local save.  Until then, losing the *other* root as well leaves some files of that step on no root: a
+restore then takes the newest durable step, or raises :class:`~.errors.CheckpointNotFoundError` naming the ranks
+and files no root holds.  Only one version is ever chosen: every byte is checked against the one manifest whose
+digest the chosen marker names.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CheckpointError, CheckpointNotFoundError, StorageError
+import torch.distributed as dist
+
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .file_transfer import Part, Received, Spooled, discard, keep, transfer
+from .gc_pause import gc_paused
+from .integrity import sha256_hex
 from .layout import DCP_METADATA, MANIFEST, MARKER, RunLayout
-from .file_transfer import Part, Received, discard, transfer
-from .local_tier import (Held, Topology, gather_failures, read_manifest, read_rank_files, spool_dir, write_control,
-                         write_rank_files)
-from .manifest import RANKS_FILE, Manifest, Marker
+from .local_tier import (Held, Topology, check_file, check_item, check_shard, check_stored_file, gather_failures,
+                         keep_extents, partial_note, spool_dir, write_control)
+from .manifest import RANKS_FILE, Manifest, ManifestShard, Marker, shard_name
 
 log = logging.getLogger(__name__)
+
+#: a file another rank wrote is copied in part (only the items read) when those items are at most half of it and
+#: at most this many bytes (they travel in memory); else whole
+PARTIAL_LIMIT = 64 << 20
 
 
 @dataclass
@@ -47,25 +66,34 @@ class Durable:
 
 
 @dataclass
-class Transfer:
-    """``source`` (a root's leader) sends ``ranks``' files of the chosen step to ``target`` (another leader), and
-    the control files and marker when the target root holds nothing of the step."""
-
-    source: int
-    target: int
-    ranks: list[int]
-    control: bool
-
-
-@dataclass
 class Choice:
     tier: str  # "local", "durable", or "none"
     step: int | None = None
     save_id: str | None = None
     manifest_sha256: str | None = None
     sequence: int | None = None
-    transfers: list[Transfer] = field(default_factory=list)
+    holders: dict[str, list[int]] = field(default_factory=dict)  # data file -> leaders whose root holds it intact
+    writers: dict[str, int] = field(default_factory=dict)  # data file -> the rank that wrote it
+    sizes: dict[str, int] = field(default_factory=dict)  # data file -> stored bytes
+    control_from: int | None = None  # a leader whose root holds the control files intact
+    lacking: list[int] = field(default_factory=list)  # leaders whose root needs the control files
+    unmarked: list[int] = field(default_factory=list)  # leaders whose root has no marker of the step
+    partial: dict[int, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # leader -> file -> items
     skipped: list[str] = field(default_factory=list)  # why newer local steps could not serve
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """``target`` receives data file ``name`` (written by ``rank``) from ``source``, whose root holds it intact:
+    whole, or only the stored items at ``extents`` ((offset, length), a partial copy).  ``shard``: the target
+    also writes ``rank``'s manifest shard into its root (one rank per root does)."""
+
+    name: str
+    rank: int
+    source: int
+    target: int
+    extents: tuple[tuple[int, int], ...] | None
+    shard: bool
 
 
 def choose(topology: Topology, reports: dict[int, list[Held]], durable: Durable | None, world: int,
@@ -77,7 +105,7 @@ def choose(topology: Topology, reports: dict[int, list[Held]], durable: Durable 
             if step is not None and h.step != step:
                 continue
             entry = candidates.setdefault((h.save_id, h.manifest_sha256), {"held": h, "stores": {}})
-            entry["stores"][leader] = set(h.ranks)
+            entry["stores"][leader] = h
             for rank, why in h.damaged.items():
                 entry.setdefault("damaged", []).append(f"rank {rank}'s files on {topology.describe(leader)}: {why}")
     skipped: list[str] = []
@@ -93,111 +121,296 @@ def choose(topology: Topology, reports: dict[int, list[Held]], durable: Durable 
         if parallelism is not None and held.parallelism is not None and held.parallelism != parallelism:
             skipped.append(f"{where} was saved with layout {held.parallelism}, this job declares {parallelism}")
             continue
-        stores: dict[int, set[int]] = entry["stores"]
-        missing = sorted(set(range(world)) - set().union(*stores.values()))
-        if missing:
-            lost = ", ".join(f"rank {r} ({', '.join(_files_of(entry, r)) or 'its files'})" for r in missing[:8])
-            skipped.append(f"{where} has no intact copy on any local root of {lost}"
+        stores: dict[int, Held] = entry["stores"]
+        writers = {name: rank for rank, names in held.files.items() for name in names}
+        holders = {name: sorted(leader for leader, h in stores.items() if name in h.intact) for name in writers}
+        lost: dict[int, list[str]] = {}
+        for name, leaders in sorted(holders.items()):
+            if not leaders:
+                lost.setdefault(writers[name], []).append(name)
+        controls = sorted(leader for leader, h in stores.items() if h.control)
+        if lost or not controls:
+            what = (", ".join(f"rank {r} ({', '.join(names)})" for r, names in sorted(lost.items())[:8])
+                    if lost else "the control files (.metadata, ranks.json)")
+            skipped.append(f"{where} has no intact copy on any local root of {what}"
                            + (f" ({'; '.join(entry['damaged'][:3])})" if entry.get("damaged") else ""))
             continue
         return Choice(tier="local", step=held.step, save_id=held.save_id, manifest_sha256=held.manifest_sha256,
-                      sequence=held.sequence, transfers=_transfers(topology, stores, world), skipped=skipped)
+                      sequence=held.sequence, holders=holders, writers=writers, sizes=dict(held.sizes),
+                      control_from=controls[0], lacking=[l for l in topology.leaders if l not in controls],
+                      unmarked=[l for l in topology.leaders if l not in stores],
+                      partial={leader: h.partial for leader, h in stores.items() if h.partial}, skipped=skipped)
     if durable is not None and (step is None or durable.step == step):
         return Choice(tier="durable", step=durable.step, save_id=durable.save_id, sequence=durable.sequence,
                       skipped=skipped)
     return Choice(tier="none", step=step, skipped=skipped)
 
 
-def _files_of(entry: dict[str, Any], rank: int) -> list[str]:
-    return entry["held"].files.get(rank, [])
+def planned_reads(state_dict: dict[str, Any], metadata) -> dict[str, set[tuple[int, int]]]:
+    """The stored items (file -> (offset, length)) this rank's load of ``state_dict`` will read: DCP's default
+    load planner, which :class:`~.planners.AtomicLoadPlanner` (the manager's) adds only checks to, on the
+    step's ``.metadata``, with ``Stateful`` values expanded as ``dcp.load`` does.  Keys the checkpoint lacks
+    are left out here; the load itself then refuses them with its own error."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    expanded = {key: value.state_dict() if isinstance(value, Stateful) else value
+                for key, value in state_dict.items()}
+    with gc_paused():
+        planner = DefaultLoadPlanner(allow_partial_load=True)
+        planner.set_up_planner(expanded, metadata, is_coordinator=False)
+        plan = planner.create_local_plan()
+    storage = metadata.storage_data or {}
+    reads: dict[str, set[tuple[int, int]]] = {}
+    for item in plan.items:
+        info = storage[item.storage_index]
+        reads.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
+    return reads
 
 
-def _transfers(topology: Topology, stores: dict[int, set[int]], world: int) -> list[Transfer]:
-    """For each root, the ranks whose files it lacks, each from a root that holds them intact (spread by count)."""
-    sent = {leader: 0 for leader in stores}
-    plan: dict[tuple[int, int], list[int]] = {}
-    for target in topology.leaders:
-        for rank in sorted(set(range(world)) - stores.get(target, set())):
-            source = min((leader for leader, ranks in stores.items() if rank in ranks), key=lambda l: (sent[l], l))
-            sent[source] += 1
-            plan.setdefault((source, target), []).append(rank)
-    return [Transfer(source, target, ranks, control=target not in stores) for (source, target), ranks in plan.items()]
+def plan_fetches(topology: Topology, choice: Choice, needs: list[dict[str, list[tuple[int, int]] | None]],
+                 ) -> list[Fetch]:
+    """Who receives what from whom (the same on every rank): per root, each file its ranks read that it does not
+    hold intact, received once, by the reading rank with the fewest bytes to receive so far, from the source
+    rank (any rank of a holding root) with the fewest bytes to send; biggest files first."""
+    world = len(topology.domains)
+    wanted: dict[tuple[int, str], dict[str, Any]] = {}  # (leader, file) -> the readers and what they read
+    for rank, need in enumerate(needs):
+        leader = topology.leader(rank)
+        for name, extents in need.items():
+            if name not in choice.holders or leader in choice.holders[name]:
+                continue  # an unknown name is the load's to refuse; a held one needs nothing
+            want = wanted.setdefault((leader, name), {"ranks": [], "whole": False, "extents": set()})
+            want["ranks"].append(rank)
+            if extents is None:
+                want["whole"] = True
+            else:
+                want["extents"].update(map(tuple, extents))
+    sent, received = [0] * world, [0] * world
+    shard_held = {(leader, choice.writers[name]) for name, leaders in choice.holders.items() for leader in leaders}
+    fetches = []
+    for (leader, name), want in sorted(wanted.items(), key=lambda kv: (-choice.sizes.get(kv[0][1], 0), kv[0])):
+        if not want["whole"] and want["extents"] <= set(map(tuple, choice.partial.get(leader, {}).get(name, ()))):
+            continue  # the items read there are in the root's partial copy already
+        size, extents = choice.sizes[name], tuple(sorted(want["extents"]))
+        part = sum(length for _, length in extents)
+        if want["whole"] or part * 2 > size or part > PARTIAL_LIMIT:
+            extents, part = None, size
+        target = min(want["ranks"], key=lambda r: (received[r], r))
+        source = min((r for r in range(world) if topology.leader(r) in choice.holders[name]),
+                     key=lambda r: (sent[r], r))
+        received[target] += part
+        sent[source] += part
+        writer = choice.writers[name]
+        fetches.append(Fetch(name, writer, source, target, extents, shard=(leader, writer) not in shard_held))
+        shard_held.add((leader, writer))
+    return fetches
 
 
-def assemble(topology: Topology, layout: RunLayout, choice: Choice, group) -> tuple[int, int]:
-    """Step 3 on every rank: leaders send and receive what the choice says, verified by the receiver; returns how
-    many ranks' files this rank's root received, and their stored bytes (control files included).  Raises the
-    same typed error on every rank on failure."""
+def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
+             state_dict: dict[str, Any] | None) -> tuple[int, int]:
+    """Step 3 on every rank; returns how many ranks' files (whole or in part) this rank received, and the stored
+    bytes it received (control files included).  Raises the same typed error on every rank on failure."""
     rank, world = topology.rank, len(topology.domains)
-    outgoing: dict[int, list[Part]] = {}
-    failure: str | None = None
-    mine = [t for t in choice.transfers if t.source == rank]
-    if mine:
-        try:
-            marker_bytes = layout.storage.read_file(layout.marker(choice.step))
-            marker = Marker.from_json(marker_bytes, where=layout.marker(choice.step))
-            manifest = read_manifest(layout, marker)
-            attempt = layout.attempt_dir(choice.step, choice.save_id)
-            names = [MANIFEST, DCP_METADATA] + ([RANKS_FILE] if manifest.ranks_file is not None else [])
-            control = [Part.inline(MARKER, marker_bytes)] + [
-                Part.inline(name, layout.storage.read_file(layout.storage.join(attempt, name))) for name in names]
-            for t in mine:
-                parts = list(control) if t.control else []
-                for source_rank in t.ranks:
-                    parts += read_rank_files(layout, manifest, source_rank)
-                outgoing[t.target] = parts
-        except (OSError, CheckpointError) as e:
-            failure = f"{topology.describe(rank)} could not read what it was to send: {e}"
-            outgoing = {t.target: [] for t in mine}  # the targets get an empty index
-    incoming = [t for t in choice.transfers if t.target == rank]
-    got, received = 0, {}
+    where = f"restoring local step {choice.step} (save {choice.save_id})"
+
+    def settle(failure: str | None) -> None:
+        failed = gather_failures(failure, world, group)
+        if failed:
+            raise StorageError(f"{where} failed: " + "; ".join(failed[:4]) + ". Nothing was loaded; restart to "
+                               "retry (a copy found damaged is then passed over), or load from the durable tier.",
+                               step=choice.step)
+
+    control_bytes, failure = 0, None
     try:
-        received = transfer(outgoing, {t.source: topology.describe(t.source) for t in incoming}, group,
-                            spool_dir(layout))
-        if failure is None and incoming:
-            got = _keep(topology, layout, choice, incoming, received)
+        control_bytes = _share_control(topology, layout, choice, group)
     except (OSError, CheckpointError) as e:
-        failure = failure or f"{topology.describe(rank)} could not keep what it received: {e}"
+        failure = f"{topology.describe(rank)} could not copy the step's control files: {e}"
+    settle(failure)
+
+    manifest: Manifest | None = None
+    need: Any = None
+    try:
+        manifest, metadata = _open_step(layout, choice)
+        need = {f.name: None for f in manifest.files if f.rank == rank}  # its own primary files, whole
+        try:
+            reads = planned_reads(state_dict, metadata) if state_dict is not None else None
+        except Exception as e:  # the load itself raises this with its own error; fetch everything meanwhile
+            log.warning("%s: rank %d could not plan its load (%s); it receives every file its root lacks", where,
+                        rank, e)
+            reads = None
+        if reads is None:
+            need.update({f.name: None for f in manifest.files})
+        else:
+            for name, extents in reads.items():
+                need.setdefault(name, sorted(extents))
+    except (OSError, CheckpointError) as e:
+        need = f"{topology.describe(rank)} could not open the step in its own root: {e}"
+    needs: list[Any] = [need]
+    if world > 1:
+        needs = [None] * world
+        dist.all_gather_object(needs, need, group=group)
+    failed = [n for n in needs if isinstance(n, str)]
+    if failed:
+        settle(failed[0] if isinstance(need, str) else None)
+
+    fetches = plan_fetches(topology, choice, needs)
+    received: dict[int, dict[str, Received]] = {}
+    got_bytes, failure = 0, None
+    try:
+        outgoing = _outgoing(layout, manifest, [f for f in fetches if f.source == rank])
+        mine = [f for f in fetches if f.target == rank]
+        received = transfer(outgoing, {s: topology.describe(s) for s in sorted({f.source for f in mine})}, group,
+                            spool_dir(layout))
+        got_bytes = sum(len(p) if isinstance(p, bytes) else p.size for parts in received.values()
+                        for p in parts.values())
+        _keep(topology, layout, manifest, mine, received)
+    except (OSError, CheckpointError) as e:
+        failure = f"{topology.describe(rank)} could not receive the files it reads: {e}"
     finally:
         discard(received)
-    failed = gather_failures(failure, world, group)
-    if failed:
-        raise StorageError(f"restoring local step {choice.step} (save {choice.save_id}) failed: " + "; ".join(failed[:4])
-                           + ". Nothing was loaded; restart to retry, or load from the durable tier.",
-                           step=choice.step)
-    return got, sum(part.size if not isinstance(part, bytes) else len(part)
-                    for parts in received.values() for part in parts.values())
+    settle(failure)
+
+    failure = None
+    if rank in choice.unmarked:  # last: the marker says the root holds the step (file by file, as scanned)
+        try:
+            layout.storage.replace(layout.marker(choice.step), _marker_bytes(layout, choice))
+        except (OSError, CheckpointError) as e:
+            failure = f"{topology.describe(rank)} could not record the step's marker: {e}"
+    settle(failure)
+    return len({f.rank for f in fetches if f.target == rank}), got_bytes + control_bytes
 
 
-def _keep(topology: Topology, layout: RunLayout, choice: Choice, incoming: list[Transfer],
-          received: dict[int, dict[str, Received]]) -> int:
-    manifest: Manifest | None = None
-    marker_bytes: bytes | None = None
-    messages = received
-    for t in incoming:
-        parts = messages[t.source]
-        if t.control:
-            marker = Marker.from_json(parts.get(MARKER, b""), where=f"the marker from {topology.describe(t.source)}")
-            if (marker.save_id, marker.manifest_sha256) != (choice.save_id, choice.manifest_sha256):
-                raise CheckpointError(f"{topology.describe(t.source)} sent the marker of another save ({marker.save_id})")
-            manifest = Manifest.from_json(parts.get(MANIFEST, b""), where=f"the manifest from {topology.describe(t.source)}")
-            from .integrity import sha256_hex
+def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group) -> int:
+    """The marker, manifest, ``.metadata`` and ``ranks.json`` from one holding root's leader to each leader that
+    lacks them, checked against the chosen marker's manifest digest; returns the bytes this rank received."""
+    rank = topology.rank
+    outgoing: dict[int, list[Part]] = {}
+    if rank == choice.control_from and choice.lacking:
+        attempt = layout.attempt_dir(choice.step, choice.save_id)
+        marker = layout.storage.read_file(layout.marker(choice.step))
+        manifest = layout.storage.read_file(layout.storage.join(attempt, MANIFEST))
+        names = [DCP_METADATA] + ([RANKS_FILE] if Manifest.from_json(manifest, where=attempt).ranks_file else [])
+        parts = [Part.inline(MARKER, marker), Part.inline(MANIFEST, manifest)] + [
+            Part.inline(name, layout.storage.read_file(layout.storage.join(attempt, name))) for name in names]
+        outgoing = {target: parts for target in choice.lacking}
+    incoming = {choice.control_from: topology.describe(choice.control_from)} if rank in choice.lacking else {}
+    received = transfer(outgoing, incoming, group, spool_dir(layout))
+    if not incoming:
+        return 0
+    parts = received[choice.control_from]
+    sender = topology.describe(choice.control_from)
+    data = parts.get(MANIFEST, b"")
+    if sha256_hex(data) != choice.manifest_sha256:
+        raise CorruptCheckpointError(f"the manifest from {sender} does not match the chosen marker of step "
+                                     f"{choice.step}", sender=sender)
+    marker = Marker.from_json(parts.get(MARKER, b""), where=f"the marker from {sender}")
+    if (marker.save_id, marker.manifest_sha256) != (choice.save_id, choice.manifest_sha256):
+        raise CorruptCheckpointError(f"{sender} sent the marker of another save ({marker.save_id})", sender=sender)
+    write_control(layout, Manifest.from_json(data, where=f"the manifest from {sender}"), parts)
+    if rank in choice.unmarked:  # kept for the end, in the spool: the marker goes in once every file is there
+        layout.storage.publish(_marker_spool(layout, choice), parts[MARKER])
+    return sum(len(p) for p in parts.values())
 
-            if sha256_hex(parts[MANIFEST]) != choice.manifest_sha256:
-                raise CheckpointError(f"the manifest from {topology.describe(t.source)} does not match the marker")
-            write_control(layout, manifest, parts)
-            marker_bytes = parts[MARKER]
-    if manifest is None:
-        marker = Marker.from_json(layout.storage.read_file(layout.marker(choice.step)), where=layout.marker(choice.step))
-        manifest = read_manifest(layout, marker)
-    got = 0
-    for t in incoming:
-        for source_rank in t.ranks:
-            write_rank_files(layout, manifest, source_rank, messages[t.source], topology.describe(t.source))
-            got += 1
-    if marker_bytes is not None:  # last: the root holds a complete step only once every file is in place
-        layout.storage.replace(layout.marker(choice.step), marker_bytes)
-    return got
+
+def _marker_spool(layout: RunLayout, choice: Choice) -> str:
+    return layout.storage.join(spool_dir(layout), f"marker-{choice.step}-{choice.save_id}")
+
+
+def _marker_bytes(layout: RunLayout, choice: Choice) -> bytes:
+    path = _marker_spool(layout, choice)
+    data = layout.storage.read_file(path)
+    layout.storage.remove(path)
+    return data
+
+
+def _open_step(layout: RunLayout, choice: Choice) -> tuple[Manifest, Any]:
+    """The chosen step's manifest and DCP ``.metadata`` from this rank's own root, each against its digest."""
+    from .safe_pickle import load_dcp_metadata
+
+    attempt = layout.attempt_dir(choice.step, choice.save_id)
+    path = layout.storage.join(attempt, MANIFEST)
+    data = layout.storage.read_file(path)
+    if sha256_hex(data) != choice.manifest_sha256:
+        raise CorruptCheckpointError(f"{path}: does not match the chosen marker", path=path)
+    manifest = Manifest.from_json(data, where=path)
+    path = layout.storage.join(attempt, DCP_METADATA)
+    data = layout.storage.read_file(path)
+    if len(data) != manifest.dcp_metadata["size"] or sha256_hex(data) != manifest.dcp_metadata["sha256"]:
+        raise CorruptCheckpointError(f"{path}: does not match the manifest", path=path)
+    return manifest, load_dcp_metadata(data, where=path, written_by=manifest.versions.get("torch"))
+
+
+def _outgoing(layout: RunLayout, manifest: Manifest | None, fetches: list[Fetch]) -> dict[int, list[Part]]:
+    """What this rank sends, per target: each writer's shard once, then whole files (streamed from this root,
+    not verified here: the receiver checks every block) or the items of a partial copy."""
+    outgoing: dict[int, list[Part]] = {}
+    if not fetches:
+        return outgoing
+    shards: dict[int, bytes] = {}
+    for f in fetches:
+        parts = outgoing.setdefault(f.target, [])
+        if not any(p.name == shard_name(f.rank) for p in parts):
+            if f.rank not in shards:
+                shards[f.rank] = layout.storage.read_file(
+                    layout.attempt_file(manifest.step, manifest.save_id, shard_name(f.rank)))
+            parts.append(Part.inline(shard_name(f.rank), shards[f.rank]))
+        path = layout.data_file(manifest.step, manifest.save_id, f.name, manifest.data_prefixes)
+        if f.extents is None:
+            parts.append(Part(f.name, manifest_size(manifest, f.name), path=path))
+            continue
+        with open(path, "rb", buffering=0) as source:
+            for offset, length in f.extents:
+                parts.append(Part.inline(f"{f.name}@{offset}", os.pread(source.fileno(), length, offset)))
+    return outgoing
+
+
+def manifest_size(manifest: Manifest, name: str) -> int:
+    return next(f.size for f in manifest.files if f.name == name)
+
+
+def _keep(topology: Topology, layout: RunLayout, manifest: Manifest, fetches: list[Fetch],
+          received: dict[int, dict[str, Received]]) -> None:
+    """Verify what arrived against the manifest's shards and block digests, then keep it: data first, the shards
+    this rank writes last."""
+    storage, step, save_id = layout.storage, manifest.step, manifest.save_id
+    shards: dict[tuple[int, int], tuple[bytes, ManifestShard]] = {}
+    for f in fetches:
+        parts, sender = received[f.source], topology.describe(f.source)
+        where = f"rank {f.rank}'s {f.name} from {sender}"
+        if (f.source, f.rank) not in shards:
+            data = parts.get(shard_name(f.rank), b"")
+            shards[f.source, f.rank] = (data, check_shard(manifest, f.rank, data if isinstance(data, bytes) else b"",
+                                                          f"rank {f.rank}'s shard from {sender}"))
+        entry = next(e for e in shards[f.source, f.rank][1].files if e.name == f.name)
+        target = layout.data_file(step, save_id, f.name, manifest.data_prefixes)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if f.extents is None:
+            part = parts.get(f.name)
+            if part is None:
+                raise CorruptCheckpointError(f"{where}: missing from the transfer", rank=f.rank)
+            if isinstance(part, Spooled):
+                check_stored_file(entry, part.path, where)
+            else:
+                check_file(entry, part, where)
+            keep(part, storage, target)
+            storage.remove(partial_note(layout, manifest, f.name))  # a whole copy replaced a partial one
+            continue
+        items = {(item.pos, item.length): item for item in entry.items}
+        pieces = {}
+        for offset, length in f.extents:
+            item = items.get((offset, length))
+            data = parts.get(f"{f.name}@{offset}")
+            if item is None or not isinstance(data, bytes):
+                raise CorruptCheckpointError(f"{where}: no item at offset {offset} ({length} bytes) in the shard, "
+                                             "or it did not arrive; the step's .metadata and shards disagree",
+                                             rank=f.rank, path=target)
+            check_item(item, data, where)
+            pieces[offset] = data
+        keep_extents(layout, manifest, entry, pieces, spool_dir(layout))
+    for f in fetches:
+        if f.shard:
+            storage.publish(layout.attempt_file(step, save_id, shard_name(f.rank)), shards[f.source, f.rank][0])
 
 
 def not_found(run_id: str, choice: Choice, where: str) -> CheckpointNotFoundError:
