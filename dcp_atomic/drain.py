@@ -8,9 +8,11 @@ steps go: ``durable=`` per save, else the manager's ``durable_every`` policy.  O
 1. global rank 0 picks the job (the newest step waiting) and announces it; every rank takes that step, never
    one it chose itself (the ranks' queues fill at slightly different moments);
 2. each rank uploads *its own* primary files (its manifest shard and data files) from its own local root to the
-   durable attempt directory ``<root>/<run_id>/step_N/<save_id>/``, one file at a time, each checked against the
-   shard's block digests a block at a time, then streamed in :data:`COPY_CHUNK` pieces: the stored bytes travel,
-   never re-serialised, never staged from device memory again, and never a whole file in memory;
+   durable attempt directory ``<root>/<run_id>/step_N/<save_id>/``, as many files at once as a direct save writes
+   (the library's thread count), each in one pass: a piece of about :data:`COPY_CHUNK` bytes is read into the
+   thread's buffer, every block digest it holds is checked, and only then is it uploaded.  The stored bytes
+   travel, never re-serialised, never staged from device memory again, never a whole file in memory, and never a
+   byte whose block was not checked (a damaged block stops the file before it; gc collects the partial attempt);
 3. every rank reports; rank 0 alone commits, as :mod:`.commit` does: ``ranks.json``, ``.metadata``, the local
    manifest (verbatim: its digest is the local marker's), fsync, the marker created exclusively, ``LATEST``.  The
    marker carries the step's *local* commit sequence: a step keeps its place in the run's history whichever tier
@@ -38,8 +40,10 @@ rank and drains stop (the group cannot be trusted after it); the local tier is u
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,16 +51,18 @@ import torch.distributed as dist
 
 from .commit import ResumePoint, place_marker, write_latest
 from .errors import CheckpointError, CommitConflictError, CorruptCheckpointError, StorageError
-from .integrity import sha256_hex
+from .identity import default_thread_count
+from .integrity import block_digest, sha256_hex
 from .layout import DCP_METADATA, MANIFEST, RunLayout
-from .local_tier import check_shard, check_stored_file, read_manifest
-from .manifest import RANKS_FILE, Latest, Manifest, Marker, now, shard_name
+from .local_tier import check_shard, read_manifest
+from .manifest import RANKS_FILE, FileEntry, Latest, Manifest, Marker, now, shard_name
 from .storage import Storage
 from .version import __version__
 
 log = logging.getLogger(__name__)
 
-COPY_CHUNK = 8 << 20  # bytes of a data file the drain reads and uploads at a time
+COPY_CHUNK = 8 << 20  # bytes of a data file a drain thread reads, checks and uploads at a time (a block more
+# when one block is larger: a block is never cut, so its bytes are checked before any leaves)
 DRAIN_ATTEMPTS = 3  # per step; a newer step waiting supersedes the retries
 RETRY_BACKOFF = 1.0  # seconds before the second attempt, doubled after each
 
@@ -102,49 +108,153 @@ class Drained:
 # -- steps 2 and 3 ------------------------------------------------------------------------------------------
 
 
-def upload_own(local: RunLayout, durable: RunLayout, job: DrainJob, rank: int) -> Uploaded:
-    """Step 2: copy ``rank``'s shard and data files of ``job`` from its local root, each verified as read."""
+def upload_own(local: RunLayout, durable: RunLayout, job: DrainJob, rank: int, threads: int = 1) -> Uploaded:
+    """Step 2: copy ``rank``'s shard and data files of ``job`` from its local root, ``threads`` files at a time,
+    each block checked as it is read; the shard goes last, once every file it names is up."""
     manifest = _local_manifest(local, job)
     shard_path = local.attempt_file(job.step, job.save_id, shard_name(rank))
     shard_bytes = local.storage.read_file(shard_path)
     shard = check_shard(manifest, rank, shard_bytes, shard_path)
     storage = durable.storage
     storage.makedirs(durable.attempt_dir(job.step, job.save_id))
-    done = Uploaded()
+    copies = []
     for entry in shard.files:
         source = local.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
-        check_stored_file(entry, source, source)  # a block at a time
         target = durable.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
         if manifest.data_prefixes:
             storage.makedirs(target.rsplit("/", 1)[0])
+        copies.append((entry, source, target))
+    stop = threading.Event()  # one file failed: the others stop at their next piece
+
+    def copy(entry: FileEntry, source: str, target: str) -> None:
         try:
-            _copy_file(source, storage, target)
+            _copy_verified(entry, source, storage, target, stop)
         except OSError as e:  # name the file, not only the directory (a short write carries no file name)
             e.filename = e.filename or target
+            stop.set()
             raise
-        done.bytes += entry.size
-        done.files += 1
+        except BaseException:
+            stop.set()
+            raise
+
+    threads = max(1, min(threads, len(copies)))
+    if threads == 1:
+        for args in copies:
+            copy(*args)
+    else:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"dcp-atomic-drain{rank}") as pool:
+            futures = [pool.submit(copy, *args) for args in copies]
+            errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None and not isinstance(e, _Stopped)), None)
+        if first is not None:
+            raise first
     storage.publish(durable.attempt_file(job.step, job.save_id, shard_name(rank)), shard_bytes)
-    return done
+    return Uploaded(bytes=sum(entry.size for entry, _, _ in copies), files=len(copies))
 
 
-def _copy_file(source: str, storage: Storage, target: str) -> None:
-    """Stream a local file to ``target`` in the durable store, :data:`COPY_CHUNK` bytes at a time (an object store
-    gets a multipart upload for a large file), so the drain holds one chunk, not a data file, in memory.  A
-    durable file left by a failed earlier attempt of this drain is replaced."""
+class _Stopped(Exception):
+    """A copy thread gave up because another file of the same upload failed (never the error reported)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One digest of a data file: its bytes ``[start, end)`` of the file."""
+
+    start: int
+    end: int
+    digest: str
+    what: str
+    index: int
+    item_start: int
+
+
+def _blocks(entry: FileEntry, where: str) -> list[_Block]:
+    """Every block (or frame) digest of ``entry``, in file order; the checks of ``check_stored_file``."""
+    blocks = []
+    for item in entry.items:
+        what = f"{where} item {item.key!r}"
+        offsets = item.frame_offsets() if item.length else [0, 0]  # an empty raw item has one digest: of b""
+        if len(offsets) - 1 != len(item.checksums):
+            raise CorruptCheckpointError(f"{what}: {len(offsets) - 1} blocks, {len(item.checksums)} digests",
+                                         path=where)
+        for index, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+            blocks.append(_Block(item.pos + lo, item.pos + hi, item.checksums[index], what, index, item.pos))
+    blocks.sort(key=lambda b: (b.start, b.end))
+    return blocks
+
+
+def _copy_verified(entry: FileEntry, source: str, storage: Storage, target: str,
+                   stop: threading.Event | None = None) -> None:
+    """Stream a local data file to ``target`` in the durable store in one pass: read a piece (about
+    :data:`COPY_CHUNK` bytes, ending where a block ends) into one reused buffer, check every block it holds against
+    the shard's digests, then upload it.  An object store gets a multipart upload for a large file.  Memory is one
+    piece per thread, whatever the file's size.  A durable file left by a failed earlier attempt is replaced."""
+    blocks = _blocks(entry, source)
+    fd = os.open(source, os.O_RDONLY)
     try:
-        stream = storage.open_write(target)
-    except FileExistsError:  # the same attempt directory, an earlier try: nothing references it yet
-        storage.remove(target)
-        stream = storage.open_write(target)
-    try:
-        with open(source, "rb", buffering=0) as f:
-            while chunk := f.read(COPY_CHUNK):
-                stream.write(chunk)
-        storage.close_write(stream)
-    except BaseException:
-        storage.abort_write(stream)
-        raise
+        size = os.fstat(fd).st_size
+        if size != entry.size:
+            raise CorruptCheckpointError(f"{source}: {size} bytes, the shard records {entry.size}", path=source)
+        for block in blocks:
+            if block.end > size:
+                raise CorruptCheckpointError(f"{block.what}: block {block.index} ends at byte {block.end}, past the "
+                                             f"end of the {size}-byte file", path=source, block=block.index)
+        try:
+            stream = storage.open_write(target)
+        except FileExistsError:  # the same attempt directory, an earlier try: nothing references it yet
+            storage.remove(target)
+            stream = storage.open_write(target)
+        try:
+            buffer = bytearray(min(COPY_CHUNK, size) or 1)
+            position, next_block = 0, 0
+            while position < size or next_block < len(blocks):
+                if stop is not None and stop.is_set():
+                    raise _Stopped()
+                end = _piece_end(blocks, next_block, position, min(size, position + COPY_CHUNK))
+                if end - position > len(buffer):
+                    buffer = bytearray(end - position)  # one block larger than a piece
+                view = memoryview(buffer)[:end - position]
+                _read_exactly(fd, view, position, source)
+                while next_block < len(blocks) and blocks[next_block].end <= end:
+                    block = blocks[next_block]
+                    data = (view[block.start - position:block.end - position] if block.start >= position
+                            else os.pread(fd, block.end - block.start, block.start))  # items overlapping: rare
+                    if block_digest(data) != block.digest:
+                        raise CorruptCheckpointError(
+                            f"{block.what}: block {block.index} (bytes {block.start - block.item_start}.."
+                            f"{block.end - block.item_start} of the item) does not match its digest; the local file "
+                            "was damaged after it was written, so this step cannot be drained (a later one can)",
+                            path=source, block=block.index)
+                    next_block += 1
+                stream.write(view)
+                position = end
+            storage.close_write(stream)
+        except BaseException:
+            storage.abort_write(stream)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _piece_end(blocks: list[_Block], first: int, position: int, end: int) -> int:
+    """Where the piece from ``position`` ends: at ``end``, moved back to the start of a block that ``end`` would cut,
+    or on to that block's end when it begins at ``position`` (a block larger than a piece)."""
+    for block in blocks[first:]:
+        if block.start >= end:
+            break
+        if block.end > end:  # cut by the piece's end
+            return block.start if block.start > position else block.end
+    return end
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, the shard records more (truncated "
+                                         "while the drain read it?)", path=path)
+        done += n
 
 
 def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed: ResumePoint | None,
@@ -250,8 +360,9 @@ class Drainer:
                  durable: RunLayout, timeout: float, where: str,
                  resumed: Callable[[], ResumePoint | None],
                  committed: Callable[[Drained], None],
-                 failed: Callable[[DrainJob, CheckpointError, float], None]) -> None:
+                 failed: Callable[[DrainJob, CheckpointError, float], None], threads: int | None = None) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.threads = threads or default_thread_count()  # files uploaded at once: a direct save's writer count
         self.local, self.durable, self.timeout, self.where = local, durable, timeout, where
         self._resumed, self._committed, self._failed = resumed, committed, failed
         self._cond = threading.Condition()
@@ -416,7 +527,7 @@ class Drainer:
         try:
             if "before_upload" in hooks:
                 hooks["before_upload"](self.rank, job.step)
-            return upload_own(self.local, self.durable, job, self.rank)
+            return upload_own(self.local, self.durable, job, self.rank, self.threads)
         except CheckpointError as e:
             return Uploaded(error=e)
         except OSError as e:
