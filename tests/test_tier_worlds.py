@@ -226,6 +226,41 @@ def _lose(nodes: list[str], run: str, *lost: int) -> None:
         shutil.rmtree(os.path.join(nodes[node], run))
 
 
+# -- placement over every small layout (pure) --------------------------------------------------------------------
+
+
+def _layouts(n: int, largest: int | None = None):
+    """Domain sizes summing to ``n``, largest first."""
+    if n == 0:
+        yield []
+    for size in range(min(n, largest or n), 0, -1):
+        for rest in _layouts(n - size, size):
+            yield [size, *rest]
+
+
+def test_placement_over_every_layout_of_up_to_9_ranks_keeps_its_promises():
+    checked = 0
+    for n in range(2, 10):
+        for sizes in _layouts(n):
+            blocks = [f"d{d}" for d, size in enumerate(sizes) for _ in range(size)]  # a node's ranks together
+            dealt = [f"d{d}" for turn in range(sizes[0]) for d, size in enumerate(sizes) if turn < size]  # round robin
+            for domains in (blocks, dealt):
+                for replicas in range(1, len(sizes)):
+                    holders = place_replicas(domains, replicas).holders
+                    held = [0] * n
+                    for rank, copies in enumerate(holders):
+                        assert len({domains[h] for h in copies} | {domains[rank]}) == replicas + 1, (domains, rank)
+                        for h in copies:
+                            held[h] += 1
+                    for domain in set(domains):  # inside a domain the copies held differ by at most one
+                        counts = [held[r] for r in range(n) if domains[r] == domain]
+                        assert max(counts) - min(counts) <= 1, (domains, replicas, held)
+                    # even exactly when it can be: (replicas + 1) * widest <= n (placement.py's module doc)
+                    assert (set(held) == {replicas}) == ((replicas + 1) * max(sizes) <= n), (domains, replicas, held)
+                    checked += 1
+    assert checked == 498  # every layout, both orders, every replicas a layout allows
+
+
 # -- world 6 as 3 nodes, two replicas ------------------------------------------------------------------------------
 
 
