@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import pickle
 import shutil
 
 import torch
@@ -133,9 +134,18 @@ def _global_step(path) -> int:
 
 
 def _every_file_exact_and_no_unnamed_step(ctx):
+    import time
+
+    from dcp_atomic import drain
+
     pl, Module = _tracked_module()
     dirpath = os.path.join(ctx.root, "ckpts")
-    saved = _fit_top_k_and_last(pl, Module, ctx, dirpath, 8)
+    # a slow durable root: each drain outlasts the saves behind it, which the drain queue would skip (module doc)
+    drain.hooks["before_upload"] = lambda rank, step: time.sleep(1.5)
+    try:
+        saved = _fit_top_k_and_last(pl, Module, ctx, dirpath, 8)
+    finally:
+        drain.hooks.pop("before_upload", None)
     after_fit = _tier_steps(ctx, dirpath)  # fit returned: drains waited for, unnamed steps retired
     files = sorted(n for n in os.listdir(dirpath) if n.endswith(".ckpt"))
     exact, served = {}, {}
@@ -143,7 +153,7 @@ def _every_file_exact_and_no_unnamed_step(ctx):
         path = os.path.join(dirpath, name)
         restored = _resume(pl, Module, ctx, path, _global_step(path) + 1)
         exact[name] = _exactly(restored, saved[_global_step(path)])
-        served[name] = restored[2]["tier"]
+        served[name] = (restored[2] or {}).get("tier")
     return {"files": files, "after_fit": after_fit, "exact": exact, "served": served}
 
 
@@ -171,14 +181,33 @@ def _replaced_nodes(ctx):
     out = {}
     _empty(ctx, ranks={1})
     restored = _resume(pl, Module, ctx, "last", 5)  # Lightning's own "last": the newest last*.ckpt
-    out["one_node"] = {"exact": _exactly(restored, saved[4]), "served": restored[2]}
+    out["one_node"] = {"exact": _exactly(restored, saved[4]), "served": restored[2] or {}}
     _empty(ctx, ranks={0, 1})
     out["every_node"] = {}
     for name in sorted(n for n in os.listdir(dirpath) if n.endswith(".ckpt")):
         path = os.path.join(dirpath, name)
         restored = _resume(pl, Module, ctx, path, _global_step(path) + 1)
-        out["every_node"][name] = {"exact": _exactly(restored, saved[_global_step(path)]), "tier": restored[2]["tier"]}
-    out["last_step"] = _global_step(last)
+        out["every_node"][name] = {"exact": _exactly(restored, saved[_global_step(path)]),
+                                   "tier": (restored[2] or {}).get("tier")}
+    # the last file's step never drained (its durable copy removed) and no node holds it: a typed error, never
+    # another step in its place
+    import torch.distributed as dist
+
+    from dcp_atomic.backends import open_storage
+    from dcp_atomic.integrations.lightning import _pointer
+    from dcp_atomic.layout import RunLayout, parse_checkpoint_id
+    from dcp_atomic.retention import remove_step
+
+    tier_root, run, step = parse_checkpoint_id(_pointer(last))
+    _empty(ctx, ranks={0, 1})
+    if ctx.rank == 0:
+        remove_step(RunLayout(open_storage(tier_root), run), step)
+    dist.barrier()
+    try:
+        _resume(pl, Module, ctx, last, 5)
+        out["gone"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["gone"] = (type(e).__name__, str(e), pickle.loads(pickle.dumps(e)).details, step)
     return out
 
 
@@ -191,6 +220,9 @@ def test_a_replaced_node_resumes_last_from_replicas_and_no_node_left_resumes_fro
         assert set(out["every_node"]) == {"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"}, out
         for name, got in out["every_node"].items():
             assert got == {"exact": True, "tier": "durable"}, (name, got)
+        kind, message, details, step = out["gone"]
+        assert kind == "CheckpointNotFoundError" and details["step"] == step, out["gone"]
+        assert "last.ckpt names step" in message and "no complete copy of it is left" in message, message
 
 
 # -- (e) a rollback, training on, last saved again, resumed ----------------------------------------------------
@@ -216,7 +248,7 @@ def _rollback(ctx):
     resumed = _resume(pl, Module, ctx, "last", 7)
     old_6 = _resume(pl, Module, ctx, os.path.join(dirpath, "epoch=0-step=6.ckpt"), 7)
     return {"files": files, "branches_differ": not _same(old[6][0], new[6][0]),
-            "last_is_new_branch": _exactly(resumed, new[6]), "last_served": resumed[2]["tier"],
+            "last_is_new_branch": _exactly(resumed, new[6]), "last_served": (resumed[2] or {}).get("tier"),
             "old_6_file_is_old_branch": _exactly(old_6, old[6]), "steps": _tier_steps(ctx, dirpath)}
 
 

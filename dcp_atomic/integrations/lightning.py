@@ -259,9 +259,11 @@ class _AtomicCheckpointing:
                 path=path, step=step, save_id=save_id) from e
         self.restored_from = dict(tier.manager.restored_from or {})
         if save_id is not None and self.restored_from.get("save_id") != save_id:
-            raise CheckpointError(f"{path} names save {save_id} of step {step}, but the {self.restored_from.get('tier')}"
-                                  f" tier holds save {self.restored_from.get('save_id')} there; nothing of it is "
-                                  "applied. Resume from another file.", path=path, step=step)
+            served = self.restored_from
+            raise CheckpointError(f"{path} names save {save_id} of step {step}, but the {served.get('tier')} tier "
+                                  f"served save {served.get('save_id')} of step {served.get('step')}: this resume "
+                                  "stops (the state read is not the file's). Resume from another file.", path=path,
+                                  step=step)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0: drop Lightning's file, then the state it named once no other file (``last.ckpt``...) names it
