@@ -4,16 +4,18 @@ A rank's share of a step can be tens of GB.  Sent as one message it would sit in
 once (a tensor buffer per message, a copy per part).  Here each (sender, receiver) pair has one stream, the
 concatenation of the parts the sender sends it, cut into chunks of at most :data:`CHUNK_BYTES`: the sender reads
 each chunk from its file as it goes, the receiver appends it to a spool file in the receiving root.  Small parts
-(manifest shards, control files) travel inline and arrive as bytes.  Memory per peer is one chunk, whatever the
-step's size.  Nothing is trusted on the way: a receiver verifies a spooled file against the block digests, one
-block at a time (:func:`.local_tier.check_stored_file`), before :func:`keep` moves it into place.
+(manifest shards, control files) travel inline and arrive as bytes.  Memory per peer is two chunks (below),
+whatever the step's size.  Nothing is trusted on the way: a receiver verifies a spooled file against the block
+digests, one block at a time (:func:`.local_tier.check_stored_file`), before :func:`keep` moves it into place.
 
 Order: every pair first exchanges its index (names, sizes); round ``k`` then carries chunk ``k`` of every stream,
 every send and receive of a round posted before any is waited for, so no order can deadlock (gloo pairs the
-``k``-th send of a pair with its ``k``-th receive).  A read or write that fails mid-stream does not stop the
-stream (the peer still waits for its bytes): zeros go out in place of what could not be read, the receiver drops
-what it cannot write, and the first error is raised once every round is done.  A dead peer surfaces as the
-group's error within its timeout.
+``k``-th send of a pair with its ``k``-th receive).  While round ``k`` is on the wire, each rank writes the chunks
+round ``k - 1`` brought and reads the chunks round ``k + 1`` sends (gloo moves the bytes on its own threads): the
+disk and the network overlap instead of taking turns, for two buffers per stream on each side instead of one.
+A read or write that fails mid-stream does not stop the stream (the peer still waits for its bytes): zeros go
+out in place of what could not be read, the receiver drops what it cannot write, and the first error is raised
+once every round is done.  A dead peer surfaces as the group's error within its timeout.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from .errors import CorruptCheckpointError
 from .storage import Storage
 
-CHUNK_BYTES = 32 << 20  # the most one message holds: a transfer's memory per peer
+CHUNK_BYTES = 16 << 20  # the most one message holds; a stream holds two per side (on the wire, on disk): 32 MiB
 _TAG = 0x7E18  # point-to-point tags (lengths, payloads, chunks)
 
 
@@ -118,17 +120,7 @@ def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, s
     receivers = {src: _Receiver(indexes[src], spool_dir, f"r{me}-from{src}", incoming[src], setup)
                  for src in incoming}
     try:
-        while True:
-            buffers = {src: r.buffer(n) for src, r in receivers.items() if (n := r.next_size())}
-            chunks = {dst: chunk for dst, s in senders.items() if (chunk := s.next_chunk()) is not None}
-            if not buffers and not chunks:
-                break
-            works = [dist.irecv(b, src=src, group=group, tag=_TAG + 2) for src, b in buffers.items()]
-            works += [dist.isend(chunk, dst=dst, group=group, tag=_TAG + 2) for dst, chunk in chunks.items()]
-            for work in works:
-                work.wait()
-            for src, buffer in buffers.items():
-                receivers[src].feed(memoryview(buffer.numpy()))
+        _stream(senders, receivers, group)
     except BaseException:
         for r in receivers.values():
             r.close(discard=True)
@@ -142,6 +134,28 @@ def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, s
     return received
 
 
+def _stream(senders: dict[int, "_Sender"], receivers: dict[int, "_Receiver"], group) -> None:
+    """The rounds (module doc): round ``k`` on the wire while round ``k - 1``'s chunks are written and round
+    ``k + 1``'s are read, each into the stream's other buffer."""
+    arrived: list[tuple[_Receiver, torch.Tensor]] = []
+    outgoing = {dst: s.next_chunk() for dst, s in senders.items()}
+    while True:
+        buffers = {src: r.post(n) for src, r in receivers.items() if (n := r.next_size())}
+        chunks = {dst: chunk for dst, chunk in outgoing.items() if chunk is not None}
+        if not buffers and not chunks:
+            break
+        works = [dist.irecv(b, src=src, group=group, tag=_TAG + 2) for src, b in buffers.items()]
+        works += [dist.isend(chunk, dst=dst, group=group, tag=_TAG + 2) for dst, chunk in chunks.items()]
+        for receiver, buffer in arrived:
+            receiver.feed(memoryview(buffer.numpy()))
+        outgoing = {dst: s.next_chunk() for dst, s in senders.items()}
+        for work in works:
+            work.wait()
+        arrived = [(receivers[src], buffer) for src, buffer in buffers.items()]
+    for receiver, buffer in arrived:
+        receiver.feed(memoryview(buffer.numpy()))
+
+
 def _index(message: bytes, sender: str) -> list[tuple[str, int, bool]]:
     try:
         index = [(str(name), int(size), bool(spooled)) for name, size, spooled in json.loads(message)]
@@ -153,21 +167,21 @@ def _index(message: bytes, sender: str) -> list[tuple[str, int, bool]]:
 
 
 class _Sender:
-    """One stream out: the parts' bytes in order, a chunk at a time, read into one buffer the stream reuses (the
-    previous round's send has completed before the next chunk is read)."""
+    """One stream out: the parts' bytes in order, a chunk at a time, read into two buffers the stream alternates
+    (a chunk is read while the one before it is on the wire; the one before that has been sent)."""
 
     def __init__(self, parts: list[Part]) -> None:
         self.parts, self.part, self.offset = parts, 0, 0
         self.error: OSError | None = None
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
 
     def next_chunk(self) -> torch.Tensor | None:
         length = min(CHUNK_BYTES, sum(p.size for p in self.parts[self.part:]) - self.offset)
         if length <= 0:
             return None
-        if self._buffer is None or self._buffer.numel() < length:
-            self._buffer = torch.empty(min(CHUNK_BYTES, length), dtype=torch.uint8)
-        chunk = self._buffer[:length]
+        chunk = _reuse(self._buffers, self._turn, length)
+        self._turn ^= 1
         view, filled = memoryview(chunk.numpy()), 0
         while filled < length:
             part = self.parts[self.part]
@@ -198,6 +212,14 @@ class _Sender:
         into[:] = bytes(len(into))  # the peer waits for these bytes; the receiver's check refuses them
 
 
+def _reuse(buffers: list[torch.Tensor | None], turn: int, length: int) -> torch.Tensor:
+    """``length`` bytes of the stream's buffer ``turn``, allocated once at the first chunk's size."""
+    buffer = buffers[turn]
+    if buffer is None or buffer.numel() < length:
+        buffer = buffers[turn] = torch.empty(length, dtype=torch.uint8)
+    return buffer[:length]
+
+
 class _Receiver:
     """One stream in: inline parts collected in memory, files appended to spool files."""
 
@@ -207,23 +229,27 @@ class _Receiver:
         self.done: dict[str, Received] = {}
         self.inline = bytearray()
         self.file = None
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
         self.error: OSError | CorruptCheckpointError | None = setup  # set: what arrives is dropped
         try:
             self.index = _index(message, sender)
         except CorruptCheckpointError as e:  # a sender we cannot follow streams nothing we expect: expect nothing
             self.index, self.error = [], e
         self.remaining = sum(size for _, size, _ in self.index)
+        self.unposted = self.remaining  # bytes no receive has been posted for yet
         self._skip_empty()
 
     def next_size(self) -> int:
-        return min(self.remaining, CHUNK_BYTES)
+        return min(self.unposted, CHUNK_BYTES)
 
-    def buffer(self, length: int) -> torch.Tensor:
-        """Where the next chunk arrives: one buffer per stream, reused (a round's chunk is fed before the next)."""
-        if self._buffer is None or self._buffer.numel() < length:
-            self._buffer = torch.empty(length, dtype=torch.uint8)
-        return self._buffer[:length]
+    def post(self, length: int) -> torch.Tensor:
+        """Where the next chunk arrives: two buffers per stream, alternated (the chunk that arrived into the other
+        one is written while this one fills)."""
+        self.unposted -= length
+        buffer = _reuse(self._buffers, self._turn, length)
+        self._turn ^= 1
+        return buffer
 
     def feed(self, data: memoryview) -> None:
         self.remaining -= len(data)

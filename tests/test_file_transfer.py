@@ -97,3 +97,75 @@ def test_a_write_that_fails_mid_file_leaves_no_spool_file_behind(root):
     assert "File too large" in results[1]["error"], results[1]
     assert results[1]["spool"] == []  # the partial file went at once, not at the next transfer
     assert results[0]["equal"] == [True, True]
+
+
+def _overlapped(ctx, kill_rank0_after=None):
+    """Ranks 0 and 1 each stream a 6-chunk file to the other; records, per stream, when each receive was posted
+    and each chunk written, and which buffers carried them.  ``kill_rank0_after``: rank 0 SIGKILLs itself once it
+    has written that many chunks (a peer dying mid-stream)."""
+    import signal
+
+    import torch.distributed as dist
+
+    from dcp_atomic import file_transfer
+    from dcp_atomic.file_transfer import Part, transfer
+
+    file_transfer.CHUNK_BYTES = CHUNK
+    events, buffers = [], {"recv": set(), "send": set()}
+    real_irecv, real_isend, real_feed = dist.irecv, dist.isend, file_transfer._Receiver.feed
+
+    def irecv(tensor, *a, **k):
+        if tensor.numel() == CHUNK:
+            events.append("posted")
+            buffers["recv"].add(tensor.data_ptr())
+        return real_irecv(tensor, *a, **k)
+
+    def isend(tensor, *a, **k):
+        if tensor.numel() == CHUNK:
+            buffers["send"].add(tensor.data_ptr())
+        return real_isend(tensor, *a, **k)
+
+    def feed(self, data):
+        events.append("written")
+        if kill_rank0_after is not None and ctx.rank == 0 and events.count("written") > kill_rank0_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_feed(self, data)
+
+    dist.irecv, dist.isend, file_transfer._Receiver.feed = irecv, isend, feed
+    mine = os.path.join(ctx.root, f"rank{ctx.rank}")
+    os.makedirs(mine, exist_ok=True)
+    [path] = _files(mine, ctx.rank, [6 * CHUNK])
+    peer = 1 - ctx.rank
+    spool = os.path.join(mine, ".incoming")
+    try:
+        received = transfer({peer: [Part("file", 6 * CHUNK, path=path)]}, {peer: f"rank {peer}"}, dist.group.WORLD,
+                            spool)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "spool": sorted(os.listdir(spool))}
+    [expected] = _files(os.path.join(ctx.root, "expect"), peer, [6 * CHUNK])
+    with open(received[peer]["file"].path, "rb") as got, open(expected, "rb") as want:
+        equal = got.read() == want.read()
+    return {"events": events, "equal": equal, "recv_buffers": len(buffers["recv"]),
+            "send_buffers": len(buffers["send"])}
+
+
+def test_a_chunk_is_written_while_the_next_is_on_the_wire_in_order_with_two_buffers_per_stream(root):
+    os.makedirs(os.path.join(root, "expect"), exist_ok=True)
+    for out in assert_all_ok(run_world(_overlapped, 2, root, timeout=90)):
+        assert out["equal"]  # every byte in order, across 6 rounds of alternating buffers
+        events = out["events"]
+        assert events.count("posted") == events.count("written") == 6
+        for k in range(5):  # chunk k is written only after chunk k + 1's receive is posted (overlap)
+            written_k = [i for i, e in enumerate(events) if e == "written"][k]
+            assert events[:written_k].count("posted") >= k + 2, events
+        assert out["recv_buffers"] == 2 and out["send_buffers"] == 2  # memory: two chunks per stream and side
+
+
+def test_a_peer_killed_mid_stream_fails_the_survivor_within_the_group_timeout_and_leaves_no_spool_file(root):
+    os.makedirs(os.path.join(root, "expect"), exist_ok=True)
+    outcomes = run_world(_overlapped, 2, root, args=(2,), timeout=90, pg_timeout=10)
+    assert outcomes[0].killed
+    assert outcomes[1].ok, outcomes[1].error
+    survivor = outcomes[1].value
+    assert "error" in survivor, survivor  # the survivor raised (the group's error), never returned a partial file
+    assert survivor["spool"] == []  # its partly written spool file went with the failure
