@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 
+import pytest
 import torch
 
 from tests.harness import assert_all_ok, run_world
@@ -154,7 +155,9 @@ def _every_file_exact_and_no_unnamed_step(ctx):
         restored = _resume(pl, Module, ctx, path, _global_step(path) + 1)
         exact[name] = _exactly(restored, saved[_global_step(path)])
         served[name] = (restored[2] or {}).get("tier")
-    return {"files": files, "after_fit": after_fit, "exact": exact, "served": served}
+    # outside any Trainer, one process on its own: the durable copy the file names (every file drained by now)
+    weights_only = _same(_weights(Module.load_from_checkpoint(os.path.join(dirpath, "last.ckpt"))), saved[8][0])
+    return {"files": files, "after_fit": after_fit, "exact": exact, "served": served, "weights_only": weights_only}
 
 
 def test_every_file_resumes_exactly_and_top_k_leaves_no_step_that_no_file_names(root, nodes):
@@ -166,6 +169,7 @@ def test_every_file_resumes_exactly_and_top_k_leaves_no_step_that_no_file_names(
         for local in steps["local"]:  # keep_local=2 of the named ones, nothing that no file names
             assert set(local) <= set(steps["named"]) and len(local) == 2, steps
         assert all(out["exact"].values()), out["exact"]
+        assert out["weights_only"]  # Model.load_from_checkpoint (AtomicCheckpointHooks) reads the durable copy
         assert out["served"]["last.ckpt"] == "local", out["served"]  # the node's own copy, not the durable one
         assert out["served"]["epoch=0-step=6.ckpt"] == "durable", out["served"]  # past keep_local on the nodes
 
@@ -231,6 +235,12 @@ def test_a_replaced_node_resumes_last_from_replicas_and_no_node_left_resumes_fro
 def _rollback(ctx):
     from pytorch_lightning.callbacks import ModelCheckpoint
 
+    import time
+
+    from dcp_atomic import drain
+    from dcp_atomic.integrations.lightning import _pointer
+    from dcp_atomic.layout import parse_checkpoint_id
+
     pl, Module = _tracked_module()
     dirpath = os.path.join(ctx.root, "ckpts")
 
@@ -242,14 +252,23 @@ def _rollback(ctx):
     old = dict(Module.saved)
     Module.saved.clear()
     rolled = Module(seed=0, data_seed=7)  # a loss spike: back to step 2, on other data
-    _trainer(pl, ctx, 6, callbacks()).fit(rolled, ckpt_path=os.path.join(dirpath, "epoch=0-step=2.ckpt"))
+    trainer = _trainer(pl, ctx, 6, callbacks())
+    trainer.fit(rolled, ckpt_path=os.path.join(dirpath, "epoch=0-step=2.ckpt"))
     new = dict(Module.saved)
+    manual = os.path.join(dirpath, "manual.pt")
+    drain.hooks["before_upload"] = lambda rank, step: time.sleep(1.0)  # a slow durable root
+    try:
+        trainer.save_checkpoint(manual)  # after fit: returns once its drain has committed
+        manual_durable = _tier_steps(ctx, dirpath)["durable"]
+    finally:
+        drain.hooks.pop("before_upload", None)
     files = sorted(n for n in os.listdir(dirpath) if n.endswith(".ckpt"))
     resumed = _resume(pl, Module, ctx, "last", 7)
     old_6 = _resume(pl, Module, ctx, os.path.join(dirpath, "epoch=0-step=6.ckpt"), 7)
     return {"files": files, "branches_differ": not _same(old[6][0], new[6][0]),
             "last_is_new_branch": _exactly(resumed, new[6]), "last_served": (resumed[2] or {}).get("tier"),
-            "old_6_file_is_old_branch": _exactly(old_6, old[6]), "steps": _tier_steps(ctx, dirpath)}
+            "old_6_file_is_old_branch": _exactly(old_6, old[6]), "steps": _tier_steps(ctx, dirpath),
+            "manual_durable": parse_checkpoint_id(_pointer(manual))[2] in manual_durable}
 
 
 def test_a_rollback_trains_on_saves_last_again_and_a_resume_loads_the_new_state(root, nodes):
@@ -257,6 +276,7 @@ def test_a_rollback_trains_on_saves_last_again_and_a_resume_loads_the_new_state(
         assert out["branches_differ"], out
         assert out["last_is_new_branch"] and out["last_served"] == "local", out
         assert out["old_6_file_is_old_branch"], out  # Lightning versioned the new branch's names (-v1)
+        assert out["manual_durable"], out
         steps = out["steps"]
         assert steps["durable"] == sorted(set(steps["named"])) and len(set(steps["named"])) == len(steps["named"]), \
             steps
@@ -265,15 +285,15 @@ def test_a_rollback_trains_on_saves_last_again_and_a_resume_loads_the_new_state(
 # -- construction ----------------------------------------------------------------------------------------------
 
 
-def test_a_relative_local_root_is_refused_naming_it():
-    import pickle
-
-    import pytest
-
+@pytest.mark.parametrize("package", ["pytorch_lightning", "lightning.pytorch"])
+def test_both_packages_take_local_root_and_a_relative_one_is_refused_naming_it(package):
     from dcp_atomic.errors import ConfigurationError
-    from dcp_atomic.integrations.lightning import AtomicModelParallelStrategy
+    from dcp_atomic.integrations.lightning import strategy_class
 
+    strategy = strategy_class(package)
     with pytest.raises(ConfigurationError) as refused:
-        AtomicModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, local_root="nvme/ckpt")
+        strategy(data_parallel_size=2, tensor_parallel_size=1, local_root="nvme/ckpt")
     assert "local_root='nvme/ckpt'" in str(refused.value) and "absolute path" in str(refused.value)
     assert str(pickle.loads(pickle.dumps(refused.value))) == str(refused.value)
+    taken = strategy(data_parallel_size=2, tensor_parallel_size=1, local_root="/local_nvme/ckpt", replicas=2)
+    assert (taken.local_root, taken.replicas) == ("/local_nvme/ckpt", 2)
