@@ -2,10 +2,10 @@
 
 Lightning's ``ModelParallelStrategy`` saves a sharded (DCP) checkpoint itself, not through ``CheckpointIO``,
 into the directory ``ModelCheckpoint`` names (``<dirpath>/epoch=0-step=10.ckpt/``, files written in place).
-Here **every path Lightning names is its own checkpoint**: the sharded state of ``<dirpath>/<name>`` is committed
-as step ``global_step`` of a run named after ``<name>`` under ``<dirpath>/<run_id>/`` (see
-:func:`checkpoint_id_for`), and the path itself becomes a small file, published by global rank 0 after the commit,
-holding Lightning's non-tensor state (a ``torch.save`` archive) and the checkpoint id it belongs to (a JSON
+Without a local tier, **every path Lightning names is its own checkpoint**: the sharded state of
+``<dirpath>/<name>`` is committed as step ``global_step`` of a run named after ``<name>`` under
+``<dirpath>/<run_id>/`` (see :func:`checkpoint_id_for`), and the path itself becomes a small file, published by
+global rank 0 after the commit, holding Lightning's non-tensor state (a ``torch.save`` archive) and the checkpoint id it belongs to (a JSON
 record inside the archive, read without unpickling anything, so foreign ``*.ckpt`` files are skipped unread).
 
 Why one run per name: Lightning keeps a second run in the same ``dirpath`` apart by versioning the names
@@ -123,7 +123,8 @@ class _AtomicCheckpointing:
         ``keep_local``, ``failure_domain``: the local tier, as ``CheckpointManager`` takes them (module doc)."""
         if local_root is not None and not os.path.isabs(os.fspath(local_root)):
             raise ConfigurationError(f"{type(self).__name__}(local_root={local_root!r}): the local tier needs an "
-                                     "absolute path on each node's own storage; nothing was saved", local_root=os.fspath(local_root))
+                                     "absolute path on each node's own storage; nothing was saved",
+                                     local_root=os.fspath(local_root))
         super().__init__(*args, **kwargs)
         if parallelism is not None and not isinstance(parallelism, Parallelism):
             raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
@@ -300,8 +301,8 @@ class _AtomicCheckpointing:
         for tier in tiers:
             try:
                 tier.manager.close()
-            except CheckpointError as e:  # on_train_end raised it already, or an exception is on its way
-                log.error("closing the local tier of %s: %s", tier.directory, e)
+            except Exception as e:  # noqa: BLE001 - on_train_end raised it already, or an exception is on its way
+                log.error("closing the local tier of %s: %s: %s", tier.directory, type(e).__name__, e)
         super().teardown()
 
     def _tier(self, root: str, run_id: str, directory: str) -> _Tier:
