@@ -5,8 +5,9 @@ into the directory ``ModelCheckpoint`` names (``<dirpath>/epoch=0-step=10.ckpt/`
 Without a local tier, **every path Lightning names is its own checkpoint**: the sharded state of
 ``<dirpath>/<name>`` is committed as step ``global_step`` of a run named after ``<name>`` under
 ``<dirpath>/<run_id>/`` (see :func:`checkpoint_id_for`), and the path itself becomes a small file, published by
-global rank 0 after the commit, holding Lightning's non-tensor state (a ``torch.save`` archive) and the checkpoint id it belongs to (a JSON
-record inside the archive, read without unpickling anything, so foreign ``*.ckpt`` files are skipped unread).
+global rank 0 after the commit, holding Lightning's non-tensor state (a ``torch.save`` archive) and the checkpoint
+id it belongs to (a JSON record inside the archive, read without unpickling anything, so foreign ``*.ckpt`` files
+are skipped unread).
 
 Why one run per name: Lightning keeps a second run in the same ``dirpath`` apart by versioning the names
 (``last-v1.ckpt``), and a weights-only and a full ``ModelCheckpoint`` firing at one step write two names; keyed
