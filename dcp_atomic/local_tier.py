@@ -27,6 +27,7 @@ restore copy files without re-serialising, and each side verifies the same diges
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -295,6 +296,7 @@ class Held:
     files: dict[int, list[str]]  # rank -> its data files, as the manifest names them (to name what is lost)
     sizes: dict[str, int]  # data file -> its stored size
     partial: dict[str, list[tuple[int, int]]]  # data file -> (offset, length) of the items a partial copy holds
+    shards: list[int]  # ranks whose manifest shard verified here (a reader of any of their files needs it)
 
 
 def local_markers(layout: RunLayout) -> list[Marker]:
@@ -318,8 +320,10 @@ def read_manifest(layout: RunLayout, marker: Marker) -> Manifest:
     return Manifest.from_json(data, where=path)
 
 
-def scan_root(layout: RunLayout, verify_data: bool = True) -> list[Held]:
-    """What this root holds of each local-committed step, every file verified (the restore's input)."""
+def scan_root(layout: RunLayout, verify_data: bool = True, share: tuple[int, int] = (0, 1)) -> list[Held]:
+    """What this root holds of each local-committed step, every file verified (the restore's input).  ``share``
+    (i, n): verify only every n-th data file from the i-th, so the n ranks of a root verify it in parallel; the
+    shares' reports are joined by :func:`merge_held`."""
     held = []
     for marker in local_markers(layout):
         try:
@@ -327,9 +331,11 @@ def scan_root(layout: RunLayout, verify_data: bool = True) -> list[Held]:
         except (OSError, CheckpointError) as e:
             log.warning("local tier: step %d in %s is unusable: %s", marker.step, layout.run_dir, e)
             continue
-        ranks, intact, damaged, partial = [], {}, {}, {}
+        ranks, intact, damaged, partial, shards = [], {}, {}, {}, []
+        names = sorted(f.name for f in manifest.files)
+        mine = set(names[share[0]::share[1]])
         for rank in range(manifest.world_size):
-            found, why = _held_files(layout, manifest, rank, verify_data, partial)
+            found, why = _held_files(layout, manifest, rank, verify_data, partial, shards, mine)
             intact.update((name, rank) for name in found)
             if why is not None:
                 damaged[rank] = why
@@ -340,12 +346,13 @@ def scan_root(layout: RunLayout, verify_data: bool = True) -> list[Held]:
                          ranks=ranks, intact=intact, control=_control_intact(layout, manifest), damaged=damaged,
                          files={r: sorted(f.name for f in manifest.files if f.rank == r)
                                 for r in range(manifest.world_size)},
-                         sizes={f.name: f.size for f in manifest.files}, partial=partial))
+                         sizes={f.name: f.size for f in manifest.files}, partial=partial, shards=shards))
     return held
 
 
 def _held_files(layout: RunLayout, manifest: Manifest, rank: int, verify: bool,
-                partial: dict[str, list[tuple[int, int]]]) -> tuple[list[str], str | None]:
+                partial: dict[str, list[tuple[int, int]]], shards: list[int],
+                mine: set[str]) -> tuple[list[str], str | None]:
     """The data files of ``rank`` that verify in this root, and why one that is here does not (None: no damage).
     A file that is absent, or a partial copy a restore left (:func:`keep_extents`), is not held; of a partial
     copy, the items that verify go into ``partial``."""
@@ -357,8 +364,11 @@ def _held_files(layout: RunLayout, manifest: Manifest, rank: int, verify: bool,
         return [], None
     except (OSError, CheckpointError) as e:
         return [], str(e)
+    shards.append(rank)
     found, why = [], None
     for entry in shard.files:
+        if entry.name not in mine:
+            continue  # another rank of this root verifies it
         file_path = layout.data_file(step, save_id, entry.name, manifest.data_prefixes)
         try:
             if verify:
@@ -374,6 +384,30 @@ def _held_files(layout: RunLayout, manifest: Manifest, rank: int, verify: bool,
             elif verify:
                 partial[entry.name] = _intact_items(entry, file_path)
     return found, why
+
+
+def merge_held(shares: list[list[Held]]) -> list[Held]:
+    """One root's report from its ranks' shares of the scan (:func:`scan_root` ``share``): a file is held when the
+    share that verified it says so; a rank is whole when every file of it is."""
+    merged: dict[tuple[str, str], Held] = {}
+    for held in shares:
+        for h in held:
+            key = (h.save_id, h.manifest_sha256)
+            if key not in merged:
+                merged[key] = dataclasses.replace(h, intact=dict(h.intact), damaged=dict(h.damaged),
+                                                  partial=dict(h.partial), shards=list(h.shards))
+                continue
+            m = merged[key]
+            m.intact.update(h.intact)
+            m.partial.update(h.partial)
+            for rank, why in h.damaged.items():
+                m.damaged.setdefault(rank, why)
+            m.shards = sorted(set(m.shards) & set(h.shards))
+            m.control = m.control and h.control
+    for m in merged.values():
+        m.ranks = [r for r, names in sorted(m.files.items())
+                   if r not in m.damaged and r in m.shards and all(n in m.intact for n in names)]
+    return sorted(merged.values(), key=lambda h: (h.sequence or 0, h.step))
 
 
 def _intact_items(entry: FileEntry, path: str) -> list[tuple[int, int]]:

@@ -52,7 +52,8 @@ from .errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
 from .layout import RunLayout, validate_step
 from .liveness import Heartbeat, OpWatch
 from .drain import Drained, Drainer, DrainJob
-from .local_tier import LocalWriter, Topology, commit_local, local_markers, open_local, retain_local, scan_root
+from .local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, open_local, retain_local,
+                         scan_root)
 from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
 from .retention import DEFAULT_LEASE_SECONDS, retain_after_commit
@@ -586,14 +587,17 @@ class CheckpointManager(RankAgreement):
         the local root, or None to load the durable tier's choice."""
         tier = self._tier
         watch = self._watch("scanning the local tier")
-        held = watch.run("scan", lambda: scan_root(self._local)) if tier.is_leader else watch.run("scan", list)
+        mates = [r for r in range(self.world_size) if tier.leader(r) == tier.leader(self.rank)]
+        share = (mates.index(self.rank), len(mates))  # the ranks of a root verify it in parallel, a share each
+        held = watch.run("scan", lambda: scan_root(self._local, share=share))
         gathered = self._gathered((step, held))
         watch.finish()
         asked = {request for request, _ in gathered}
         if len(asked) > 1:
             raise RankConsistencyError(f"restoring run {self.run_id!r}: the ranks asked for different steps "
                                        f"({sorted(asked, key=str)}), so none loads. Every rank must call load alike.")
-        reports = {rank: held for rank, (_, held) in enumerate(gathered)}
+        reports = {leader: merge_held([held for rank, (_, held) in enumerate(gathered) if tier.leader(rank) == leader])
+                   for leader in tier.leaders}
         outcome = None
         if self.rank == 0:
             declared = self.parallelism.to_dict() if self.parallelism is not None else None

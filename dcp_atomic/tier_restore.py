@@ -79,6 +79,7 @@ class Choice:
     lacking: list[int] = field(default_factory=list)  # leaders whose root needs the control files
     unmarked: list[int] = field(default_factory=list)  # leaders whose root has no marker of the step
     partial: dict[int, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # leader -> file -> items
+    shards: dict[int, list[int]] = field(default_factory=dict)  # leader -> ranks whose shard its root holds
     skipped: list[str] = field(default_factory=list)  # why newer local steps could not serve
 
 
@@ -86,9 +87,10 @@ class Choice:
 class Fetch:
     """``target`` receives data file ``name`` (written by ``rank``) from ``source``, whose root holds it intact:
     whole, or only the stored items at ``extents`` ((offset, length), a partial copy).  ``shard``: the target
-    also writes ``rank``'s manifest shard into its root (one rank per root does)."""
+    also writes ``rank``'s manifest shard into its root (one rank per root does); ``name`` None: the shard alone
+    (every root gets every shard: small, and what ``dcp-atomic show`` and a later restore read)."""
 
-    name: str
+    name: str | None
     rank: int
     source: int
     target: int
@@ -139,7 +141,8 @@ def choose(topology: Topology, reports: dict[int, list[Held]], durable: Durable 
                       sequence=held.sequence, holders=holders, writers=writers, sizes=dict(held.sizes),
                       control_from=controls[0], lacking=[l for l in topology.leaders if l not in controls],
                       unmarked=[l for l in topology.leaders if l not in stores],
-                      partial={leader: h.partial for leader, h in stores.items() if h.partial}, skipped=skipped)
+                      partial={leader: h.partial for leader, h in stores.items() if h.partial},
+                      shards={leader: list(h.shards) for leader, h in stores.items()}, skipped=skipped)
     if durable is not None and (step is None or durable.step == step):
         return Choice(tier="durable", step=durable.step, save_id=durable.save_id, sequence=durable.sequence,
                       skipped=skipped)
@@ -180,14 +183,15 @@ def plan_fetches(topology: Topology, choice: Choice, needs: list[dict[str, list[
         for name, extents in need.items():
             if name not in choice.holders or leader in choice.holders[name]:
                 continue  # an unknown name is the load's to refuse; a held one needs nothing
-            want = wanted.setdefault((leader, name), {"ranks": [], "whole": False, "extents": set()})
+            want = wanted.setdefault((leader, name), {"ranks": [], "whole": False, "extents": set(), "owners": set()})
             want["ranks"].append(rank)
             if extents is None:
                 want["whole"] = True
+                want["owners"].add(rank)
             else:
                 want["extents"].update(map(tuple, extents))
     sent, received = [0] * world, [0] * world
-    shard_held = {(leader, choice.writers[name]) for name, leaders in choice.holders.items() for leader in leaders}
+    shard_held = {(leader, rank) for leader, ranks in choice.shards.items() for rank in ranks}
     fetches = []
     for (leader, name), want in sorted(wanted.items(), key=lambda kv: (-choice.sizes.get(kv[0][1], 0), kv[0])):
         if not want["whole"] and want["extents"] <= set(map(tuple, choice.partial.get(leader, {}).get(name, ()))):
@@ -196,7 +200,7 @@ def plan_fetches(topology: Topology, choice: Choice, needs: list[dict[str, list[
         part = sum(length for _, length in extents)
         if want["whole"] or part * 2 > size or part > PARTIAL_LIMIT:
             extents, part = None, size
-        target = min(want["ranks"], key=lambda r: (received[r], r))
+        target = min(want["ranks"], key=lambda r: (r not in want["owners"], received[r], r))  # its own first
         source = min((r for r in range(world) if topology.leader(r) in choice.holders[name]),
                      key=lambda r: (sent[r], r))
         received[target] += part
@@ -204,6 +208,12 @@ def plan_fetches(topology: Topology, choice: Choice, needs: list[dict[str, list[
         writer = choice.writers[name]
         fetches.append(Fetch(name, writer, source, target, extents, shard=(leader, writer) not in shard_held))
         shard_held.add((leader, writer))
+    for leader in topology.leaders:
+        for writer in sorted(set(choice.writers.values())):
+            if (leader, writer) not in shard_held:
+                source = min((r for r in range(world) if writer in choice.shards.get(topology.leader(r), ())),
+                             key=lambda r: (sent[r], r))
+                fetches.append(Fetch(None, writer, source, leader, (), shard=True))
     return fetches
 
 
@@ -278,7 +288,7 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)} could not record the step's marker: {e}"
     settle(failure)
-    return len({f.rank for f in fetches if f.target == rank}), got_bytes + control_bytes
+    return len({f.rank for f in fetches if f.target == rank and f.name is not None}), got_bytes + control_bytes
 
 
 def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group) -> int:
@@ -355,6 +365,8 @@ def _outgoing(layout: RunLayout, manifest: Manifest | None, fetches: list[Fetch]
                 shards[f.rank] = layout.storage.read_file(
                     layout.attempt_file(manifest.step, manifest.save_id, shard_name(f.rank)))
             parts.append(Part.inline(shard_name(f.rank), shards[f.rank]))
+        if f.name is None:
+            continue
         path = layout.data_file(manifest.step, manifest.save_id, f.name, manifest.data_prefixes)
         if f.extents is None:
             parts.append(Part(f.name, manifest_size(manifest, f.name), path=path))
@@ -382,6 +394,8 @@ def _keep(topology: Topology, layout: RunLayout, manifest: Manifest, fetches: li
             data = parts.get(shard_name(f.rank), b"")
             shards[f.source, f.rank] = (data, check_shard(manifest, f.rank, data if isinstance(data, bytes) else b"",
                                                           f"rank {f.rank}'s shard from {sender}"))
+        if f.name is None:
+            continue
         entry = next(e for e in shards[f.source, f.rank][1].files if e.name == f.name)
         target = layout.data_file(step, save_id, f.name, manifest.data_prefixes)
         os.makedirs(os.path.dirname(target), exist_ok=True)

@@ -121,8 +121,10 @@ def test_each_rank_of_a_replaced_node_receives_only_its_own_files_about_half_the
     _, manifest = _manifest(nodes[0], 10)
     size = {f.name: f.size for f in manifest.files}
     shard = {s.rank: s.size for s in manifest.shards}
-    # Each of node B's ranks received its own shard and data file, itself; node B's leader the control files too.
-    expected = [0, 0, size["__2_0.distcp"] + shard[2] + _control_bytes(nodes[0], 10), size["__3_0.distcp"] + shard[3]]
+    # Each of node B's ranks received its own shard and data file, itself; node B's leader the control files and
+    # the other ranks' manifest shards too (small: what a later restore and `dcp-atomic show` read there).
+    expected = [0, 0, size["__2_0.distcp"] + shard[2] + _control_bytes(nodes[0], 10) + shard[0] + shard[1],
+                size["__3_0.distcp"] + shard[3]]
     assert [out["served"]["bytes_fetched"] for out in restored] == expected
     assert [out["served"]["ranks_fetched"] for out in restored] == [0, 0, 1, 1]
     assert [out["stats"][0]["bytes_from_replicas"] for out in restored] == expected  # LoadStats, per rank alike
@@ -133,8 +135,11 @@ def test_each_rank_of_a_replaced_node_receives_only_its_own_files_about_half_the
 
     layout, _ = _manifest(nodes[1], 10)
     [held] = scan_root(layout)
-    assert held.ranks == [2, 3] and held.damaged == {} and held.control
+    assert held.ranks == [2, 3] and held.damaged == {} and held.control and held.shards == [0, 1, 2, 3]
     assert held.intact == {"__2_0.distcp": 2, "__3_0.distcp": 3}
+    from dcp_atomic import cli  # `dcp-atomic show` on node B's disk reads every shard: there, and says what it is
+
+    assert cli.main(["show", root, RUN, "10", "--local-root", nodes[1], "--json"]) == 0
 
 
 def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_once_per_root(root, nodes):
@@ -159,9 +164,8 @@ def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_o
     size = {f.name: f.size for f in manifest.files}
     shard = {s.rank: s.size for s in manifest.shards}
     received_on_b = sum(out["served"]["bytes_fetched"] for out in restored[2:]) - _control_bytes(nodes[0], 10)
-    assert received_on_b == (size["__2_0.distcp"] + size["__3_0.distcp"] + shard[2] + shard[3]
-                             + sum(i.length for _, items in shared.values() for i in items)
-                             + sum(shard[entry.rank] for entry, _ in shared.values()))
+    assert received_on_b == (size["__2_0.distcp"] + size["__3_0.distcp"] + sum(shard.values())
+                             + sum(i.length for _, items in shared.values() for i in items))
     attempt = _attempt(nodes[1], 10)
     from dcp_atomic.local_tier import scan_root
 
