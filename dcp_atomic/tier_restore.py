@@ -18,9 +18,10 @@ versions or load garbage, so the choice is made once, by global rank 0, from wha
    receive in parallel; ranks of one root never receive the same file twice.  A rank always receives its own
    primary files whole (the drain and the next replicas read them); of another rank's file it needs only a
    few items of (replicated objects DCP saved once, on some rank), it receives just those items' bytes, kept
-   as a partial copy (:func:`~.local_tier.keep_extents`).  The receiver checks every byte against the manifest
-   and block digests before it keeps it (the sender does not: that second pass bought nothing); the marker comes
-   last.  Every rank then loads from its own root with an ordinary verified
+   as a partial copy (:func:`~.local_tier.keep_extents`); a root's leader also receives the manifest shards its
+   root lacks (small: a later restore and ``dcp-atomic show`` read them).  The receiver checks every byte against
+   the manifest and block digests before it keeps it (the sender does not: that second pass bought nothing);
+   the marker comes last.  Every rank then loads from its own root with an ordinary verified
    :class:`~.reader.AtomicStorageReader`, which reads exactly the items planned here (read-once sharing too:
    it assigns an item to one of the ranks that read it, and each of them holds it).
 
@@ -149,19 +150,24 @@ def choose(topology: Topology, reports: dict[int, list[Held]], durable: Durable 
     return Choice(tier="none", step=step, skipped=skipped)
 
 
-def planned_reads(state_dict: dict[str, Any], metadata) -> dict[str, set[tuple[int, int]]]:
-    """The stored items (file -> (offset, length)) this rank's load of ``state_dict`` will read: DCP's default
-    load planner, which :class:`~.planners.AtomicLoadPlanner` (the manager's) adds only checks to, on the
-    step's ``.metadata``, with ``Stateful`` values expanded as ``dcp.load`` does.  Keys the checkpoint lacks
-    are left out here; the load itself then refuses them with its own error."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+def expand_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``Stateful`` values replaced by their ``state_dict()``, as ``dcp.load`` does first (on every rank alike:
+    a framework's ``state_dict()`` may run collectives)."""
     from torch.distributed.checkpoint.stateful import Stateful
 
-    expanded = {key: value.state_dict() if isinstance(value, Stateful) else value
-                for key, value in state_dict.items()}
+    return {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state_dict.items()}
+
+
+def planned_reads(state_dict: dict[str, Any], metadata) -> dict[str, set[tuple[int, int]]]:
+    """The stored items (file -> (offset, length)) this rank's load of ``state_dict`` (expanded:
+    :func:`expand_stateful`) will read: DCP's default load planner, which :class:`~.planners.AtomicLoadPlanner`
+    (the manager's) adds only checks to, on the step's ``.metadata``.  Keys the checkpoint lacks are left out
+    here; the load itself then refuses them with its own error."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
     with gc_paused():
         planner = DefaultLoadPlanner(allow_partial_load=True)
-        planner.set_up_planner(expanded, metadata, is_coordinator=False)
+        planner.set_up_planner(state_dict, metadata, is_coordinator=False)
         plan = planner.create_local_plan()
     storage = metadata.storage_data or {}
     reads: dict[str, set[tuple[int, int]]] = {}
@@ -240,15 +246,21 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
 
     manifest: Manifest | None = None
     need: Any = None
+    expanded, unplanned = None, None
+    try:
+        expanded = expand_stateful(state_dict) if state_dict is not None else None
+    except Exception as e:  # the load itself raises this with its own error
+        unplanned = e
     try:
         manifest, metadata = _open_step(layout, choice)
         need = {f.name: None for f in manifest.files if f.rank == rank}  # its own primary files, whole
         try:
-            reads = planned_reads(state_dict, metadata) if state_dict is not None else None
+            reads = planned_reads(expanded, metadata) if expanded is not None else None
         except Exception as e:  # the load itself raises this with its own error; fetch everything meanwhile
+            unplanned, reads = e, None
+        if unplanned is not None:
             log.warning("%s: rank %d could not plan its load (%s); it receives every file its root lacks", where,
-                        rank, e)
-            reads = None
+                        rank, unplanned)
         if reads is None:
             need.update({f.name: None for f in manifest.files})
         else:

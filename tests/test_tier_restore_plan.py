@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.harness import assert_all_ok
-from tests.test_tiers import RUN, WORLD, _exact, _flip_byte, _manager, _run
+from tests.test_tiers import RUN, WORLD, _flip_byte, _manager, _run
 
 ROWS, COLS = 256, 64  # "w": 64 rows of 64 fp32 per rank, 16 KiB
 
@@ -151,7 +151,8 @@ def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_o
             if item.key in ("rep", "meta.epoch"):
                 shared.setdefault(entry.name, (entry, []))[1].append(item)
     assert sum(len(items) for _, items in shared.values()) == 2
-    assert {entry.rank for entry, _ in shared.values()} <= {0, 1}, shared  # DCP saved them on node A: node B reads them there
+    # DCP saved them on node A: node B reads them there
+    assert {entry.rank for entry, _ in shared.values()} <= {0, 1}, shared
     shutil.rmtree(os.path.join(nodes[1], RUN))
     restored = assert_all_ok(_run(_load, root, nodes, True))
     for rank, out in enumerate(restored):
