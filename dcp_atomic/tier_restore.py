@@ -279,8 +279,13 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
     fetches = plan_fetches(topology, choice, needs)
     received: dict[int, dict[str, Received]] = {}
     got_bytes, failure = 0, None
+    sending = [f for f in fetches if f.source == rank]
     try:
-        outgoing = _outgoing(layout, manifest, [f for f in fetches if f.source == rank])
+        outgoing = _outgoing(layout, manifest, sending)
+    except (OSError, CheckpointError) as e:  # the stream must still run: its targets wait for an index
+        failure = f"{topology.describe(rank)} could not read what it was to send: {e}"
+        outgoing = {f.target: [] for f in sending}  # an empty index: the target reports what is missing
+    try:
         mine = [f for f in fetches if f.target == rank]
         received = transfer(outgoing, {s: topology.describe(s) for s in sorted({f.source for f in mine})}, group,
                             spool_dir(layout))
@@ -288,7 +293,7 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
                         for p in parts.values())
         _keep(topology, layout, manifest, mine, received)
     except (OSError, CheckpointError) as e:
-        failure = f"{topology.describe(rank)} could not receive the files it reads: {e}"
+        failure = failure or f"{topology.describe(rank)} could not receive the files it reads: {e}"
     finally:
         discard(received)
     settle(failure)
@@ -308,16 +313,22 @@ def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group)
     lacks them, checked against the chosen marker's manifest digest; returns the bytes this rank received."""
     rank = topology.rank
     outgoing: dict[int, list[Part]] = {}
+    unread: BaseException | None = None
     if rank == choice.control_from and choice.lacking:
         attempt = layout.attempt_dir(choice.step, choice.save_id)
-        marker = layout.storage.read_file(layout.marker(choice.step))
-        manifest = layout.storage.read_file(layout.storage.join(attempt, MANIFEST))
-        names = [DCP_METADATA] + ([RANKS_FILE] if Manifest.from_json(manifest, where=attempt).ranks_file else [])
-        parts = [Part.inline(MARKER, marker), Part.inline(MANIFEST, manifest)] + [
-            Part.inline(name, layout.storage.read_file(layout.storage.join(attempt, name))) for name in names]
+        try:
+            marker = layout.storage.read_file(layout.marker(choice.step))
+            manifest = layout.storage.read_file(layout.storage.join(attempt, MANIFEST))
+            names = [DCP_METADATA] + ([RANKS_FILE] if Manifest.from_json(manifest, where=attempt).ranks_file else [])
+            parts = [Part.inline(MARKER, marker), Part.inline(MANIFEST, manifest)] + [
+                Part.inline(name, layout.storage.read_file(layout.storage.join(attempt, name))) for name in names]
+        except (OSError, CheckpointError) as e:  # the targets still get an (empty) index, then the error
+            unread, parts = e, []
         outgoing = {target: parts for target in choice.lacking}
     incoming = {choice.control_from: topology.describe(choice.control_from)} if rank in choice.lacking else {}
     received = transfer(outgoing, incoming, group, spool_dir(layout))
+    if unread is not None:
+        raise unread
     if not incoming:
         return 0
     parts = received[choice.control_from]

@@ -64,7 +64,10 @@ def _load(ctx, replicated=False, step=None, spoil=None):
 
         def plan_then_spoil(*args, **kwargs):
             fetches = planned(*args, **kwargs)
-            _flip_byte(spoil[1], offset=os.path.getsize(spoil[1]) // 2)
+            if len(spoil) > 2 and spoil[2] == "unlink":
+                os.unlink(spoil[1])
+            else:
+                _flip_byte(spoil[1], offset=os.path.getsize(spoil[1]) // 2)
             return fetches
 
         tier_restore.plan_fetches = plan_then_spoil
@@ -220,6 +223,16 @@ def test_a_source_copy_damaged_after_the_scan_is_refused_by_the_receiver_then_pa
     for out in outcomes:
         assert out.error_type == "CheckpointNotFoundError", out
         assert "rank 2 (__2_0.distcp)" in out.error and "does not match its digest" in out.error, out.error
+
+
+def test_a_source_file_gone_after_the_scan_fails_every_rank_typed_and_in_bounded_time(root, nodes):
+    assert_all_ok(_run(_save, root, nodes, [10]))
+    shutil.rmtree(os.path.join(nodes[1], RUN))
+    source = os.path.join(_attempt(nodes[0], 10), "__3_0.distcp")
+    outcomes = _run(_load, root, nodes, False, None, (0, source, "unlink"))
+    for out in outcomes:  # the sender's stream still runs (its target waits for it), then every rank fails alike
+        assert out.error_type == "StorageError", out
+        assert "restoring local step 10" in out.error and "__3_0.distcp" in out.error, out.error
 
 
 def test_after_a_partial_restore_losing_the_other_node_falls_back_to_durable_and_the_next_save_heals(root, nodes):
