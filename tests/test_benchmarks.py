@@ -121,9 +121,10 @@ def test_two_tiers_smoke(root):
     assert len(rows["local save"]["runs"]) == 2 and len(rows["drain s3"]["runs"]) == 1
     drained = document["raw"]["local save + drain s3"][0]["drain"]
     assert drained["step"] == 3 and drained["bytes"] > 0 and drained["attempts"] == 1
-    # after node B's root was emptied, node B's leader (rank 2) got every rank's files back from node A
+    # after node B's root was emptied, node B's ranks (2, 3) each received what they read from node A
     restore = document["raw"]["restore from replicas"][0]["records"]
-    assert [r["ranks_fetched"] for r in restore] == [0, 0, 4, 0] and {r["step"] for r in restore} == {3}
+    assert [r["ranks_fetched"] >= 1 for r in restore] == [False, False, True, True], restore
+    assert {r["step"] for r in restore} == {3}
     assert [(c["target"], c["value"] is not None) for c in document["targets"]] == [
         ("time to local-committed >= 5x faster than a direct S3 save", True),
         ("restore from replicas >= 2x faster than from S3", True),

@@ -159,8 +159,8 @@ def test_torchtitan_local_tier_saves_replicates_drains_and_restores_a_replaced_n
         assert out["rolled_started"] == 8 and out["rolled_saved"] == [10]
         assert out["latest_started"] == 10 and out["latest_exact"] and out["latest_not_old"]
         assert out["durable_exact"] and out["durable_served"] is None
-    assert results[2]["resumed_served"]["ranks_fetched"] == WORLD  # node B got every rank's files back
-    assert results[0]["resumed_served"]["ranks_fetched"] == 0
+    # node B's ranks each received what they read (at least their own files); node A's ranks nothing
+    assert [results[r]["resumed_served"]["ranks_fetched"] >= 1 for r in range(WORLD)] == [False, False, True, True]
     assert 8 in results[2]["node_b_after_restore"]
     assert _durable_steps(root) == [4, 8]  # step 10 (both branches) stayed on the nodes
 

@@ -159,14 +159,14 @@ def test_a_replaced_node_is_restored_exactly_from_the_replicas(root, nodes):
     for out in restored:
         assert out["served"]["tier"] == "local" and out["step"] == 20
         _exact(out["full"], saved[0]["saved"][20])
-    assert restored[2]["served"]["ranks_fetched"] == WORLD  # node B's leader received every rank's files
-    assert restored[0]["served"]["ranks_fetched"] == 0
-    # The bytes that moved are counted where they arrived: node B's leader, which copied the step into its root.
-    on_b = restored[2]["stats"][0]["bytes_from_replicas"]
-    assert on_b == restored[2]["served"]["bytes_fetched"] > sum(os.path.getsize(p) for p in glob.glob(
-        os.path.join(nodes[1], RUN, f"step_{20:010d}", "*", "__*_*.distcp")))  # data files plus control files
-    assert [out["stats"][0]["bytes_from_replicas"] for out in restored] == [0, 0, on_b, 0]
-    assert _data_files(nodes[1], 20) == _data_files(nodes[0], 20)  # node B holds the step again
+    # Each of node B's ranks received (at least) its own files itself; node A's ranks nothing.
+    assert [out["served"]["ranks_fetched"] >= 1 for out in restored] == [False, False, True, True]
+    # The bytes that moved are counted where they arrived, per rank (tests/test_tier_restore_plan.py: file by file).
+    on_b = [out["stats"][0]["bytes_from_replicas"] for out in restored]
+    assert on_b == [out["served"]["bytes_fetched"] for out in restored] and on_b[:2] == [0, 0]
+    assert on_b[2] + on_b[3] > sum(os.path.getsize(os.path.join(os.path.dirname(p), f"__{r}_0.distcp")) for r in (2, 3)
+                                   for p in glob.glob(os.path.join(nodes[1], RUN, f"step_{20:010d}", "*", "manifest.json")))
+    assert {"__2_0.distcp", "__3_0.distcp"} <= set(_data_files(nodes[1], 20))  # node B holds its own ranks' files
 
 
 def _save_durable_then_local(ctx):
