@@ -577,6 +577,12 @@ def retain_local(layout: RunLayout, keep_local: int, protected: set[int]) -> lis
     markers = local_markers(layout)
     doomed = [m.step for m in markers[:max(0, len(markers) - keep_local)] if m.step not in protected]
     for step in doomed:
-        layout.storage.remove(layout.marker(step))
-        layout.storage.remove(layout.step_dir(step))
+        remove_local_step(layout, step)
     return doomed
+
+
+def remove_local_step(layout: RunLayout, step: int) -> None:
+    """Drop one step from this root, marker first: a crash midway leaves files no restore trusts (gc's to collect),
+    never a marker whose files are gone."""
+    layout.storage.remove(layout.marker(step))
+    layout.storage.remove(layout.step_dir(step))

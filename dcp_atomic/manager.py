@@ -52,11 +52,12 @@ from .errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
 from .layout import RunLayout, validate_step
 from .liveness import Heartbeat, OpWatch
 from .drain import Drained, Drainer, DrainJob
-from .local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, open_local, retain_local,
+from .local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, open_local, remove_local_step,
+                         retain_local,
                          scan_root)
 from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
-from .retention import DEFAULT_LEASE_SECONDS, retain_after_commit
+from .retention import DEFAULT_LEASE_SECONDS, remove_step, retain_after_commit
 from .retry import Deadline
 from .placement import failure_domain as resolve_failure_domain
 from .stats import DrainStats, FailureStats, LoadStats, SaveStats
@@ -234,8 +235,12 @@ class CheckpointManager(RankAgreement):
         self._drainer: Drainer | None = None
         if local_root is not None:
             self._local = open_local(os.fspath(local_root), run_id)
-            self._tier = Topology.learn(self.rank, self.world_size, resolve_failure_domain(failure_domain),
-                                        os.fspath(local_root), replicas, self._group)
+            try:
+                self._tier = Topology.learn(self.rank, self.world_size, resolve_failure_domain(failure_domain),
+                                            os.fspath(local_root), replicas, self._group)
+            except BaseException:  # refused (too few domains...): nothing of this manager may outlive it
+                self._release()
+                raise
             if not self._distributed or self.world_size == 1 or self._drain_group is not None:
                 self._drainer = Drainer(rank=self.rank, world_size=self.world_size, group=self._drain_group,
                                         local=self._local, durable=self.layout, timeout=self.timeout,
@@ -391,8 +396,11 @@ class CheckpointManager(RankAgreement):
     # -- loading and listing -------------------------------------------------------------
 
     @_operation
-    def load(self, state_dict: dict[str, Any], step: int | None = None, allow_reshard: bool = False) -> int:
+    def load(self, state_dict: dict[str, Any], step: int | None = None, allow_reshard: bool = False,
+             save_id: str | None = None) -> int:
         """Load ``step`` (default: the most recent commit) into ``state_dict``; returns the step loaded.
+        ``save_id`` (with ``step``): exactly that save of the step, from either tier, or
+        :class:`CheckpointNotFoundError` before anything is read (for a record that names one save).
 
         With ``local_root``: the most recent step (both tiers, by commit sequence) that can be assembled
         completely from the local roots, peers' replicas or the durable root; ``restored_from`` then says
@@ -402,17 +410,19 @@ class CheckpointManager(RankAgreement):
 
         Before loading, raises the failure of an earlier ``async_save`` that nothing has reported yet.
         """
+        if save_id is not None and step is None:
+            raise ValueError(f"load(save_id={save_id!r}) needs the step that save belongs to")
         self._drain()
         started = time.perf_counter()
         with self._failures_reported("load", step, started) as attempt:
-            root, storage_options = self.root, self.storage_options
-            local = self._restore_local(step, state_dict) if self._tier is not None else None
+            root, storage_options, wanted = self.root, self.storage_options, save_id
+            local = self._restore_local(step, state_dict, wanted) if self._tier is not None else None
             if local is not None:
                 chosen, save_id, resumed = local
                 root, storage_options = os.fspath(self.local_root), None
             else:
                 chosen, save_id, resumed = self._on_rank0(
-                    lambda: self._resolve_step(step), "resolve the step to load",
+                    lambda: self._resolve_step(step, wanted), "resolve the step to load",
                     request="the latest step" if step is None else f"step {step}")
             if chosen is None:
                 raise CheckpointNotFoundError(
@@ -467,6 +477,32 @@ class CheckpointManager(RankAgreement):
 
         return self._on_rank0(read, "read a step's metadata",
                               request="the latest step" if step is None else f"step {step}")
+
+    @_operation
+    def retire(self, steps: list[int]) -> list[int]:
+        """Remove ``steps`` from both tiers; every rank calls it alike (each local root's leader drops that root's
+        copies, global rank 0 the durable ones), no collective inside.  For an integration whose own records name
+        steps (Lightning's files): a step no record names any more.  Call it at a quiet point (after ``wait()``):
+        a step a drain holds is refused.  Failures are logged, not raised, so the ranks never part ways; returns
+        the steps this rank could not remove (a later call retries them, or ``dcp-atomic rm``)."""
+        if self._drainer is not None and set(steps) & self._drainer.protected():
+            raise CheckpointError(f"retire({sorted(steps)}): step(s) {sorted(set(steps) & self._drainer.protected())} "
+                                  "are being drained; call wait() first", run_id=self.run_id)
+        failed = []
+        for step in steps:
+            try:
+                if self._tier is not None and self._tier.is_leader:
+                    remove_local_step(self._local, step)
+                if self.rank == 0:
+                    try:
+                        remove_step(self.layout, step)
+                    except CheckpointNotFoundError:
+                        pass  # never drained, or retired already
+            except (OSError, CheckpointError) as e:
+                failed.append(step)
+                log.warning("could not retire step %d of run %r (%s: %s); a later retire or `dcp-atomic rm` removes "
+                            "it", step, self.run_id, type(e).__name__, e)
+        return failed
 
     @_operation
     def steps(self, tier: str | None = None) -> list[int]:
@@ -581,7 +617,8 @@ class CheckpointManager(RankAgreement):
             except OSError as e:  # the step is committed; the next save retries
                 log.warning("local tier %s: retention failed (the next save retries it): %s", self.local_root, e)
 
-    def _restore_local(self, step: int | None, state_dict: dict[str, Any]) -> tuple[int, str, ResumePoint] | None:
+    def _restore_local(self, step: int | None, state_dict: dict[str, Any],
+                       save_id: str | None = None) -> tuple[int, str, ResumePoint] | None:
         """Choose the step to restore (both tiers); for a local one, each rank receives into its root what its
         load of ``state_dict`` reads there and the root lacks.  Returns (step, save_id, resume point) to load from
         the local root, or None to load the durable tier's choice."""
@@ -602,7 +639,8 @@ class CheckpointManager(RankAgreement):
         if self.rank == 0:
             declared = self.parallelism.to_dict() if self.parallelism is not None else None
             try:
-                outcome = ("ok", choose(tier, reports, self._durable_candidate(step), self.world_size, declared, step))
+                outcome = ("ok", choose(tier, reports, self._durable_candidate(step), self.world_size, declared, step,
+                                    save_id))
             except CheckpointError as e:
                 outcome = ("error", e)
             except Exception as e:  # the durable root's storage, say: every rank must hear of it
@@ -690,7 +728,8 @@ class CheckpointManager(RankAgreement):
         inflight.reported = True
         raise error
 
-    def _resolve_step(self, step: int | None) -> tuple[int | None, str | None, ResumePoint | None]:
+    def _resolve_step(self, step: int | None,
+                      wanted: str | None = None) -> tuple[int | None, str | None, ResumePoint | None]:
         """(step, save_id, resume point) to load, decided by rank 0: every rank then waits for that exact
         attempt, and the resume point says which later steps this job's saves may supersede (P14)."""
         if step is None:
@@ -703,6 +742,10 @@ class CheckpointManager(RankAgreement):
                 f"run {self.run_id!r} has no step {step} ({self.layout.step_dir(step)} does not exist); "
                 "manager.steps() lists the committed ones", step=step)
         save_id = read_marker(self.layout, step, Deadline(self.timeout)).save_id
+        if wanted is not None and save_id != wanted:
+            raise CheckpointNotFoundError(
+                f"step {step} of run {self.run_id!r} holds save {save_id}, not the requested save {wanted} (the step "
+                "was saved again since); nothing was loaded", step=step, save_id=wanted)
         return step, save_id, resume_point(self.layout, step)
 
     def _after_commit(self, step: int, writer: AtomicStorageWriter, seconds: float, stage_seconds: float,

@@ -100,12 +100,15 @@ class Fetch:
 
 
 def choose(topology: Topology, reports: dict[int, list[Held]], durable: Durable | None, world: int,
-           parallelism: dict | None, step: int | None) -> Choice:
-    """Rank 0's decision (step 2 of the module doc) from each leader's report."""
+           parallelism: dict | None, step: int | None, save_id: str | None = None) -> Choice:
+    """Rank 0's decision (step 2 of the module doc) from each leader's report; ``save_id`` (with ``step``): that
+    exact save or nothing, never another save of the step (a file that names one save, as Lightning's do)."""
+    if save_id is not None and durable is not None and durable.save_id != save_id:
+        durable = None
     candidates: dict[tuple[str, str], dict[str, Any]] = {}
     for leader, held in reports.items():
         for h in held:
-            if step is not None and h.step != step:
+            if (step is not None and h.step != step) or (save_id is not None and h.save_id != save_id):
                 continue
             entry = candidates.setdefault((h.save_id, h.manifest_sha256), {"held": h, "stores": {}})
             entry["stores"][leader] = h

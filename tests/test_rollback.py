@@ -162,3 +162,31 @@ def test_retention_keeps_the_live_branch_and_lets_the_abandoned_one_go_once_olde
     assert kept(commits(2, 4, 5, 6), 2) == [5, 6]                # step 6 superseded: one marker, the new sequence
     assert kept(commits(10, 20, 30, 15, 25), 2) == [15, 25]      # the live branch wins over higher step numbers
     assert kept(commits(2, 4, 6), None) == [2, 4, 6]
+
+
+def _load_save(ctx, step, save_id):
+    from dcp_atomic import CheckpointManager, CheckpointNotFoundError
+
+    with CheckpointManager(ctx.root, RUN, timeout=30) as manager:
+        state = {"w": torch.full((4, 3), -7.0), "progress": {"step": -1}}
+        try:
+            loaded = manager.load(state, step=step, save_id=save_id)
+        except CheckpointNotFoundError as e:
+            untouched = torch.equal(state["w"], torch.full((4, 3), -7.0)) and state["progress"]["step"] == -1
+            return "refused", str(e), untouched
+        return "loaded", loaded, torch.equal(state["w"], _state(loaded, ctx.rank)["w"])
+
+
+def test_load_of_one_named_save_refuses_a_step_saved_again_since_before_reading_anything(root):
+    """A record that names one save (Lightning's files) must get that save or nothing: after a rollback re-saved
+    step 4, asking for the abandoned save of step 4 is refused with the state untouched, the live one loads."""
+    assert_all_ok(run_world(_save, 2, root, args=([2, 4], "none")))
+    old = _marker(root, 4)["save_id"]
+    assert_all_ok(run_world(_save, 2, root, args=([4], 2)))
+    new = _marker(root, 4)["save_id"]
+    assert new != old
+    for outcome, detail, untouched in assert_all_ok(run_world(_load_save, 2, root, args=(4, old))):
+        assert outcome == "refused" and untouched, (outcome, detail)
+        assert f"holds save {new}, not the requested save {old}" in detail, detail
+    for outcome, loaded, exact in assert_all_ok(run_world(_load_save, 2, root, args=(4, new))):
+        assert (outcome, loaded, exact) == ("loaded", 4, True)

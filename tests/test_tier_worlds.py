@@ -301,7 +301,12 @@ def _construct(ctx, replicas: int, domains: list[str] | None):
     try:
         _manager(ctx, "refused", replicas, domains).close()
     except Exception as e:  # noqa: BLE001 - the test reads it
-        return type(e).__name__, str(e)
+        # a refused manager leaves nothing running behind it (its heartbeat thread, its process groups)
+        deadline = time.monotonic() + 10  # a closed heartbeat's thread ends at its next beat
+        while (heartbeats := [t.name for t in threading.enumerate() if t.name == "dcp-atomic-heartbeat"]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return type(e).__name__, str(e), heartbeats
     return None
 
 
@@ -313,6 +318,7 @@ def test_fewer_domains_than_replicas_plus_one_is_refused_at_construction(world):
         for out in assert_all_ok(world.call(_construct, replicas, domains)):
             assert out is not None and out[0] == "ConfigurationError", out
             assert needs in out[1] and listed in out[1] and "or lower replicas" in out[1], out[1]
+            assert out[2] == [], out[2]
 
 
 # -- torchtitan's manager, built from its config ----------------------------------------------------------------

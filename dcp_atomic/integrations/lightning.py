@@ -252,7 +252,7 @@ class _AtomicCheckpointing:
         root, run_id, step = parse_checkpoint_id(checkpoint_id)
         tier = self._tier(root, run_id, os.path.dirname(root))
         try:
-            tier.manager.load(state, step=step)
+            tier.manager.load(state, step=step, save_id=save_id)  # that save or nothing, refused before any read
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(
                 f"{path} names step {step} (save {save_id}) of the local tier's run {run_id!r}, and no complete copy "
@@ -260,12 +260,6 @@ class _AtomicCheckpointing:
                 f"drain had not committed). {e.message} Resume from another file of {os.path.dirname(path)}.",
                 path=path, step=step, save_id=save_id) from e
         self.restored_from = dict(tier.manager.restored_from or {})
-        if save_id is not None and self.restored_from.get("save_id") != save_id:
-            served = self.restored_from
-            raise CheckpointError(f"{path} names save {save_id} of step {step}, but the {served.get('tier')} tier "
-                                  f"served save {served.get('save_id')} of step {served.get('step')}: this resume "
-                                  "stops (the state read is not the file's). Resume from another file.", path=path,
-                                  step=step)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0: drop Lightning's file, then the state it named once no other file (``last.ckpt``...) names it
@@ -427,31 +421,11 @@ def _named_steps(tier: _Tier) -> set[int]:
 
 
 def _retire(tier: _Tier, steps: list[int]) -> None:
-    """Every rank: remove ``steps`` from this root of the local tier (its leader) and from the durable root (rank 0).
-
-    Called only at a quiet point (no drain running or waiting).  Reaches into the manager for its local root and
-    topology: it has no public way to drop one step.  Failures are logged, never raised (the ranks would part ways
-    in their next collective); a step left behind is retired at the next quiet point, or by ``dcp-atomic rm``.
-    """
-    if not steps:
-        return
-    manager = tier.manager
-    local, topology = manager._local, manager._tier
-    for step in steps:
-        try:
-            if topology.is_leader:  # marker first: a step without it is no local commit
-                local.storage.remove(local.marker(step))
-                local.storage.remove(local.step_dir(step))
-            if manager.rank == 0:
-                try:
-                    remove_step(manager.layout, step)
-                except CheckpointNotFoundError:
-                    pass  # never drained, or retired already
-        except Exception as e:  # noqa: BLE001 - see the docstring
-            log.warning("could not retire step %d of %s, which no Lightning checkpoint file in %s names any more "
-                        "(%s: %s); the next save or the end of fit tries again", step, manager.run_id, tier.directory,
-                        type(e).__name__, e)
-    log.info("retired step(s) %s of %s: no file in %s names them", steps, manager.run_id, tier.directory)
+    """Every rank, at a quiet point (no drain running or waiting): ``steps`` leave both tiers
+    (:meth:`CheckpointManager.retire`; a step left behind is retired at the next quiet point, or by ``dcp-atomic rm``)."""
+    if steps:
+        tier.manager.retire(steps)
+        log.info("retired step(s) %s of %s: no file in %s names them", steps, tier.manager.run_id, tier.directory)
 
 
 def _write_pointer(path: str, checkpoint: dict[str, Any], checkpoint_id: str,
