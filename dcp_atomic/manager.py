@@ -245,7 +245,8 @@ class CheckpointManager(RankAgreement):
                 self._drainer = Drainer(rank=self.rank, world_size=self.world_size, group=self._drain_group,
                                         local=self._local, durable=self.layout, timeout=self.timeout,
                                         where=self.layout.storage.describe(), resumed=lambda: self._resumed,
-                                        committed=self._drained, failed=self._drain_failed)
+                                        committed=self._drained, failed=self._drain_failed,
+                                        threads=self.thread_count)
         self._closed = False
 
     # -- saving --------------------------------------------------------------------------
