@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Topology:
-    """Every rank's failure domain and local root, learned once; a *store* is one (domain, local root): ranks
+    """Every rank's failure domain and local root, learned once; a *store* is one (domain, host, local root): ranks
     that share it (the ranks of one node) share its files, and its lowest rank, the leader, writes them."""
 
     rank: int
@@ -78,8 +78,9 @@ class Topology:
         return cls(rank=rank, domains=domains, roots=tuple(r for _, r, _ in everyone),
                    hosts=tuple(h for _, _, h in everyone), placement=place_replicas(list(domains), replicas))
 
-    def store(self, rank: int) -> tuple[str, str]:
-        return self.domains[rank], self.roots[rank]
+    def store(self, rank: int) -> tuple[str, str, str]:
+        """(domain, host, root): a domain may span hosts (a rack), each with its own disk at the same path."""
+        return self.domains[rank], self.hosts[rank], self.roots[rank]
 
     def leader(self, rank: int) -> int:
         return min(r for r in range(len(self.domains)) if self.store(r) == self.store(rank))

@@ -684,8 +684,9 @@ class CheckpointManager(RankAgreement):
                     return None
             elif not self.layout.storage.is_dir(self.layout.step_dir(step)):
                 return None
-            marker = read_marker(self.layout, step, Deadline(self.timeout))
-        except CheckpointNotFoundError:
+            # an attempt without a marker (a drain that failed or was killed before it) is no commit: not waited for
+            marker = read_marker(self.layout, step, Deadline(self.timeout), missing_ok=True)
+        except (CheckpointNotFoundError, FileNotFoundError):
             return None
         return Durable(step=step, save_id=marker.save_id, sequence=marker.sequence)
 

@@ -51,6 +51,18 @@ def test_placement_is_the_same_whatever_rank_computes_it_and_uneven_domains_stil
         assert domains[rank] not in {domains[h] for h in holders}
 
 
+def test_a_domain_spanning_hosts_has_a_store_and_a_leader_per_host_even_at_one_local_root_path():
+    """A rack as the failure domain: its nodes' disks are mounted at the same path, yet each is its own store."""
+    from dcp_atomic.local_tier import Topology
+
+    domains = ("rackA", "rackA", "rackA", "rackB", "rackB", "rackB")
+    hosts = ("h1", "h1", "h2", "h3", "h4", "h4")
+    topology = Topology(rank=2, domains=domains, roots=("/nvme/ckpt",) * 6, hosts=hosts,
+                        placement=place_replicas(list(domains), 1))
+    assert topology.leaders == [0, 2, 3, 4] and topology.is_leader
+    assert [topology.leader(r) for r in range(6)] == [0, 0, 2, 3, 4, 4]
+
+
 def test_fewer_domains_than_replicas_plus_one_is_refused_naming_them():
     with pytest.raises(ConfigurationError) as refused:
         place_replicas(["nodeA", "nodeA", "nodeB", "nodeB"], 2)
@@ -495,6 +507,9 @@ def _drain_then_die_before_the_marker(ctx):
         if ctx.rank == 1:
             torch.save(full, os.path.join(ctx.root, "expected10.pt"))
         _train_step(model, optim, 20)
+        full = _full(model)  # a collective: every rank
+        if ctx.rank == 1:
+            torch.save(full, os.path.join(ctx.root, "expected20.pt"))
         manager.save(20, _state(model, optim, 20), durable=True)
         manager.wait()
 
@@ -508,6 +523,11 @@ def test_a_kill_before_the_durable_marker_leaves_the_previous_durable_step(root,
 
     with open(os.path.join(root, RUN, "LATEST")) as f:
         assert json.load(f)["step"] == 10
+    # load(step=20) is served by the local tier at once: the unmarked durable attempt is no commit to wait for
+    # (it used to wait out the timeout on rank 0 while its peers' exchange timed out: RankFailureError)
+    for out in assert_all_ok(_run(_restore, root, nodes, 20, 20)):
+        assert out["served"]["tier"] == "local"
+        _exact(out["full"], torch.load(os.path.join(root, "expected20.pt")))
     expected = torch.load(os.path.join(root, "expected10.pt"))
     for node_root in nodes:  # the durable tier alone: it serves step 10
         shutil.rmtree(os.path.join(node_root, RUN))
