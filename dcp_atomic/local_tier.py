@@ -486,13 +486,14 @@ class LocalCommit:
 
 
 def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, step: int, group,
-                 sequence_floor: int, protected: set[int] | None = None) -> LocalCommit:
+                 sequence_floor: int, protected: set[int] | None = None, drain: bool = False) -> LocalCommit:
     """Run steps 2-4 (module doc) on every rank after ``dcp.save`` returned.
 
     ``sequence_floor``: the newest commit sequence rank 0 knows of (both tiers); the marker gets the next one
     above it and above every root's newest local marker.  ``protected`` (rank 0's): the steps its drain still
     needs; handed out with the marker, so every root keeps the same ones (only rank 0 knows which step the drain
-    takes next).  Raises the same typed error on every rank when any rank's replicas could not be written or
+    takes next).  ``drain``: the marker records that the step is to be drained (:attr:`Marker.drain`).  Raises the
+    same typed error on every rank when any rank's replicas could not be written or
     verified: then no root has a marker of this step.
     """
     started = time.perf_counter()
@@ -542,7 +543,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
         marker = Marker(run_id=layout.run_id, step=step, save_id=manifest.save_id,
                         manifest=f"{manifest.save_id}/{MANIFEST}", manifest_sha256=sha256_hex(staged[0].manifest),
                         committed_at=now(), library_version=__version__,
-                        sequence=max([sequence_floor] + [n for _, n, _ in reports]) + 1)
+                        sequence=max([sequence_floor] + [n for _, n, _ in reports]) + 1, drain=drain or None)
         decision = [(marker.to_json(), sorted(protected or ()))]
     if failures:
         raise StorageError(

@@ -51,6 +51,7 @@ from .commit import ResumePoint, next_sequence, read_committed, read_marker, res
 from .errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, RankConsistencyError, StorageError
 from .layout import RunLayout, validate_step
 from .liveness import Heartbeat, OpWatch
+from .manifest import Marker
 from .drain import Drained, Drainer, DrainJob
 from .local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, open_local, remove_local_step,
                          retain_local,
@@ -233,6 +234,7 @@ class CheckpointManager(RankAgreement):
         self.durable_every = durable_every
         self._local_saves = 0  # counts saves for durable_every (identical on every rank: SPMD)
         self._drainer: Drainer | None = None
+        self._durable_saves: set[str] = set()  # rank 0: save ids known to be in the durable root (see _undrained)
         if local_root is not None:
             self._local = open_local(os.fspath(local_root), run_id)
             try:
@@ -539,6 +541,7 @@ class CheckpointManager(RankAgreement):
     def _drained(self, drained: Drained) -> None:
         """Rank 0, on the drain thread: a step reached the durable root; durable retention, then ``on_drained``."""
         job, marker = drained.job, drained.marker
+        self._durable_saves.add(job.save_id)
         log.info("run %r step %d drained to %s (sequence %s, %.1f MiB in %.3fs, attempt %d%s)", self.run_id,
                  job.step, self.layout.storage.describe(), marker.sequence, drained.bytes / 2**20, drained.seconds,
                  drained.attempts, f"; skipped step(s) {drained.skipped}" if drained.skipped else "")
@@ -595,9 +598,17 @@ class CheckpointManager(RankAgreement):
         if self._tier is None:
             return
         try:
-            drainer = self._drainer
+            drainer, undrained = self._drainer, None
+            protected = None
+            if drainer is not None and self.rank == 0:
+                protected = drainer.protected()
+                if not drain:  # a drain of this step would supersede an older one's (drain.py, "Falling behind")
+                    undrained = self._undrained(protected)
+                    protected |= {undrained.step} if undrained is not None else set()
             committed = commit_local(self._tier, self._local, writer, step, group, self._sequence_floor(),
-                                     drainer.protected() if drainer is not None and self.rank == 0 else None)
+                                     protected, drain=drain)
+            if drainer is not None and not drain:
+                undrained = self._gathered(undrained, group)[0]
         except CheckpointError:
             raise
         except BaseException as e:
@@ -609,6 +620,11 @@ class CheckpointManager(RankAgreement):
                  marker.sequence, len(self._tier.placement.holders[self.rank]), "; queued for the drain" if drain else "")
         if drain:
             self._drainer.submit(step, marker)
+        elif undrained is not None:
+            log.warning("run %r: step %d was saved for a durable copy that never committed (its drain failed or the "
+                        "job stopped first); it is kept on the local tier and queued for the drain again", self.run_id,
+                        undrained.step)
+            self._drainer.submit(undrained.step, undrained)
         if self._tier.is_leader:
             try:
                 removed = retain_local(self._local, self.keep_local, protected=protected)
@@ -617,6 +633,25 @@ class CheckpointManager(RankAgreement):
                              self.keep_local)
             except OSError as e:  # the step is committed; the next save retries
                 log.warning("local tier %s: retention failed (the next save retries it): %s", self.local_root, e)
+
+    def _undrained(self, queued: set[int]) -> Marker | None:
+        """Rank 0: the newest local step saved for a durable copy (:attr:`Marker.drain`) that has none and is not
+        queued (its drain failed, or the job stopped before it) -- the newest durable-pending step, which local
+        retention keeps and the drain takes again.  An unreadable durable root counts as "none" (kept, retried)."""
+        wanted = [m for m in local_markers(self._local) if m.drain]
+        if not wanted or wanted[-1].step in queued:
+            return None
+        newest = wanted[-1]
+        if newest.save_id in self._durable_saves:
+            return None
+        try:
+            durable = read_marker(self.layout, newest.step, Deadline(self.timeout), missing_ok=True)
+            if durable.save_id == newest.save_id:
+                self._durable_saves.add(newest.save_id)  # one durable read per drained step, not per save
+                return None
+        except (FileNotFoundError, CheckpointError, OSError):
+            pass
+        return newest
 
     def _restore_local(self, step: int | None, state_dict: dict[str, Any],
                        save_id: str | None = None) -> tuple[int, str, ResumePoint] | None:

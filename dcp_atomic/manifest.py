@@ -433,6 +433,9 @@ class Marker:
     # Commit order (P10): the previous commit's number + 1.  None in markers written before it existed; readers
     # of that version ignore the field (they pick the fields they know), so the schema version stays 1.
     sequence: int | None = None
+    # Local markers only (the two tiers): the save asked for a durable copy, so the step stays on the local tier
+    # until one exists, across restarts (manager: local retention keeps it, the next save queues it again).
+    drain: bool | None = None
 
     def to_json(self) -> bytes:
         return _sealed_json(asdict(self))

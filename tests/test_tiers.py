@@ -635,3 +635,50 @@ def test_a_drain_failing_after_its_marker_says_the_step_is_committed(root):
     [out] = assert_all_ok(run_world(_drain_with_an_unreadable_latest, 1, root, timeout=60))
     assert out["committed"] and "is committed to the durable root" in out["error"], out
     assert "No durable marker" not in out["error"]
+
+
+# -- a step saved for a durable copy whose drain never committed -----------------------------------------------------
+
+
+def _flat(step: int) -> dict:
+    return {"w": torch.arange(64.0) + step, "meta": {"step": step}}
+
+
+def _drain_of_step_1_fails(ctx):
+    from dcp_atomic import drain
+
+    def full_disk(rank, step):
+        raise OSError(28, "No space left on device (injected)")
+
+    drain.hooks["before_marker"] = full_disk
+    drain.RETRY_BACKOFF = 0.1
+    with _manager(ctx, keep_local=2) as manager:
+        manager.save(1, _flat(1), durable=True)
+        with pytest.raises(Exception) as failed:
+            manager.wait()
+        return type(failed.value).__name__
+
+
+def _restart_and_save_locally(ctx):
+    with _manager(ctx, keep_local=2) as manager:
+        for step in (2, 3):  # local only: before the fix, keep_local=2 removed step 1 here, never drained
+            manager.save(step, _flat(step), durable=False)
+        manager.wait()
+        listed = (manager.steps(tier="local"), manager.steps(tier="durable"))
+    if 1 not in listed[1]:
+        return listed, False  # a reader would wait out its timeout for a marker that never comes
+    from dcp_atomic import AtomicStorageReader
+    import torch.distributed.checkpoint as dcp
+
+    state = _flat(-1)
+    dcp.load(state, storage_reader=AtomicStorageReader(), checkpoint_id=os.path.join(ctx.root, RUN, f"step_{1:010d}"))
+    return listed, torch.equal(state["w"], _flat(1)["w"]) and state["meta"] == {"step": 1}
+
+
+def test_a_step_whose_drain_never_committed_is_kept_locally_and_drained_again_after_a_restart(root, nodes):
+    """The newest durable-pending step survives local retention across a restart, and the next save queues it."""
+    assert set(out for out in assert_all_ok(_run(_drain_of_step_1_fails, root, nodes))) == {"StorageError"}
+    assert _durable_markers(root) == []
+    for listed, exact in assert_all_ok(_run(_restart_and_save_locally, root, nodes)):
+        assert listed == ([2, 3], [1]), listed  # kept until the drain queued again committed it, then retired
+        assert exact
