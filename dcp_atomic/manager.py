@@ -482,6 +482,26 @@ class CheckpointManager(RankAgreement):
                               request="the latest step" if step is None else f"step {step}")
 
     @_operation
+    def queue_drain(self, step: int) -> None:
+        """Queue the local-committed ``step`` for the drain to ``root`` (again): every rank alike.  For a step whose
+        drain failed or whose job stopped before it, that a record still names (Lightning's files); ``wait()``
+        then says whether it committed.  Global rank 0 reads the step's local marker and tells the others."""
+        if self._drainer is None:
+            raise ConfigurationError("queue_drain needs local_root (and, in a world, the manager's own groups)")
+        marker = None
+        if self.rank == 0:
+            try:
+                marker = Marker.from_json(self._local.storage.read_file(self._local.marker(step)),
+                                          where=self._local.marker(step))
+            except (OSError, CheckpointError) as e:
+                marker = f"{type(e).__name__}: {e}"
+        marker = self._gathered(marker)[0]
+        if not isinstance(marker, Marker):
+            raise CheckpointNotFoundError(f"step {step} of run {self.run_id!r} cannot be drained: global rank 0 has "
+                                          f"no local marker of it ({marker})", step=step)
+        self._drainer.submit(step, marker)
+
+    @_operation
     def retire(self, steps: list[int]) -> list[int]:
         """Remove ``steps`` from both tiers; every rank calls it alike (each local root's leader drops that root's
         copies, global rank 0 the durable ones), no collective inside.  For an integration whose own records name

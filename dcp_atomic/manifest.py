@@ -487,15 +487,22 @@ def now() -> float:
 
 
 def _known_fields(cls, raw: dict) -> dict:
-    """The record's fields from ``raw``: unknown ones (a newer minor version's) ignored, ``sequence`` optional.
+    """The record's fields from ``raw``: unknown ones (a newer minor version's) ignored, ``sequence`` and ``drain``
+    optional (records written before they existed).
 
     The fields commits are ordered by are type-checked: sorting must not fail on an edited record.
     """
-    fields = {k: raw[k] for k in cls.__dataclass_fields__ if k != "sequence"}
+    optional = {"sequence", "drain"}
+    fields = {k: raw[k] for k in cls.__dataclass_fields__ if k not in optional}
     if isinstance(fields["committed_at"], bool) or not isinstance(fields["committed_at"], (int, float)):
         raise ValueError(f"committed_at {fields['committed_at']!r} is not a time")
     sequence = raw.get("sequence")
-    return {**fields, "sequence": None if sequence is None else _nonneg(sequence)}
+    fields["sequence"] = None if sequence is None else _nonneg(sequence)
+    if "drain" in cls.__dataclass_fields__:
+        if raw.get("drain") not in (None, True, False):
+            raise ValueError(f"drain {raw['drain']!r} is not a boolean")
+        fields["drain"] = raw.get("drain")
+    return fields
 
 
 def _readable_json(body: dict[str, Any]) -> bytes:

@@ -285,6 +285,47 @@ def test_a_rollback_trains_on_saves_last_again_and_a_resume_loads_the_new_state(
 # -- construction ----------------------------------------------------------------------------------------------
 
 
+# -- a file whose drain never committed is drained by the next job -------------------------------------------------
+
+
+def _drain_fails_then_next_job_drains_it(ctx):
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from dcp_atomic import drain
+
+    pl, Module = _tracked_module()
+    dirpath = os.path.join(ctx.root, "ckpts")
+
+    def full_disk(rank, step):
+        raise OSError(28, "No space left on device (injected)")
+
+    drain.hooks["before_marker"] = full_disk
+    drain.RETRY_BACKOFF = 0.1
+    first = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
+    try:
+        _trainer(pl, ctx, 2, [first]).fit(Module(seed=0, data_seed=1))
+        failed = None
+    except Exception as e:  # noqa: BLE001 - the test reads it: the end of fit waits for the drain
+        failed = type(e).__name__
+    finally:
+        drain.hooks.pop("before_marker", None)
+    after_failure = _tier_steps(ctx, dirpath)
+    second = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
+    _trainer(pl, ctx, 4, [second]).fit(Module(seed=0, data_seed=1), ckpt_path=os.path.join(dirpath,
+                                                                                           "epoch=0-step=2.ckpt"))
+    return {"failed": failed, "after_failure": after_failure, "after_next_job": _tier_steps(ctx, dirpath)}
+
+
+def test_a_file_whose_drain_failed_is_drained_by_the_next_job_before_its_first_save(root, nodes):
+    for out in assert_all_ok(_run(_drain_fails_then_next_job_drains_it, root, nodes)):
+        assert out["failed"] is not None, out  # the first job's fit ends with its drain's failure
+        first = out["after_failure"]
+        assert len(first["named"]) == 1 and first["durable"] == [], first  # a file naming a step on the nodes only
+        after = out["after_next_job"]
+        assert set(first["named"]) <= set(after["durable"]), after  # drained by the next job: no longer node-only
+        assert after["durable"] == sorted(set(after["named"])), after
+
+
 @pytest.mark.parametrize("package", ["pytorch_lightning", "lightning.pytorch"])
 def test_both_packages_take_local_root_and_a_relative_one_is_refused_naming_it(package):
     from dcp_atomic.errors import ConfigurationError

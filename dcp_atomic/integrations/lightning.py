@@ -194,21 +194,29 @@ class _AtomicCheckpointing:
 
         After ``wait()`` no drain runs or waits, so a retired step cannot be brought back by one, and the durable
         root's ``LATEST``/journal are not being written while steps leave it."""
-        tier.manager.wait()  # also: a waiting drain would be replaced by the next save's, so that file never drains
-        held = tier.manager.steps()  # both tiers, every rank alike
+        manager = tier.manager
+        manager.wait()  # also: a waiting drain would be replaced by the next save's, so that file never drains
+        local, durable = manager.steps(tier="local"), manager.steps(tier="durable")  # every rank alike
+        held = sorted(set(local) | set(durable))
         plan = None
         if self.global_rank == 0:
             try:
                 named = _named_steps(tier)
             except OSError as e:  # sent to every rank: none may wait in the broadcast for a rank that raised
                 plan = f"global rank 0 could not read the files of {tier.directory} ({e}): fix access and save again"
-            else:
-                plan = (sorted(set(held) - named), max([tier.last_step, *held, *named]) + 1)
+            else:  # a named step only on the nodes: its drain failed, or an earlier job stopped before it
+                plan = (sorted(set(held) - named), sorted((named & set(local)) - set(durable)),
+                        max([tier.last_step, *held, *named]) + 1)
         plan = self.broadcast(plan)
         if isinstance(plan, str):
             raise CheckpointError(plan, path=tier.directory, rank=0)
-        unnamed, step = plan
+        unnamed, undrained, step = plan
         _retire(tier, unnamed)
+        for named_step in undrained:
+            log.warning("%s: step %d, which a file names, has no durable copy yet (its drain failed or the job "
+                        "stopped first); draining it again before the next save", tier.directory, named_step)
+            manager.queue_drain(named_step)
+            manager.wait()
         return step
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
