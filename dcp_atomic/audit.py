@@ -8,14 +8,14 @@ read once, block by block, in parallel; each problem names the file.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .codec import Decoder
 from .commit import read_committed
 from .errors import CheckpointError
 from .integrity import sha256_hex, verify_blocks
-from .layout import DCP_METADATA, RunLayout
+from .layout import DCP_METADATA, PARTIAL_SUFFIX, RunLayout
 from .manifest import FileEntry, ItemExtent
 from .retry import Deadline
 from .storage import Storage
@@ -30,6 +30,7 @@ class AuditReport:
     files: int
     bytes: int
     problems: list[str]
+    notes: list[str] = field(default_factory=list)  # not damage: e.g. a partial copy a tier restore kept
 
     @property
     def ok(self) -> bool:
@@ -61,16 +62,28 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
             return [f"{path}: missing"]
         found = [f"{path}: size {actual}, manifest says {entry.size}"] if actual != entry.size else []
         decoder = Decoder()
-        for item in entry.items:
-            problem = _check_item(layout.storage, path, item, decoder, progress)
-            if problem:
-                found.append(problem)
-        return found
+        checked = [(item, _check_item(layout.storage, path, item, decoder, progress)) for item in entry.items]
+        if _present(layout.storage, layout.attempt_file(step, committed.save_id, entry.name + PARTIAL_SUFFIX)):
+            held = sum(1 for _, problem in checked if problem is None)
+            notes.append(f"{path}: a partial copy a tier restore kept for this node's ranks ({held} of "
+                         f"{len(entry.items)} items here, each verified); the whole file is on another node's "
+                         "local root or in the durable root")
+            return found
+        return found + [problem for _, problem in checked if problem]
 
+    notes: list[str] = []
     with ThreadPoolExecutor(max_workers=threads) as pool:
         for found in pool.map(check, manifest.files):
             problems.extend(found)
-    return AuditReport(step, committed.save_id, len(manifest.files), manifest.total_bytes, problems)
+    return AuditReport(step, committed.save_id, len(manifest.files), manifest.total_bytes, problems, sorted(notes))
+
+
+def _present(storage: Storage, path: str) -> bool:
+    try:
+        storage.size(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _check_item(storage: Storage, path: str, item: ItemExtent, decoder: Decoder,

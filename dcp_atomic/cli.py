@@ -455,10 +455,10 @@ def cmd_verify(args) -> int:
         print(json.dumps([{"schema": JSON_SCHEMA, **r.__dict__} for r in reports], indent=1))
     else:
         for r in reports:
-            status = "OK" if r.ok else "FAILED"
+            status = ("OK" if not r.notes else "OK, partial copies") if r.ok else "FAILED"
             print(f"step {r.step}: {status} ({r.files} files, {r.bytes / 2**20:.1f} MiB, save {r.save_id})")
-            for problem in r.problems:
-                print(f"  {problem}")
+            for line in r.problems + r.notes:
+                print(f"  {line}")
     return 1 if bad else 0
 
 

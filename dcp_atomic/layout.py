@@ -37,6 +37,7 @@ MARKER = "COMMITTED"
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
+PARTIAL_SUFFIX = ".partial"  # beside a data file a tier restore copied in part (local roots only)
 ATTEMPT = "ATTEMPT"  # written first by the coordinator: who started this attempt, when
 
 

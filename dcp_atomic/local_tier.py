@@ -41,7 +41,7 @@ from .commit import commit_order, listed_steps, write_rank_records
 from .errors import CheckpointError, CorruptCheckpointError, StorageError
 from .file_transfer import Part, Received, Spooled, discard, keep, transfer
 from .integrity import block_digest, sha256_hex, verify_segments
-from .layout import DCP_METADATA, MANIFEST, RunLayout
+from .layout import DCP_METADATA, MANIFEST, PARTIAL_SUFFIX, RunLayout
 from .manifest import RANKS_FILE, FileEntry, ItemExtent, Manifest, ManifestShard, Marker, now, shard_name
 from .placement import Placement, place_replicas
 from .storage import LocalStorage
@@ -438,7 +438,7 @@ def _control_intact(layout: RunLayout, manifest: Manifest) -> bool:
 
 def partial_note(layout: RunLayout, manifest: Manifest, name: str) -> str:
     """Beside a data file that a restore copied only in part: says the holes in it are intended, not damage."""
-    return layout.storage.join(layout.attempt_dir(manifest.step, manifest.save_id), f"{name}.partial")
+    return layout.storage.join(layout.attempt_dir(manifest.step, manifest.save_id), name + PARTIAL_SUFFIX)
 
 
 def keep_extents(layout: RunLayout, manifest: Manifest, entry: FileEntry, pieces: dict[int, bytes],

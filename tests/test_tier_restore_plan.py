@@ -179,6 +179,19 @@ def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_o
         assert sum(i.length for i in items) < entry.size / 2
         assert os.path.exists(os.path.join(attempt, f"{entry.name}.partial"))  # a partial copy, said so
         assert entry.name not in held.intact  # ... which the scan does not count as held, nor as damage
+    # `dcp-atomic verify` on node B's disk says the same: partial copies, not damage (it used to fail the step)
+    import contextlib
+    import io
+
+    from dcp_atomic import cli
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(["verify", nodes[1], RUN, "10"]) == 0, printed.getvalue()
+    assert "step 10: OK, partial copies" in printed.getvalue(), printed.getvalue()
+    for entry, items in shared.values():
+        assert f"{entry.name}: a partial copy a tier restore kept for this node's ranks ({len(items)} of " \
+               f"{len(entry.items)} items here, each verified)" in printed.getvalue(), printed.getvalue()
     # A second restore on the partly assembled roots moves nothing and loads the same values.
     again = assert_all_ok(_run(_load, root, nodes, True))
     for rank, out in enumerate(again):
