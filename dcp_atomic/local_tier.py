@@ -147,6 +147,38 @@ def spool_dir(layout: RunLayout) -> str:
     return layout.storage.join(layout.run_dir, ".incoming")
 
 
+def sweep_spool(layout: RunLayout) -> list[str]:
+    """Remove what a restore killed midway left in this root's spool: a marker held back for the end
+    (``marker-*``), a partial copy being assembled by a process that is gone (``partial-<pid>-*``).  Run by the
+    root's leader before a restore scans (no transfer into this root runs then); returns the names removed.
+    A transfer's own leftovers (``r<rank>-*``) are swept by :func:`~.file_transfer.transfer`."""
+    spool = spool_dir(layout)
+    try:
+        names = os.listdir(spool)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        owner = name.split("-")[1] if name.startswith("partial-") else None
+        if name.startswith("marker-") or (owner is not None and owner.isdigit() and not _alive(int(owner))):
+            try:
+                os.unlink(os.path.join(spool, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def gather_failures(failure: str | None, world: int, group) -> list[str]:
     """Every rank's failure (None: none), on every rank: each raises the same error, or none does."""
     outcomes: list[Any] = [failure]

@@ -54,8 +54,7 @@ from .liveness import Heartbeat, OpWatch
 from .manifest import Marker
 from .drain import Drained, Drainer, DrainJob
 from .local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, open_local, remove_local_step,
-                         retain_local,
-                         scan_root)
+                         retain_local, scan_root, sweep_spool)
 from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
 from .retention import DEFAULT_LEASE_SECONDS, remove_step, retain_after_commit
@@ -682,6 +681,11 @@ class CheckpointManager(RankAgreement):
         watch = self._watch("scanning the local tier")
         mates = [r for r in range(self.world_size) if tier.leader(r) == tier.leader(self.rank)]
         share = (mates.index(self.rank), len(mates))  # the ranks of a root verify it in parallel, a share each
+        if tier.is_leader:
+            swept = sweep_spool(self._local)
+            if swept:
+                log.info("local tier %s: removed %d file(s) an interrupted restore left: %s", self.local_root,
+                         len(swept), ", ".join(sorted(swept)[:4]))
         held = watch.run("scan", lambda: scan_root(self._local, share=share))
         gathered = self._gathered((step, held))
         watch.finish()

@@ -299,3 +299,24 @@ def test_a_root_whose_control_file_is_damaged_gets_it_again(root, nodes, missing
         _exact_locals(out["local"], saved[rank][10])
     assert restored[2]["served"]["bytes_fetched"] > 0 and restored[0]["served"]["bytes_fetched"] == 0
     assert json.loads(open(os.path.join(_attempt(nodes[1], 10), "manifest.json")).read())["step"] == 10
+
+
+def test_the_spool_files_a_killed_restore_left_are_swept_and_nothing_in_use(tmp_path):
+    """A restore killed midway leaves a held-back marker and a partial copy of a process that is gone; the root's
+    leader removes them before the next restore scans, and leaves a live process's files and transfers' own."""
+    import subprocess
+
+    from dcp_atomic.local_tier import open_local, spool_dir, sweep_spool
+
+    layout = open_local(str(tmp_path), RUN)
+    spool = spool_dir(layout)
+    os.makedirs(spool)
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    names = ["marker-10-save1", f"partial-{gone.pid}-__0_0.distcp", f"partial-{os.getpid()}-__1_0.distcp",
+             "r2-from0-0001"]
+    for name in names:
+        open(os.path.join(spool, name), "wb").close()
+    assert sorted(sweep_spool(layout)) == sorted(names[:2])
+    assert sorted(os.listdir(spool)) == sorted(names[2:])
+    assert sweep_spool(open_local(str(tmp_path / "none"), RUN)) == []  # no spool yet: nothing to do
