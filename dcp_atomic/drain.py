@@ -55,7 +55,7 @@ from .errors import CheckpointError, CommitConflictError, CorruptCheckpointError
 from .identity import default_thread_count
 from .integrity import block_digest, sha256_hex
 from .layout import DCP_METADATA, MANIFEST, RunLayout
-from .local_tier import check_shard, read_manifest
+from .local_tier import check_shard, read_manifest, stored_blocks
 from .manifest import RANKS_FILE, FileEntry, Latest, Manifest, Marker, now, shard_name
 from .storage import Storage
 from .version import __version__
@@ -171,15 +171,8 @@ class _Block:
 
 def _blocks(entry: FileEntry, where: str) -> list[_Block]:
     """Every block (or frame) digest of ``entry``, in file order; the checks of ``check_stored_file``."""
-    blocks = []
-    for item in entry.items:
-        what = f"{where} item {item.key!r}"
-        offsets = item.frame_offsets() if item.length else [0, 0]  # an empty raw item has one digest: of b""
-        if len(offsets) - 1 != len(item.checksums):
-            raise CorruptCheckpointError(f"{what}: {len(offsets) - 1} blocks, {len(item.checksums)} digests",
-                                         path=where)
-        for index, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
-            blocks.append(_Block(item.pos + lo, item.pos + hi, item.checksums[index], what, index, item.pos))
+    blocks = [_Block(item.pos + lo, item.pos + hi, item.checksums[index], what, index, item.pos)
+              for item, what, index, lo, hi in stored_blocks(entry, where)]
     blocks.sort(key=lambda b: (b.start, b.end))
     return blocks
 

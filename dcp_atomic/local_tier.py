@@ -239,18 +239,25 @@ def check_stored_file(entry: FileEntry, path: str, where: str) -> None:
     if size != entry.size:
         raise CorruptCheckpointError(f"{where}: {size} bytes, the shard records {entry.size}", path=where)
     with open(path, "rb", buffering=0) as f:
-        for item in entry.items:
-            what = f"{where} item {item.key!r}"
-            offsets = item.frame_offsets() if item.length else [0, 0]  # an empty raw item has one digest: of b""
-            if len(offsets) - 1 != len(item.checksums):
-                raise CorruptCheckpointError(f"{what}: {len(offsets) - 1} blocks, {len(item.checksums)} digests",
-                                             path=where)
-            for block, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
-                data = os.pread(f.fileno(), hi - lo, item.pos + lo)
-                if len(data) != hi - lo or block_digest(data) != item.checksums[block]:
-                    raise CorruptCheckpointError(f"{what}: block {block} (bytes {lo}..{hi} of the item) does not match "
-                                                 "its digest; the file was damaged after it was written", path=where,
-                                                 block=block)
+        for item, what, block, lo, hi in stored_blocks(entry, where):
+            data = os.pread(f.fileno(), hi - lo, item.pos + lo)
+            if len(data) != hi - lo or block_digest(data) != item.checksums[block]:
+                raise CorruptCheckpointError(f"{what}: block {block} (bytes {lo}..{hi} of the item) does not match "
+                                             "its digest; the file was damaged after it was written", path=where,
+                                             block=block)
+
+
+def stored_blocks(entry: FileEntry, where: str):
+    """(item, its name for errors, block index, start, end within the item) of every stored block (or frame) of
+    ``entry``, item by item; an item whose frame count disagrees with its digests is refused before any read."""
+    for item in entry.items:
+        what = f"{where} item {item.key!r}"
+        offsets = item.frame_offsets() if item.length else [0, 0]  # an empty raw item has one digest: of b""
+        if len(offsets) - 1 != len(item.checksums):
+            raise CorruptCheckpointError(f"{what}: {len(offsets) - 1} blocks, {len(item.checksums)} digests",
+                                         path=where)
+        for block, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+            yield item, what, block, lo, hi
 
 
 def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int, verify: bool = True) -> list[Part]:
