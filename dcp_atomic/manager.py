@@ -234,6 +234,7 @@ class CheckpointManager(RankAgreement):
         self._local_saves = 0  # counts saves for durable_every (identical on every rank: SPMD)
         self._drainer: Drainer | None = None
         self._durable_saves: set[str] = set()  # rank 0: save ids known to be in the durable root (see _undrained)
+        self._requeued: set[str] = set()  # save ids _undrained queued again: once per process, never in a loop
         if local_root is not None:
             self._local = open_local(os.fspath(local_root), run_id)
             try:
@@ -507,9 +508,8 @@ class CheckpointManager(RankAgreement):
         steps (Lightning's files): a step no record names any more.  Call it at a quiet point (after ``wait()``):
         a step a drain holds is refused.  Failures are logged, not raised, so the ranks never part ways; returns
         the steps this rank could not remove (a later call retries them, or ``dcp-atomic rm``)."""
-        if self._drainer is not None and set(steps) & self._drainer.protected():
-            raise CheckpointError(f"retire({sorted(steps)}): step(s) {sorted(set(steps) & self._drainer.protected())} "
-                                  "are being drained; call wait() first", run_id=self.run_id)
+        if self._drainer is not None:
+            self._drainer.wait()  # every rank alike: a drain's outcome reaches every rank (drain.py, step 4)
         failed = []
         for step in steps:
             try:
@@ -644,6 +644,7 @@ class CheckpointManager(RankAgreement):
                         "job stopped first); it is kept on the local tier and queued for the drain again", self.run_id,
                         undrained.step)
             self._drainer.submit(undrained.step, undrained)
+            self._requeued.add(undrained.save_id)
         if self._tier.is_leader:
             try:
                 removed = retain_local(self._local, self.keep_local, protected=protected)
@@ -657,12 +658,14 @@ class CheckpointManager(RankAgreement):
         """Rank 0: the newest local step saved for a durable copy (:attr:`Marker.drain`) that has none and is not
         queued (its drain failed, or the job stopped before it) -- the newest durable-pending step, which local
         retention keeps and the drain takes again.  An unreadable durable root counts as "none" (kept, retried)."""
-        wanted = [m for m in local_markers(self._local) if m.drain]
+        resumed = self._resumed
+        wanted = [m for m in local_markers(self._local)  # a step a rollback abandoned is not this job's to drain
+                  if m.drain and (resumed is None or not resumed.supersedes(m))]
         if not wanted or wanted[-1].step in queued:
             return None
         newest = wanted[-1]
-        if newest.save_id in self._durable_saves:
-            return None
+        if newest.save_id in self._durable_saves or newest.save_id in self._requeued:
+            return None  # drained, or queued again once already by this process (its failure was reported)
         try:
             durable = read_marker(self.layout, newest.step, Deadline(self.timeout), missing_ok=True)
             if durable.save_id == newest.save_id:
@@ -737,14 +740,16 @@ class CheckpointManager(RankAgreement):
     def _durable_candidate(self, step: int | None) -> Durable | None:
         """Rank 0: the durable tier's newest commit (or ``step``'s), None when it has none."""
         try:
+            asked = step is not None
             if step is None:
                 step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout)
                 if step is None:
                     return None
             elif not self.layout.storage.is_dir(self.layout.step_dir(step)):
                 return None
-            # an attempt without a marker (a drain that failed or was killed before it) is no commit: not waited for
-            marker = read_marker(self.layout, step, Deadline(self.timeout), missing_ok=True)
+            # A step asked for by number may hold only an attempt a failed or killed drain left, never marked: not
+            # waited for.  The step LATEST names has a marker: waited for (visibility lag on NFS).
+            marker = read_marker(self.layout, step, Deadline(self.timeout), missing_ok=asked)
         except (CheckpointNotFoundError, FileNotFoundError):
             return None
         return Durable(step=step, save_id=marker.save_id, sequence=marker.sequence)

@@ -437,8 +437,16 @@ class Marker:
     # until one exists, across restarts (manager: local retention keeps it, the next save queues it again).
     drain: bool | None = None
 
+    def record(self) -> dict:
+        """The fields as stored; ``drain`` only when set, so durable markers and the ``COMMITS`` journal stay as
+        earlier versions wrote them (their readers take every stored field)."""
+        record = asdict(self)
+        if record["drain"] is None:
+            del record["drain"]
+        return record
+
     def to_json(self) -> bytes:
-        return _sealed_json(asdict(self))
+        return _sealed_json(self.record())
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> "Marker":

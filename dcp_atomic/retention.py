@@ -34,7 +34,7 @@ import calendar
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .catalog import most_recent
 from .commit import SCAN_RETRY_SECONDS, commit_order, read_latest, read_marker, scan_markers, write_latest
@@ -352,5 +352,5 @@ def _read_journal(layout: RunLayout) -> list[Marker] | None:
 
 def _write_journal(layout: RunLayout, markers: list[Marker]) -> None:
     body = {"kind": "dcp_atomic.commits", "schema_version": CONTROL_SCHEMA,
-            "commits": [asdict(m) for m in sorted(markers, key=commit_order)]}
+            "commits": [m.record() for m in sorted(markers, key=commit_order)]}
     layout.storage.replace(layout.storage.join(layout.run_dir, COMMITS), _sealed_json(body))

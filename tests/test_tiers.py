@@ -7,6 +7,7 @@ emptied between two worlds.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -682,3 +683,83 @@ def test_a_step_whose_drain_never_committed_is_kept_locally_and_drained_again_af
     for listed, exact in assert_all_ok(_run(_restart_and_save_locally, root, nodes)):
         assert listed == ([2, 3], [1]), listed  # kept until the drain queued again committed it, then retired
         assert exact
+
+
+def _one_rank_manager(ctx, **kwargs):
+    from dcp_atomic import CheckpointManager
+
+    return CheckpointManager(ctx.root, RUN, local_root=os.path.join(ctx.root, "node"), replicas=0, timeout=10,
+                             **kwargs)
+
+
+def _rollback_past_an_undrained_step(ctx):
+    from dcp_atomic import drain
+
+    drain.RETRY_BACKOFF = 0.01
+    with _one_rank_manager(ctx, keep_local=3) as manager:
+        manager.save(1, _flat(1), durable=True)
+        manager.wait()
+        drain.hooks["before_upload"] = lambda rank, step: (_ for _ in ()).throw(OSError(5, "injected"))
+        manager.save(3, _flat(3), durable=True)  # the branch about to be abandoned; its drain fails
+        with pytest.raises(Exception):
+            manager.wait()
+        drain.hooks.clear()
+        manager.load(_flat(-1), step=1)  # roll back
+        manager.save(2, _flat(20), durable=False)  # the new branch, local only
+        manager.wait()
+        return manager.steps(tier="durable")
+
+
+def test_a_rollback_never_drains_the_abandoned_branchs_undrained_step(root):
+    """P14: the step a rollback left is not this job's to make durable (it would become the durable LATEST)."""
+    [durable] = assert_all_ok(run_world(_rollback_past_an_undrained_step, 1, root, timeout=120))
+    assert durable == [1], durable
+
+
+def _a_drain_that_always_fails(ctx):
+    from dcp_atomic import drain
+
+    drain.RETRY_BACKOFF = 0.01
+    uploads = []
+
+    def broken(rank, step):
+        uploads.append(step)
+        raise OSError(5, "injected, for good")
+
+    drain.hooks["before_upload"] = broken
+    with _one_rank_manager(ctx, keep_local=1) as manager:
+        manager.save(1, _flat(1), durable=True)
+        with pytest.raises(Exception):
+            manager.wait()
+        per_save = []
+        for step in range(2, 6):
+            manager.save(step, _flat(step), durable=False)
+            with contextlib.suppress(Exception):
+                manager.wait()
+            per_save.append((len(uploads), manager.steps(tier="local")))
+        drain.hooks.clear()
+        return per_save
+
+
+def test_an_undrained_step_is_queued_again_once_per_job_not_at_every_save(root):
+    [per_save] = assert_all_ok(run_world(_a_drain_that_always_fails, 1, root, timeout=120))
+    first, *later = per_save
+    assert first[0] == 6, per_save  # queued again once (3 attempts more), still kept locally then
+    assert all(count == first[0] for count, _ in later), per_save  # never again in this job
+    assert later[-1][1] == [5], per_save  # and keep_local=1 holds once that one retry failed
+
+
+def test_markers_and_the_commits_journal_carry_drain_only_where_set_as_earlier_versions_read_them():
+    """Earlier versions build ``Marker(**entry)`` from each journal entry: a field they do not know would make
+    them drop the journal and rescan every marker."""
+    import json
+
+    from dcp_atomic.manifest import Marker
+
+    marker = Marker(run_id="r", step=1, save_id="20260101T000000Z-0123abcd", manifest="20260101T000000Z-0123abcd/"
+                    "manifest.json", manifest_sha256="0" * 64, committed_at=1.0, library_version="x", sequence=1)
+    assert "drain" not in json.loads(marker.to_json()) and "drain" not in marker.record()
+    local = Marker(**{**marker.record(), "drain": True})
+    assert json.loads(local.to_json())["drain"] is True
+    assert Marker.from_json(local.to_json(), where="t").drain is True
+    assert Marker.from_json(marker.to_json(), where="t").drain is None

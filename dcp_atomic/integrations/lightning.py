@@ -137,6 +137,7 @@ class _AtomicCheckpointing:
         self.replicas, self.keep_local, self.failure_domain = replicas, keep_local, failure_domain
         self.restored_from: dict[str, Any] | None = None  # after a local-tier load: the manager's restored_from
         self._tiers: dict[tuple[str, str], _Tier] = {}
+        self._redrained: set[tuple[str, int]] = set()  # (dirpath, step) this job drained again (_quiet_point)
         self._fitting = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -212,11 +213,16 @@ class _AtomicCheckpointing:
             raise CheckpointError(plan, path=tier.directory, rank=0)
         unnamed, undrained, step = plan
         _retire(tier, unnamed)
-        for named_step in undrained:
+        for named_step in (s for s in undrained if (tier.directory, s) not in self._redrained):
+            self._redrained.add((tier.directory, named_step))  # once per job: a drain that cannot succeed never loops
             log.warning("%s: step %d, which a file names, has no durable copy yet (its drain failed or the job "
                         "stopped first); draining it again before the next save", tier.directory, named_step)
-            manager.queue_drain(named_step)
-            manager.wait()
+            try:
+                manager.queue_drain(named_step)
+                manager.wait()
+            except CheckpointError as e:  # every rank alike (rank 0's marker, the drain's outcome are shared)
+                log.error("%s: step %d could not be drained again (%s); its file resumes only while a node holds "
+                          "it: save a new checkpoint, or fix the cause and restart", tier.directory, named_step, e)
         return step
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
