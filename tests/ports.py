@@ -14,12 +14,14 @@ import re
 import socket
 import threading
 
-_BASE, _BLOCK = 20000, 1000  # 20000-27999: eight workers' blocks, below the ephemeral range (and +10000)
+_BASE, _BLOCK = 20000, 1000  # 20000-31999: 8 workers' blocks + 4 for sessions without workers, below the ephemeral range
 
 
 def _worker_index() -> int:
+    """An xdist worker's own block (0-7); a session without workers takes one of blocks 8-11 by its pid, so it does
+    not share a worker's block, and two such sessions side by side (developers' runs) rarely share one."""
     match = re.fullmatch(r"gw(\d+)", os.environ.get("PYTEST_XDIST_WORKER", ""))
-    return int(match.group(1)) % 8 if match else 0
+    return int(match.group(1)) % 8 if match else 8 + os.getpid() % 4
 
 
 _offset = itertools.count(os.getpid() % _BLOCK)  # a fresh session does not retrace the last one's steps
