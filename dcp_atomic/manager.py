@@ -505,9 +505,10 @@ class CheckpointManager(RankAgreement):
     def retire(self, steps: list[int]) -> list[int]:
         """Remove ``steps`` from both tiers; every rank calls it alike (each local root's leader drops that root's
         copies, global rank 0 the durable ones), no collective inside.  For an integration whose own records name
-        steps (Lightning's files): a step no record names any more.  Call it at a quiet point (after ``wait()``):
-        a step a drain holds is refused.  Failures are logged, not raised, so the ranks never part ways; returns
-        the steps this rank could not remove (a later call retries them, or ``dcp-atomic rm``)."""
+        steps (Lightning's files): a step no record names any more.  It first waits for the drains (raising a
+        failed one's error, as ``wait()`` does: on every rank alike).  Removal failures are logged, not raised, so
+        the ranks never part ways; returns the steps this rank could not remove (a later call retries them, or
+        ``dcp-atomic rm``)."""
         if self._drainer is not None:
             self._drainer.wait()  # every rank alike: a drain's outcome reaches every rank (drain.py, step 4)
         failed = []
