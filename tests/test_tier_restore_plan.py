@@ -8,6 +8,7 @@ receiver.  What each rank received is asserted against the step's manifest, file
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -59,13 +60,14 @@ def _load(ctx, replicated=False, step=None, spoil=None):
     restore's plan was made (after the scan verified it: only the receiver's check stands between it and a load)."""
     from dcp_atomic import tier_restore
 
-    if spoil is not None and ctx.rank == spoil[0]:
+    if spoil is not None and ctx.rank in (spoil[0] if isinstance(spoil[0], tuple) else (spoil[0],)):
         planned = tier_restore.plan_fetches
 
         def plan_then_spoil(*args, **kwargs):
             fetches = planned(*args, **kwargs)
             if len(spoil) > 2 and spoil[2] == "unlink":
-                os.unlink(spoil[1])
+                with contextlib.suppress(FileNotFoundError):  # every rank of the root unlinks it before it sends
+                    os.unlink(spoil[1])
             else:
                 _flip_byte(spoil[1], offset=os.path.getsize(spoil[1]) // 2)
             return fetches
@@ -242,7 +244,9 @@ def test_a_source_file_gone_after_the_scan_fails_every_rank_typed_and_in_bounded
     assert_all_ok(_run(_save, root, nodes, [10]))
     shutil.rmtree(os.path.join(nodes[1], RUN))
     source = os.path.join(_attempt(nodes[0], 10), "__3_0.distcp")
-    outcomes = _run(_load, root, nodes, False, None, (0, source, "unlink"))
+    # Both of node A's ranks remove it right after planning, so whichever sends it finds it gone (an unlink by the
+    # other rank alone could come after the sender opened the file, which then still reads whole and loads).
+    outcomes = _run(_load, root, nodes, False, None, ((0, 1), source, "unlink"))
     for out in outcomes:  # the sender's stream still runs (its target waits for it), then every rank fails alike
         assert out.error_type == "StorageError", out
         assert "restoring local step 10" in out.error and "__3_0.distcp" in out.error, out.error
