@@ -185,7 +185,8 @@ def _plain_shared_load_with_a_killed_peer(ctx):
     failpoints.arm("read.exchange_send", "kill", rank=2)
     started = time.monotonic()
     try:
-        dcp.load(_blank(ctx.rank), storage_reader=AtomicStorageReader(ctx.root, RUN, 1, timeout=6, share_reads=True))
+        # timeout: the survivors' check-in window when blaming a peer; 6 s was once too short for a loaded 2-core CI
+        dcp.load(_blank(ctx.rank), storage_reader=AtomicStorageReader(ctx.root, RUN, 1, timeout=12, share_reads=True))
         outcome, details = ("loaded", ""), {}
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         outcome, details = (type(e).__name__, str(e)), dict(getattr(e, "details", {}))
