@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from . import failpoints
-from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError, IncompleteStepError
 from .integrity import sha256_hex
 from .layout import DCP_METADATA, MANIFEST, RunLayout, parse_step_dir
 from .manifest import RANKS_FILE, Latest, Manifest, ManifestShard, Marker, RankRecords, ShardRef, now, shard_name
@@ -134,6 +134,60 @@ class Committed:
         self.manifest.ranks, self.manifest.stats = records.ranks, records.stats
 
 
+@dataclass(frozen=True)
+class Evidence:
+    """What a committer has seen of a step at its destination: each file (data file or manifest shard) that was
+    written or copied there *and verified in this attempt*, with who did it ("rank 3 wrote it", "rank 1 copied it
+    from node1:/nvme"), and ``looked_in``: the places that were searched, for the error when one is missing.
+
+    Every marker goes through :func:`require_complete` with one: the marker is the promise that every file the
+    manifest names is there, so no path (a save, the drain, a local commit, a restore, an import) may place one on
+    its own judgement.  A drain by fewer ranks than wrote the step once committed half a step this way."""
+
+    verified: dict[str, str]
+    looked_in: str = ""
+
+    @classmethod
+    def written(cls, manifest: Manifest) -> "Evidence":
+        """A save's own: every rank reported the files it wrote and fsynced, each digest computed while writing
+        (the manifest is built from those reports, its shards published by the ranks themselves)."""
+        names = {f.name: f"rank {f.rank} wrote it" for f in manifest.files}
+        names.update({s.name: f"rank {s.rank} wrote it" for s in manifest.shards})
+        return cls(names, "the ranks' write results")
+
+
+def missing_files(manifest: Manifest, evidence: Evidence) -> list[tuple[int, str]]:
+    """(rank, name) of each file ``manifest`` names (every rank's data files and manifest shards, and a shard for
+    each of its ``world_size`` ranks) that ``evidence`` does not hold."""
+    named = [(f.rank, f.name) for f in manifest.files] + [(s.rank, s.name) for s in manifest.shards]
+    if manifest.schema_version >= 2:
+        named += [(r, shard_name(r)) for r in range(manifest.world_size) if manifest.shard_of(r) is None]
+    seen: set[str] = set()
+    missing = []
+    for rank, name in named:
+        if name not in seen and name not in evidence.verified:
+            missing.append((rank, name))
+        seen.add(name)
+    return missing
+
+
+def require_complete(manifest: Manifest, evidence: Evidence, where: str) -> None:
+    """The completeness rule of every commit: refuse (:class:`IncompleteStepError`, naming each missing file, the
+    rank it belongs to and where it was looked for) unless every file the manifest names was verified."""
+    missing = missing_files(manifest, evidence)
+    if not missing:
+        return
+    listed = ", ".join(f"{name} (rank {rank})" for rank, name in missing[:8]) + (
+        f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    raise IncompleteStepError(
+        f"{where}: step {manifest.step} (save {manifest.save_id}, {manifest.world_size} ranks) is not complete: no "
+        f"verified copy of {len(missing)} file(s) its manifest names: {listed}; looked in "
+        f"{evidence.looked_in or 'nowhere'}. No marker was written: the previous step stays the newest; the files "
+        "must be on a root this job can read (a node that held them was replaced?)",
+        step=manifest.step, save_id=manifest.save_id, files=[n for _, n in missing[:64]],
+        ranks=sorted({r for r, _ in missing}))
+
+
 def publish_shard(layout: RunLayout, shard: ManifestShard) -> ShardRef:
     """Write one rank's shard durably beside its data (the rank itself does this); returns how the manifest
     names it."""
@@ -165,7 +219,7 @@ def write_rank_records(layout: RunLayout, manifest: Manifest) -> None:
 
 
 def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overwrite: bool, timeout: float,
-            rank: int = 0, resumed: ResumePoint | None = None) -> Marker:
+            rank: int = 0, resumed: ResumePoint | None = None, evidence: Evidence | None = None) -> Marker:
     """Run steps 2-4 above; returns the marker that is now visible (writing the shards of a manifest built
     with its items inline first, see :func:`write_shards`).  An existing marker is replaced with ``overwrite``,
     or when ``resumed`` says it belongs to the branch this job abandoned (judged on the marker read now, so a
@@ -203,8 +257,8 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
                 f"Use another run_id or step, or overwrite=True to replace it deliberately"
                 + (f" ({resumed.describe()}; this commit is newer than that)." if resumed is not None else "."))
 
-    marker = place_marker(layout, marker, overwrite=overwrite, resumed=resumed, timeout=timeout,
-                          conflict_message=conflict, what="commit")
+    marker = place_marker(layout, marker, manifest, evidence or Evidence.written(manifest), overwrite=overwrite,
+                          resumed=resumed, timeout=timeout, conflict_message=conflict, what="commit")
     _last_sequence[layout.run_dir] = marker.sequence
     failpoints.hit("commit.after_marker", rank)
     write_latest(layout, marker)
@@ -212,10 +266,13 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
     return marker
 
 
-def place_marker(layout: RunLayout, marker: Marker, *, overwrite: bool, resumed: ResumePoint | None, timeout: float,
-                 conflict_message: Callable[[Marker], str], what: str) -> Marker:
-    """Step 3 for every committer (a save's :func:`publish`, the drain's durable commit): make ``marker`` the
-    step's marker; returns the marker now visible, after the step directory is synced.
+def place_marker(layout: RunLayout, marker: Marker, manifest: Manifest, evidence: Evidence, *, overwrite: bool,
+                 resumed: ResumePoint | None, timeout: float, conflict_message: Callable[[Marker], str],
+                 what: str) -> Marker:
+    """Step 3 for every durable committer (a save's :func:`publish`, the drain's durable commit): make ``marker``
+    the step's marker; returns the marker now visible, after the step directory is synced.
+
+    First :func:`require_complete`: ``manifest`` (the one ``marker`` names, by digest) against ``evidence``.
 
     Created exclusively, so two jobs committing one step cannot both win.  If a marker is there already: the same
     save's (an earlier attempt whose reply was lost) is accepted as it is; another save's is replaced only with
@@ -225,6 +282,10 @@ def place_marker(layout: RunLayout, marker: Marker, *, overwrite: bool, resumed:
     ``what`` starts the log lines ("commit", "drain"), so an operator can tell which committer acted.
     """
     storage, step = layout.storage, marker.step
+    if (manifest.run_id, manifest.step, manifest.save_id) != (marker.run_id, step, marker.save_id):
+        raise CorruptCheckpointError(f"{what}: the marker of step {step} (save {marker.save_id}) would name another "
+                                     f"save's manifest ({manifest.save_id})", step=step)
+    require_complete(manifest, evidence, f"{what} to {storage.describe()}")
     marker_path = layout.marker(step)
     visible = marker
     if not storage.exclusive_create_is_atomic and storage.describe() not in _warned_roots:
@@ -316,6 +377,19 @@ def read_shard(layout: RunLayout, committed: Committed, rank: int, deadline: Dea
         raise CorruptCheckpointError(f"{path}: shard describes another checkpoint, rank or set of files than the "
                                      f"manifest records for rank {rank}", path=path, rank=rank)
     return shard
+
+
+def record_local_marker(layout: RunLayout, marker_bytes: bytes, manifest: Manifest, evidence: Evidence,
+                        where: str) -> None:
+    """A local root's copy of a marker rank 0 decided (the local commit, a restore): the same completeness rule as
+    :func:`place_marker`, over the whole tier (a root holds its ranks' files and their replicas, not the step).
+    Replaced, not created exclusively: local markers are rank 0's records (:mod:`.local_tier`)."""
+    marker = Marker.from_json(marker_bytes, where=where)
+    if (marker.step, marker.save_id) != (manifest.step, manifest.save_id):
+        raise CorruptCheckpointError(f"{where}: the marker names save {marker.save_id}, the manifest is of "
+                                     f"{manifest.save_id}", step=marker.step)
+    require_complete(manifest, evidence, where)
+    layout.storage.replace(layout.marker(marker.step), marker_bytes)
 
 
 def write_latest(layout: RunLayout, marker: Marker) -> None:

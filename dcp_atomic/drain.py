@@ -42,16 +42,17 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .commit import ResumePoint, place_marker, write_latest
-from .errors import CheckpointError, CommitConflictError, CorruptCheckpointError, StorageError
+from .commit import Evidence, ResumePoint, place_marker, write_latest
+from .errors import CheckpointError, CommitConflictError, CorruptCheckpointError, IncompleteStepError, StorageError
 from .identity import default_thread_count
 from .integrity import block_digest, sha256_hex
 from .layout import DCP_METADATA, MANIFEST, RunLayout
@@ -90,6 +91,7 @@ class Uploaded:
     error: CheckpointError | None = None
     bytes: int = 0
     files: int = 0
+    verified: dict[str, str] = field(default_factory=dict)  # file name -> how it got there (the commit's evidence)
 
 
 @dataclass
@@ -109,22 +111,72 @@ class Drained:
 # -- steps 2 and 3 ------------------------------------------------------------------------------------------
 
 
-def upload_own(local: RunLayout, durable: RunLayout, job: DrainJob, rank: int, threads: int = 1) -> Uploaded:
-    """Step 2: copy ``rank``'s shard and data files of ``job`` from its local root, ``threads`` files at a time,
-    each block checked as it is read; the shard goes last, once every file it names is up."""
+def held_ranks(local: RunLayout, job: DrainJob) -> list[int]:
+    """The ranks of ``job``'s step whose manifest shard and data files this local root holds at their recorded
+    sizes (its own primary files, or replicas): what this rank could upload.  Sizes only, from the manifest: the
+    upload checks every block as it reads (:func:`_copy_verified`), so a damaged copy still fails there."""
+    try:
+        manifest = _local_manifest(local, job)
+    except (OSError, CheckpointError):
+        return []  # no local copy of the step here (a replaced node): others upload
+    sizes: dict[int, list[tuple[str, int]]] = {}
+    for f in manifest.files:
+        sizes.setdefault(f.rank, []).append((local.data_file(job.step, job.save_id, f.name, manifest.data_prefixes),
+                                             f.size))
+    held = []
+    for rank in range(manifest.world_size):
+        ref = manifest.shard_of(rank)
+        wanted = sizes.get(rank, []) + ([(local.attempt_file(job.step, job.save_id, ref.name), ref.size)] if ref else [])
+        try:
+            if ref is not None and all(os.path.getsize(path) == size for path, size in wanted):
+                held.append(rank)
+        except OSError:
+            continue
+    return held
+
+
+def plan_uploads(held: list[list[int]]) -> dict[int, list[int]]:
+    """Rank 0: which drain rank uploads which source rank's files, from what each drain rank's root holds
+    (:func:`held_ranks`).  A rank uploads its own files where it holds them (the common case: one pass over its own
+    disk, as before); every other source rank goes to the least-loaded rank that holds it, so a resized job (or one
+    with a replaced node) drains from replicas.  A source rank no root holds is left out: the commit's completeness
+    check (:func:`~.commit.require_complete`) then refuses the step, naming its files."""
+    plan: dict[int, list[int]] = {rank: [] for rank in range(len(held))}
+    sources = sorted({r for ranks in held for r in ranks})
+    for source in sources:
+        if source < len(held) and source in held[source]:
+            plan[source].append(source)
+    for source in sources:
+        if source < len(held) and source in held[source]:
+            continue
+        holders = [rank for rank, ranks in enumerate(held) if source in ranks]
+        plan[min(holders, key=lambda rank: (len(plan[rank]), rank))].append(source)
+    return plan
+
+
+def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: list[int], rank: int,
+                 threads: int = 1) -> Uploaded:
+    """Step 2: copy the shards and data files of the ranks ``sources`` of ``job`` from this local root, ``threads``
+    files at a time, each block checked as it is read; a shard goes last, once every file it names is up.  Returns
+    the files uploaded, by name, as the commit's evidence."""
+    uploaded = Uploaded()
+    if not sources:
+        return uploaded
     manifest = _local_manifest(local, job)
-    shard_path = local.attempt_file(job.step, job.save_id, shard_name(rank))
-    shard_bytes = local.storage.read_file(shard_path)
-    shard = check_shard(manifest, rank, shard_bytes, shard_path)
     storage = durable.storage
     storage.makedirs(durable.attempt_dir(job.step, job.save_id))
-    copies = []
-    for entry in shard.files:
-        source = local.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
-        target = durable.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
-        if manifest.data_prefixes:
-            storage.makedirs(target.rsplit("/", 1)[0])
-        copies.append((entry, source, target))
+    shards, copies = [], []
+    for source in sources:
+        shard_path = local.attempt_file(job.step, job.save_id, shard_name(source))
+        shard_bytes = local.storage.read_file(shard_path)
+        shard = check_shard(manifest, source, shard_bytes, shard_path)
+        shards.append((source, shard_bytes))
+        for entry in shard.files:
+            src = local.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
+            target = durable.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
+            if manifest.data_prefixes:
+                storage.makedirs(target.rsplit("/", 1)[0])
+            copies.append((entry, src, target))
     stop = threading.Event()  # one file failed: the others stop at their next piece
 
     def copy(entry: FileEntry, source: str, target: str) -> None:
@@ -149,8 +201,13 @@ def upload_own(local: RunLayout, durable: RunLayout, job: DrainJob, rank: int, t
         first = next((e for e in errors if e is not None and not isinstance(e, _Stopped)), None)
         if first is not None:
             raise first
-    storage.publish(durable.attempt_file(job.step, job.save_id, shard_name(rank)), shard_bytes)
-    return Uploaded(bytes=sum(entry.size for entry, _, _ in copies), files=len(copies))
+    who = f"rank {rank} uploaded it from {local.storage.describe()}, every block checked"
+    for source, shard_bytes in shards:
+        storage.publish(durable.attempt_file(job.step, job.save_id, shard_name(source)), shard_bytes)
+        uploaded.verified[shard_name(source)] = who
+    uploaded.verified.update((entry.name, who) for entry, _, _ in copies)
+    uploaded.bytes, uploaded.files = sum(entry.size for entry, _, _ in copies), len(copies)
+    return uploaded
 
 
 class _Stopped(Exception):
@@ -276,7 +333,7 @@ def _read_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
 
 
 def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed: ResumePoint | None,
-                   timeout: float) -> Marker:
+                   timeout: float, evidence: Evidence) -> Marker:
     """Step 3 (global rank 0): the control files from the local root, checked against the local marker's manifest,
     then the durable marker with the step's local sequence, then ``LATEST`` unless a newer commit holds it."""
     manifest_bytes, manifest = _local_manifest_bytes(local, job)
@@ -308,9 +365,9 @@ def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed:
     # An earlier attempt of this drain may have placed the marker and then failed on LATEST: then the marker it
     # placed is accepted, and LATEST is written now.
     try:
-        marker = place_marker(durable, marker, overwrite=False, resumed=resumed, timeout=timeout,
-                              conflict_message=conflict, what="drain")
-    except CommitConflictError:
+        marker = place_marker(durable, marker, manifest, evidence, overwrite=False, resumed=resumed,
+                              timeout=timeout, conflict_message=conflict, what=f"drain of step {job.step}")
+    except (CommitConflictError, IncompleteStepError):
         raise
     except (OSError, CheckpointError) as e:  # before or after the marker's create: say which, if we can tell
         reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
@@ -380,6 +437,7 @@ class Drainer:
                  committed: Callable[[Drained], None],
                  failed: Callable[[DrainJob, CheckpointError, float], None], threads: int | None = None) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.here = f"rank {rank} ({socket.gethostname()}:{local.storage.describe()})"
         self.threads = threads or default_thread_count()  # files uploaded at once: a direct save's writer count
         self.local, self.durable, self.timeout, self.where = local, durable, timeout, where
         self._resumed, self._committed, self._failed = resumed, committed, failed
@@ -515,11 +573,13 @@ class Drainer:
             self._inflight, self._another_round = job, False
             queued = time.monotonic() - self._queued_at.get(job.index, time.monotonic())
             self._queued_at = {i: t for i, t in self._queued_at.items() if i > job.index}
-        mine = self._upload(job)
+        holdings = self._gathered((held_ranks(self.local, job), self.here))  # any world drains any step
+        plan = self._share(plan_uploads([held for held, _ in holdings]) if self.rank == 0 else None)
+        mine = self._upload(job, plan.get(self.rank, []))
         shares = self._gathered(mine)
         outcome: Any = None
         if self.rank == 0:
-            outcome = self._decide(job, attempt, shares, started, queued)
+            outcome = self._decide(job, attempt, shares, started, queued, [where for _, where in holdings])
         status, error, again = self._share(outcome[:3] if outcome is not None else None)
         drained = outcome[3] if outcome is not None else None
         with self._cond:
@@ -541,11 +601,11 @@ class Drainer:
             log.error("drain of step %d to %s failed: %s", job.step, self.where, error)
             self._failed(job, error, time.perf_counter() - started)
 
-    def _upload(self, job: DrainJob) -> Uploaded:
+    def _upload(self, job: DrainJob, sources: list[int]) -> Uploaded:
         try:
             if "before_upload" in hooks:
                 hooks["before_upload"](self.rank, job.step)
-            return upload_own(self.local, self.durable, job, self.rank, self.threads)
+            return upload_ranks(self.local, self.durable, job, sources, self.rank, self.threads)
         except CheckpointError as e:
             return Uploaded(error=e)
         except OSError as e:
@@ -554,7 +614,8 @@ class Drainer:
                 f"rank {self.rank} could not upload its files of step {job.step} to {path}: {e.strerror or e}",
                 rank=self.rank, path=str(path), errno=e.errno, step=job.step))
 
-    def _decide(self, job: DrainJob, attempt: int, shares: list[Uploaded], started: float, queued: float) -> tuple:
+    def _decide(self, job: DrainJob, attempt: int, shares: list[Uploaded], started: float, queued: float,
+                roots: list[str]) -> tuple:
         """Rank 0: commit if every rank uploaded; else whether to try again.  (status, error, again, Drained)."""
         failed = [(r, s.error) for r, s in enumerate(shares) if s.error is not None]
         error: CheckpointError | None = None
@@ -562,13 +623,15 @@ class Drainer:
             error = StorageError(
                 f"drain of step {job.step} (save {job.save_id}) to {self.where}: {len(failed)} rank(s) could not "
                 f"upload: " + "; ".join(e.message for _, e in failed[:4]) + ". No durable marker was written; the "
-                "durable root's previous step is intact. Free space or fix access on the durable root: the next "
-                "drain retries.", step=job.step, ranks=[r for r, _ in failed],
+                "durable root's previous step is intact. Check the named paths (space and access on the durable "
+                "root, or a local copy found damaged or missing): the next drain retries.", step=job.step, ranks=[r for r, _ in failed],
                 path=failed[0][1].details.get("path"))
         else:
+            looked_in = "the local roots of " + ", ".join(roots)
+            evidence = Evidence({name: who for share in shares for name, who in share.verified.items()}, looked_in)
             try:
-                marker = commit_durable(self.local, self.durable, job, self._resumed(), self.timeout)
-            except CommitConflictError as e:
+                marker = commit_durable(self.local, self.durable, job, self._resumed(), self.timeout, evidence)
+            except (CommitConflictError, IncompleteStepError) as e:  # retrying finds no other copy, nor another save
                 with self._cond:
                     self._replaced.pop(job.index, None)
                 return "error", e, False, None

@@ -53,6 +53,10 @@ class CorruptCheckpointError(CheckpointError):
     """Bytes on storage do not match what was recorded when they were written."""
 
 
+class IncompleteStepError(CorruptCheckpointError):
+    """A commit was refused because a file the step's manifest names has no verified copy at the destination."""
+
+
 class RankConsistencyError(CheckpointError):
     """Ranks disagree on who they are or on which checkpoint version they see."""
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import failpoints
-from .commit import commit_order, listed_steps, write_rank_records
+from .commit import Evidence, commit_order, listed_steps, record_local_marker, require_complete, write_rank_records
 from .errors import CheckpointError, CorruptCheckpointError, StorageError
 from .file_transfer import Part, Received, Spooled, discard, keep, transfer
 from .integrity import block_digest, sha256_hex, verify_segments
@@ -561,10 +561,13 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
                             spool_dir(layout))
     except (OSError, CheckpointError) as e:
         failure = failure or f"{topology.describe(rank)} could not exchange replicas: {e}"
+    here = topology.describe(rank)
+    verified = {part.name: f"{here} wrote it" for part in own}  # written and fsynced by this rank in this attempt
     try:
         if failure is None:
             for source, parts in received.items():
                 write_rank_files(layout, manifest, source, parts, topology.describe(source))
+                verified.update((name, f"{here} verified its copy") for name in parts)
                 failpoints.hit("replicate.receive", rank)
     except (OSError, CheckpointError) as e:
         failure = f"{topology.describe(rank)} could not keep a replica: {e}"
@@ -572,17 +575,24 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
         discard(received)  # what was kept was renamed into place; the rest goes
     newest = max((m.sequence or 0 for m in local_markers(layout)), default=0) if topology.is_leader else 0
     sent = sum(part.size for part in own) * len(placement.holders[rank])
-    reports: list[Any] = [(failure, newest, sent)]
+    reports: list[Any] = [(failure, newest, sent, verified)]
     if world > 1:
         reports = [None] * world
-        dist.all_gather_object(reports, (failure, newest, sent), group=group)
-    failures = [why for why, _, _ in reports if why]
+        dist.all_gather_object(reports, (failure, newest, sent, verified), group=group)
+    failures = [why for why, _, _, _ in reports if why]
+    evidence = Evidence({name: who for *_, held in reversed(reports) for name, who in held.items()},
+                        looked_in="the local roots of " + ", ".join(topology.describe(r) for r in topology.leaders))
+    if not failures:  # every rank holds the same reports: each refuses alike, before rank 0 decides
+        try:
+            require_complete(manifest, evidence, f"local commit of step {step}")
+        except CheckpointError as e:
+            failures = [e.message]
     decision: list[Any] = [None]
     if rank == 0 and not failures:
         marker = Marker(run_id=layout.run_id, step=step, save_id=manifest.save_id,
                         manifest=f"{manifest.save_id}/{MANIFEST}", manifest_sha256=sha256_hex(staged[0].manifest),
                         committed_at=now(), library_version=__version__,
-                        sequence=max([sequence_floor] + [n for _, n, _ in reports]) + 1, drain=drain or None)
+                        sequence=max([sequence_floor] + [n for _, n, _, _ in reports]) + 1, drain=drain or None)
         decision = [(marker.to_json(), sorted(protected or ()))]
     if failures:
         raise StorageError(
@@ -599,7 +609,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
             if topology.store(rank) != topology.store(0):
                 write_control(layout, manifest, control)
             failpoints.hit("local.before_marker", rank)
-            layout.storage.replace(layout.marker(step), marker_bytes)
+            record_local_marker(layout, marker_bytes, manifest, evidence, f"local commit on {topology.describe(rank)}")
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)}: {e}"
     missed = gather_failures(failure, world, group)
@@ -608,7 +618,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
             f"step {step} is local-committed (sequence {marker.sequence}) but its marker could not be recorded on "
             f"every local root: " + "; ".join(missed[:4]) + ". The step stays restorable from the other roots; "
             "check the named local_root.", step=step)
-    return LocalCommit(marker=marker, kept={step, *kept}, replica_bytes=sum(n for _, _, n in reports),
+    return LocalCommit(marker=marker, kept={step, *kept}, replica_bytes=sum(n for _, _, n, _ in reports),
                        seconds=time.perf_counter() - started)
 
 

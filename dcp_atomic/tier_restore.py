@@ -41,6 +41,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .commit import Evidence, record_local_marker
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .file_transfer import Part, Received, Spooled, discard, keep, transfer
 from .gc_pause import gc_paused
@@ -304,11 +305,22 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
     failure = None
     if rank in choice.unmarked:  # last: the marker says the root holds the step (file by file, as scanned)
         try:
-            layout.storage.replace(layout.marker(choice.step), _marker_bytes(layout, choice))
+            record_local_marker(layout, _marker_bytes(layout, choice), manifest, _evidence(topology, choice),
+                                f"restore of local step {choice.step} on {topology.describe(rank)}")
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)} could not record the step's marker: {e}"
     settle(failure)
     return len({f.rank for f in fetches if f.target == rank and f.name is not None}), got_bytes + control_bytes
+
+
+def _evidence(topology: Topology, choice: Choice) -> Evidence:
+    """What the scan verified across the tier: each data file and manifest shard, and the roots holding it intact."""
+    verified = {name: "intact on " + ", ".join(topology.describe(l) for l in leaders)
+                for name, leaders in choice.holders.items() if leaders}
+    verified.update((shard_name(r), f"intact on {topology.describe(leader)}")
+                    for leader, ranks in choice.shards.items() for r in ranks)
+    return Evidence(verified, looked_in="the local roots of " + ", ".join(topology.describe(l)
+                                                                           for l in topology.leaders))
 
 
 def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group) -> int:
