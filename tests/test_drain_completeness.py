@@ -1,0 +1,120 @@
+"""A drain commits only a complete step, whatever world drains it (P13; DESIGN "Two tiers").
+
+Worlds as simulated nodes with their own tmpfs local roots (``nodes``), the durable root on disk.  A world-4 job
+saves a step for a durable copy whose drain fails (a store that refuses writes); a job of another size, or one
+whose nodes lost files, then drains it again.  Before one completeness rule guarded every marker, a world-2 job
+uploaded only ranks 0-1's files and committed the step as the latest durable one.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from tests.harness import assert_all_ok
+from tests.test_tiers import RUN, _exact, _manager, _node_env, _run, _state
+from tests.test_manager import _fsdp_app, _full, _train_step
+
+
+def _one_node_each(rank: int) -> dict[str, str]:
+    """A world of 2: one rank per node (the resized job)."""
+    return {"DCP_ATOMIC_FAILURE_DOMAIN": "node" + "AB"[rank], "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(rank)}
+
+
+def _two_per_node_of(world: int):
+    def env(rank: int) -> dict[str, str]:
+        per = world // 2
+        return {"DCP_ATOMIC_FAILURE_DOMAIN": "node" + "AB"[rank // per], "LOCAL_RANK": str(rank % per),
+                "LOCAL_WORLD_SIZE": str(per), "GROUP_RANK": str(rank // per)}
+    return env
+
+
+def _save_with_a_refusing_store(ctx, step):
+    """Save ``step`` for a durable copy while the durable store refuses every upload: it stays local-only."""
+    from dcp_atomic import drain
+
+    drain.RETRY_BACKOFF = 0.01
+
+    def refuses(rank, _step):
+        raise OSError(13, "Permission denied (injected: the durable store refuses writes)")
+
+    drain.hooks["before_upload"] = refuses
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    _train_step(model, optim, step)
+    failed = None
+    try:
+        with _manager(ctx, keep_local=2) as manager:
+            manager.save(step, _state(model, optim, step), durable=True)
+            try:
+                manager.wait()
+            except Exception as e:
+                failed = type(e).__name__
+            durable = manager.steps(tier="durable")
+    except Exception as e:  # close() raising the drain's failure again is fine: the step is what matters
+        failed = failed or type(e).__name__
+        durable = []
+    finally:
+        drain.hooks.clear()
+    return {"full": _full(model), "failed": failed, "durable": durable}
+
+
+def _resume_saving(ctx, step):
+    """A job of this world saves ``step`` locally (the store healed): the undrained step is queued again."""
+    model, optim = _fsdp_app(ctx.world_size, 1)
+    _train_step(model, optim, step)
+    error = None
+    with _manager(ctx, keep_local=2) as manager:
+        manager.save(step, _state(model, optim, step), durable=False)
+        try:
+            manager.wait()
+        except Exception as e:
+            error = (type(e).__name__, str(e))
+        durable = manager.steps(tier="durable")
+    return {"durable": durable, "error": error}
+
+
+def _load_durable(ctx, step):
+    from dcp_atomic import CheckpointManager
+
+    model, optim = _fsdp_app(ctx.world_size, 42)
+    state = _state(model, optim, -1)
+    with CheckpointManager(ctx.root, RUN, timeout=20) as manager:
+        loaded = manager.load(state, step=step)
+    return {"step": loaded, "full": _full(model), "progress": state["progress"]["step"]}
+
+
+def test_a_resized_job_drains_an_older_worlds_step_whole_from_the_replicas(root, nodes):
+    """4 ranks -> 2: the world-2 job uploads all four ranks' files (its roots hold them as primaries and replicas),
+    and the durable step loads exactly at the world that saved it."""
+    saved = assert_all_ok(_run(_save_with_a_refusing_store, root, nodes, 10, rank_env=_two_per_node_of(4)))
+    assert saved[0]["failed"] is not None and saved[0]["durable"] == []
+    resumed = assert_all_ok(_run(_resume_saving, root, nodes, 20, world=2, rank_env=_one_node_each))
+    assert all(out["error"] is None for out in resumed), resumed[0]["error"]
+    assert resumed[0]["durable"] == [10], resumed[0]["durable"]
+    shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(root, RUN, "step_0000000010", "*",
+                                                                         "manifest.*.json")))
+    assert shards == [f"manifest.{r}.json" for r in range(4)], shards
+    loaded = assert_all_ok(_run(_load_durable, root, nodes, 10, rank_env=_two_per_node_of(4)))
+    for out in loaded:
+        assert out["step"] == 10 and out["progress"] == 10
+        _exact(out["full"], saved[0]["full"])
+
+
+def test_a_step_no_root_covers_stays_local_and_the_error_names_the_file_and_its_rank(root, nodes):
+    """Node B replaced and node A's replica of rank 3 lost: no root holds ``__3_0.distcp``.  The drain refuses
+    to commit, naming the file, its rank and the roots looked in; the durable root gets no marker."""
+    saved = assert_all_ok(_run(_save_with_a_refusing_store, root, nodes, 10, rank_env=_node_env))
+    assert saved[0]["failed"] is not None
+    shutil.rmtree(os.path.join(nodes[1], RUN))  # node B replaced: an empty disk
+    [lost] = glob.glob(os.path.join(nodes[0], RUN, "step_0000000010", "*", "__3_0.distcp"))
+    os.unlink(lost)
+    resumed = assert_all_ok(_run(_resume_saving, root, nodes, 20, rank_env=_node_env))
+    for out in resumed:
+        assert out["durable"] == [], out["durable"]
+        kind, message = out["error"]
+        assert kind == "IncompleteStepError", (kind, message)
+        assert "__3_0.distcp (rank 3)" in message and nodes[0] in message, message
+        assert "fix access on the durable root" not in message
+    assert not glob.glob(os.path.join(root, RUN, "step_0000000010", "COMMITTED"))
