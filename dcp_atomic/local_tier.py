@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from . import failpoints
 from .commit import Evidence, commit_order, listed_steps, record_local_marker, require_complete, write_rank_records
-from .errors import CheckpointError, CorruptCheckpointError, StorageError
+from .errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
 from .file_transfer import Part, Received, Spooled, discard, keep, transfer
 from .integrity import block_digest, sha256_hex, verify_segments
 from .layout import DCP_METADATA, MANIFEST, PARTIAL_SUFFIX, RunLayout
@@ -69,14 +69,20 @@ class Topology:
     def learn(cls, rank: int, world: int, domain: str, root: str, replicas: int, group) -> "Topology":
         import socket
 
-        mine = (domain, os.path.abspath(root), socket.gethostname())
+        mine = (domain, os.path.realpath(root), socket.gethostname())
         everyone: list[Any] = [mine]
         if world > 1:
             everyone = [None] * world
             dist.all_gather_object(everyone, mine, group=group)
-        domains = tuple(d for d, _, _ in everyone)
-        return cls(rank=rank, domains=domains, roots=tuple(r for _, r, _ in everyone),
-                   hosts=tuple(h for _, _, h in everyone), placement=place_replicas(list(domains), replicas))
+        roots, hosts = tuple(r for _, r, _ in everyone), tuple(h for _, _, h in everyone)
+        domains, merged = one_domain_per_disk([d for d, _, _ in everyone], hosts, roots)
+        if merged and rank == 0:
+            log.warning("local tier: %s", merged)
+        try:
+            placement = place_replicas(domains, replicas)
+        except ConfigurationError as e:
+            raise ConfigurationError(f"{e.message}" + (f" ({merged})" if merged else ""), **e.details) from None
+        return cls(rank=rank, domains=tuple(domains), roots=roots, hosts=hosts, placement=placement)
 
     def store(self, rank: int) -> tuple[str, str, str]:
         """(domain, host, root): a domain may span hosts (a rack), each with its own disk at the same path."""
@@ -95,6 +101,37 @@ class Topology:
 
     def describe(self, rank: int) -> str:
         return f"rank {rank} ({self.domains[rank]}, {self.hosts[rank]}:{self.roots[rank]})"
+
+
+def one_domain_per_disk(domains: list[str], hosts: tuple[str, ...], roots: tuple[str, ...]) -> tuple[list[str], str]:
+    """Each rank's effective failure domain: ranks whose local roots are one disk (the same host and path) share
+    its fate, whatever they declared, so their domains merge (transitively; a merged domain keeps the name its
+    lowest rank declared).  A replica on the primary's own disk is no replica.  Returns the domains and, when any
+    merged, a sentence naming the ranks and the path (for the warning, or the refusal of too few domains)."""
+    parent = {d: d for d in domains}
+
+    def find(d: str) -> str:
+        while parent[d] != d:
+            parent[d] = parent[parent[d]]
+            d = parent[d]
+        return d
+
+    first: dict[tuple[str, str], int] = {}
+    shared: dict[tuple[str, str], list[int]] = {}
+    for rank, disk in enumerate(zip(hosts, roots)):
+        shared.setdefault(disk, []).append(rank)
+        if disk in first:
+            a, b = find(domains[first[disk]]), find(domains[rank])
+            if a != b:  # keep the name of the lower rank's domain
+                keep, drop = (a, b) if domains.index(a) <= domains.index(b) else (b, a)
+                parent[drop] = keep
+        else:
+            first[disk] = rank
+    effective = [find(d) for d in domains]
+    notes = [f"ranks {', '.join(map(str, ranks))} declare domains {sorted({domains[r] for r in ranks})} but share "
+             f"one local root ({host}:{root}): one failure domain, {effective[ranks[0]]!r}"
+             for (host, root), ranks in shared.items() if len({domains[r] for r in ranks}) > 1]
+    return effective, "; ".join(notes[:4]) + (f"; and {len(notes) - 4} more disks" if len(notes) > 4 else "")
 
 
 # -- step 1: the writer's half ------------------------------------------------------------------------------

@@ -118,3 +118,47 @@ def test_a_step_no_root_covers_stays_local_and_the_error_names_the_file_and_its_
         assert "__3_0.distcp (rank 3)" in message and nodes[0] in message, message
         assert "fix access on the durable root" not in message
     assert not glob.glob(os.path.join(root, RUN, "step_0000000010", "COMMITTED"))
+
+
+# -- same disk, one domain ----------------------------------------------------------------------------------------
+
+
+def test_ranks_sharing_one_local_root_are_one_failure_domain_whatever_they_declare():
+    from dcp_atomic.local_tier import one_domain_per_disk
+    from dcp_atomic.placement import place_replicas
+
+    # Four ranks per node told failure_domain=f"node{rank}": each node's ranks merge into one domain per disk.
+    declared = [f"node{r}" for r in range(8)]
+    hosts = ("h1",) * 4 + ("h2",) * 4
+    domains, note = one_domain_per_disk(declared, hosts, ("/nvme",) * 8)
+    assert domains == ["node0"] * 4 + ["node4"] * 4, domains
+    assert "ranks 0, 1, 2, 3" in note and "h1:/nvme" in note
+    placement = place_replicas(domains, 1)
+    for rank, holders in enumerate(placement.holders):  # never a replica on the primary's own disk
+        assert all(hosts[h] != hosts[rank] for h in holders), (rank, holders)
+    # Transitive: a disk shared by a and b, another by b and c: one domain; distinct disks stay apart.
+    domains, _ = one_domain_per_disk(["a", "b", "b", "c", "d"], ("x", "x", "y", "y", "z"), ("/r",) * 5)
+    assert domains == ["a", "a", "a", "a", "d"]
+    assert one_domain_per_disk(["a", "b"], ("x", "x"), ("/r1", "/r2")) == (["a", "b"], "")
+
+
+def _construct_on_one_disk(ctx):
+    from dcp_atomic import CheckpointManager
+    from dcp_atomic.errors import ConfigurationError
+
+    try:
+        CheckpointManager(ctx.root, RUN, local_root=os.path.join(ctx.root, "one-disk"), replicas=1,
+                          failure_domain=f"node{ctx.rank}", timeout=20)
+    except ConfigurationError as e:
+        return str(e)
+    return None
+
+
+def test_a_layout_that_leaves_too_few_domains_on_distinct_disks_is_refused_naming_the_ranks_and_the_path(root):
+    from tests.harness import run_world
+
+    refusals = assert_all_ok(run_world(_construct_on_one_disk, 2, root, timeout=90))
+    for message in refusals:
+        assert message is not None, "two ranks on one disk were accepted as two failure domains"
+        assert "replicas=1 needs at least 2 failure domains" in message and "ranks 0, 1" in message, message
+        assert os.path.realpath(os.path.join(root, "one-disk")) in message, message
