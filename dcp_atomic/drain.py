@@ -7,17 +7,23 @@ steps go: ``durable=`` per save, else the manager's ``durable_every`` policy.  O
 
 1. global rank 0 picks the job (the newest step waiting) and announces it; every rank takes that step, never
    one it chose itself (the ranks' queues fill at slightly different moments);
-2. each rank uploads *its own* primary files (its manifest shard and data files) from its own local root to the
-   durable attempt directory ``<root>/<run_id>/step_N/<save_id>/``, as many files at once as a direct save writes
-   (the library's thread count), each in one pass: a piece of about :data:`COPY_CHUNK` bytes is read into the
-   thread's buffer, every block digest it holds is checked, and only then is it uploaded (onto a disk, written
-   through as it goes rather than all at the final fsync).  The stored bytes travel, never re-serialised, never
-   staged from device memory again, never a whole file in memory, and never a byte whose block was not checked (a
-   damaged block stops the file before it; gc collects the partial attempt);
-3. every rank reports; rank 0 alone commits, as :mod:`.commit` does: ``ranks.json``, ``.metadata``, the local
-   manifest (verbatim: its digest is the local marker's), fsync, the marker created exclusively, ``LATEST``.  The
-   marker carries the step's *local* commit sequence: a step keeps its place in the run's history whichever tier
-   serves it (P10 across tiers), and ``LATEST`` never moves back to a lower sequence;
+2. every rank reports which of the step's ranks its local root holds (:func:`held_ranks`); rank 0 plans the uploads
+   (:func:`plan_uploads`: each rank its own primary files where it holds them, any other rank's from a replica, so a
+   job of another world size, or one with a replaced node, drains the step whole); each rank uploads its share
+   (manifest shards and data files) from its own local root to the durable attempt directory
+   ``<root>/<run_id>/step_N/<save_id>/``, as many files at once as a direct save writes (the library's thread count),
+   each in one pass: a piece of about :data:`COPY_CHUNK` bytes is read into the thread's buffer, every block digest
+   it holds is checked, and only then is it uploaded (onto a disk, written through as it goes rather than all at the
+   final fsync).  The stored bytes travel, never re-serialised, never staged from device memory again, never a whole
+   file in memory, and never a byte whose block was not checked (a damaged block stops the file before it; gc
+   collects the partial attempt);
+3. every rank reports what it uploaded; rank 0 alone commits, through :func:`~.commit.place_marker` as a save does,
+   which refuses the marker unless those reports cover every file the manifest names
+   (:func:`~.commit.require_complete`: a step no root covers stays local, the error naming the files):
+   ``ranks.json``, ``.metadata``, the local manifest (verbatim: its digest is the local marker's), fsync, the marker
+   created exclusively, ``LATEST``.  The marker carries the step's *local* commit sequence: a step keeps its place in
+   the run's history whichever tier serves it (P10 across tiers), and ``LATEST`` never moves back to a lower
+   sequence;
 4. rank 0 hands every rank the outcome, so a failure is raised (``wait()``) and reported (``on_failed``) on every
    rank, as an async save's is.
 
@@ -126,7 +132,8 @@ def held_ranks(local: RunLayout, job: DrainJob) -> list[int]:
     held = []
     for rank in range(manifest.world_size):
         ref = manifest.shard_of(rank)
-        wanted = sizes.get(rank, []) + ([(local.attempt_file(job.step, job.save_id, ref.name), ref.size)] if ref else [])
+        shard = [(local.attempt_file(job.step, job.save_id, ref.name), ref.size)] if ref is not None else []
+        wanted = sizes.get(rank, []) + shard
         try:
             if ref is not None and all(os.path.getsize(path) == size for path, size in wanted):
                 held.append(rank)
@@ -624,7 +631,8 @@ class Drainer:
                 f"drain of step {job.step} (save {job.save_id}) to {self.where}: {len(failed)} rank(s) could not "
                 f"upload: " + "; ".join(e.message for _, e in failed[:4]) + ". No durable marker was written; the "
                 "durable root's previous step is intact. Check the named paths (space and access on the durable "
-                "root, or a local copy found damaged or missing): the next drain retries.", step=job.step, ranks=[r for r, _ in failed],
+                "root, or a local copy found damaged or missing): the next drain retries.", step=job.step,
+                ranks=[r for r, _ in failed],
                 path=failed[0][1].details.get("path"))
         else:
             looked_in = "the local roots of " + ", ".join(roots)

@@ -103,6 +103,10 @@ def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, s
     """Send ``outgoing[dst]``'s parts to each ``dst``; receive every part each rank in ``incoming`` sends
     (``incoming[src]`` names the sender in errors).  Files arrive spooled under ``spool_dir``, inline parts as
     bytes.  Every rank involved must call it with matching arguments."""
+    if not dist.is_initialized():  # one process without a process group: there is no peer to move anything to
+        if outgoing or incoming:
+            raise ValueError("transfer between ranks without an initialised process group")
+        return {}
     me = dist.get_rank(group) if group is not None else dist.get_rank()
     setup: OSError | None = None
     try:  # a failure here must not skip the exchange: the peers would wait for it until the group times out

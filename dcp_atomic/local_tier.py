@@ -575,7 +575,8 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     started = time.perf_counter()
     rank, world = topology.rank, len(topology.domains)
     staged = [writer.staged if rank == 0 else None]
-    dist.broadcast_object_list(staged, src=0, group=group)
+    if world > 1:
+        dist.broadcast_object_list(staged, src=0, group=group)
     if staged[0] is None:
         raise CheckpointError(f"step {step}: global rank 0 staged no control files for the local commit", step=step)
     control = {MANIFEST: staged[0].manifest, DCP_METADATA: staged[0].metadata}

@@ -12,6 +12,8 @@ import glob
 import os
 import shutil
 
+import pytest
+
 from tests.harness import assert_all_ok
 from tests.test_tiers import RUN, _exact, _manager, _node_env, _run, _state
 from tests.test_manager import _fsdp_app, _full, _train_step
@@ -162,3 +164,30 @@ def test_a_layout_that_leaves_too_few_domains_on_distinct_disks_is_refused_namin
         assert message is not None, "two ranks on one disk were accepted as two failure domains"
         assert "replicas=1 needs at least 2 failure domains" in message and "ranks 0, 1" in message, message
         assert os.path.realpath(os.path.join(root, "one-disk")) in message, message
+
+
+# -- one process, no process group ------------------------------------------------------------------------------
+
+
+def test_the_two_tier_manager_works_in_one_process_without_torch_distributed(root):
+    """replicas=0: local saves, a drained step, a restore from the local tier, all without init_process_group."""
+    import torch
+    import torch.distributed as dist
+
+    from dcp_atomic import CheckpointManager, ConfigurationError
+
+    assert not dist.is_initialized()
+    durable, local = os.path.join(root, "durable"), os.path.join(root, "local")
+    with CheckpointManager(durable, RUN, local_root=local, replicas=0, keep_local=2, timeout=20) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"w": torch.arange(8.0) + step, "meta": {"step": step}}, durable=step == 2)
+        manager.wait()
+        assert manager.steps(tier="local") == [2, 3] and manager.steps(tier="durable") == [2]
+    with CheckpointManager(durable, RUN, local_root=local, replicas=0, timeout=20) as manager:
+        state = {"w": torch.zeros(8), "meta": {"step": -1}}
+        assert manager.load(state) == 3 and manager.restored_from["tier"] == "local"
+        assert torch.equal(state["w"], torch.arange(8.0) + 3) and state["meta"]["step"] == 3
+        state = {"w": torch.zeros(8), "meta": {"step": -1}}
+        assert manager.load(state, step=2) == 2 and torch.equal(state["w"], torch.arange(8.0) + 2)
+    with pytest.raises(ConfigurationError, match="replicas=1 needs at least 2 failure domains"):
+        CheckpointManager(durable, RUN, local_root=local, replicas=1)
