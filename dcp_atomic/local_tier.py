@@ -389,6 +389,14 @@ def local_markers(layout: RunLayout) -> list[Marker]:
     return sorted(markers, key=commit_order)
 
 
+def of_lineage(markers: list[Marker], lineage: str | None, *, foreign: bool = False) -> list[Marker]:
+    """The markers of ``lineage`` (``foreign``: of any other); None takes all.  A marker written before lineages
+    existed (no ``lineage``) counts as the job's own (:mod:`.lineage`)."""
+    if lineage is None:
+        return [] if foreign else markers
+    return [m for m in markers if (m.lineage not in (None, lineage)) == foreign]
+
+
 def read_manifest(layout: RunLayout, marker: Marker) -> Manifest:
     path = layout.attempt_file(marker.step, marker.save_id, MANIFEST)
     data = layout.storage.read_file(path)
@@ -397,12 +405,13 @@ def read_manifest(layout: RunLayout, marker: Marker) -> Manifest:
     return Manifest.from_json(data, where=path)
 
 
-def scan_root(layout: RunLayout, verify_data: bool = True, share: tuple[int, int] = (0, 1)) -> list[Held]:
+def scan_root(layout: RunLayout, verify_data: bool = True, share: tuple[int, int] = (0, 1),
+              lineage: str | None = None) -> list[Held]:
     """What this root holds of each local-committed step, every file verified (the restore's input).  ``share``
     (i, n): verify only every n-th data file from the i-th, so the n ranks of a root verify it in parallel; the
     shares' reports are joined by :func:`merge_held`."""
     held = []
-    for marker in local_markers(layout):
+    for marker in of_lineage(local_markers(layout), lineage):  # another lineage's steps are never candidates
         try:
             manifest = read_manifest(layout, marker)
         except (OSError, CheckpointError) as e:
@@ -562,7 +571,8 @@ class LocalCommit:
 
 
 def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, step: int, group,
-                 sequence_floor: int, protected: set[int] | None = None, drain: bool = False) -> LocalCommit:
+                 sequence_floor: int, protected: set[int] | None = None, drain: bool = False,
+                 lineage: str | None = None) -> LocalCommit:
     """Run steps 2-4 (module doc) on every rank after ``dcp.save`` returned.
 
     ``sequence_floor``: the newest commit sequence rank 0 knows of (both tiers); the marker gets the next one
@@ -611,7 +621,8 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
         failure = f"{topology.describe(rank)} could not keep a replica: {e}"
     finally:
         discard(received)  # what was kept was renamed into place; the rest goes
-    newest = max((m.sequence or 0 for m in local_markers(layout)), default=0) if topology.is_leader else 0
+    newest = (max((m.sequence or 0 for m in of_lineage(local_markers(layout), lineage)), default=0)
+              if topology.is_leader else 0)
     sent = sum(part.size for part in own) * len(placement.holders[rank])
     reports: list[Any] = [(failure, newest, sent, verified)]
     if world > 1:
@@ -630,7 +641,8 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
         marker = Marker(run_id=layout.run_id, step=step, save_id=manifest.save_id,
                         manifest=f"{manifest.save_id}/{MANIFEST}", manifest_sha256=sha256_hex(staged[0].manifest),
                         committed_at=now(), library_version=__version__,
-                        sequence=max([sequence_floor] + [n for _, n, _, _ in reports]) + 1, drain=drain or None)
+                        sequence=max([sequence_floor] + [n for _, n, _, _ in reports]) + 1, drain=drain or None,
+                        lineage=lineage)
         decision = [(marker.to_json(), sorted(protected or ()))]
     if failures:
         raise StorageError(
@@ -660,10 +672,11 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
                        seconds=time.perf_counter() - started)
 
 
-def retain_local(layout: RunLayout, keep_local: int, protected: set[int]) -> list[int]:
-    """Keep this root's ``keep_local`` most recent local steps (by sequence) and every ``protected`` one (a drain
-    in flight, the newest step still waiting for its drain); remove the others, marker first."""
-    markers = local_markers(layout)
+def retain_local(layout: RunLayout, keep_local: int, protected: set[int], lineage: str | None = None) -> list[int]:
+    """Keep this root's ``keep_local`` most recent local steps (by sequence) of ``lineage`` and every ``protected``
+    one (a drain in flight, the newest step still waiting for its drain); remove the others, marker first.  Another
+    lineage's steps are not this job's to delete (the restore names them)."""
+    markers = of_lineage(local_markers(layout), lineage)
     doomed = [m.step for m in markers[:max(0, len(markers) - keep_local)] if m.step not in protected]
     for step in doomed:
         remove_local_step(layout, step)

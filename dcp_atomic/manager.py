@@ -48,13 +48,15 @@ from .backends import open_storage
 from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
 from .collective import RankAgreement, _first_line, _raise_typed
 from .commit import ResumePoint, next_sequence, read_committed, read_marker, resume_point, scan_markers
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, RankConsistencyError, StorageError
+from .errors import (CheckpointError, CheckpointNotFoundError, CommitConflictError, ConfigurationError,
+                     RankConsistencyError, StorageError)
 from .layout import RunLayout, validate_step
 from .liveness import Heartbeat, OpWatch
 from .manifest import Marker
 from .drain import Drained, Drainer, DrainJob
-from .local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, open_local, remove_local_step,
-                         retain_local, scan_root, sweep_spool)
+from .lineage import ensure_lineage, lineage_path
+from .local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, of_lineage, open_local,
+                         remove_local_step, retain_local, scan_root, sweep_spool)
 from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
 from .retention import DEFAULT_LEASE_SECONDS, remove_step, retain_after_commit
@@ -235,12 +237,15 @@ class CheckpointManager(RankAgreement):
         self._drainer: Drainer | None = None
         self._durable_saves: set[str] = set()  # rank 0: save ids known to be in the durable root (see _undrained)
         self._requeued: set[str] = set()  # save ids _undrained queued again: once per process, never in a loop
+        self._lineage: str | None = None  # the durable run's lineage (lineage.py): which local steps are this job's
         if local_root is not None:
             self._local = open_local(os.fspath(local_root), run_id)
             try:
                 self._tier = Topology.learn(self.rank, self.world_size, resolve_failure_domain(failure_domain),
                                             os.fspath(local_root), replicas, self._group)
+                self._lineage = self._on_rank0(self._read_lineage, "read the run's lineage")
             except BaseException:  # refused (too few domains...): nothing of this manager may outlive it
+                self._tier = None
                 self._release()
                 raise
             if not self._distributed or self.world_size == 1 or self._drain_group is not None:
@@ -496,6 +501,10 @@ class CheckpointManager(RankAgreement):
             except (OSError, CheckpointError) as e:
                 marker = f"{type(e).__name__}: {e}"
         marker = self._gathered(marker)[0]
+        if isinstance(marker, Marker) and not of_lineage([marker], self._lineage):
+            raise CommitConflictError(f"step {step} on global rank 0's local root was saved for another durable root "
+                                      f"or experiment (lineage {marker.lineage}, this run's is {self._lineage}): "
+                                      "not drained", step=step)
         if not isinstance(marker, Marker):
             raise CheckpointNotFoundError(f"step {step} of run {self.run_id!r} cannot be drained: global rank 0 has "
                                           f"no local marker of it ({marker})", step=step)
@@ -537,7 +546,8 @@ class CheckpointManager(RankAgreement):
         if tier != "local":
             found |= set(self._on_rank0(lambda: [m.step for m in scan_markers(self.layout)], "list committed steps"))
         if tier != "durable" and self._tier is not None:
-            for steps in self._gathered([m.step for m in local_markers(self._local)] if self._tier.is_leader else []):
+            mine = of_lineage(local_markers(self._local), self._lineage) if self._tier.is_leader else []
+            for steps in self._gathered([m.step for m in mine]):
                 found |= set(steps)
         return sorted(found)
 
@@ -626,7 +636,7 @@ class CheckpointManager(RankAgreement):
                     undrained = self._undrained(protected)
                     protected |= {undrained.step} if undrained is not None else set()
             committed = commit_local(self._tier, self._local, writer, step, group, self._sequence_floor(),
-                                     protected, drain=drain)
+                                     protected, drain=drain, lineage=self._lineage)
             if drainer is not None and not drain:
                 undrained = self._gathered(undrained, group)[0]
         except CheckpointError:
@@ -648,7 +658,7 @@ class CheckpointManager(RankAgreement):
             self._requeued.add(undrained.save_id)
         if self._tier.is_leader:
             try:
-                removed = retain_local(self._local, self.keep_local, protected=protected)
+                removed = retain_local(self._local, self.keep_local, protected=protected, lineage=self._lineage)
                 if removed:
                     log.info("local tier %s: removed step(s) %s (keep_local=%d)", self.local_root, removed,
                              self.keep_local)
@@ -660,7 +670,7 @@ class CheckpointManager(RankAgreement):
         queued (its drain failed, or the job stopped before it) -- the newest durable-pending step, which local
         retention keeps and the drain takes again.  An unreadable durable root counts as "none" (kept, retried)."""
         resumed = self._resumed
-        wanted = [m for m in local_markers(self._local)  # a step a rollback abandoned is not this job's to drain
+        wanted = [m for m in of_lineage(local_markers(self._local), self._lineage)  # nor a rolled-back branch's
                   if m.drain and (resumed is None or not resumed.supersedes(m))]
         if not wanted or wanted[-1].step in queued:
             return None
@@ -690,9 +700,14 @@ class CheckpointManager(RankAgreement):
             if swept:
                 log.info("local tier %s: removed %d file(s) an interrupted restore left: %s", self.local_root,
                          len(swept), ", ".join(sorted(swept)[:4]))
-        held = watch.run("scan", lambda: scan_root(self._local, share=share))
-        gathered = self._gathered((step, held))
+        held = watch.run("scan", lambda: scan_root(self._local, share=share, lineage=self._lineage))
+        foreign = ([m.step for m in of_lineage(local_markers(self._local), self._lineage, foreign=True)]
+                   if tier.is_leader else [])
+        gathered = self._gathered((step, held, foreign))
         watch.finish()
+        if self.rank == 0:
+            self._report_foreign({rank: steps for rank, (_, _, steps) in enumerate(gathered) if steps})
+        gathered = [(request, held) for request, held, _ in gathered]
         asked = {request for request, _ in gathered}
         if len(asked) > 1:
             raise RankConsistencyError(f"restoring run {self.run_id!r}: the ranks asked for different steps "
@@ -737,6 +752,26 @@ class CheckpointManager(RankAgreement):
         log.info("run %r: restoring step %d from the local tier (sequence %s; this rank received %d byte(s) of %d "
                  "rank(s)' files it reads)", self.run_id, choice.step, choice.sequence, fetched_bytes, fetched)
         return choice.step, choice.save_id, ResumePoint(step=choice.step, sequence=newest)
+
+    def _read_lineage(self) -> str:
+        """Rank 0: the durable run's lineage id, created by its first two-tier manager (:mod:`.lineage`)."""
+        try:
+            return ensure_lineage(self.layout)
+        except OSError as e:
+            raise StorageError(f"the two-tier manager could not read or create {lineage_path(self.layout)}, which "
+                               f"says which node-local steps belong to run {self.run_id!r}: {e}. Check root and its "
+                               "access", path=lineage_path(self.layout)) from e
+
+    def _report_foreign(self, foreign: dict[int, list[int]]) -> None:
+        """Rank 0: local steps another lineage left on the nodes (another experiment with this run id, another
+        durable root): named, never loaded, never deleted."""
+        for leader, steps in foreign.items():
+            root = f"{self._tier.hosts[leader]}:{os.path.join(self._tier.roots[leader], self.run_id)}"
+            log.warning(
+                "local tier %s holds step(s) %s of run %r saved for another durable root or experiment (not lineage "
+                "%s of %s): they are not loaded and not deleted. If nothing needs them, remove them on that node: "
+                "rm -rf %s", root, steps, self.run_id, self._lineage, lineage_path(self.layout),
+                " ".join(os.path.join(self._tier.roots[leader], self.run_id, f"step_{s:010d}") for s in steps[:8]))
 
     def _durable_candidate(self, step: int | None) -> Durable | None:
         """Rank 0: the durable tier's newest commit (or ``step``'s), None when it has none."""

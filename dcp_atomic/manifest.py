@@ -436,13 +436,17 @@ class Marker:
     # Local markers only (the two tiers): the save asked for a durable copy, so the step stays on the local tier
     # until one exists, across restarts (manager: local retention keeps it, the next save queues it again).
     drain: bool | None = None
+    # Local markers only: the lineage of the durable run the step was saved for (``lineage.py``): node-local disks
+    # outlive jobs, and a job restores only local steps of its own lineage.  None: written before lineages existed.
+    lineage: str | None = None
 
     def record(self) -> dict:
-        """The fields as stored; ``drain`` only when set, so durable markers and the ``COMMITS`` journal stay as
-        earlier versions wrote them (their readers take every stored field)."""
+        """The fields as stored; ``drain`` and ``lineage`` only when set, so durable markers and the ``COMMITS``
+        journal stay as earlier versions wrote them (their readers take every stored field)."""
         record = asdict(self)
-        if record["drain"] is None:
-            del record["drain"]
+        for optional in ("drain", "lineage"):
+            if record.get(optional, 0) is None:
+                del record[optional]
         return record
 
     def to_json(self) -> bytes:
@@ -500,7 +504,7 @@ def _known_fields(cls, raw: dict) -> dict:
 
     The fields commits are ordered by are type-checked: sorting must not fail on an edited record.
     """
-    optional = {"sequence", "drain"}
+    optional = {"sequence", "drain", "lineage"}
     fields = {k: raw[k] for k in cls.__dataclass_fields__ if k not in optional}
     if isinstance(fields["committed_at"], bool) or not isinstance(fields["committed_at"], (int, float)):
         raise ValueError(f"committed_at {fields['committed_at']!r} is not a time")
@@ -510,6 +514,11 @@ def _known_fields(cls, raw: dict) -> dict:
         if raw.get("drain") not in (None, True, False):
             raise ValueError(f"drain {raw['drain']!r} is not a boolean")
         fields["drain"] = raw.get("drain")
+    if "lineage" in cls.__dataclass_fields__:
+        lineage = raw.get("lineage")
+        if lineage is not None and not (isinstance(lineage, str) and re.fullmatch(r"[0-9a-f]{32}", lineage)):
+            raise ValueError(f"lineage {lineage!r} is not a lineage id")
+        fields["lineage"] = lineage
     return fields
 
 

@@ -62,12 +62,15 @@ def _save_with_a_refusing_store(ctx, step):
     return {"full": _full(model), "failed": failed, "durable": durable}
 
 
-def _resume_saving(ctx, step):
+def _resume_saving(ctx, step, ranks_per_node=2):
     """A job of this world saves ``step`` locally (the store healed): the undrained step is queued again."""
+    from dcp_atomic import CheckpointManager
+
     model, optim = _fsdp_app(ctx.world_size, 1)
     _train_step(model, optim, step)
     error = None
-    with _manager(ctx, keep_local=2) as manager:
+    with CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank // ranks_per_node], replicas=1,
+                           keep_local=2, timeout=20) as manager:
         manager.save(step, _state(model, optim, step), durable=False)
         try:
             manager.wait()
@@ -92,7 +95,7 @@ def test_a_resized_job_drains_an_older_worlds_step_whole_from_the_replicas(root,
     and the durable step loads exactly at the world that saved it."""
     saved = assert_all_ok(_run(_save_with_a_refusing_store, root, nodes, 10, rank_env=_two_per_node_of(4)))
     assert saved[0]["failed"] is not None and saved[0]["durable"] == []
-    resumed = assert_all_ok(_run(_resume_saving, root, nodes, 20, world=2, rank_env=_one_node_each))
+    resumed = assert_all_ok(_run(_resume_saving, root, nodes, 20, 1, world=2, rank_env=_one_node_each))
     assert all(out["error"] is None for out in resumed), resumed[0]["error"]
     assert resumed[0]["durable"] == [10], resumed[0]["durable"]
     shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(root, RUN, "step_0000000010", "*",
@@ -191,3 +194,61 @@ def test_the_two_tier_manager_works_in_one_process_without_torch_distributed(roo
         assert manager.load(state, step=2) == 2 and torch.equal(state["w"], torch.arange(8.0) + 2)
     with pytest.raises(ConfigurationError, match="replicas=1 needs at least 2 failure domains"):
         CheckpointManager(durable, RUN, local_root=local, replicas=1)
+
+
+# -- lineage: a node's disk never hands one experiment's step to another -------------------------------------------
+
+
+def _experiment(ctx, durable_root, step, seed):
+    """Save ``step`` local-only into ``durable_root``'s run (the nodes' local roots shared by every experiment)."""
+    from dcp_atomic import CheckpointManager, file_transfer
+
+    file_transfer.CHUNK_BYTES = 64 << 10
+    model, optim = _fsdp_app(ctx.world_size, seed)
+    _train_step(model, optim, step)
+    with CheckpointManager(durable_root, RUN, local_root=ctx.extra["nodes"][ctx.rank // 2], replicas=1,
+                           keep_local=1, timeout=20) as manager:
+        manager.save(step, _state(model, optim, step), durable=False)
+    return _full(model)
+
+
+def _resume(ctx, durable_root):
+    import logging
+
+    from dcp_atomic import CheckpointManager, CheckpointNotFoundError
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dcp_atomic").addHandler(handler)
+    model, optim = _fsdp_app(ctx.world_size, 42)
+    state = _state(model, optim, -1)
+    try:
+        with CheckpointManager(durable_root, RUN, local_root=ctx.extra["nodes"][ctx.rank // 2], replicas=1,
+                               timeout=20) as manager:
+            loaded = manager.load(state)
+    except CheckpointNotFoundError:
+        loaded = None
+    warnings = [r.getMessage() for r in records if r.levelname == "WARNING" and "another durable root" in r.getMessage()]
+    return {"loaded": loaded, "full": _full(model), "warnings": warnings}
+
+
+def test_a_new_experiment_reusing_a_run_id_starts_fresh_and_is_told_of_the_other_ones_local_steps(root, nodes):
+    """Two experiments, one run id, two durable roots, the same nodes: the owner restores its local-only step
+    exactly; the stranger (an empty durable root) starts fresh, warned of the foreign step by root, run and step,
+    which stays on the nodes."""
+    owner, stranger = os.path.join(root, "exp-a"), os.path.join(root, "exp-b")
+    saved = assert_all_ok(_run(_experiment, root, nodes, owner, 10, 0))
+    fresh = assert_all_ok(_run(_resume, root, nodes, stranger))
+    for out in fresh:
+        assert out["loaded"] is None, "a new experiment continued from another one's weights left on the nodes"
+    warnings = fresh[0]["warnings"]  # one per node's root, each naming it
+    assert len(warnings) == 2 and all(nodes[i] in warnings[i] for i in (0, 1)), warnings
+    assert all("step(s) [10]" in w and repr(RUN) in w and "rm -rf" in w for w in warnings), warnings
+    assert all(out["warnings"] == [] for out in fresh[1:])  # rank 0 reports
+    for node_root in nodes:  # never deleted silently
+        assert os.path.exists(os.path.join(node_root, RUN, "step_0000000010", "COMMITTED"))
+    restored = assert_all_ok(_run(_resume, root, nodes, owner))
+    for out in restored:
+        assert out["loaded"] == 10 and out["warnings"] == []
+        _exact(out["full"], saved[0])

@@ -148,7 +148,8 @@ def test_local_round_trip_is_exact_replicated_on_both_nodes_and_keeps_keep_local
         assert _data_files(node_root, 30) == everyone and _data_files(node_root, 20) == everyone
         assert not os.path.exists(os.path.join(node_root, RUN, f"step_{10:010d}"))  # keep_local=2
         assert os.path.exists(os.path.join(node_root, RUN, f"step_{30:010d}", "COMMITTED"))
-    assert not os.path.exists(os.path.join(root, RUN))  # nothing reached the durable root
+    # nothing reached the durable root but the run's lineage, written before the first save (dcp_atomic/lineage.py)
+    assert os.listdir(os.path.join(root, RUN)) == ["LINEAGE"]
     restored = assert_all_ok(_run(_restore, root, nodes, 30))
     for out in restored:
         assert out["served"] == {"tier": "local", "step": 30, "save_id": out["served"]["save_id"], "ranks_fetched": 0,
