@@ -753,14 +753,17 @@ class CheckpointManager(RankAgreement):
                  "rank(s)' files it reads)", self.run_id, choice.step, choice.sequence, fetched_bytes, fetched)
         return choice.step, choice.save_id, ResumePoint(step=choice.step, sequence=newest)
 
-    def _read_lineage(self) -> str:
-        """Rank 0: the durable run's lineage id, created by its first two-tier manager (:mod:`.lineage`)."""
+    def _read_lineage(self) -> str | None:
+        """Rank 0: the durable run's lineage id, created by its first two-tier manager (:mod:`.lineage`).  A durable
+        root that cannot be written now (full, unreachable) must not stop local saves: None, loudly (this job's
+        local steps then carry no lineage, which every job of the run accepts, as steps written before lineages)."""
         try:
             return ensure_lineage(self.layout)
         except OSError as e:
-            raise StorageError(f"the two-tier manager could not read or create {lineage_path(self.layout)}, which "
-                               f"says which node-local steps belong to run {self.run_id!r}: {e}. Check root and its "
-                               "access", path=lineage_path(self.layout)) from e
+            log.warning("local tier: could not read or create %s, which says which node-local steps belong to run "
+                        "%r (%s); this job's local steps record no lineage, so a later job of another durable root "
+                        "with this run id would take them as its own", lineage_path(self.layout), self.run_id, e)
+            return None
 
     def _report_foreign(self, foreign: dict[int, list[int]]) -> None:
         """Rank 0: local steps another lineage left on the nodes (another experiment with this run id, another

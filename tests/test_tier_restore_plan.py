@@ -262,7 +262,10 @@ def test_after_a_partial_restore_losing_the_other_node_falls_back_to_durable_and
     for rank, out in enumerate(second):
         assert (out["served"]["tier"], out["step"]) == ("durable", 10)
         _exact_locals(out["local"], saved[rank][10])
-    shutil.rmtree(os.path.join(root, RUN))  # and with no durable step either: a typed error naming what is lost
+    # and with no durable step either (the run's lineage kept: a new durable root would make step 20 another
+    # experiment's, dcp_atomic/lineage.py): a typed error naming what is lost
+    shutil.rmtree(os.path.join(root, RUN, "step_0000000010"))
+    os.unlink(os.path.join(root, RUN, "LATEST"))
     outcomes = _run(_load, root, nodes)
     for out in outcomes:
         assert out.error_type == "CheckpointNotFoundError", out
