@@ -98,6 +98,17 @@ def _operation(method: Callable) -> Callable:
     return run
 
 
+class _Unset:
+    """The type of a keyword's "not given" (``durable_every``'s default depends on ``local_root``)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_UNSET = _Unset()
+DEFAULT_DURABLE_EVERY = 1  # with a local tier: every save is also drained (in the background), as torchtitan's
+
+
 class CheckpointManager(RankAgreement):
     """Args:
         root, run_id, storage_options: where checkpoints live (see AtomicStorageWriter).
@@ -134,8 +145,10 @@ class CheckpointManager(RankAgreement):
             (README, "Two tiers").  None: one tier, ``root``, exactly as without it.
         replicas: copies of each rank's files on other failure domains (local tier).
         durable_every: with ``local_root``, every N-th local save is also drained to ``root`` in the
-            background (:mod:`.drain`; ``save(durable=)`` decides per save).  None: only saves with
-            ``durable=True``.
+            background (:mod:`.drain`; ``save(durable=)`` decides per save), and ``close()`` drains the last
+            local step if it was not (default 1: every save, as torchtitan's integration; training never waits
+            for it).  None: only saves with ``durable=True`` -- warned at construction, since node-local disks
+            rarely outlive the allocation.
         keep_local, failure_domain: local steps kept per local root (a step being drained, or the newest
             one waiting for its drain, is kept besides), and this rank's failure domain (default
             ``$DCP_ATOMIC_FAILURE_DOMAIN``, else the host name).
@@ -167,7 +180,7 @@ class CheckpointManager(RankAgreement):
         share_reads: bool | None = None,
         local_root: str | os.PathLike | None = None,
         replicas: int = 1,
-        durable_every: int | None = None,
+        durable_every: int | None | _Unset = _UNSET,
         keep_local: int = 2,
         failure_domain: str | None = None,
         on_drained: StatsCallback | None = None,
@@ -176,6 +189,9 @@ class CheckpointManager(RankAgreement):
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
             raise ValueError(f"keep_local must be an int >= 1, got {keep_local!r}")
+        defaulted = isinstance(durable_every, _Unset)
+        if defaulted:  # durable copies whenever there is a local tier
+            durable_every = DEFAULT_DURABLE_EVERY if local_root is not None else None
         if durable_every is not None and (isinstance(durable_every, bool) or not isinstance(durable_every, int)
                                           or durable_every < 1):
             raise ValueError(f"durable_every must be an int >= 1 or None, got {durable_every!r}")
@@ -234,6 +250,7 @@ class CheckpointManager(RankAgreement):
         self._sequence_known = False
         self.durable_every = durable_every
         self._local_saves = 0  # counts saves for durable_every (identical on every rank: SPMD)
+        self._last_undrained: tuple[int, Marker] | None = None  # the newest local save not queued for the drain
         self._drainer: Drainer | None = None
         self._durable_saves: set[str] = set()  # rank 0: save ids known to be in the durable root (see _undrained)
         self._requeued: set[str] = set()  # save ids _undrained queued again: once per process, never in a loop
@@ -254,6 +271,24 @@ class CheckpointManager(RankAgreement):
                                         where=self.layout.storage.describe(), resumed=lambda: self._resumed,
                                         committed=self._drained, failed=self._drain_failed,
                                         threads=self.thread_count)
+        if local_root is not None and self._drainer is None:  # given process_group= in a world: no drain group
+            if not defaulted and durable_every is not None:
+                self._release()
+                raise ConfigurationError(f"durable_every={durable_every} needs a process group of the drain's own, "
+                                         "which the manager cannot create when it is given process_group=; leave "
+                                         "process_group out, or save durable steps with a manager without local_root")
+            self.durable_every = durable_every = None
+            if self.rank == 0:
+                log.warning("CheckpointManager(local_root=%r, process_group=...): the drain needs a process group of "
+                            "its own, so no step reaches the durable root %s; every step lives only on the nodes' "
+                            "local disks. Leave process_group out to keep durable copies.", os.fspath(local_root),
+                            self.layout.storage.describe())
+        elif local_root is not None and durable_every is None and self.rank == 0:
+            log.warning("CheckpointManager(local_root=%r, durable_every=None): only saves with durable=True reach the "
+                        "durable root %s; every other step lives only on the nodes' local disks, which are usually "
+                        "wiped when the allocation ends. Leave durable_every at its default (%d: every save drains in "
+                        "the background) or set it to N to keep durable copies.", os.fspath(local_root),
+                        self.layout.storage.describe(), DEFAULT_DURABLE_EVERY)
         self._closed = False
 
     # -- saving --------------------------------------------------------------------------
@@ -369,9 +404,22 @@ class CheckpointManager(RankAgreement):
         finally:
             try:
                 if self._drainer is not None and self._inflight is None:
+                    self._drain_last()
                     self._drainer.wait()  # the last durable step must not be lost to a closing job
             finally:
                 self._release()
+
+    def _drain_last(self) -> None:
+        """Every rank alike (SPMD): queue the last local step for the drain if no save queued it (``durable_every``
+        N > 1), so a job's final state outlives its nodes; ``durable_every=None`` opted out (warned at construction)."""
+        last, self._last_undrained = self._last_undrained, None
+        if last is None or self.durable_every is None:
+            return
+        step, marker = last
+        if self.rank == 0:
+            log.info("run %r: closing; draining the last local step %d to %s", self.run_id, step,
+                     self.layout.storage.describe())
+        self._drainer.submit(step, marker)
 
     def _release(self) -> None:
         drainer = self._drainer
@@ -553,15 +601,16 @@ class CheckpointManager(RankAgreement):
 
     # -- the local tier (README "Two tiers"; local_tier.py, tier_restore.py) -----------------
 
-    def _wants_drain(self, durable: bool | None) -> bool:
-        """Whether this save is drained to the durable root: ``durable``, else every ``durable_every``-th local save."""
+    def _wants_drain(self, durable: bool | None) -> bool | None:
+        """Whether this save is drained to the durable root: ``durable``, else every ``durable_every``-th local save.
+        None: not by the policy (``close()`` drains such a step if it is the last, :meth:`_drain_last`)."""
         if durable is not None and not isinstance(durable, bool):
             raise ValueError(f"durable must be True, False or None, got {durable!r}")
         if self._tier is None:
             return False  # one tier: the save itself is durable
         self._local_saves += 1
-        wanted = durable if durable is not None else bool(self.durable_every) and \
-            self._local_saves % self.durable_every == 0
+        wanted = durable if durable is not None else (
+            bool(self.durable_every) and self._local_saves % self.durable_every == 0) or None
         if wanted and self._drainer is None:
             raise ConfigurationError("draining to the durable root needs a process group of the drain's own, which "
                                      "the manager cannot create when it is given process_group=; leave "
@@ -622,7 +671,7 @@ class CheckpointManager(RankAgreement):
         return self._local_sequence
 
     def _commit_local(self, step: int, writer: AtomicStorageWriter, group: dist.ProcessGroup | None,
-                      drain: bool = False) -> None:
+                      drain: bool | None = False) -> None:
         """After DCP's save: replicas, rank 0's decision, the local markers, the drain's queue, then local
         retention (which keeps what the drain still needs)."""
         if self._tier is None:
@@ -636,7 +685,7 @@ class CheckpointManager(RankAgreement):
                     undrained = self._undrained(protected)
                     protected |= {undrained.step} if undrained is not None else set()
             committed = commit_local(self._tier, self._local, writer, step, group, self._sequence_floor(),
-                                     protected, drain=drain, lineage=self._lineage)
+                                     protected, drain=bool(drain), lineage=self._lineage)
             if drainer is not None and not drain:
                 undrained = self._gathered(undrained, group)[0]
         except CheckpointError:
@@ -648,6 +697,7 @@ class CheckpointManager(RankAgreement):
         writer.last_local_commit = committed
         log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)%s", self.run_id, step,
                  marker.sequence, len(self._tier.placement.holders[self.rank]), "; queued for the drain" if drain else "")
+        self._last_undrained = (step, marker) if drain is None else None  # an explicit durable=False is kept local
         if drain:
             self._drainer.submit(step, marker)
         elif undrained is not None:

@@ -27,6 +27,7 @@ with manager() as checkpoints:
             model.weight.add_(0.1)
         checkpoints.save(step, {"model": model.state_dict()})  # local-committed: replicas on the other node verified
     checkpoints.wait()  # step 2 was also drained to the durable root in the background; wait() waits for it
+    # (leaving the `with` block, close() drains step 3 too: the last step of a job reaches the durable root)
     local_steps, durable_steps = checkpoints.steps(tier="local"), checkpoints.steps(tier="durable")
 
 dist.barrier()

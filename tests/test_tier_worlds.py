@@ -150,6 +150,7 @@ def _manager(ctx, run: str, replicas: int, domains: list[str] | None, **kwargs):
 
     file_transfer.CHUNK_BYTES = 64 << 10  # every replica and restore transfer crosses chunk boundaries
     domain = (domains or EVEN)[ctx.rank]
+    kwargs.setdefault("durable_every", None)  # drains are asked for by durable=
     return CheckpointManager(ctx.root, run, local_root=ctx.extra["nodes"][_node_of(domain)], replicas=replicas,
                              failure_domain=domains[ctx.rank] if domains else None, timeout=20, **kwargs)
 

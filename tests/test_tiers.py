@@ -94,6 +94,7 @@ def _manager(ctx, **kwargs):
     file_transfer.CHUNK_BYTES = 64 << 10  # every replica and restore transfer crosses chunk boundaries
     local_root = ctx.extra["nodes"][ctx.rank // 2]
     kwargs.setdefault("timeout", 20)
+    kwargs.setdefault("durable_every", None)  # these tests drive the local tier; drains are asked for by durable=
     return CheckpointManager(ctx.root, RUN, local_root=local_root, replicas=1, **kwargs)
 
 
@@ -689,6 +690,7 @@ def test_a_step_whose_drain_never_committed_is_kept_locally_and_drained_again_af
 def _one_rank_manager(ctx, **kwargs):
     from dcp_atomic import CheckpointManager
 
+    kwargs.setdefault("durable_every", None)
     return CheckpointManager(ctx.root, RUN, local_root=os.path.join(ctx.root, "node"), replicas=0, timeout=10,
                              **kwargs)
 
