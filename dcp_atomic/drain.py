@@ -58,7 +58,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .commit import Evidence, ResumePoint, place_marker, write_latest
-from .errors import CheckpointError, CommitConflictError, CorruptCheckpointError, IncompleteStepError, StorageError
+from .errors import (CheckpointError, CommitConflictError, CorruptCheckpointError, DrainStalledError,
+                     IncompleteStepError, StorageError)
 from .identity import default_thread_count
 from .integrity import block_digest, sha256_hex
 from .layout import DCP_METADATA, MANIFEST, RunLayout
@@ -162,10 +163,11 @@ def plan_uploads(held: list[list[int]]) -> dict[int, list[int]]:
 
 
 def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: list[int], rank: int,
-                 threads: int = 1) -> Uploaded:
+                 threads: int = 1, progress: Callable[[], None] | None = None) -> Uploaded:
     """Step 2: copy the shards and data files of the ranks ``sources`` of ``job`` from this local root, ``threads``
     files at a time, each block checked as it is read; a shard goes last, once every file it names is up.  Returns
-    the files uploaded, by name, as the commit's evidence."""
+    the files uploaded, by name, as the commit's evidence.  ``progress()`` is called after each piece uploaded (the
+    stall clock of :meth:`Drainer.wait`)."""
     uploaded = Uploaded()
     if not sources:
         return uploaded
@@ -188,7 +190,7 @@ def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: l
 
     def copy(entry: FileEntry, source: str, target: str) -> None:
         try:
-            _copy_verified(entry, source, storage, target, stop)
+            _copy_verified(entry, source, storage, target, stop, progress)
         except OSError as e:  # name the file, not only the directory (a short write carries no file name)
             e.filename = e.filename or target
             stop.set()
@@ -217,6 +219,23 @@ def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: l
     return uploaded
 
 
+_POLL = 1.0  # seconds between a waiter's looks at the stall clock
+
+
+class _StoreWork:
+    """``with drainer._io():`` this rank works on the stores (the stall clock runs), not waiting in a collective."""
+
+    def __init__(self, drainer: "Drainer") -> None:
+        self.drainer = drainer
+
+    def __enter__(self) -> None:
+        self.drainer._progress_at = time.monotonic()
+        self.drainer._io_since = self.drainer._progress_at
+
+    def __exit__(self, *exc: Any) -> None:
+        self.drainer._io_since = None
+
+
 class _Stopped(Exception):
     """A copy thread gave up because another file of the same upload failed (never the error reported)."""
 
@@ -242,7 +261,7 @@ def _blocks(entry: FileEntry, where: str) -> list[_Block]:
 
 
 def _copy_verified(entry: FileEntry, source: str, storage: Storage, target: str,
-                   stop: threading.Event | None = None) -> None:
+                   stop: threading.Event | None = None, progress: Callable[[], None] | None = None) -> None:
     """Stream a local data file to ``target`` in the durable store in one pass: read a piece (about
     :data:`COPY_CHUNK` bytes, ending where a block ends) into one reused buffer, check every block it holds against
     the shard's digests, then upload it.  An object store gets a multipart upload for a large file.  Memory is one
@@ -288,6 +307,8 @@ def _copy_verified(entry: FileEntry, source: str, storage: Storage, target: str,
                 stream.write(view)
                 written(position, end - position)
                 position = end
+                if progress is not None:
+                    progress()
             storage.close_write(stream)
         except BaseException:
             storage.abort_write(stream)
@@ -442,8 +463,10 @@ class Drainer:
                  durable: RunLayout, timeout: float, where: str,
                  resumed: Callable[[], ResumePoint | None],
                  committed: Callable[[Drained], None],
-                 failed: Callable[[DrainJob, CheckpointError, float], None], threads: int | None = None) -> None:
+                 failed: Callable[[DrainJob, CheckpointError, float], None], threads: int | None = None,
+                 stall: float | None = None) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.stall = stall  # seconds this rank's store work may go without progress before wait() gives up
         self.here = f"rank {rank} ({socket.gethostname()}:{local.storage.describe()})"
         self.threads = threads or default_thread_count()  # files uploaded at once: a direct save's writer count
         self.local, self.durable, self.timeout, self.where = local, durable, timeout, where
@@ -461,6 +484,8 @@ class Drainer:
         self._broken: CheckpointError | None = None  # the group failed: no more drains
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._io_since: float | None = None  # this rank works on the stores (not in a collective) since, or None
+        self._progress_at = 0.0  # the last piece uploaded, or the start of this rank's store work
         self.drained = self.failed = self.skipped = 0  # counters (every rank; ``skipped`` on rank 0)
 
     # -- the training side
@@ -504,12 +529,46 @@ class Drainer:
             return self._has_work() or self._inflight is not None
 
     def wait(self) -> None:
-        """Block until nothing is in flight or waiting; raise a failure nothing has reported yet (once)."""
+        """Block until nothing is in flight or waiting; raise a failure nothing has reported yet (once).
+
+        Bounded by the stall deadline: when this rank's part of the drain in flight (its uploads, rank 0's commit)
+        made no progress for ``stall`` seconds -- a frozen mount, an endpoint that stopped answering -- raise
+        :class:`DrainStalledError` naming the step and the store, and stop drains (the stuck thread is left to its
+        store; a later submit reports this failure).  Time spent in the drain's collectives is bounded by its
+        process group's timeout instead (a peer stuck on its own store is waited for that long)."""
+        idle = lambda: not self._has_work() and self._inflight is None  # noqa: E731
         with self._cond:
-            self._cond.wait_for(lambda: not self._has_work() and self._inflight is None)
+            while not idle():
+                stalled = self._stalled()
+                if stalled is not None:
+                    self._broken = self._broken or stalled
+                    raise stalled
+                self._cond.wait(timeout=_POLL if self.stall is not None else None)
             failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
+
+    def _stalled(self) -> DrainStalledError | None:
+        """Under the lock: the stall error if this rank's store work has not moved for ``stall`` seconds."""
+        if self.stall is None or self._io_since is None or self._inflight is None:
+            return None
+        quiet = time.monotonic() - self._progress_at
+        if quiet < self.stall:
+            return None
+        job = self._inflight
+        return DrainStalledError(
+            f"the drain of step {job.step} (save {job.save_id}) made no progress on rank {self.rank} for {quiet:.0f}s "
+            f"(stall deadline {self.stall:.0f}s): the store ({self.where}, or this rank's local root "
+            f"{self.local.storage.describe()}) does not answer. Stopped waiting: no durable marker of the step was "
+            "written by this wait, the durable root's previous step is intact and the step stays on the local tier "
+            "(keep_local keeps it); drains stop until the job restarts, and the next job drains it again. Check the "
+            "store (a frozen mount, an unreachable endpoint).", step=job.step, rank=self.rank, path=self.where)
+
+    def _io(self) -> "_StoreWork":
+        return _StoreWork(self)
+
+    def _progressed(self) -> None:
+        self._progress_at = time.monotonic()
 
     def close(self) -> None:
         with self._cond:
@@ -612,7 +671,9 @@ class Drainer:
         try:
             if "before_upload" in hooks:
                 hooks["before_upload"](self.rank, job.step)
-            return upload_ranks(self.local, self.durable, job, sources, self.rank, self.threads)
+            with self._io():
+                return upload_ranks(self.local, self.durable, job, sources, self.rank, self.threads,
+                                    progress=self._progressed)
         except CheckpointError as e:
             return Uploaded(error=e)
         except OSError as e:
@@ -638,7 +699,8 @@ class Drainer:
             looked_in = "the local roots of " + ", ".join(roots)
             evidence = Evidence({name: who for share in shares for name, who in share.verified.items()}, looked_in)
             try:
-                marker = commit_durable(self.local, self.durable, job, self._resumed(), self.timeout, evidence)
+                with self._io():
+                    marker = commit_durable(self.local, self.durable, job, self._resumed(), self.timeout, evidence)
             except (CommitConflictError, IncompleteStepError) as e:  # retrying finds no other copy, nor another save
                 with self._cond:
                     self._replaced.pop(job.index, None)

@@ -69,6 +69,10 @@ class StorageError(CheckpointError):
     """The storage backend failed in a way retries did not fix (ENOSPC, EIO, timeouts)."""
 
 
+class DrainStalledError(StorageError):
+    """``wait()``/``close()`` stopped waiting for a drain whose store made no progress for the stall deadline."""
+
+
 class ConfigurationError(CheckpointError):
     """The writer or reader was used in a way the protocol cannot make safe."""
 

@@ -31,6 +31,7 @@ What it adds over the storage writer and reader:
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import functools
@@ -38,6 +39,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -96,6 +98,16 @@ def _operation(method: Callable) -> Callable:
             heartbeat.idle()
 
     return run
+
+
+def _exit_without_close(manager: "weakref.ref[CheckpointManager]") -> None:
+    """atexit: a two-tier manager never closed must not lose its drain in flight silently (:meth:`_exiting`)."""
+    alive = manager()
+    if alive is not None:
+        try:
+            alive._exiting()
+        except Exception:  # noqa: BLE001 - at exit: log, never raise past the interpreter's shutdown
+            log.exception("dcp_atomic: the exit-time wait for a drain failed")
 
 
 class _Unset:
@@ -270,7 +282,8 @@ class CheckpointManager(RankAgreement):
                                         local=self._local, durable=self.layout, timeout=self.timeout,
                                         where=self.layout.storage.describe(), resumed=lambda: self._resumed,
                                         committed=self._drained, failed=self._drain_failed,
-                                        threads=self.thread_count)
+                                        threads=self.thread_count, stall=self.timeout)
+                atexit.register(_exit_without_close, weakref.ref(self))
         if local_root is not None and self._drainer is None:  # given process_group= in a world: no drain group
             if not defaulted and durable_every is not None:
                 self._release()
@@ -408,6 +421,28 @@ class CheckpointManager(RankAgreement):
                     self._drainer.wait()  # the last durable step must not be lost to a closing job
             finally:
                 self._release()
+
+    def _exiting(self) -> None:
+        """The interpreter exits and ``close()`` was never called (:func:`_exit_without_close`): wait for a drain in
+        flight, bounded by the stall deadline, and say what became of it; nothing new is started (the peers may be
+        gone).  Every rank's exit waits alike, so the drain's collectives still meet."""
+        drainer = self._drainer
+        if drainer is None or self._closed or not drainer.busy():
+            return
+        steps = sorted(drainer.protected())
+        where = self.layout.storage.describe()
+        log.warning("run %r: the process exits without close() while step(s) %s drain to %s; waiting for the drain "
+                    "(stall deadline %.0fs)", self.run_id, steps, where, self.timeout)
+        try:
+            drainer.wait()
+        except CheckpointError as e:
+            log.error("run %r: exiting without close(): step(s) %s did not reach %s (%s: %s). They stay on these "
+                      "nodes' local roots; the next job of this run on them drains the newest such step again (or "
+                      "a newer durable save supersedes it). Call close() before exiting to be told in time.",
+                      self.run_id, steps, where, type(e).__name__, e)
+        else:
+            log.warning("run %r: exiting without close(): step(s) %s drained to %s before exit", self.run_id,
+                        steps, where)
 
     def _drain_last(self) -> None:
         """Every rank alike (SPMD): queue the last local step for the drain if no save queued it (``durable_every``

@@ -1,0 +1,144 @@
+"""A drain's end in a job's life: a frozen durable store, and a process that exits without ``close()`` (P13).
+
+* The durable root is a real FUSE mount (bindfs) whose daemon the test stops (``SIGSTOP``: a hung NFS server) while
+  the drain uploads: ``wait()`` and ``close()`` give up after the stall deadline with ``DrainStalledError`` naming the
+  step and the store, instead of hanging the job forever.
+* A real ``torchrun`` job whose script ends without ``close()`` while a drain is in flight: the exit waits for it
+  (logged) and the step is in the durable root afterwards, loaded exactly; a drain that fails is named at exit
+  with what the next job does about it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.harness import assert_all_ok
+from tests.test_drain_completeness import _one_node_each
+from tests.test_manager import _fsdp_app, _train_step
+from tests.test_tiers import RUN, _run, _state
+from tests.fault_fixtures import nfs_clients_ctx
+
+STALL = 6.0  # the manager's timeout: its stall deadline
+
+
+def _frozen_drain(ctx, signal_dir):
+    from dcp_atomic import CheckpointManager, DrainStalledError, drain
+
+    def uploading(rank, step):  # the test freezes the durable mount once every rank is about to upload
+        open(os.path.join(signal_dir, f"uploading.{rank}"), "w").close()
+        while not os.path.exists(os.path.join(signal_dir, "frozen")):
+            time.sleep(0.05)
+
+    drain.hooks["before_upload"] = uploading
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    _train_step(model, optim, 1)
+    manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
+    manager.save(1, _state(model, optim, 1))  # local-committed; the drain starts in the background
+    seen = []
+    for call in (manager.wait, manager.close):
+        started = time.monotonic()
+        try:
+            call()
+            seen.append(("returned", time.monotonic() - started, ""))
+        except DrainStalledError as e:
+            seen.append((type(e).__name__, time.monotonic() - started, str(e)))
+    return {"seen": seen, "local": os.path.isdir(os.path.join(ctx.extra["nodes"][ctx.rank], RUN, "step_0000000001"))}
+
+
+def test_a_frozen_durable_store_fails_wait_and_close_after_the_stall_deadline(nodes):
+    with nfs_clients_ctx(cache_seconds=0.0) as clients:
+        durable, signals = clients.a.path, os.path.join(clients.base, "signals")
+        os.mkdir(signals)
+
+        def freezer():
+            deadline = time.monotonic() + 60
+            while len(glob.glob(os.path.join(signals, "uploading.*"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            clients.a.freeze()
+            open(os.path.join(signals, "frozen"), "w").close()
+
+        thread = threading.Thread(target=freezer, daemon=True)
+        thread.start()
+        outcomes = _run(_frozen_drain, durable, nodes, signals, world=2, rank_env=_one_node_each)
+        thread.join(timeout=5)
+        assert clients.a.frozen_now
+        clients.a.thaw()
+        seen = assert_all_ok(outcomes)
+        for rank, out in enumerate(seen):
+            assert out["local"], rank  # the step stays on the local tier
+            assert STALL <= out["seen"][0][1] < STALL + 20, (rank, out["seen"])  # wait(): the deadline, then gave up
+            assert out["seen"][1][1] < 2, (rank, out["seen"])  # close(): already past it
+            for kind, seconds, message in out["seen"]:
+                assert kind == "DrainStalledError", (rank, out["seen"])
+                assert "step 1 " in message and durable in message and "no progress" in message, message
+        from dcp_atomic.layout import MARKER
+
+        assert not os.path.exists(os.path.join(clients.backing, RUN, "step_0000000001", MARKER))
+
+
+EXIT_SCRIPT = textwrap.dedent('''
+    import logging, os, sys, time
+    import torch, torch.distributed as dist
+    from dcp_atomic import CheckpointManager, drain
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    dist.init_process_group("gloo")
+    rank, base, mode = dist.get_rank(), sys.argv[1], sys.argv[2]
+    drain.RETRY_BACKOFF = 0.01
+
+    def slow_or_refused(rank, step):
+        time.sleep(2.0)  # the script has returned by now: the drain is in flight at exit
+        if mode == "refused":
+            raise OSError(13, "Permission denied (injected: the durable store refuses writes)")
+
+    drain.hooks["before_upload"] = slow_or_refused
+    manager = CheckpointManager(os.path.join(base, "durable"), "run1", local_root=os.path.join(base, f"node{rank}"),
+                                replicas=1, failure_domain=f"node{rank}", timeout=30)
+    manager.save(7, {"w": torch.arange(16.0) * 7})
+    # no close(): the script simply ends
+''')
+
+
+def _torchrun(tmp_path, mode):
+    script = tmp_path / "job.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), str(tmp_path), mode], env=env, capture_output=True, text=True, timeout=240)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_exit_without_close_waits_for_the_drain_in_flight_and_the_step_is_durable(tmp_path):
+    from dcp_atomic import CheckpointManager
+
+    code, output = _torchrun(tmp_path, "slow")
+    assert code == 0, output
+    assert "exits without close() while step(s) [7] drain to" in output, output
+    assert "step(s) [7] drained to" in output and "before exit" in output, output
+    with CheckpointManager(str(tmp_path / "durable"), "run1") as durable:  # one process, no process group
+        assert durable.steps() == [7]
+        state = {"w": torch.zeros(16)}
+        assert durable.load(state) == 7
+    assert torch.equal(state["w"], torch.arange(16.0) * 7)
+
+
+def test_exit_without_close_names_a_failed_drain_and_what_the_next_job_does(tmp_path):
+    code, output = _torchrun(tmp_path, "refused")
+    assert code == 0, output
+    assert "did not reach" in output and "Permission denied" in output, output
+    assert "the next job of this run on them drains the newest such step again" in output, output
+    assert not glob.glob(str(tmp_path / "durable" / "run1" / "step_*"))
+    assert glob.glob(str(tmp_path / "node0" / "run1" / "step_0000000007"))
+
+
+pytestmark = pytest.mark.timeout(300)
