@@ -79,6 +79,24 @@ class ResumePoint:
         return f"resumed from step {self.step} (commit sequence {self.sequence})"
 
 
+def refuse_committed(marker: Marker, step: int, run_id: str, resumed: ResumePoint | None, where: str) -> bool:
+    """The one rule for saving ``step`` where ``where`` already holds it committed (``marker``): a job that abandoned
+    it by resuming below it supersedes it (True, P14); anything else -- a fresh job, a step committed after this
+    job's resume point, by it or another job -- is :class:`CommitConflictError` before anything is written."""
+    if resumed is not None and resumed.supersedes(marker):
+        log.info("step %d of run %r (save %s, %s) belongs to the branch abandoned when this job %s: this save "
+                 "supersedes it", step, run_id, marker.save_id, where, resumed.describe())
+        return True
+    hint = ("Save a new step, load an earlier step first to roll back (it then supersedes the abandoned "
+            "steps above it), or pass overwrite=True to replace it.")
+    if resumed is not None:
+        hint = (f"This job {resumed.describe()}, and step {step} was committed after that (sequence "
+                f"{marker.sequence}), by this job or by another one saving into the same run. Save a new "
+                "step, or use another run_id.")
+    raise CommitConflictError(f"step {step} of run {run_id!r} is already committed in {where} (save "
+                              f"{marker.save_id}); nothing was written. {hint}", step=step, committed=marker.save_id)
+
+
 def resume_point(layout: RunLayout, step: int) -> ResumePoint:
     """The :class:`ResumePoint` of loading ``step`` now (global rank 0, once per resume: one listing).
 

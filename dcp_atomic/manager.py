@@ -49,7 +49,8 @@ import torch.distributed.checkpoint as dcp
 from .backends import open_storage
 from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
 from .collective import RankAgreement, _first_line, _raise_typed
-from .commit import ResumePoint, next_sequence, read_committed, read_marker, resume_point, scan_markers
+from .commit import (ResumePoint, listed_steps, next_sequence, read_committed, read_marker, refuse_committed,
+                     resume_point, scan_markers)
 from .errors import (CheckpointError, CheckpointNotFoundError, CommitConflictError, ConfigurationError,
                      RankConsistencyError, StorageError)
 from .layout import RunLayout, validate_step
@@ -267,6 +268,7 @@ class CheckpointManager(RankAgreement):
         self._durable_saves: set[str] = set()  # rank 0: save ids known to be in the durable root (see _undrained)
         self._requeued: set[str] = set()  # save ids _undrained queued again: once per process, never in a loop
         self._lineage: str | None = None  # the durable run's lineage (lineage.py): which local steps are this job's
+        self._durable_listed: set[int] | None = None  # rank 0, two tiers: the durable root's steps (listed once)
         if local_root is not None:
             self._local = open_local(os.fspath(local_root), run_id)
             try:
@@ -322,6 +324,7 @@ class CheckpointManager(RankAgreement):
         self._drain()
         started = time.perf_counter()
         with self._failures_reported("save", step, started):
+            self._refuse_conflicts(step)
             watch = self._watch(f"saving step {step}")
             writer = self._writer(step, watch, metadata)
             try:
@@ -357,6 +360,7 @@ class CheckpointManager(RankAgreement):
         result = _SaveFuture()
         started = time.perf_counter()
         with self._failures_reported("async_save", step, started):
+            self._refuse_conflicts(step)
             watch = self._watch(f"saving step {step}")
             writer = self._writer(step, watch, metadata)
             try:
@@ -656,6 +660,8 @@ class CheckpointManager(RankAgreement):
         """Rank 0, on the drain thread: a step reached the durable root; durable retention, then ``on_drained``."""
         job, marker = drained.job, drained.marker
         self._durable_saves.add(job.save_id)
+        if self._durable_listed is not None:
+            self._durable_listed.add(job.step)
         log.info("run %r step %d drained to %s (sequence %s, %.1f MiB in %.3fs, attempt %d%s)", self.run_id,
                  job.step, self.layout.storage.describe(), marker.sequence, drained.bytes / 2**20, drained.seconds,
                  drained.attempts, f"; skipped step(s) {drained.skipped}" if drained.skipped else "")
@@ -879,6 +885,45 @@ class CheckpointManager(RankAgreement):
         return Durable(step=step, save_id=marker.save_id, sequence=marker.sequence)
 
     # -- internals ------------------------------------------------------------------------
+
+    def _refuse_conflicts(self, step: int) -> None:
+        """Before a save writes anything, on every rank alike: global rank 0 applies the commit rule
+        (:func:`~.commit.refuse_committed`: only a step this job abandoned by resuming below it may be saved again)
+        to the step's commit in each tier the save reaches, and every rank raises the same ``CommitConflictError``
+        -- from ``save``/``async_save`` itself, not later from a drain.  The writers check again as they plan."""
+        def check() -> None:
+            validate_step(step)
+            tiers = [(self._local, f"the local root {self.local_root}")] if self._tier is not None else []
+            tiers.append((self.layout, f"the durable root {self.layout.storage.describe()}"))
+            for layout, where in tiers:
+                marker = self._committed_marker(layout, step)
+                if marker is not None:
+                    refuse_committed(marker, step, self.run_id, self._resumed, where)
+
+        self._on_rank0(check, "check that the step is not committed yet", request=f"save step {step}")
+
+    def _committed_marker(self, layout: RunLayout, step: int) -> Marker | None:
+        """Rank 0: ``layout``'s marker of ``step``, or None.  With a local tier the durable root is listed once per
+        manager (saves must not wait for the durable store each time) and read only for a step that listing (or a
+        drain of this manager since) names; an unreadable root is warned about and counts as "not committed" (the
+        drain's commit still refuses a conflict)."""
+        if layout is self.layout and self._tier is not None:
+            if self._durable_listed is None:
+                try:
+                    self._durable_listed = set(listed_steps(self.layout))
+                except (OSError, CheckpointError) as e:
+                    log.warning("could not list the steps of %s (%s); a save of a step committed there is refused "
+                                "only by its drain", self.layout.storage.describe(), e)
+                    self._durable_listed = set()
+            if step not in self._durable_listed:
+                return None
+        try:
+            return read_marker(layout, step, Deadline(self.timeout), missing_ok=True)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StorageError(f"could not read the marker of step {step} in {layout.storage.describe()} to check "
+                               f"that the step is not committed yet: {e}", step=step, path=layout.marker(step)) from e
 
     def _writer(self, step: int, watch: OpWatch, metadata: dict[str, Any] | None = None) -> AtomicStorageWriter:
         validate_step(step)

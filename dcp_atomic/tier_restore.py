@@ -119,8 +119,8 @@ def choose(topology: Topology, reports: dict[int, list[Held]], durable: Durable 
     ordered = sorted(candidates.values(), key=lambda c: c["held"].sequence or 0, reverse=True)
     for entry in ordered:
         held: Held = entry["held"]
-        if durable is not None and (durable.sequence or 0) > (held.sequence or 0) and durable.save_id != held.save_id:
-            break  # the durable tier holds a newer commit
+        if durable is not None and (durable.sequence or 0) >= (held.sequence or 0) and durable.save_id != held.save_id:
+            break  # the durable tier holds a newer commit, or one no older (another job's, sequence unknown to ours)
         where = f"local step {held.step} (save {held.save_id}, sequence {held.sequence})"
         if held.world_size != world:
             skipped.append(f"{where} was saved by {held.world_size} ranks, this job has {world}")

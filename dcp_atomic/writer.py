@@ -474,23 +474,8 @@ class AtomicStorageWriter(StorageWriter):
         except OSError as e:  # e.g. a file where the step directory belongs
             raise _storage_error(e, self.rank, e.filename or self.layout.marker(self.step),
                                  phase="checking whether the step is committed") from e
-        resumed = self.resumed_from
-        if resumed is not None and resumed.supersedes(marker):
-            log.info("step %d of run %r (save %s) belongs to the branch abandoned when this job %s: this save "
-                     "supersedes it", self.step, self.layout.run_id, marker.save_id, resumed.describe())
-            return True
-        hint = ("Save a new step, load an earlier step first to roll back (it then supersedes the abandoned "
-                "steps above it), or pass overwrite=True to replace it.")
-        if resumed is not None:
-            hint = (f"This job {resumed.describe()}, and step {self.step} was committed after that (sequence "
-                    f"{marker.sequence}), by this job or by another one saving into the same run. Save a new "
-                    "step, or use another run_id.")
-        raise CommitConflictError(
-            f"step {self.step} of run {self.layout.run_id!r} is already committed (save {marker.save_id}); "
-            f"nothing was written. {hint}",
-            step=self.step,
-            committed=marker.save_id,
-        )
+        return commit.refuse_committed(marker, self.step, self.layout.run_id, self.resumed_from,
+                                       self.layout.storage.describe())
 
     def _publish_shard(self, assigned: _AssignedPlanData, results: list[WriteResult], stats: _RankStats) -> ShardRef:
         """This rank's record of what it wrote, durable beside its data before the coordinator may commit."""
