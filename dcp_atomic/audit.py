@@ -7,6 +7,7 @@ read once, block by block, in parallel; each problem names the file.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,6 +19,7 @@ from .integrity import sha256_hex, verify_blocks
 from .layout import DCP_METADATA, PARTIAL_SUFFIX, RunLayout
 from .manifest import FileEntry, ItemExtent
 from .retry import Deadline
+from .safe_pickle import load_dcp_metadata, safe_byte_item
 from .storage import Storage
 
 READ_CHUNK_BLOCKS = 16  # read up to 16 frames (64 MiB with 4 MiB blocks) per request
@@ -38,7 +40,11 @@ class AuditReport:
 
 
 def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float = 10.0,
-               progress: Callable[[int], None] | None = None) -> AuditReport:
+               progress: Callable[[int], None] | None = None, local: bool = False) -> AuditReport:
+    """Check every byte of ``step`` as a load would: digests, frames, and the P11 decoders (``.metadata`` and every
+    non-tensor item through the allow-list), so ``verify`` never passes a step a load refuses.  ``local``: the root
+    is a node's local root, where a tier restore may have kept a partial copy of a data file (:func:`partial_claims`);
+    anywhere else a partial note is itself a problem."""
     try:
         committed = read_committed(layout, step, Deadline(timeout))
         committed.load_items(layout, None, Deadline(timeout))  # every rank's shard, each against its digest
@@ -49,10 +55,15 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
     problems: list[str] = []
     meta_path = layout.attempt_file(step, committed.save_id, DCP_METADATA)
     try:
-        if sha256_hex(layout.storage.read_file(meta_path)) != manifest.dcp_metadata["sha256"]:
+        meta = layout.storage.read_file(meta_path)
+        if sha256_hex(meta) != manifest.dcp_metadata["sha256"]:
             problems.append(f"{meta_path}: sha256 does not match the manifest")
+        else:
+            load_dcp_metadata(meta, where=meta_path, written_by=manifest.versions.get("torch"))
     except FileNotFoundError:
         problems.append(f"{meta_path}: missing")
+    except CheckpointError as e:  # the allow-list refuses it, or this torch cannot read it: a load would fail
+        problems.append(f"{type(e).__name__}: {e.message}")
 
     def check(entry: FileEntry) -> list[str]:
         path = layout.data_file(step, committed.save_id, entry.name, manifest.data_prefixes)
@@ -63,13 +74,23 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
         found = [f"{path}: size {actual}, manifest says {entry.size}"] if actual != entry.size else []
         decoder = Decoder()
         checked = [(item, _check_item(layout.storage, path, item, decoder, progress)) for item in entry.items]
-        if _present(layout.storage, layout.attempt_file(step, committed.save_id, entry.name + PARTIAL_SUFFIX)):
-            held = sum(1 for _, problem in checked if problem is None)
-            notes.append(f"{path}: a partial copy a tier restore kept for this node's ranks ({held} of "
+        checked = [(item, problem or _decodable(layout.storage, path, item)) for item, problem in checked]
+        note = layout.attempt_file(step, committed.save_id, entry.name + PARTIAL_SUFFIX)
+        claims = partial_claims(layout.storage, note)
+        if claims is not None and not local:
+            return found + [f"{note}: a partial-copy note in a root that is not a node's local root (a restore "
+                            "writes them only there): a load reads this file whole here"] + [
+                problem for _, problem in checked if problem]
+        if claims is not None and claims != "stray":
+            damaged = [problem for item, problem in checked if problem and item.pos in claims]
+            if damaged:
+                return found + damaged
+            notes.append(f"{path}: a partial copy a tier restore kept for this node's ranks ({len(claims)} of "
                          f"{len(entry.items)} items here, each verified); the whole file is on another node's "
                          "local root or in the durable root")
             return found
-        return found + [problem for _, problem in checked if problem]
+        stray = [f"{note}: a partial-copy note no tier restore wrote (it names no items); the file is checked whole"]
+        return found + (stray if claims == "stray" else []) + [problem for _, problem in checked if problem]
 
     notes: list[str] = []
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -78,12 +99,29 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
     return AuditReport(step, committed.save_id, len(manifest.files), manifest.total_bytes, problems, sorted(notes))
 
 
-def _present(storage: Storage, path: str) -> bool:
+def partial_claims(storage: Storage, note: str) -> set[int] | str | None:
+    """What a partial-copy note beside a data file claims: the offsets of the items a tier restore kept
+    (:func:`~.local_tier.keep_extents` writes them), ``"stray"`` for a note that names none, None without a note."""
     try:
-        storage.size(path)
+        data = storage.read_file(note)
     except FileNotFoundError:
-        return False
-    return True
+        return None
+    try:
+        claimed = json.loads(data)["items"]
+        return {int(offset) for offset, _ in claimed}
+    except (ValueError, KeyError, TypeError):
+        return "stray"
+
+
+def _decodable(storage: Storage, path: str, item: ItemExtent) -> str | None:
+    """A non-tensor item through the same allow-list a load uses (P11): refused here means refused there."""
+    if item.kind != "bytes" or item.codec != "none":
+        return None
+    try:
+        safe_byte_item(storage.read_range(path, item.pos, item.length), key=item.key, where=path)
+    except CheckpointError as e:
+        return f"{type(e).__name__}: {e.message}"
+    return None
 
 
 def _check_item(storage: Storage, path: str, item: ItemExtent, decoder: Decoder,

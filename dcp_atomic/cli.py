@@ -446,7 +446,8 @@ def cmd_verify(args) -> int:
             reports.append(AuditReport(step, None, 0, 0, [str(e)]))
             continue
         progress = None if args.json else Progress(total, f"verify step {step}")
-        reports.append(audit_step(layout, step, threads=args.threads, timeout=args.timeout, progress=progress))
+        reports.append(audit_step(layout, step, threads=args.threads, timeout=args.timeout, progress=progress,
+                                  local=args.local))
         if progress:
             progress.close()
     reports.sort(key=lambda r: r.step)
@@ -463,8 +464,26 @@ def cmd_verify(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    """Print the plan, then apply it; with ``--json`` one object, holding the plan and any failure to apply it."""
-    layout = _layout(args)
+    """Print the plan, then apply it; with ``--json`` one object, holding the plan and any failure to apply it.
+
+    ``--local-root DIR``: collect only what killed or failed saves left on that node's local root (attempts older
+    than the lease with no marker, temp files, a restore's spool of a process that is gone); its committed steps
+    are the manager's (``keep_local``) and are never deleted here, nor is the durable root touched."""
+    if args.local_root:
+        if args.keep_last is not None:
+            raise CliError("gc --local-root collects only abandoned attempts; local steps are kept by the manager's "
+                           "keep_local, so --keep-last does not apply", code=2, kind="UsageError")
+        from .local_tier import sweep_spool
+
+        layout = _local_layout(args)
+        swept = sweep_spool(layout)
+        if swept and not args.json:
+            print(f"removed {len(swept)} leftover restore file(s) from {layout.storage.describe()}")
+    elif args.keep_last is None:
+        raise CliError("gc needs --keep-last N (committed steps to keep), or --local-root DIR", code=2,
+                       kind="UsageError")
+    else:
+        layout = _layout(args)
     plan = plan_gc(layout, args.keep_last, lease_seconds=args.lease_hours * 3600)
     unreadable = plan.unreadable_steps  # markers that exist but cannot be validated: never touched, never "kept"
     kept = [step for step in plan.kept_steps if step not in dict(unreadable)]
@@ -627,13 +646,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", nargs="?", type=int)
     p.add_argument("--all", action="store_true", help="every committed step")
     p.add_argument("--threads", type=_positive_int, default=4)
+    p.add_argument("--local", action="store_true", help="ROOT is a node's local_root (two tiers): partial copies "
+                   "a tier restore kept there are reported as such (anywhere else a partial-copy note fails the step)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("gc", parents=[after], help="delete old committed steps and abandoned attempts")
     p.add_argument("root")
     p.add_argument("run")
-    p.add_argument("--keep-last", type=_positive_int, required=True, help="committed steps to keep (>= 1)")
+    p.add_argument("--keep-last", type=_positive_int, help="committed steps to keep (>= 1; required without "
+                   "--local-root)")
     p.add_argument("--lease-hours", type=float, default=6.0, help="age after which an uncommitted attempt is abandoned")
+    p.add_argument("--local-root", help="this node's local_root (two tiers): collect only the abandoned attempts "
+                   "and leftovers killed jobs left there; its committed steps and the durable root are not touched")
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=cmd_gc)
 

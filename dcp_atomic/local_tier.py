@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -545,7 +546,8 @@ def keep_extents(layout: RunLayout, manifest: Manifest, entry: FileEntry, pieces
             os.fsync(fd)
         finally:
             os.close(fd)
-        storage.publish(partial_note(layout, manifest, entry.name), b"")  # first: a crash leaves no unexplained hole
+        claims = json.dumps({"items": sorted([offset, len(data)] for offset, data in pieces.items())}).encode()
+        storage.publish(partial_note(layout, manifest, entry.name), claims)  # first: a crash leaves no unexplained hole
         os.replace(temp, target)
         storage.sync_dir(os.path.dirname(target))
     finally:
@@ -681,6 +683,34 @@ def retain_local(layout: RunLayout, keep_local: int, protected: set[int], lineag
     for step in doomed:
         remove_local_step(layout, step)
     return doomed
+
+
+def remove_failed_attempt(layout: RunLayout, step: int, save_id: str, where: str) -> None:
+    """Remove this root's files of the failed save ``save_id`` of ``step`` (the attempt directory, then the step's
+    directory if nothing else is in it), unless the root holds a marker of it; logged, never raised (the save's own
+    error is the one to report; what is left here is ``dcp-atomic gc``'s)."""
+    storage = layout.storage
+    try:
+        try:
+            marker = Marker.from_json(storage.read_file(layout.marker(step)), where=layout.marker(step))
+            if marker.save_id == save_id:
+                return  # committed here after all: not a failed attempt
+        except FileNotFoundError:
+            pass
+        for _ in range(3):  # another rank of this root may be removing the same tree: files vanish under us
+            try:
+                storage.remove(layout.attempt_dir(step, save_id))
+                break
+            except FileNotFoundError:
+                continue
+        if not storage.list_dir(layout.step_dir(step)):
+            storage.remove(layout.step_dir(step))
+        log.info("local tier %s: removed the failed attempt %s of step %d", where, save_id, step)
+    except FileNotFoundError:
+        pass  # another rank of this root was first
+    except (OSError, CheckpointError) as e:
+        log.warning("local tier %s: could not remove the failed attempt %s of step %d (%s); `dcp-atomic gc` on this "
+                    "local root collects it", where, save_id, step, e)
 
 
 def remove_local_step(layout: RunLayout, step: int) -> None:

@@ -59,6 +59,7 @@ from .manifest import Marker
 from .drain import Drained, Drainer, DrainJob
 from .lineage import ensure_lineage, lineage_path
 from .local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, of_lineage, open_local,
+                         remove_failed_attempt,
                          remove_local_step, retain_local, scan_root, sweep_spool)
 from .parallelism import Parallelism
 from .planners import AtomicLoadPlanner, AtomicSavePlanner
@@ -327,14 +328,15 @@ class CheckpointManager(RankAgreement):
             self._refuse_conflicts(step)
             watch = self._watch(f"saving step {step}")
             writer = self._writer(step, watch, metadata)
-            try:
-                dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
-                         process_group=self._group)
-            except BaseException as e:  # CheckpointException is a BaseException
-                self._settle_failed_save(e, step, writer, self._ops, watch)
-            else:
-                watch.finish()
-            self._commit_local(step, writer, self._group, drain)
+            with self._failed_attempt_removed(step, writer):
+                try:
+                    dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
+                             process_group=self._group)
+                except BaseException as e:  # CheckpointException is a BaseException
+                    self._settle_failed_save(e, step, writer, self._ops, watch)
+                else:
+                    watch.finish()
+                self._commit_local(step, writer, self._group, drain)
         self._after_commit(step, writer, time.perf_counter() - started, stage_seconds=0.0, asynchronous=False)
         return step
 
@@ -373,15 +375,16 @@ class CheckpointManager(RankAgreement):
 
         def finished(done) -> None:
             try:
-                try:
-                    done.result()
-                except BaseException as e:
-                    if self._heartbeat is not None:
-                        self._heartbeat.gave_up(op)
-                    self._settle_failed_save(e, step, writer, op, watch)
-                else:
-                    watch.finish()
-                self._commit_local(step, writer, self._async_group, drain)
+                with self._failed_attempt_removed(step, writer):
+                    try:
+                        done.result()
+                    except BaseException as e:
+                        if self._heartbeat is not None:
+                            self._heartbeat.gave_up(op)
+                        self._settle_failed_save(e, step, writer, op, watch)
+                    else:
+                        watch.finish()
+                    self._commit_local(step, writer, self._async_group, drain)
                 self._after_commit(step, writer, time.perf_counter() - started, stage_seconds, asynchronous=True)
                 result.set_result(step)
             except BaseException as e:
@@ -755,6 +758,19 @@ class CheckpointManager(RankAgreement):
                              self.keep_local)
             except OSError as e:  # the step is committed; the next save retries
                 log.warning("local tier %s: retention failed (the next save retries it): %s", self.local_root, e)
+
+    @contextlib.contextmanager
+    def _failed_attempt_removed(self, step: int, writer: AtomicStorageWriter):
+        """A local save that fails (ENOSPC on a node, a peer lost, a replica refused) leaves nothing on this rank's
+        local root: its attempt directory goes before the error is raised, on every rank (the ranks of a root remove
+        the same one; whoever is first), so a disk sized for ``keep_local + 1`` steps keeps saving.  Never a step
+        with a marker here: a commit that reached this root is not a failed attempt."""
+        try:
+            yield
+        except BaseException:
+            if self._tier is not None and writer.save_id is not None:
+                remove_failed_attempt(self._local, step, writer.save_id, self._tier.describe(self.rank))
+            raise
 
     def _undrained(self, queued: set[int]) -> Marker | None:
         """Rank 0: the newest local step saved for a durable copy (:attr:`Marker.drain`) that has none and is not

@@ -292,7 +292,7 @@ def test_a_kill_before_the_local_commit_leaves_the_previous_local_step(root, nod
     assert outcomes[0].killed and not any(out.ok for out in outcomes), outcomes
     for node_root in nodes:  # step 20's files were written, but no root has its marker
         assert not os.path.exists(os.path.join(node_root, RUN, f"step_{20:010d}", "COMMITTED"))
-    assert _data_files(nodes[0], 20)
+    assert not _data_files(nodes[0], 20) and not _data_files(nodes[1], 20)  # the survivors removed the attempt
     restored = assert_all_ok(_run(_restore, root, nodes, 10))
     for out in restored:
         assert out["served"]["tier"] == "local"
@@ -597,7 +597,9 @@ def test_kill_matrix_a_restart_loads_the_newest_local_commit_exactly_and_gc_coll
     committed_on = [20 in [m.step for m in local_markers(layout)] for layout in local]
     if expected == 10:  # killed before rank 0 decided: no root has a marker of step 20, and its files are garbage
         assert committed_on == [False, False]
-        assert any(_attempts(layout, 20) for layout in local)  # the partial attempt is collectable by gc
+        # every root has a survivor, and the survivors removed the failed attempt before raising: nothing for gc
+        assert not any(_attempts(layout, 20) for layout in local)
+        assert not any(os.path.exists(layout.step_dir(20)) for layout in local)
     else:
         assert any(committed_on), committed_on
     durable = RunLayout(LocalStorage(root), RUN)
