@@ -173,6 +173,11 @@ class Evidence:
         names.update({s.name: f"rank {s.rank} wrote it" for s in manifest.shards})
         return cls(names, "the ranks' write results")
 
+    @classmethod
+    def on_roots(cls, verified: dict[str, str], roots: list[str]) -> "Evidence":
+        """The local tier's (a local commit, a drain, a restore): files verified on these local roots."""
+        return cls(verified, "the local roots of " + ", ".join(roots))
+
 
 def missing_files(manifest: Manifest, evidence: Evidence) -> list[tuple[int, str]]:
     """(rank, name) of each file ``manifest`` names (every rank's data files and manifest shards, and a shard for

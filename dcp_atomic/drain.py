@@ -57,6 +57,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from . import failpoints
 from .commit import Evidence, ResumePoint, place_marker, write_latest
 from .errors import (CheckpointError, CommitConflictError, CorruptCheckpointError, DrainStalledError,
                      IncompleteStepError, StorageError)
@@ -379,6 +380,7 @@ def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed:
     storage.publish(storage.join(attempt, MANIFEST), manifest_bytes)
     storage.sync_dir(attempt)
     storage.sync_dir(durable.step_dir(job.step))
+    failpoints.hit("commit.after_manifest", 0)  # the committer's phases, as a save's (commit.publish)
     if "before_marker" in hooks:
         hooks["before_marker"](0, job.step)
     marker = Marker(run_id=durable.run_id, step=job.step, save_id=job.save_id, manifest=f"{job.save_id}/{MANIFEST}",
@@ -402,6 +404,7 @@ def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed:
         where = getattr(e, "filename", None) or durable.marker(job.step)
         raise StorageError(reason, step=job.step, rank=0, path=str(where),
                            committed=None if _holds_marker_of(durable, job) else False) from e
+    failpoints.hit("commit.after_marker", 0)
     try:
         newest = _latest_sequence(durable)
         if newest is not None and (marker.sequence or 0) < newest:
@@ -409,6 +412,7 @@ def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed:
                         "commit (sequence %d)", job.step, marker.sequence, newest)
             return marker
         write_latest(durable, marker)
+        failpoints.hit("commit.after_latest", 0)
     except (OSError, CheckpointError) as e:
         reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
         raise StorageError(
@@ -696,8 +700,7 @@ class Drainer:
                 ranks=[r for r, _ in failed],
                 path=failed[0][1].details.get("path"))
         else:
-            looked_in = "the local roots of " + ", ".join(roots)
-            evidence = Evidence({name: who for share in shares for name, who in share.verified.items()}, looked_in)
+            evidence = Evidence.on_roots({name: who for share in shares for name, who in share.verified.items()}, roots)
             try:
                 with self._io():
                     marker = commit_durable(self.local, self.durable, job, self._resumed(), self.timeout, evidence)

@@ -631,8 +631,8 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
         reports = [None] * world
         dist.all_gather_object(reports, (failure, newest, sent, verified), group=group)
     failures = [why for why, _, _, _ in reports if why]
-    evidence = Evidence({name: who for *_, held in reversed(reports) for name, who in held.items()},
-                        looked_in="the local roots of " + ", ".join(topology.describe(r) for r in topology.leaders))
+    evidence = Evidence.on_roots({name: who for *_, held in reversed(reports) for name, who in held.items()},
+                                 [topology.describe(r) for r in topology.leaders])
     if not failures:  # every rank holds the same reports: each refuses alike, before rank 0 decides
         try:
             require_complete(manifest, evidence, f"local commit of step {step}")

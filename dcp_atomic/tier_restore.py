@@ -319,8 +319,7 @@ def _evidence(topology: Topology, choice: Choice) -> Evidence:
                 for name, leaders in choice.holders.items() if leaders}
     verified.update((shard_name(r), f"intact on {topology.describe(leader)}")
                     for leader, ranks in choice.shards.items() for r in ranks)
-    return Evidence(verified, looked_in="the local roots of " + ", ".join(topology.describe(l)
-                                                                           for l in topology.leaders))
+    return Evidence.on_roots(verified, [topology.describe(leader) for leader in topology.leaders])
 
 
 def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group) -> int:

@@ -575,6 +575,8 @@ KILLS = {  # cell -> (failpoint spec on the killed rank, drain hook, the killed 
     "local_commit_other_root": ("local.before_marker@2#2=kill", None, 2, 20),  # rank 0 decided: its root has it
     "local_commit_rank0": ("local.before_marker@0#2=kill", None, 0, 20),  # rank 0 decided, then died
     "drain_upload": (None, ("before_upload", 1), 1, 20),  # local-committed; the durable root keeps step 10
+    # the drain's commit, at the committer's own kill point (hits on rank 0: local 10, drain 10, local 20, drain 20)
+    "drain_commit": ("commit.after_manifest@0#4=kill", None, 0, 20),
 }
 
 
@@ -605,7 +607,8 @@ def test_kill_matrix_a_restart_loads_the_newest_local_commit_exactly_and_gc_coll
     durable = RunLayout(LocalStorage(root), RUN)
     assert [m.step for m in scan_markers(durable)] == [10]  # no durable step half visible
     assert _attempts(durable, 10) == []
-    if drain_kill is not None:
+    half_drained = cell.startswith("drain")
+    if half_drained:
         assert _attempts(durable, 20)  # the half-drained step: files, no marker, collectable
     for layout in [durable, *local]:
         apply_gc(layout, plan_gc(layout, None, lease_seconds=0))
@@ -614,7 +617,7 @@ def test_kill_matrix_a_restart_loads_the_newest_local_commit_exactly_and_gc_coll
     for out in restored:
         assert out["served"]["tier"] == "local", out["served"]
         _exact(out["full"], want)
-    for out in assert_all_ok(_run(_load_durable, root, nodes, 10)) if drain_kill is not None else ():
+    for out in assert_all_ok(_run(_load_durable, root, nodes, 10)) if half_drained else ():
         assert out["latest"] == 10
         _exact(out["full"], torch.load(os.path.join(root, "expected10.pt")))
 
