@@ -33,7 +33,7 @@ def _two_per_node_of(world: int):
     return env
 
 
-def _save_with_a_refusing_store(ctx, step):
+def _save_with_a_refusing_store(ctx, step, ranks_per_node=2):
     """Save ``step`` for a durable copy while the durable store refuses every upload: it stays local-only."""
     from dcp_atomic import drain
 
@@ -47,7 +47,7 @@ def _save_with_a_refusing_store(ctx, step):
     _train_step(model, optim, step)
     failed = None
     try:
-        with _manager(ctx, keep_local=2) as manager:
+        with _manager(ctx, keep_local=2, local_root=ctx.extra["nodes"][ctx.rank // ranks_per_node]) as manager:
             manager.save(step, _state(model, optim, step), durable=True)
             try:
                 manager.wait()
@@ -107,6 +107,20 @@ def test_a_resized_job_drains_an_older_worlds_step_whole_from_the_replicas(root,
         _exact(out["full"], saved[0]["full"])
 
 
+def test_a_grown_job_drains_a_smaller_worlds_step_whole(root, nodes):
+    """2 ranks -> 4: the world-4 job's ranks hold the world-2 step as primaries and replicas; it drains whole and
+    loads exactly at the world that saved it."""
+    saved = assert_all_ok(_run(_save_with_a_refusing_store, root, nodes, 10, 1, world=2, rank_env=_one_node_each))
+    assert saved[0]["failed"] is not None and saved[0]["durable"] == []
+    resumed = assert_all_ok(_run(_resume_saving, root, nodes, 20, rank_env=_two_per_node_of(4)))
+    assert all(out["error"] is None for out in resumed), resumed[0]["error"]
+    assert resumed[0]["durable"] == [10], resumed[0]["durable"]
+    loaded = assert_all_ok(_run(_load_durable, root, nodes, 10, world=2, rank_env=_one_node_each))
+    for out in loaded:
+        assert out["step"] == 10 and out["progress"] == 10
+        _exact(out["full"], saved[0]["full"])
+
+
 def test_a_step_no_root_covers_stays_local_and_the_error_names_the_file_and_its_rank(root, nodes):
     """Node B replaced and node A's replica of rank 3 lost: no root holds ``__3_0.distcp``.  The drain refuses
     to commit, naming the file, its rank and the roots looked in; the durable root gets no marker."""
@@ -123,6 +137,44 @@ def test_a_step_no_root_covers_stays_local_and_the_error_names_the_file_and_its_
         assert "__3_0.distcp (rank 3)" in message and nodes[0] in message, message
         assert "fix access on the durable root" not in message
     assert not glob.glob(os.path.join(root, RUN, "step_0000000010", "COMMITTED"))
+
+
+def _restore_then_save(ctx, step):
+    """A restarted job restores (node A's disk came back empty), then saves ``step`` locally: the undrained step is
+    queued again and drains from what the restore put back and node B's copies."""
+    from dcp_atomic import CheckpointManager
+
+    model, optim = _fsdp_app(ctx.world_size, 1)
+    state = _state(model, optim, -1)
+    error = None
+    with CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank // 2], replicas=1, keep_local=2,
+                           timeout=20) as manager:
+        restored = manager.load(state)
+        tier = manager.restored_from["tier"]
+        _train_step(model, optim, step)
+        manager.save(step, _state(model, optim, step), durable=False)
+        try:
+            manager.wait()
+        except Exception as e:
+            error = (type(e).__name__, str(e))
+        durable = manager.steps(tier="durable")
+    return {"restored": restored, "tier": tier, "durable": durable, "error": error}
+
+
+def test_a_node_wiped_before_its_drain_the_restarted_job_drains_the_step_from_the_surviving_copies(root, nodes):
+    """Node A (global rank 0's) is replaced while step 10 waits for its drain (the store refused it): the restarted
+    job restores step 10 from node B's replicas, and its next save drains step 10 whole; it loads exactly."""
+    saved = assert_all_ok(_run(_save_with_a_refusing_store, root, nodes, 10, rank_env=_node_env))
+    assert saved[0]["failed"] is not None and saved[0]["durable"] == []
+    shutil.rmtree(os.path.join(nodes[0], RUN))  # node A replaced: an empty disk
+    resumed = assert_all_ok(_run(_restore_then_save, root, nodes, 20, rank_env=_node_env))
+    for out in resumed:
+        assert out["restored"] == 10 and out["tier"] == "local", out
+        assert out["error"] is None and out["durable"] == [10], out
+    loaded = assert_all_ok(_run(_load_durable, root, nodes, 10, rank_env=_node_env))
+    for rank, out in enumerate(loaded):
+        assert out["step"] == 10 and out["progress"] == 10
+        _exact(out["full"], saved[rank]["full"])
 
 
 # -- same disk, one domain ----------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def _manager(ctx, **kwargs):
     from dcp_atomic import CheckpointManager, file_transfer
 
     file_transfer.CHUNK_BYTES = 64 << 10  # every replica and restore transfer crosses chunk boundaries
-    local_root = ctx.extra["nodes"][ctx.rank // 2]
+    local_root = kwargs.pop("local_root", ctx.extra["nodes"][ctx.rank // 2])
     kwargs.setdefault("timeout", 20)
     kwargs.setdefault("durable_every", None)  # these tests drive the local tier; drains are asked for by durable=
     return CheckpointManager(ctx.root, RUN, local_root=local_root, replicas=1, **kwargs)
