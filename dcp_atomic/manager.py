@@ -913,6 +913,14 @@ class CheckpointManager(RankAgreement):
             tiers.append((self.layout, f"the durable root {self.layout.storage.describe()}"))
             for layout, where in tiers:
                 marker = self._committed_marker(layout, step)
+                if marker is not None and layout is self._local and of_lineage([marker], self._lineage, foreign=True):
+                    step_dir = self._local.step_dir(step)
+                    raise CommitConflictError(
+                        f"step {step} of run {self.run_id!r} on {where} was saved for another durable root or "
+                        f"experiment (lineage {marker.lineage}; this run's is {self._lineage}, "
+                        f"{lineage_path(self.layout)}): it is not this job's to replace, and nothing was written. "
+                        f"Save another step, use another run_id, or, if nothing needs it, remove it on every node: "
+                        f"rm -rf {step_dir}", step=step, committed=marker.save_id)
                 if marker is not None:
                     refuse_committed(marker, step, self.run_id, self._resumed, where)
 

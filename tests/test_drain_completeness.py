@@ -285,6 +285,23 @@ def _resume(ctx, durable_root):
     return {"loaded": loaded, "full": _full(model), "warnings": warnings}
 
 
+def _stranger_saves(ctx, durable_root):
+    """The stranger saves: the foreign step's number is refused (not its to replace), a new one commits."""
+    from dcp_atomic import CheckpointManager, CommitConflictError
+
+    model, optim = _fsdp_app(ctx.world_size, 42)
+    refused = None
+    with CheckpointManager(durable_root, RUN, local_root=ctx.extra["nodes"][ctx.rank // 2], replicas=1,
+                           timeout=20) as manager:
+        try:
+            manager.save(10, _state(model, optim, 10))
+        except CommitConflictError as e:
+            refused = str(e)
+        manager.save(11, _state(model, optim, 11))
+        manager.wait()
+        return {"refused": refused, "durable": manager.steps(tier="durable")}
+
+
 def test_a_new_experiment_reusing_a_run_id_starts_fresh_and_is_told_of_the_other_ones_local_steps(root, nodes):
     """Two experiments, one run id, two durable roots, the same nodes: the owner restores its local-only step
     exactly; the stranger (an empty durable root) starts fresh, warned of the foreign step by root, run and step,
@@ -304,3 +321,6 @@ def test_a_new_experiment_reusing_a_run_id_starts_fresh_and_is_told_of_the_other
     for out in restored:
         assert out["loaded"] == 10 and out["warnings"] == []
         _exact(out["full"], saved[0])
+    for out in assert_all_ok(_run(_stranger_saves, root, nodes, stranger)):
+        assert out["refused"] and "saved for another durable root or experiment" in out["refused"], out
+        assert "rm -rf" in out["refused"] and out["durable"] == [11], out
