@@ -911,9 +911,10 @@ class CheckpointManager(RankAgreement):
             validate_step(step)
             tiers = [(self._local, f"the local root {self.local_root}")] if self._tier is not None else []
             tiers.append((self.layout, f"the durable root {self.layout.storage.describe()}"))
-            for layout, where in tiers:
+            for tier, (layout, where) in enumerate(tiers):
                 marker = self._committed_marker(layout, step)
-                if marker is not None and layout is self._local and of_lineage([marker], self._lineage, foreign=True):
+                local = self._tier is not None and tier == 0
+                if marker is not None and local and of_lineage([marker], self._lineage, foreign=True):
                     step_dir = self._local.step_dir(step)
                     raise CommitConflictError(
                         f"step {step} of run {self.run_id!r} on {where} was saved for another durable root or "
