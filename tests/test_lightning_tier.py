@@ -89,8 +89,13 @@ def _exactly(restored, saved) -> bool:
 
 
 def _tier_steps(ctx, dirpath):
-    """Steps committed in the durable root and on every node's local root, and the steps the files name."""
+    """Steps committed in the durable root and on every node's local root, and the steps the files name (every rank
+    alike, after a barrier: a retire has no collective inside, so global rank 0 may still be removing a step)."""
+    import torch.distributed as dist
+
     from dcp_atomic.integrations.lightning import _pointer, tier_run_for
+
+    dist.barrier()
     from dcp_atomic.layout import parse_checkpoint_id
 
     root, run = tier_run_for(dirpath)
