@@ -403,15 +403,17 @@ def read_shard(layout: RunLayout, committed: Committed, rank: int, deadline: Dea
 
 
 def record_local_marker(layout: RunLayout, marker_bytes: bytes, manifest: Manifest, evidence: Evidence,
-                        where: str) -> None:
+                        where: str, rank: int) -> None:
     """A local root's copy of a marker rank 0 decided (the local commit, a restore): the same completeness rule as
     :func:`place_marker`, over the whole tier (a root holds its ranks' files and their replicas, not the step).
-    Replaced, not created exclusively: local markers are rank 0's records (:mod:`.local_tier`)."""
+    Replaced, not created exclusively: local markers are rank 0's records (:mod:`.local_tier`).  ``rank``: the
+    recording rank, for the kill point every path that records a local marker shares."""
     marker = Marker.from_json(marker_bytes, where=where)
     if (marker.step, marker.save_id) != (manifest.step, manifest.save_id):
         raise CorruptCheckpointError(f"{where}: the marker names save {marker.save_id}, the manifest is of "
                                      f"{manifest.save_id}", step=marker.step)
     require_complete(manifest, evidence, where)
+    failpoints.hit("local.before_marker", rank)
     layout.storage.replace(layout.marker(marker.step), marker_bytes)
 
 

@@ -40,7 +40,7 @@ POINTS = frozenset(
         "read.exchange_send",  # every rank, a round's items read, before sending them to peers
         "replicate.send",  # local tier: every rank, its files read back, before sending them to its holders
         "replicate.receive",  # local tier: a holder, one rank's replica verified and kept, not yet reported
-        "local.before_marker",  # local tier: a root's leader, rank 0 decided, before this root's marker
+        "local.before_marker",  # local tier: a root's leader (local commit, tier restore), before its root's marker
     }
 )
 

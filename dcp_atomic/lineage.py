@@ -20,6 +20,13 @@ LINEAGE = "LINEAGE"
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
+def describe(lineage: str | None) -> str:
+    """A lineage as errors and warnings name it (a marker without one says why it has none)."""
+    if lineage is None:
+        return "no lineage (saved before lineages existed, or by a job that could not reach its run's LINEAGE)"
+    return f"lineage {lineage}"
+
+
 def lineage_path(layout: RunLayout) -> str:
     return layout.storage.join(layout.run_dir, LINEAGE)
 

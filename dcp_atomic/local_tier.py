@@ -390,12 +390,16 @@ def local_markers(layout: RunLayout) -> list[Marker]:
     return sorted(markers, key=commit_order)
 
 
+ANY_LINEAGE = "*"  # of_lineage: every marker (tools that look at a whole root); never a lineage id (lineage.py)
+
+
 def of_lineage(markers: list[Marker], lineage: str | None, *, foreign: bool = False) -> list[Marker]:
-    """The markers of ``lineage`` (``foreign``: of any other); None takes all.  A marker written before lineages
-    existed (no ``lineage``) counts as the job's own (:mod:`.lineage`)."""
-    if lineage is None:
+    """The markers of ``lineage`` (``foreign``: of any other).  Equal ids only: a marker that records no lineage
+    (written before lineages existed, or by a job that could not reach its durable root's ``LINEAGE``) is no
+    lineage's but that of a job which has none either; nothing proves it is this experiment's (:mod:`.lineage`)."""
+    if lineage == ANY_LINEAGE:
         return [] if foreign else markers
-    return [m for m in markers if (m.lineage not in (None, lineage)) == foreign]
+    return [m for m in markers if (m.lineage != lineage) == foreign]
 
 
 def read_manifest(layout: RunLayout, marker: Marker) -> Manifest:
@@ -406,8 +410,8 @@ def read_manifest(layout: RunLayout, marker: Marker) -> Manifest:
     return Manifest.from_json(data, where=path)
 
 
-def scan_root(layout: RunLayout, verify_data: bool = True, share: tuple[int, int] = (0, 1),
-              lineage: str | None = None) -> list[Held]:
+def scan_root(layout: RunLayout, *, lineage: str | None, verify_data: bool = True,
+              share: tuple[int, int] = (0, 1)) -> list[Held]:
     """What this root holds of each local-committed step, every file verified (the restore's input).  ``share``
     (i, n): verify only every n-th data file from the i-th, so the n ranks of a root verify it in parallel; the
     shares' reports are joined by :func:`merge_held`."""
@@ -574,7 +578,7 @@ class LocalCommit:
 
 def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, step: int, group,
                  sequence_floor: int, protected: set[int] | None = None, drain: bool = False,
-                 lineage: str | None = None) -> LocalCommit:
+                 *, lineage: str | None) -> LocalCommit:
     """Run steps 2-4 (module doc) on every rank after ``dcp.save`` returned.
 
     ``sequence_floor``: the newest commit sequence rank 0 knows of (both tiers); the marker gets the next one
@@ -660,8 +664,8 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
         try:
             if topology.store(rank) != topology.store(0):
                 write_control(layout, manifest, control)
-            failpoints.hit("local.before_marker", rank)
-            record_local_marker(layout, marker_bytes, manifest, evidence, f"local commit on {topology.describe(rank)}")
+            record_local_marker(layout, marker_bytes, manifest, evidence, f"local commit on {topology.describe(rank)}",
+                                rank)
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)}: {e}"
     missed = gather_failures(failure, world, group)
@@ -674,7 +678,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
                        seconds=time.perf_counter() - started)
 
 
-def retain_local(layout: RunLayout, keep_local: int, protected: set[int], lineage: str | None = None) -> list[int]:
+def retain_local(layout: RunLayout, keep_local: int, protected: set[int], lineage: str | None) -> list[int]:
     """Keep this root's ``keep_local`` most recent local steps (by sequence) of ``lineage`` and every ``protected``
     one (a drain in flight, the newest step still waiting for its drain); remove the others, marker first.  Another
     lineage's steps are not this job's to delete (the restore names them)."""

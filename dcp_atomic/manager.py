@@ -57,7 +57,7 @@ from .layout import RunLayout, validate_step
 from .liveness import Heartbeat, OpWatch
 from .manifest import Marker
 from .drain import Drained, Drainer, DrainJob
-from .lineage import ensure_lineage, lineage_path
+from .lineage import describe as describe_lineage, ensure_lineage, lineage_path
 from .local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, of_lineage, open_local,
                          remove_failed_attempt,
                          remove_local_step, retain_local, scan_root, sweep_spool)
@@ -593,8 +593,8 @@ class CheckpointManager(RankAgreement):
         marker = self._gathered(marker)[0]
         if isinstance(marker, Marker) and not of_lineage([marker], self._lineage):
             raise CommitConflictError(f"step {step} on global rank 0's local root was saved for another durable root "
-                                      f"or experiment (lineage {marker.lineage}, this run's is {self._lineage}): "
-                                      "not drained", step=step)
+                                      f"or experiment ({describe_lineage(marker.lineage)}; this job's: "
+                                      f"{describe_lineage(self._lineage)}): not drained", step=step)
         if not isinstance(marker, Marker):
             raise CheckpointNotFoundError(f"step {step} of run {self.run_id!r} cannot be drained: global rank 0 has "
                                           f"no local marker of it ({marker})", step=step)
@@ -863,13 +863,14 @@ class CheckpointManager(RankAgreement):
     def _read_lineage(self) -> str | None:
         """Rank 0: the durable run's lineage id, created by its first two-tier manager (:mod:`.lineage`).  A durable
         root that cannot be written now (full, unreachable) must not stop local saves: None, loudly (this job's
-        local steps then carry no lineage, which every job of the run accepts, as steps written before lineages)."""
+        local steps then carry no lineage: only a job that has none either takes them, never one of a lineage)."""
         try:
             return ensure_lineage(self.layout)
         except OSError as e:
             log.warning("local tier: could not read or create %s, which says which node-local steps belong to run "
-                        "%r (%s); this job's local steps record no lineage, so a later job of another durable root "
-                        "with this run id would take them as its own", lineage_path(self.layout), self.run_id, e)
+                        "%r (%s); this job's local steps record no lineage: a later job that reads the run's lineage "
+                        "will not restore them (they are named, not deleted), and this job takes only local steps "
+                        "that record none either", lineage_path(self.layout), self.run_id, e)
             return None
 
     def _report_foreign(self, foreign: dict[int, list[int]]) -> None:
@@ -878,9 +879,9 @@ class CheckpointManager(RankAgreement):
         for leader, steps in foreign.items():
             root = f"{self._tier.hosts[leader]}:{os.path.join(self._tier.roots[leader], self.run_id)}"
             log.warning(
-                "local tier %s holds step(s) %s of run %r saved for another durable root or experiment (not lineage "
-                "%s of %s): they are not loaded and not deleted. If nothing needs them, remove them on that node: "
-                "rm -rf %s", root, steps, self.run_id, self._lineage, lineage_path(self.layout),
+                "local tier %s holds step(s) %s of run %r saved for another durable root or experiment (this job's is "
+                "%s, %s): they are not loaded and not deleted. If nothing needs them, remove them on that node: "
+                "rm -rf %s", root, steps, self.run_id, describe_lineage(self._lineage), lineage_path(self.layout),
                 " ".join(os.path.join(self._tier.roots[leader], self.run_id, f"step_{s:010d}") for s in steps[:8]))
 
     def _durable_candidate(self, step: int | None) -> Durable | None:
@@ -918,7 +919,7 @@ class CheckpointManager(RankAgreement):
                     step_dir = self._local.step_dir(step)
                     raise CommitConflictError(
                         f"step {step} of run {self.run_id!r} on {where} was saved for another durable root or "
-                        f"experiment (lineage {marker.lineage}; this run's is {self._lineage}, "
+                        f"experiment ({describe_lineage(marker.lineage)}; this job's: {describe_lineage(self._lineage)}, "
                         f"{lineage_path(self.layout)}): it is not this job's to replace, and nothing was written. "
                         f"Save another step, use another run_id, or, if nothing needs it, remove it on every node: "
                         f"rm -rf {step_dir}", step=step, committed=marker.save_id)

@@ -437,7 +437,8 @@ class Marker:
     # until one exists, across restarts (manager: local retention keeps it, the next save queues it again).
     drain: bool | None = None
     # Local markers only: the lineage of the durable run the step was saved for (``lineage.py``): node-local disks
-    # outlive jobs, and a job restores only local steps of its own lineage.  None: written before lineages existed.
+    # outlive jobs, and a job restores only local steps of its own lineage.  None: written before lineages existed,
+    # or by a job that could not reach LINEAGE; only a job without a lineage takes it (local_tier.of_lineage).
     lineage: str | None = None
 
     def record(self) -> dict:

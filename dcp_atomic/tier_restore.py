@@ -306,7 +306,7 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
     if rank in choice.unmarked:  # last: the marker says the root holds the step (file by file, as scanned)
         try:
             record_local_marker(layout, _marker_bytes(layout, choice), manifest, _evidence(topology, choice),
-                                f"restore of local step {choice.step} on {topology.describe(rank)}")
+                                f"restore of local step {choice.step} on {topology.describe(rank)}", rank)
         except (OSError, CheckpointError) as e:
             failure = f"{topology.describe(rank)} could not record the step's marker: {e}"
     settle(failure)

@@ -62,22 +62,26 @@ def _save_with_a_refusing_store(ctx, step, ranks_per_node=2):
     return {"full": _full(model), "failed": failed, "durable": durable}
 
 
-def _resume_saving(ctx, step, ranks_per_node=2):
-    """A job of this world saves ``step`` locally (the store healed): the undrained step is queued again."""
+def _resume_saving(ctx, step, ranks_per_node=2, restore=False):
+    """A job of this world (``restore``: that first restores the newest step) saves ``step`` locally, the store
+    healed: the undrained step is queued again and drains from whatever roots hold its files."""
     from dcp_atomic import CheckpointManager
 
     model, optim = _fsdp_app(ctx.world_size, 1)
-    _train_step(model, optim, step)
-    error = None
+    restored = tier = error = None
     with CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank // ranks_per_node], replicas=1,
                            keep_local=2, timeout=20) as manager:
+        if restore:
+            restored = manager.load(_state(model, optim, -1))
+            tier = manager.restored_from["tier"]
+        _train_step(model, optim, step)
         manager.save(step, _state(model, optim, step), durable=False)
         try:
             manager.wait()
         except Exception as e:
             error = (type(e).__name__, str(e))
         durable = manager.steps(tier="durable")
-    return {"durable": durable, "error": error}
+    return {"durable": durable, "error": error, "restored": restored, "tier": tier}
 
 
 def _load_durable(ctx, step):
@@ -139,35 +143,13 @@ def test_a_step_no_root_covers_stays_local_and_the_error_names_the_file_and_its_
     assert not glob.glob(os.path.join(root, RUN, "step_0000000010", "COMMITTED"))
 
 
-def _restore_then_save(ctx, step):
-    """A restarted job restores (node A's disk came back empty), then saves ``step`` locally: the undrained step is
-    queued again and drains from what the restore put back and node B's copies."""
-    from dcp_atomic import CheckpointManager
-
-    model, optim = _fsdp_app(ctx.world_size, 1)
-    state = _state(model, optim, -1)
-    error = None
-    with CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank // 2], replicas=1, keep_local=2,
-                           timeout=20) as manager:
-        restored = manager.load(state)
-        tier = manager.restored_from["tier"]
-        _train_step(model, optim, step)
-        manager.save(step, _state(model, optim, step), durable=False)
-        try:
-            manager.wait()
-        except Exception as e:
-            error = (type(e).__name__, str(e))
-        durable = manager.steps(tier="durable")
-    return {"restored": restored, "tier": tier, "durable": durable, "error": error}
-
-
 def test_a_node_wiped_before_its_drain_the_restarted_job_drains_the_step_from_the_surviving_copies(root, nodes):
     """Node A (global rank 0's) is replaced while step 10 waits for its drain (the store refused it): the restarted
     job restores step 10 from node B's replicas, and its next save drains step 10 whole; it loads exactly."""
     saved = assert_all_ok(_run(_save_with_a_refusing_store, root, nodes, 10, rank_env=_node_env))
     assert saved[0]["failed"] is not None and saved[0]["durable"] == []
     shutil.rmtree(os.path.join(nodes[0], RUN))  # node A replaced: an empty disk
-    resumed = assert_all_ok(_run(_restore_then_save, root, nodes, 20, rank_env=_node_env))
+    resumed = assert_all_ok(_run(_resume_saving, root, nodes, 20, 2, True, rank_env=_node_env))
     for out in resumed:
         assert out["restored"] == 10 and out["tier"] == "local", out
         assert out["error"] is None and out["durable"] == [10], out
@@ -324,3 +306,35 @@ def test_a_new_experiment_reusing_a_run_id_starts_fresh_and_is_told_of_the_other
     for out in assert_all_ok(_run(_stranger_saves, root, nodes, stranger)):
         assert out["refused"] and "saved for another durable root or experiment" in out["refused"], out
         assert "rm -rf" in out["refused"] and out["durable"] == [11], out
+
+
+
+def _strip_lineage(node_root, step):
+    """The step's local marker as a version before lineages wrote it (no ``lineage``; re-sealed)."""
+    from dcp_atomic.manifest import Marker
+
+    path = os.path.join(node_root, RUN, f"step_{step:010d}", "COMMITTED")
+    with open(path, "rb") as f:
+        marker = Marker.from_json(f.read(), where=path)
+    assert marker.lineage is not None
+    marker.lineage = None
+    with open(path, "wb") as f:
+        f.write(marker.to_json())
+
+
+def test_local_steps_that_record_no_lineage_are_no_lineages_own(root, nodes):
+    """A local step whose marker records no lineage (an earlier version's, or a job's that could not reach its
+    run's LINEAGE) is no experiment's: a new experiment with an empty durable root starts fresh, told of it by
+    name, and nothing proves it is the original's either; it stays on the nodes."""
+    owner, stranger = os.path.join(root, "exp-a"), os.path.join(root, "exp-b")
+    assert_all_ok(_run(_experiment, root, nodes, owner, 10, 0))
+    for node_root in nodes:
+        _strip_lineage(node_root, 10)
+    for durable_root in (stranger, owner):
+        resumed = assert_all_ok(_run(_resume, root, nodes, durable_root))
+        for out in resumed:
+            assert out["loaded"] is None, f"{durable_root}: a job continued from local weights of no lineage"
+        warnings = resumed[0]["warnings"]
+        assert len(warnings) == 2 and all("step(s) [10]" in w and "rm -rf" in w for w in warnings), warnings
+    for node_root in nodes:
+        assert os.path.exists(os.path.join(node_root, RUN, "step_0000000010", "COMMITTED"))

@@ -136,10 +136,10 @@ def test_each_rank_of_a_replaced_node_receives_only_its_own_files_about_half_the
     assert _data_files(nodes[1], 10) == ["__2_0.distcp", "__3_0.distcp"]  # half the step, not all of it
     assert size["__2_0.distcp"] + size["__3_0.distcp"] <= 0.55 * manifest.total_bytes
     # The partly assembled root is seen for what it holds: ranks 2 and 3 whole, nothing damaged.
-    from dcp_atomic.local_tier import scan_root
+    from dcp_atomic.local_tier import ANY_LINEAGE, scan_root
 
     layout, _ = _manifest(nodes[1], 10)
-    [held] = scan_root(layout)
+    [held] = scan_root(layout, lineage=ANY_LINEAGE)
     assert held.ranks == [2, 3] and held.damaged == {} and held.control and held.shards == [0, 1, 2, 3]
     assert held.intact == {"__2_0.distcp": 2, "__3_0.distcp": 3}
     from dcp_atomic import cli  # `dcp-atomic show` on node B's disk reads every shard: there, and says what it is
@@ -173,9 +173,9 @@ def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_o
     assert received_on_b == (size["__2_0.distcp"] + size["__3_0.distcp"] + sum(shard.values())
                              + sum(i.length for _, items in shared.values() for i in items))
     attempt = _attempt(nodes[1], 10)
-    from dcp_atomic.local_tier import scan_root
+    from dcp_atomic.local_tier import ANY_LINEAGE, scan_root
 
-    [held] = scan_root(_manifest(nodes[1], 10)[0])
+    [held] = scan_root(_manifest(nodes[1], 10)[0], lineage=ANY_LINEAGE)
     assert held.ranks == [2, 3] and held.damaged == {}
     for entry, items in shared.values():
         assert sum(i.length for i in items) < entry.size / 2

@@ -622,6 +622,33 @@ def test_kill_matrix_a_restart_loads_the_newest_local_commit_exactly_and_gc_coll
         _exact(out["full"], torch.load(os.path.join(root, "expected10.pt")))
 
 
+def _restore_killed(ctx):
+    try:
+        return _restore(ctx, 20)
+    except Exception as e:  # the survivors of the killed rank: typed, in bounded time
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def test_kill_matrix_a_restore_killed_before_its_marker_leaves_no_marker_and_the_next_restore_is_exact(root, nodes):
+    """The tier restore's commit goes through the one local-marker record (commit.record_local_marker) and its kill
+    point: node B's leader, killed as it is about to record the restored step, leaves node B without a marker
+    (nothing half visible); the next restore sweeps the spool and restores the step exactly."""
+    saved = assert_all_ok(_run(_train_and_save, root, nodes, [10, 20]))
+    shutil.rmtree(os.path.join(nodes[1], RUN))  # node B replaced
+
+    def env(rank):
+        return {**_node_env(rank), "DCP_ATOMIC_FAILPOINTS": "local.before_marker@2#1=kill" if rank == 2 else None}
+
+    outcomes = _run(_restore_killed, root, nodes, rank_env=env, pg_timeout=5)
+    assert outcomes[2].killed and all(out.ok for r, out in enumerate(outcomes) if r != 2), outcomes
+    assert all("error" in outcomes[r].value for r in (0, 1, 3)), [o.value for o in outcomes]
+    assert not os.path.exists(os.path.join(nodes[1], RUN, f"step_{20:010d}", "COMMITTED"))
+    for out in assert_all_ok(_run(_restore, root, nodes, 20)):
+        assert out["served"]["tier"] == "local"
+        _exact(out["full"], saved[0]["saved"][20])
+    assert os.path.exists(os.path.join(nodes[1], RUN, f"step_{20:010d}", "COMMITTED"))
+
+
 def _drain_with_an_unreadable_latest(ctx):
     """World 1: the durable LATEST is a directory, so everything after the marker fails; returns close()'s error."""
     from dcp_atomic import CheckpointManager, drain
