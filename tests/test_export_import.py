@@ -281,6 +281,44 @@ def test_import_copies_commits_and_round_trips_bit_exact(saved, tmp_path, capsys
     assert main(["verify", root, "imported", "5"]) == 1
 
 
+@pytest.mark.parametrize("point", ["commit.after_manifest", "commit.after_marker", "commit.after_latest"])
+def test_kill_matrix_an_import_killed_in_its_commit_leaves_the_previous_step_and_a_collectable_attempt(saved, tmp_path,
+                                                                                                       point):
+    """`dcp-atomic import` commits through the one committer (commit.publish) and so through its kill points: killed
+    before its marker, the run's previous step stays the latest and the attempt is gc's; killed after it, the
+    imported step is committed and loads exactly (a manager's load takes it; a plain step=None reader follows LATEST,
+    which a kill before its write leaves on step 4 until the next commit)."""
+    from dcp_atomic.commit import scan_markers
+    from dcp_atomic.layout import RunLayout
+    from dcp_atomic.retention import apply_gc, plan_gc
+    from dcp_atomic.storage import LocalStorage
+
+    stock, root = saved["stock"], str(tmp_path / "root")
+    assert main(["import", stock, root, "run", "4"]) == 0
+    killed = subprocess.run([sys.executable, "-c", "import sys; from dcp_atomic.cli import main; "
+                             "sys.exit(main(sys.argv[1:]))", "import", stock, root, "run", "5"],
+                            env={**os.environ, "DCP_ATOMIC_FAILPOINTS": f"{point}=kill"}, capture_output=True,
+                            timeout=240)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    layout = RunLayout(LocalStorage(root), "run")
+    committed = [m.step for m in scan_markers(layout)]
+    if point == "commit.after_manifest":
+        assert committed == [4]
+        assert [s for s, _ in plan_gc(layout, None, lease_seconds=0).delete_attempts] == [5]
+        apply_gc(layout, plan_gc(layout, None, lease_seconds=0))
+        assert not os.path.exists(os.path.join(root, "run", "step_0000000005"))
+        _assert_loads_exactly(root, "run", 4)
+        assert main(["import", stock, root, "run", "5"]) == 0  # nothing of the killed import is in the way
+    else:
+        assert committed == [4, 5]
+        from dcp_atomic import CheckpointManager
+
+        with CheckpointManager(root, "run", timeout=10) as manager:  # it scans: LATEST may still name step 4
+            assert manager.load(_plain_template()) == 5
+    _assert_loads_exactly(root, "run", 5)
+    assert main(["verify", root, "run", "5"]) == 0
+
+
 @pytest.mark.tmpfs(size_kib=65536)
 def test_import_link_across_filesystems_fails_with_advice_and_commits_nothing(saved, tmp_path, capsys, small_tmpfs):
     stock = os.path.join(small_tmpfs.path, "stock")  # the stock files on a tmpfs of their own: link() says EXDEV
