@@ -33,7 +33,7 @@ def _two_per_node_of(world: int):
     return env
 
 
-def _save_with_a_refusing_store(ctx, step, ranks_per_node=2):
+def _save_with_a_refusing_store(ctx, step, ranks_per_node=2, options=None):
     """Save ``step`` for a durable copy while the durable store refuses every upload: it stays local-only."""
     from dcp_atomic import drain
 
@@ -47,7 +47,8 @@ def _save_with_a_refusing_store(ctx, step, ranks_per_node=2):
     _train_step(model, optim, step)
     failed = None
     try:
-        with _manager(ctx, keep_local=2, local_root=ctx.extra["nodes"][ctx.rank // ranks_per_node]) as manager:
+        with _manager(ctx, keep_local=2, local_root=ctx.extra["nodes"][ctx.rank // ranks_per_node],
+                      storage_options=options) as manager:
             manager.save(step, _state(model, optim, step), durable=True)
             try:
                 manager.wait()
@@ -62,7 +63,7 @@ def _save_with_a_refusing_store(ctx, step, ranks_per_node=2):
     return {"full": _full(model), "failed": failed, "durable": durable}
 
 
-def _resume_saving(ctx, step, ranks_per_node=2, restore=False):
+def _resume_saving(ctx, step, ranks_per_node=2, restore=False, options=None):
     """A job of this world (``restore``: that first restores the newest step) saves ``step`` locally, the store
     healed: the undrained step is queued again and drains from whatever roots hold its files."""
     from dcp_atomic import CheckpointManager
@@ -70,7 +71,7 @@ def _resume_saving(ctx, step, ranks_per_node=2, restore=False):
     model, optim = _fsdp_app(ctx.world_size, 1)
     restored = tier = error = None
     with CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank // ranks_per_node], replicas=1,
-                           keep_local=2, timeout=20) as manager:
+                           keep_local=2, timeout=20, storage_options=options) as manager:
         if restore:
             restored = manager.load(_state(model, optim, -1))
             tier = manager.restored_from["tier"]
@@ -84,12 +85,12 @@ def _resume_saving(ctx, step, ranks_per_node=2, restore=False):
     return {"durable": durable, "error": error, "restored": restored, "tier": tier}
 
 
-def _load_durable(ctx, step):
+def _load_durable(ctx, step, options=None):
     from dcp_atomic import CheckpointManager
 
     model, optim = _fsdp_app(ctx.world_size, 42)
     state = _state(model, optim, -1)
-    with CheckpointManager(ctx.root, RUN, timeout=20) as manager:
+    with CheckpointManager(ctx.root, RUN, timeout=20, storage_options=options) as manager:
         loaded = manager.load(state, step=step)
     return {"step": loaded, "full": _full(model), "progress": state["progress"]["step"]}
 

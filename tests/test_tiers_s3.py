@@ -384,3 +384,53 @@ def test_a_full_local_disk_fails_the_save_naming_rank_and_path_and_keeps_the_pre
         for node_root in (a.path, b.path):
             assert not os.path.exists(os.path.join(node_root, RUN, f"step_{20:010d}", "COMMITTED"))
         assert _durable_steps(s3) == []
+
+
+# -- e. issue 26's rules with the durable root on S3: any world drains a step whole, conflicts refused at save --------
+
+
+def _fresh_save_of(ctx, options, step):
+    """A fresh two-tier job (it did not load) on other nodes' disks saves ``step``: refused by save/async_save
+    itself when the durable root holds it committed."""
+    from dcp_atomic import CommitConflictError
+
+    model, optim = _fsdp_app(ctx.world_size, 7)
+    seen = {}
+    with _manager(ctx, storage_options=options,
+                  local_root=os.path.join(ctx.extra["nodes"][ctx.rank // 2], "other")) as manager:
+        for name in ("save", "async_save"):
+            try:
+                getattr(manager, name)(step, _state(model, optim, step))
+                seen[name] = "returned"
+            except CommitConflictError as e:
+                seen[name] = str(e)
+    return seen
+
+
+def test_on_s3_a_resized_job_drains_the_old_worlds_step_whole_and_a_fresh_jobs_save_of_it_is_refused(s3, nodes):
+    """4 ranks -> 2 with step 10 undrained (the store refused its uploads): the world-2 job drains all four ranks'
+    files to S3 (moto and SeaweedFS), the step loads exactly at world 4, and a fresh job's save of step 10 is refused
+    at save and async_save, nothing written."""
+    from tests.test_drain_completeness import (_load_durable, _one_node_each, _resume_saving,
+                                               _save_with_a_refusing_store, _two_per_node_of)
+
+    options = _options(s3)
+    saved = assert_all_ok(_run(_save_with_a_refusing_store, s3.root, nodes, 10, 2, options,
+                               rank_env=_two_per_node_of(4)))
+    assert saved[0]["failed"] is not None and _durable_steps(s3) == []
+    resumed = assert_all_ok(_run(_resume_saving, s3.root, nodes, 20, 1, False, options, world=2,
+                                 rank_env=_one_node_each))
+    assert all(out["error"] is None for out in resumed), resumed[0]["error"]
+    assert _durable_steps(s3) == [10]
+    shards = sorted(m.group(1) for key in s3.keys(RUN)
+                    if (m := re.fullmatch(rf"{RUN}/step_0000000010/[^/]+/(manifest\.\d+\.json)", key)))
+    assert shards == [f"manifest.{r}.json" for r in range(4)], shards
+    for rank, out in enumerate(assert_all_ok(_run(_load_durable, s3.root, nodes, 10, options,
+                                                  rank_env=_two_per_node_of(4)))):
+        assert out["step"] == 10 and out["progress"] == 10
+        _exact(out["full"], saved[rank]["full"])
+    before = sorted(s3.keys(RUN))
+    for out in assert_all_ok(_run(_fresh_save_of, s3.root, nodes, options, 10)):
+        for name in ("save", "async_save"):
+            assert "already committed in the durable root" in out[name], (name, out[name])
+    assert sorted(s3.keys(RUN)) == before  # nothing written
