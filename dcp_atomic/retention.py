@@ -307,8 +307,9 @@ def retain_after_commit(layout: RunLayout, marker: Marker, keep_last: int | None
     entries = {m.step: m for m in journal}
     entries[marker.step] = marker
     protected = {marker.step, _latest_step_named(layout)}  # LATEST may still name an older step (its write failed)
-    kept = retained(list(entries.values()), keep_last)
-    plan = GcPlan(kept_steps=sorted(m.step for m in kept), lease_seconds=lease_seconds)
+    plan = GcPlan(lease_seconds=lease_seconds)
+    kept = _kept_by_their_markers(layout, entries, keep_last, marker, plan)
+    plan.kept_steps = sorted(m.step for m in kept)
     kept_steps = {m.step for m in kept}
     for old in sorted(entries.values(), key=commit_order, reverse=True):
         if old.step in kept_steps:
@@ -331,6 +332,36 @@ def retain_after_commit(layout: RunLayout, marker: Marker, keep_last: int | None
     apply_gc(layout, plan)
     _write_journal(layout, list(entries.values()))
     return plan
+
+
+def _kept_by_their_markers(layout: RunLayout, entries: dict[int, Marker], keep_last: int, committed: Marker,
+                           plan: GcPlan) -> list[Marker]:
+    """The commits to keep, each one's marker read by exact name: a journal entry whose step is gone (removed by
+    hand) or unreadable takes no slot, and one re-saved since counts with its real order, so the ``keep_last``
+    kept are commits that exist (a stale entry would otherwise make the next commit delete the last good step).
+    ``entries`` is repaired in place; ``keep_last`` marker reads per commit, not a scan."""
+    confirmed = {committed.step}
+    while True:
+        kept = retained(list(entries.values()), keep_last)
+        unconfirmed = [m for m in kept if m.step not in confirmed]
+        if not unconfirmed:
+            return kept
+        for entry in unconfirmed:
+            confirmed.add(entry.step)
+            try:
+                current = read_marker(layout, entry.step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True)
+            except FileNotFoundError:
+                log.warning("retention: the COMMITS journal of run %r lists step %d, which has no marker (removed "
+                            "outside dcp_atomic?): the journal is repaired and the step takes no keep_last slot",
+                            layout.run_id, entry.step)
+                entries.pop(entry.step)
+                continue
+            except CheckpointError as e:  # neither kept nor deleted: reported (dcp-atomic verify / rm)
+                plan.unreadable_steps.append((entry.step, e.message))
+                entries.pop(entry.step)
+                continue
+            if current.save_id != entry.save_id:
+                entries[entry.step] = current  # re-saved since the journal saw it: its real order
 
 
 def _latest_step_named(layout: RunLayout) -> int | None:
