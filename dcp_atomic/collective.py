@@ -8,7 +8,8 @@ A reader of the manager asks two questions this module answers:
   things all fail, naming each rank's request; every rank resolves the chosen attempt itself before DCP starts,
   so one rank's stale cache fails all of them at once instead of hanging the others in a collective.
 * **what happened.** DCP's ``CheckpointException`` and gloo's untyped ``RuntimeError`` become our own types; a
-  peer failure names the ranks that never check in on the rendezvous store within the group timeout (P8).
+  failed collective is a peer failure only when the heartbeat says a rank is dead or frozen, and then names it
+  (P8); otherwise the error is reported as what it is (the user's own, DCP's check).
 
 ``CheckpointManager`` mixes :class:`RankAgreement` in; the attributes it relies on are listed there.
 """
@@ -16,19 +17,18 @@ A reader of the manager asks two questions this module answers:
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .errors import CheckpointError, RankConsistencyError, RankFailureError, shorten
+from .liveness import STORE_SILENT
 
 
 class RankAgreement:
     """Mixin of :class:`~dcp_atomic.manager.CheckpointManager`.  Uses its ``rank``, ``world_size``, ``run_id``,
-    ``timeout``, ``_distributed``, ``_group``, ``_instance``, ``_ops`` and ``_watch(what)``."""
+    ``_distributed``, ``_group``, ``_heartbeat`` and ``_watch(what)``."""
 
     def _resolve_everywhere(self, reader: Any, step: int) -> None:
         """Every rank resolves on its own; if any rank cannot, all raise, naming who saw what (P5).
@@ -99,8 +99,10 @@ class RankAgreement:
             raise value
         return value
 
-    def _translate(self, error: BaseException, what: str, op: int | None = None) -> BaseException:
-        """Our own error type for anything DCP or the process group raised."""
+    def _translate(self, error: BaseException, what: str) -> BaseException:
+        """Our own error type for anything DCP or the process group raised.  A peer failure is told by type (gloo
+        and c10d raise ``RuntimeError``s) and the liveness verdict (:meth:`_gone`), never by words in a message:
+        a user's own ``RuntimeError`` (a ``Stateful`` that says "timed out") is reported as what it is."""
         if isinstance(error, CheckpointError):
             return error
         if isinstance(error, CheckpointException):
@@ -108,22 +110,23 @@ class RankAgreement:
             ours = [e for e in inner if isinstance(e, CheckpointError)]
             if ours:
                 return ours[0]
-            peers = [e for e in inner if _is_peer_failure(e)]
-            if peers:
-                return self._peer_failure(peers[0], what, op)
+            collective = [e for e in inner if isinstance(e, RuntimeError)]
+            if collective and (gone := self._gone()) is not None:
+                return self._peer_failure(collective[0], what, gone)
             ranks = sorted(error.failures)
-            return CheckpointError(f"{what} failed on rank(s) {ranks}: {_first_line(inner[0])}", ranks=ranks)
-        if _is_peer_failure(error):
-            return self._peer_failure(error, what, op)
-        if isinstance(error, Exception):  # DCP's own checks, a bug: still typed (P8); KeyboardInterrupt is not ours
+            typed = CheckpointError(f"{what} failed on rank(s) {ranks}: {_first_line(inner[0])}", ranks=ranks)
+            typed.__cause__ = inner[0] if isinstance(inner[0], BaseException) else None
+            return typed
+        if isinstance(error, RuntimeError) and (gone := self._gone()) is not None:
+            return self._peer_failure(error, what, gone)
+        if isinstance(error, Exception):  # DCP's own checks, a bug, the user's code: still typed (P8)
             typed = CheckpointError(f"{what} failed on rank {self.rank} ({socket.gethostname()}): "
                                     f"{_first_line(error)}", rank=self.rank)
             typed.__cause__ = error
             return typed
-        return error
+        return error  # KeyboardInterrupt and the like are not ours
 
-    def _peer_failure(self, error: BaseException, what: str, op: int | None) -> RankFailureError:
-        silent = self._silent_ranks(self._ops if op is None else op)
+    def _peer_failure(self, error: BaseException, what: str, silent: str) -> RankFailureError:
         return RankFailureError(
             f"{what}: a peer died or stopped responding inside a collective (seen by rank {self.rank} on "
             f"{socket.gethostname()}); silent rank(s): {silent}. Nothing new is committed unless the step's "
@@ -133,49 +136,15 @@ class RankAgreement:
             silent=silent,
         )
 
-    def _silent_ranks(self, op: int) -> str:
-        """Which global ranks never check in on the rendezvous store within a short, bounded window.
-
-        The process group is unusable after a peer failure, but the TCP store
-        (hosted by global rank 0) still is, unless rank 0 itself is gone.  Every
-        live rank reports under the failing operation's id; the ones missing
-        after the group timeout are the dead or frozen ranks.
-        """
-        if not self._distributed:
-            return "none (single process)"
-        world, me = dist.get_world_size(), dist.get_rank()
-        prefix = f"dcp_atomic/{self.run_id}/{self._instance}/op{op}"
-        keys = [f"{prefix}/{r}" for r in range(world)]
-        # Live ranks still blocked in the broken collective only notice at the group timeout: wait that long.
-        window = self.timeout + 1.0
-        present: list[int] = []
-
-        def check_in() -> None:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(keys[me], "alive")
-            deadline = time.monotonic() + window
-            while True:
-                present[:] = [r for r, key in enumerate(keys) if store.check([key])]
-                if len(present) == world or time.monotonic() > deadline:
-                    return
-                time.sleep(0.05)
-
-        # A frozen rank 0 freezes its store too, and store calls then never return: bound them from outside.
-        worker = threading.Thread(target=check_in, name="dcp-atomic-liveness", daemon=True)
-        worker.start()
-        worker.join(window + 2.0)
-        if worker.is_alive() or me not in present:
-            return "0 (the rendezvous store on global rank 0 does not answer: rank 0 is dead or frozen)"
-        silent = sorted(set(range(world)) - set(present))
-        return ", ".join(map(str, silent)) if silent else "none (all ranks checked in; a transient network failure?)"
-
-
-def _is_peer_failure(error: BaseException) -> bool:
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
-                                      "timeout", "Broken pipe", "connection refused")
-    )
+    def _gone(self) -> str | None:
+        """The heartbeat's verdict (:meth:`.liveness.Heartbeat.silent_peers`): the global ranks that are dead or
+        frozen, as named in errors; None when every rank is alive (or there is no peer)."""
+        if self._heartbeat is None:
+            return None
+        silent = self._heartbeat.silent_peers()
+        if silent is None:
+            return STORE_SILENT
+        return ", ".join(map(str, silent)) or None
 
 
 def _raise_typed(error: BaseException) -> NoReturn:

@@ -23,8 +23,10 @@ rendezvous store, with the peer whose connection failed if it knows one, and
 waits (bounded) for the others; the error then names the ranks that peers saw
 fail, else those that never checked in (:meth:`PeerLink.lost`).  That error must
 reach the caller of plain ``dcp.load`` typed, although DCP's next step gathers
-every rank's outcome over the same broken group: :class:`PeerLost` refuses to be
-pickled for that gather and raises itself, as a plain RankFailureError, instead.
+every rank's outcome over the same broken group.  DCP pickles that outcome
+before it sends a byte, so ``read_data`` raises a :class:`PastTheGather` carrier
+whose pickling raises the :class:`PeerLost` it carries: ``dcp.load`` raises the
+typed error on this rank at once.  PeerLost itself pickles like every error.
 """
 
 from __future__ import annotations
@@ -181,16 +183,25 @@ class PeerError(Exception):
 
 
 class PeerLost(RankFailureError):
-    """A RankFailureError raised out of ``read_data`` once the group is known broken.
+    """A peer died, froze or lost its connection during a shared read; names the silent ranks."""
 
-    DCP gathers ``read_data``'s outcome over that group: the gather would fail
-    with gloo's untyped error (after waiting out the group timeout if a peer is
-    frozen) and drop this one.  Pickling, which DCP does before sending anything,
-    raises the plain error instead, so ``dcp.load`` raises it on this rank.
+
+class PastTheGather(Exception):
+    """Carries a :class:`PeerLost` out of ``read_data`` (the reader raises it; nothing else does).
+
+    DCP gathers ``read_data``'s outcome over the group the exchange just found
+    broken: the gather would fail with gloo's untyped error (after waiting out the
+    group timeout if a peer is frozen) and drop the typed one.  DCP pickles the
+    outcome before sending anything, and this carrier's pickling raises the error
+    it carries, so ``dcp.load`` raises the PeerLost on this rank, at once.
     """
 
+    def __init__(self, error: PeerLost) -> None:
+        super().__init__(str(error))
+        self.error = error
+
     def __reduce__(self):
-        raise RankFailureError(self.message, **self.details)
+        raise self.error
 
 
 class PeerLink:

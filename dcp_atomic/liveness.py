@@ -110,6 +110,26 @@ class Heartbeat:
             return None
         raise _StoreSilent(box.get("error", f"no answer within {self.timeout:g}s"))
 
+    def silent_peers(self) -> list[int] | None:
+        """The liveness verdict after a collective failed: the ranks whose beat count does not move within
+        ``timeout`` (dead or frozen; returns as soon as every peer has beaten), [] when every rank is alive, None
+        when the store itself does not answer (global rank 0 is gone)."""
+        try:
+            first = self.bounded(self.beats)
+        except _StoreSilent:
+            return None
+        deadline = time.monotonic() + self.timeout
+        moved = {self.rank}
+        while True:
+            try:
+                now = self.bounded(self.beats)
+            except _StoreSilent:
+                return None
+            moved |= {rank for rank, before, after in zip(self.ranks, first, now) if after is not None and after != before}
+            if len(moved) == len(self.ranks) or time.monotonic() > deadline:
+                return [rank for rank in self.ranks if rank not in moved]
+            time.sleep(self.poll)
+
     def beats(self) -> list[tuple[int, int, int] | None]:
         """Every rank's latest (operation, busy, beat count); None: it has not beaten yet."""
         keys = [self._key(r) for r in self.ranks]

@@ -1097,7 +1097,7 @@ class CheckpointManager(RankAgreement):
                     return
             except Exception:
                 pass
-        _raise_typed(watch.verdict or self._translate(error, f"saving step {step}", op))
+        _raise_typed(watch.verdict or self._translate(error, f"saving step {step}"))
 
 class _SaveFuture(concurrent.futures.Future):
     """An async save's future that knows whether its failure has been reported to anyone."""

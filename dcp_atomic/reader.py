@@ -50,7 +50,7 @@ from .catalog import DEFAULT_TIMEOUT, resolve
 from .codec import Decoder, narrow_tensor_by_index, tensor_bytes
 from .commit import Committed
 from .errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
-from .exchange import SharePlan
+from .exchange import PastTheGather, PeerLost, SharePlan
 from .identity import default_thread_count
 from .integrity import sha256_hex, verify_blocks, verify_segments
 from .layout import DCP_METADATA, checked_checkpoint_id, no_location_error, validate_step
@@ -412,7 +412,10 @@ class AtomicStorageReader(SharedReads, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with hook(STORAGE, last=True):
-            return self._read_data(plan, planner)
+            try:
+                return self._read_data(plan, planner)
+            except PeerLost as e:  # past DCP's gather over the broken group, typed (exchange.PastTheGather)
+                raise PastTheGather(e) from None
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self.read_stats = ReadStats()

