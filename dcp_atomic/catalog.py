@@ -42,8 +42,22 @@ def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id:
     ``save_id`` the caller was told to load, is a stale cached read (NFS): it is
     re-read until it agrees or the deadline passes.
     """
-    if step is not None and save_id is None:
-        _refuse_absent_step(layout, step)
+    absent = step is not None and save_id is None and not layout.storage.is_dir(layout.step_dir(step))
+    if absent:  # maybe a step another node just wrote (an NFS client caches a missing name for up to a minute)
+        log.warning("step %d of run %r is not visible under %s: waiting up to %.0fs in case another node is saving it "
+                    "(storage caches lag); pass a shorter timeout= to be answered sooner", step, layout.run_id,
+                    layout.storage.describe(), deadline.seconds)
+    try:
+        return _resolve(layout, step, deadline, save_id)
+    except CheckpointNotFoundError as e:
+        if not absent:
+            raise
+        raise CheckpointNotFoundError(f"{e.message.rstrip('.')}; its directory never appeared here. `dcp-atomic ls "
+                                      f"{layout.storage.describe()} {layout.run_id}` lists the committed steps",
+                                      **e.details) from None
+
+
+def _resolve(layout: RunLayout, step: int | None, deadline: Deadline, save_id: str | None) -> Committed:
     while True:
         if step is None:
             latest = read_latest(layout, deadline)
@@ -64,24 +78,6 @@ def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id:
                 path=layout.marker(committed.step),
             )
         time.sleep(min(0.05, deadline.remaining()))
-
-
-def _refuse_absent_step(layout: RunLayout, step: int) -> None:
-    """A step asked for by number whose directory does not exist is answered at once, not after the timeout: only
-    a step directory without its marker yet is waited for (a save finishing, an NFS attribute cache).  A reader
-    told which save to load (``save_id``, as the manager's are) waits in either case."""
-    if layout.storage.is_dir(layout.step_dir(step)):
-        return
-    steps = [m.step for m in scan_markers(layout)]
-    listed = f"committed steps: {_step_list(steps)}" if steps else "the run has no committed step"
-    raise CheckpointNotFoundError(
-        f"step {step} of run {layout.run_id!r} does not exist under {layout.storage.describe()} (no "
-        f"{layout.step_dir(step)}); {listed}. `dcp-atomic ls` lists them; to wait for a step another node is "
-        "saving, pass its save_id", step=step, path=layout.step_dir(step))
-
-
-def _step_list(steps: list[int]) -> str:
-    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]} ... {steps[-1]} ({len(steps)} steps)"
 
 
 def list_steps(root: str | os.PathLike, run_id: str, storage_options: dict[str, Any] | None = None) -> list[int]:

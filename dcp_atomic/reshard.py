@@ -518,6 +518,10 @@ class LoadContext:
                 if self.layout_changed and str(dtype) != record.get("dtype"):
                     refused.append(f"{fqn!r}: dtype changed {record.get('dtype')} -> {dtype}")
                     continue
+                lost = _lossy_cast(record.get("dtype"), dtype)
+                if lost:
+                    refused.append(f"{fqn!r}: saved as {record['dtype']}, the tensor it loads into is {dtype} ({lost})")
+                    continue
             if not self.layout_changed:
                 continue
             if record.get("per_rank"):
@@ -528,9 +532,25 @@ class LoadContext:
         if refused:
             raise ReshardError(
                 f"{self.where}: {len(refused)} key(s) cannot be loaded soundly:\n  - " + "\n  - ".join(refused) +
-                "\nConvert them offline for the new layout, or drop them from the state dict you load.",
+                "\nConvert them offline (for the new layout, or to the dtype you want: load into a tensor of the "
+                "saved dtype and cast it yourself), or drop them from the state dict you load.",
                 keys=[r.split("'")[1] for r in refused],
             )
+
+
+def _lossy_cast(saved: str | None, target: torch.dtype) -> str | None:
+    """Why loading a ``saved`` (its ``str(dtype)``) tensor into a ``target`` one loses what it holds, or None:
+    DCP copies into the target tensor, casting silently.  Float to float (a precision change the user chose) is
+    allowed; float or complex into integer or bool truncates, complex into real drops the imaginary part."""
+    stored = getattr(torch, saved.removeprefix("torch."), None) if isinstance(saved, str) else None
+    if not isinstance(stored, torch.dtype):
+        return None
+    if (stored.is_floating_point or stored.is_complex) and not (target.is_floating_point or target.is_complex):
+        return ("every value would become True or False" if target == torch.bool
+                else "every value would be truncated to an integer")
+    if stored.is_complex and not target.is_complex:
+        return "the imaginary parts would be dropped"
+    return None
 
 
 def check_layout(*, saved: dict[str, Any] | None, current: Parallelism | None, allow_reshard: bool,
