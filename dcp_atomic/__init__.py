@@ -7,6 +7,7 @@ Pass :class:`AtomicStorageWriter` / :class:`AtomicStorageReader` to ``dcp.save``
 from .catalog import latest_step, list_steps, resume_point
 from .commit import ResumePoint
 from .errors import (
+    ArgumentError,
     CheckpointError,
     CheckpointNotFoundError,
     CommitConflictError,
@@ -38,6 +39,7 @@ __all__ = [
     "latest_step",
     "resume_point",
     "ResumePoint",
+    "ArgumentError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CommitConflictError",

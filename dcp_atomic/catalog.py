@@ -25,6 +25,7 @@ from .layout import RunLayout
 from .manifest import Marker
 from .retry import Deadline
 from .backends import open_storage
+from .storage import LocalStorage
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,22 @@ def _resolve(layout: RunLayout, step: int | None, deadline: Deadline, save_id: s
 
 
 def list_steps(root: str | os.PathLike, run_id: str, storage_options: dict[str, Any] | None = None) -> list[int]:
-    """Committed steps of ``run_id``, ascending (damaged markers are skipped with a warning)."""
-    layout = RunLayout(open_storage(root, storage_options), run_id)
+    """Committed steps of ``run_id``, ascending (damaged markers are skipped with a warning); a local root that
+    does not exist is a typo, not an empty run (:class:`CheckpointNotFoundError`)."""
+    layout = _existing_root(root, run_id, storage_options, "list_steps")
     return [m.step for m in scan_markers(layout)]
+
+
+def _existing_root(root: str | os.PathLike, run_id: str, storage_options: dict[str, Any] | None,
+                   caller: str) -> RunLayout:
+    """The run's layout, refusing a local root directory that does not exist (an object store's empty prefix is a
+    root nothing was saved to yet: it has no existence of its own to check)."""
+    layout = RunLayout(open_storage(root, storage_options), run_id)
+    storage = layout.storage
+    if isinstance(storage, LocalStorage) and not os.path.isdir(storage.root):
+        raise CheckpointNotFoundError(f"{caller}: the root {storage.root} does not exist (a typo? a filesystem not "
+                                      "mounted here?); nothing can have been saved there", path=storage.root)
+    return layout
 
 
 def latest_step(
@@ -94,7 +108,21 @@ def latest_step(
     repair: bool = True,
     timeout: float = 10.0,
 ) -> int | None:
-    """The most recently committed step, or None.
+    """The most recently committed step, or None (see :func:`scan_latest_step`); a local root that does not exist
+    is a typo, not an empty run (:class:`CheckpointNotFoundError`)."""
+    _existing_root(root, run_id, storage_options, "latest_step")
+    return scan_latest_step(root, run_id, storage_options, repair=repair, timeout=timeout)
+
+
+def scan_latest_step(
+    root: str | os.PathLike,
+    run_id: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    repair: bool = True,
+    timeout: float = 10.0,
+) -> int | None:
+    """The most recently committed step, or None (a root nothing was saved to: the manager's first resume).
 
     Scans the markers (one process), and also reads ``LATEST`` by exact name:
     a client with stale caches may not list a marker that ``LATEST`` already

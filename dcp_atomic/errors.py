@@ -77,6 +77,10 @@ class ConfigurationError(CheckpointError):
     """The writer or reader was used in a way the protocol cannot make safe."""
 
 
+class ArgumentError(ConfigurationError, ValueError):
+    """A constructor argument of the wrong kind or out of range (``details["argument"]`` names it)."""
+
+
 class UnsafeItemError(ConfigurationError):
     """A non-tensor item holds a type the safe-decoding allow-list refuses (P11); the checkpoint itself is intact."""
 

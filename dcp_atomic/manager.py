@@ -47,7 +47,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .backends import open_storage
-from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
+from . import arguments
+from .catalog import DEFAULT_TIMEOUT, scan_latest_step
 from .collective import RankAgreement, _first_line, _raise_typed
 from .commit import (ResumePoint, listed_steps, next_sequence, read_committed, read_marker, refuse_committed,
                      resume_point, scan_markers)
@@ -199,16 +200,18 @@ class CheckpointManager(RankAgreement):
         failure_domain: str | None = None,
         on_drained: StatsCallback | None = None,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-        if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
-            raise ValueError(f"keep_local must be an int >= 1, got {keep_local!r}")
+        keep_last = arguments.count("CheckpointManager(keep_last=...)", keep_last)
+        keep_local = arguments.count("CheckpointManager(keep_local=...)", keep_local, optional=False)
+        thread_count = arguments.count("CheckpointManager(thread_count=...)", thread_count)
+        timeout = arguments.seconds("CheckpointManager(timeout=...)", timeout)
+        work_timeout = arguments.seconds("CheckpointManager(work_timeout=...)", work_timeout)
+        lease_seconds = arguments.seconds("CheckpointManager(lease_seconds=...)", lease_seconds)
+        allow_divergence = arguments.flag("CheckpointManager(allow_divergence=...)", allow_divergence)
+        share_reads = arguments.flag("CheckpointManager(share_reads=...)", share_reads, optional=True)
         defaulted = isinstance(durable_every, _Unset)
         if defaulted:  # durable copies whenever there is a local tier
             durable_every = DEFAULT_DURABLE_EVERY if local_root is not None else None
-        if durable_every is not None and (isinstance(durable_every, bool) or not isinstance(durable_every, int)
-                                          or durable_every < 1):
-            raise ValueError(f"durable_every must be an int >= 1 or None, got {durable_every!r}")
+        durable_every = arguments.count("CheckpointManager(durable_every=...)", durable_every)
         if durable_every is not None and local_root is None:
             raise ConfigurationError(f"durable_every={durable_every} needs local_root: without a local tier every "
                                      "save already goes to the durable root")

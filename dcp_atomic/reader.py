@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import failpoints
+from . import arguments, failpoints
 from .catalog import DEFAULT_TIMEOUT, resolve
 from .codec import Decoder, narrow_tensor_by_index, tensor_bytes
 from .commit import Committed
@@ -141,6 +141,13 @@ class AtomicStorageReader(SharedReads, StorageReader):
         share_buffer_bytes: int = 256 << 20,
     ) -> None:
         super().__init__()
+        thread_count = arguments.count("AtomicStorageReader(thread_count=...)", thread_count)
+        timeout = arguments.seconds("AtomicStorageReader(timeout=...)", timeout)
+        allow_reshard = arguments.flag("AtomicStorageReader(allow_reshard=...)", allow_reshard)
+        verify = arguments.flag("AtomicStorageReader(verify=...)", verify)
+        share_reads = arguments.flag("AtomicStorageReader(share_reads=...)", share_reads, optional=True)
+        share_buffer_bytes = arguments.count("AtomicStorageReader(share_buffer_bytes=...)", share_buffer_bytes,
+                                             optional=False)
         self.storage_options = storage_options
         self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
         self.storage, self.layout = open_location(root, run_id, storage_options)

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import commit, failpoints
+from . import arguments, commit, failpoints
 from .catalog import DEFAULT_TIMEOUT
 from .codec import Encoder, Staging, host_blocks, plane_width, tensor_bytes
 from .container import find_payload
@@ -204,6 +204,11 @@ class AtomicStorageWriter(StorageWriter):
             )
         if parallelism is not None and not isinstance(parallelism, Parallelism):
             raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
+        thread_count = arguments.count("AtomicStorageWriter(thread_count=...)", thread_count)
+        timeout = arguments.seconds("AtomicStorageWriter(timeout=...)", timeout)
+        overwrite = arguments.flag("AtomicStorageWriter(overwrite=...)", overwrite)
+        stock_readable = arguments.flag("AtomicStorageWriter(stock_readable=...)", stock_readable)
+        block_size = arguments.count("AtomicStorageWriter(block_size=...)", block_size, optional=False)
         self.storage_options = storage_options
         self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
         self.storage, self.layout = open_location(root, run_id, storage_options)

@@ -70,3 +70,34 @@ def test_float_to_float_casts_stay_allowed(root):
         assert out["refused"] is None
         assert torch.equal(out["w"], torch.linspace(-2.5, 2.5, 8).to(torch.bfloat16))
         assert torch.equal(out["count"], torch.tensor([3, 4]))
+
+
+@pytest.mark.parametrize("make, argument", [
+    (lambda root: AtomicStorageWriter(root, RUN, 1, thread_count=0), "thread_count"),
+    (lambda root: AtomicStorageWriter(root, RUN, 1, timeout=-1), "timeout"),
+    (lambda root: AtomicStorageWriter(root, RUN, 1, overwrite="no"), "overwrite"),
+    (lambda root: AtomicStorageReader(root, RUN, 1, verify="no"), "verify"),
+    (lambda root: AtomicStorageReader(root, RUN, 1, timeout=float("nan")), "timeout"),
+    (lambda root: AtomicStorageReader(root, RUN, 1, share_reads="false"), "share_reads"),
+    (lambda root: __import__("dcp_atomic").CheckpointManager(root, RUN, thread_count=0), "thread_count"),
+    (lambda root: __import__("dcp_atomic").CheckpointManager(root, RUN, timeout=0), "timeout"),
+    (lambda root: __import__("dcp_atomic").CheckpointManager(root, RUN, allow_divergence="yes"), "allow_divergence"),
+    (lambda root: __import__("dcp_atomic").CheckpointManager(root, RUN, keep_last=0), "keep_last"),
+])
+def test_arguments_of_the_wrong_kind_are_refused_at_construction_naming_the_argument(tmp_path, make, argument):
+    from dcp_atomic import ArgumentError
+
+    with pytest.raises(ArgumentError) as refused:
+        make(str(tmp_path))
+    assert f"({argument}=...)" in str(refused.value) and refused.value.details["argument"].endswith(f"({argument}=...)")
+    assert isinstance(refused.value, ValueError)  # what such a mistake raised before, for callers that catch it
+
+
+def test_list_steps_and_latest_step_of_a_root_that_does_not_exist_say_so(tmp_path):
+    from dcp_atomic import latest_step, list_steps
+
+    missing = str(tmp_path / "typo")
+    for call in (list_steps, latest_step):
+        with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+            call(missing, RUN)
+    assert list_steps(str(tmp_path), "never-saved") == [] and latest_step(str(tmp_path), "never-saved") is None
