@@ -109,7 +109,8 @@ class AtomicStorageReader(SharedReads, StorageReader):
         timeout: seconds any wait (visibility lag, retries) may take.
         thread_count: files read in parallel per rank.
         layout_dependent: globs of keys refused when tp / pp changes (besides those declared at save).
-        save_id: load exactly this attempt of ``step`` (waits, bounded, until the marker names it).
+        save_id: load exactly this attempt of ``step`` (waits, bounded, until the marker names it); what pins
+            one version on every rank of a ``no_dist=True`` load in a multi-rank job (``dcp-atomic show`` prints it).
         share_reads: read each stored item once and share it with the other ranks that need it (see
             :mod:`.exchange`). ``None`` (default): on where the storage is not a local POSIX file system
             (object stores, where every byte read is a request) or the ranks span several hosts; ``False``:
@@ -193,6 +194,9 @@ class AtomicStorageReader(SharedReads, StorageReader):
     def _resolve(self) -> Committed:
         if self.layout is None:
             raise no_location_error(type(self).__name__)
+        if self.requested_save_id is not None and self.requested_step is None:
+            raise ConfigurationError(f"AtomicStorageReader(save_id={self.requested_save_id!r}) needs the step that "
+                                     "save belongs to (step=, or checkpoint_id=<root>/<run>/step_<N>)")
         committed = resolve(self.layout, self.requested_step, Deadline(self.timeout), save_id=self.requested_save_id)
         context = LoadContext(
             where=f"run {self.layout.run_id!r} step {committed.step}",
@@ -311,7 +315,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
             return
         root, run_id, step = checked_checkpoint_id(checkpoint_id, self._built_root, self._built_run_id,
                                                    type(self).__name__)
-        if self.requested_save_id is not None and step != self.requested_step:
+        if self.requested_save_id is not None and self.requested_step not in (None, step):
             raise ConfigurationError(
                 f"checkpoint_id {os.fspath(checkpoint_id)!r} names step {step}, but this reader is pinned to save "
                 f"{self.requested_save_id} of step {self.requested_step}: drop save_id= or load that step. "
@@ -376,8 +380,8 @@ class AtomicStorageReader(SharedReads, StorageReader):
             return self._prepare_global_plan(plans)
 
     def _prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if len(plans) == 1 and self.requested_step is None:
-            self._refuse_lone_latest()
+        if len(plans) == 1:
+            self._refuse_unpinned_lone_load()
         views = [p.storage_data for p in plans]
         if any(not isinstance(v, _LoadView) for v in views):
             raise ConfigurationError("every rank must load with an AtomicStorageReader")
@@ -400,20 +404,26 @@ class AtomicStorageReader(SharedReads, StorageReader):
         return [dataclasses.replace(p, storage_data=_Assignment(v, None if shares is None else shares[i], exchange_id))
                 for i, (p, v) in enumerate(zip(plans, views))]
 
-    def _refuse_lone_latest(self) -> None:
+    def _refuse_unpinned_lone_load(self) -> None:
         """A rank that plans alone (``no_dist=True``, or a one-rank group) while a multi-rank job runs resolves
-        ``LATEST`` on its own: a save committing, or a stale NFS cache, between two ranks' loads gives them
-        different versions, and no collective compares them (P5).  An explicit step is the same on every rank."""
+        its version on its own, and no collective compares the ranks' (P5): ``LATEST`` moves with every commit, and
+        a step number does not pin a version either (``overwrite=True``, or a resumed job superseding the step,
+        re-saves it between two ranks' loads).  Only a ``save_id`` names one version on every rank."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return
+        if self.requested_save_id is not None:
+            return
         rank, world = dist.get_rank(), dist.get_world_size()
+        run = self.layout.run_id
+        asked = "the latest step" if self.requested_step is None else f"step {self.requested_step}"
         raise ConfigurationError(
             f"global rank {rank} of {world} on {socket.gethostname()}: dcp.load(..., no_dist=True) (or on a "
-            f"one-rank process group) would resolve the latest step of run {self.layout.run_id!r} on this rank "
-            "alone, and a save committing or a stale storage cache between the ranks' loads would give them "
-            "different versions. Pass the same explicit step to every rank (AtomicStorageReader(..., step=N) or "
-            "checkpoint_id=<root>/<run>/step_<N>, N e.g. from dcp_atomic.latest_step on rank 0, broadcast), or "
-            "load with collectives on every rank. Nothing was loaded.",
+            f"one-rank process group) would resolve {asked} of run {run!r} on this rank alone, and a commit or "
+            "re-save of it (overwrite=True, a resumed job) or a stale storage cache between the ranks' loads would "
+            "give them different versions. Pin the version: pass the same step and save_id to every rank "
+            "(AtomicStorageReader(..., step=N, save_id=S); `dcp-atomic show ROOT RUN N` prints S, or broadcast rank "
+            "0's AtomicStorageReader(root, run, N).resolve().save_id), or load with collectives on every rank "
+            "(CheckpointManager.load does). Nothing was loaded.",
             rank=rank, world_size=world,
         )
 

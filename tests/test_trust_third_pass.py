@@ -95,10 +95,13 @@ def _lone_loads(ctx):
     for step in (1, 2):
         dcp.save({"x": torch.full((4,), float(step))}, storage_writer=AtomicStorageWriter(ctx.root, RUN, step))
     outcome = {}
+    pinned = AtomicStorageReader(ctx.root, RUN, 1).resolve().save_id  # what `dcp-atomic show` prints
     for name, reader, kwargs in (
             ("latest", AtomicStorageReader(ctx.root, RUN), {}),
             ("step", AtomicStorageReader(ctx.root, RUN, 1), {}),
-            ("checkpoint_id", AtomicStorageReader(), {"checkpoint_id": f"{ctx.root}/{RUN}/step_1"})):
+            ("checkpoint_id", AtomicStorageReader(), {"checkpoint_id": f"{ctx.root}/{RUN}/step_1"}),
+            ("pinned", AtomicStorageReader(ctx.root, RUN, 1, save_id=pinned), {}),
+            ("pinned_id", AtomicStorageReader(save_id=pinned), {"checkpoint_id": f"{ctx.root}/{RUN}/step_1"})):
         got = {"x": torch.zeros(4)}
         try:
             dcp.load(got, storage_reader=reader, no_dist=True, **kwargs)
@@ -123,12 +126,15 @@ def _ours(error: BaseException) -> BaseException:
     return error
 
 
-def test_a_no_dist_load_of_latest_in_a_multi_rank_job_is_refused_and_an_explicit_step_loads(root):
+def test_a_no_dist_load_in_a_multi_rank_job_must_pin_a_save_id_and_a_pinned_one_loads(root):
+    """A step number does not pin a version (a re-save between two ranks' loads): the latest, a step and a
+    checkpoint_id are refused, saying how to get the save_id; step and save_id together load."""
     for outcome in assert_all_ok(run_world(_lone_loads, 2, root, timeout=120)):
-        kind, text = outcome["latest"]
-        assert kind == "ConfigurationError", outcome
-        assert "no_dist=True" in text and "explicit step" in text and "rank" in text, text
-        assert outcome["step"] == outcome["checkpoint_id"] == ("loaded", [1.0] * 4), outcome
+        for name in ("latest", "step", "checkpoint_id"):
+            kind, text = outcome[name]
+            assert kind == "ConfigurationError", (name, outcome)
+            assert "no_dist=True" in text and "save_id" in text and "dcp-atomic show" in text, text
+        assert outcome["pinned"] == outcome["pinned_id"] == ("loaded", [1.0] * 4), outcome
 
 
 # -- 3: a .metadata whose dtype is not the manifest's --------------------------------------------------------

@@ -73,6 +73,7 @@ from ..writer import AtomicStorageWriter
 log = logging.getLogger(__name__)
 
 POINTER_KEY = "dcp_atomic_checkpoint_id"
+SAVE_ID_KEY = "dcp_atomic_save_id"  # beside POINTER_KEY: the one save of the step the file names
 POINTER_RECORD = "dcp_atomic_pointer.json"  # inside the archive: {POINTER_KEY: checkpoint_id}
 MAX_POINTER_RECORD_BYTES = 64 * 1024
 _UNSAFE_RUN_CHARS = re.compile(r"[^A-Za-z0-9._-]")
@@ -154,13 +155,14 @@ class _AtomicCheckpointing:
         writer = AtomicStorageWriter(overwrite=True, timeout=self.timeout, parallelism=self.parallelism,
                                      compression=self.compression)
         dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, planner=AtomicSavePlanner())
-        self._publish(checkpoint, path, checkpoint_id)
+        self._publish(checkpoint, path, checkpoint_id, {"save_id": writer.save_id})
 
     def _publish(self, checkpoint: dict[str, Any], path: str, checkpoint_id: str,
                  record: dict[str, Any] | None = None) -> None:
         """Global rank 0 writes Lightning's file naming the committed ``checkpoint_id`` (then retires the state of
         one tier that the file named before and no file names now); a failure reaches every rank."""
         checkpoint[POINTER_KEY] = checkpoint_id  # for AtomicCheckpointHooks, outside a Trainer
+        checkpoint[SAVE_ID_KEY] = (record or {}).get("save_id")  # rank 0's: the one whose file is written
         failure = None
         if self.global_rank == 0:
             try:
@@ -237,12 +239,14 @@ class _AtomicCheckpointing:
                                   "recorded in it): resume from a file this strategy wrote", path=path)
         meta = torch.load(path, weights_only=weights_only)  # Lightning's own rule: None is torch's default
         meta.pop(POINTER_KEY, None)  # loaded here: AtomicCheckpointHooks must not load it again
+        meta.pop(SAVE_ID_KEY, None)
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
         if record.get("tier") and self.local_root is not None:
             self._tier_load(path, record, state)
         else:  # one tier, or a local-tier file read where this job has no local root: its durable copy
-            reader = AtomicStorageReader(timeout=self.timeout, parallelism=self.parallelism)
+            reader = AtomicStorageReader(timeout=self.timeout, parallelism=self.parallelism,
+                                         save_id=record.get("save_id"))  # that save or nothing, before any read
             try:
                 dcp.load(state, storage_reader=reader, checkpoint_id=checkpoint_id, planner=AtomicLoadPlanner())
             except CheckpointNotFoundError as e:
@@ -371,8 +375,14 @@ class AtomicCheckpointHooks:
         if isinstance(checkpoint_id, str) and not checkpoint.get("state_dict"):
             state = {"state_dict": self.state_dict()}
             # This process alone, even inside a process group: Lightning calls this per process (often on rank 0
-            # only), and a collective would wait for ranks that never come.  The id names one step: no LATEST.
-            dcp.load(state, storage_reader=AtomicStorageReader(), checkpoint_id=checkpoint_id,
+            # only), and a collective would wait for ranks that never come.  The file names one save of one step;
+            # a file of an earlier version names only the step: then the save the step holds now.
+            save_id = checkpoint.get(SAVE_ID_KEY)
+            if not isinstance(save_id, str):
+                current = AtomicStorageReader()
+                current.reset(checkpoint_id)
+                save_id = current.resolve().save_id
+            dcp.load(state, storage_reader=AtomicStorageReader(save_id=save_id), checkpoint_id=checkpoint_id,
                      planner=AtomicLoadPlanner(), no_dist=True)
             checkpoint["state_dict"] = state["state_dict"]
         parent = getattr(super(), "on_load_checkpoint", None)
