@@ -47,6 +47,10 @@ RETRY_BUDGET_S = 600.0  # S3 answers SlowDown for minutes while it re-partitions
 STALL_TIMEOUT_S = 60.0
 STALL_BYTES_PER_S = 256 << 10  # an attempt's deadline grows by 4 s per MiB it uploads or downloads
 CONNECT_TIMEOUT_S = 10.0  # an SDK's connect timeout, at most: a refused or silent endpoint is retried sooner
+# An endpoint that refuses every connection (a wrong port) or has no address (a wrong host) before it ever answered
+# this process is a configuration mistake, not throttling: given up on after this, not the whole retry budget.
+UNREACHABLE_BUDGET_S = 15.0
+RETRY_NOTICE_S = 10.0  # a request retried this long is logged as in progress (then once a minute)
 NOTHING_COMMITTED = "Nothing of this save is committed; the previous checkpoint is intact."
 READ_OPERATIONS = ("GET", "HEAD")
 HARMLESS_OPERATIONS = ("LIST", "DELETE", "list multipart uploads", "abort multipart upload")
@@ -59,6 +63,19 @@ def chain(exc: BaseException | None):
         seen.add(id(exc))
         yield exc
         exc = exc.__cause__ or exc.__context__
+
+
+def unreachable(exc: BaseException) -> bool:
+    """The connection was never made: refused (nothing listens on that port) or no such host (DNS)."""
+    for e in chain(exc):
+        os_error = getattr(e, "os_error", None)  # aiohttp's ClientConnectorError keeps the socket's error here
+        for candidate in (e, os_error):
+            if isinstance(candidate, (ConnectionRefusedError, socket.gaierror)):
+                return True
+            if isinstance(candidate, OSError) and candidate.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH,
+                                                                      errno.ENETUNREACH):
+                return True
+    return False
 
 
 def current_rank() -> int:
@@ -205,6 +222,7 @@ class ObjectRequests:
         self.errors = errors
         self.endpoint = endpoint
         self.limit = AdaptiveLimit(policy.max_concurrency, errors.store)
+        self.answered = False  # the endpoint answered this process once: refusals then are a restart, retried
 
     async def attempt(self, call: Callable[[], Awaitable[T]], nbytes: int) -> T:
         deadline = self.policy.stall_deadline(nbytes)
@@ -227,6 +245,7 @@ class ObjectRequests:
         errors, policy = self.errors, self.policy
         started: float | None = None
         attempt = unanswered = stalled = 0
+        notice_at = RETRY_NOTICE_S
         while True:
             attempt += 1
             epoch = await self.limit.acquire()
@@ -249,26 +268,41 @@ class ObjectRequests:
                     unanswered += 1  # the store may still apply it: see StorageError.details["unanswered"]
                     stalled += isinstance(e, RequestStalled)
                 delay = policy.delay(attempt)
-                in_budget = (time.monotonic() - started + delay < policy.retry_budget_s
+                elapsed = time.monotonic() - started
+                never_reached = not self.answered and unreachable(e)
+                budget = min(policy.retry_budget_s, UNREACHABLE_BUDGET_S) if never_reached else policy.retry_budget_s
+                in_budget = (elapsed + delay < budget
                              and (policy.max_attempts is None or attempt < policy.max_attempts))
                 if retryable and in_budget:
-                    log.debug("retrying %s of %s in %.2fs after: %s", what, url, delay, e)
+                    if elapsed >= notice_at:
+                        log.warning("%s %s of %s: still retrying after %.0fs (attempt %d; gives up after %.0fs): %s",
+                                    errors.store, what, url, elapsed, attempt, budget, _first_line(e))
+                        notice_at = elapsed + 60.0
+                    else:
+                        log.debug("retrying %s of %s in %.2fs after: %s", what, url, delay, e)
                     await asyncio.sleep(delay)
                     continue
+                if never_reached:
+                    raise self.failure(what, url, e, attempt, elapsed, unreachable=True) from e
                 if not retryable and status is None and code is None:
                     raise  # not the store's answer: a local bug or misconfiguration, keep its own type
                 raise self.failure(what, url, e, attempt, time.monotonic() - started,
                                    unanswered=unanswered, stalled=stalled) from e
             await self.limit.release(epoch, ok=True, throttled=False)
+            self.answered = True
             return result
 
     def failure(self, what: str, url: str, e: BaseException, attempts: int, seconds: float, *,
-                unanswered: int = 0, stalled: int = 0) -> StorageError:
+                unanswered: int = 0, stalled: int = 0, unreachable: bool = False) -> StorageError:
         """The final :class:`StorageError`: who, where, the store's reply, the option to change, what is left."""
         errors, policy = self.errors, self.policy
         status, code, message = errors.reply(e)
         rank = current_rank()
         hint = errors.hint(status, code, message, url)
+        if unreachable:
+            hint = (f"The endpoint cannot be reached ({attempts} attempts over {seconds:.1f}s, no connection: "
+                    f"refused, or no such host): check endpoint_url in storage_options (now {self.endpoint()}) "
+                    "and that the server runs")
         if hint is None:
             if status in (401, 403):
                 hint = f"The credentials in storage_options / the environment may not write or read {url}"
@@ -295,6 +329,11 @@ class ObjectRequests:
             rank=rank, path=url, status=status, code=code, reply_message=message, attempts=attempts,
             unanswered=unanswered,
         )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
 
 def settle_write(error: StorageError, data: bytes, read_back: Callable[[], bytes | None], url: str, *,

@@ -3,6 +3,8 @@ arguments of the wrong kind (tried as a new user would)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -101,3 +103,24 @@ def test_list_steps_and_latest_step_of_a_root_that_does_not_exist_say_so(tmp_pat
         with pytest.raises(CheckpointNotFoundError, match="does not exist"):
             call(missing, RUN)
     assert list_steps(str(tmp_path), "never-saved") == [] and latest_step(str(tmp_path), "never-saved") is None
+
+
+@pytest.mark.parametrize("endpoint", ["refused", "http://no-such-host.invalid:9000"])
+def test_an_s3_endpoint_that_cannot_be_reached_fails_in_seconds_with_the_endpoint_hint(endpoint):
+    """The default retry options (no test-only short budget): a refused connection or an unknown host is a wrong
+    endpoint_url, not throttling, and is not retried for the 600 s throttling budget."""
+    import socket
+
+    from dcp_atomic import StorageError, list_steps
+
+    if endpoint == "refused":
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    options = {"endpoint_url": endpoint, "key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"}}
+    started = time.monotonic()
+    with pytest.raises(StorageError) as failed:
+        list_steps("s3://bucket/ckpt", RUN, storage_options=options)
+    assert time.monotonic() - started < 60, "an unreachable endpoint was retried like a throttling store"
+    assert "cannot be reached" in str(failed.value) and "endpoint_url" in str(failed.value), failed.value
+    assert endpoint in str(failed.value)
