@@ -33,7 +33,7 @@ import torch
 
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, TensorProperties
 
-from .errors import CorruptCheckpointError, TorchVersionError, UnsafeItemError
+from .errors import CheckpointError, CorruptCheckpointError, TorchVersionError, UnsafeItemError
 
 
 class _UnknownState(Exception):
@@ -183,6 +183,31 @@ def safe_byte_item(data: bytes, *, key: str, where: str) -> io.BytesIO:
     is the decoded object saved again, so the planner's unpickler only ever
     sees bytes this process wrote, never the stored ones.
     """
+    value = _decode_item(data, key=key, where=where)
+    stream = io.BytesIO()
+    torch.save(value, stream)
+    stream.seek(0)
+    return stream
+
+
+SAVE_CHECK_MAX_BYTES = 16 << 20  # larger non-tensor items are not decoded at save (their cost is the save's)
+
+
+def load_refusal(data: bytes | memoryview, *, key: str) -> str | None:
+    """Why the load of a non-tensor item being saved will refuse it (:func:`safe_byte_item`'s allow-list, as
+    this process has it now), or None: a save warns instead of leaving the surprise to the load."""
+    if len(data) > SAVE_CHECK_MAX_BYTES:
+        return None
+    try:
+        _decode_item(bytes(data), key=key, where="the item being saved")
+    except UnsafeItemError as e:
+        return e.message
+    except CheckpointError:
+        return None  # not a torch.save archive: a planner's own bytes, nothing to predict
+    return None
+
+
+def _decode_item(data: bytes, *, key: str, where: str) -> Any:
     with _decode_lock:
         missing = [g for g in _dcp_state_globals() if g not in torch.serialization.get_safe_globals()]
         try:
@@ -199,10 +224,7 @@ def safe_byte_item(data: bytes, *, key: str, where: str) -> io.BytesIO:
         except Exception as e:  # not a torch.save archive, truncated, a device this host lacks
             raise CorruptCheckpointError(f"{where}: cannot decode non-tensor item {key!r} ({e})",
                                          key=key, path=where) from None
-    stream = io.BytesIO()
-    torch.save(value, stream)
-    stream.seek(0)
-    return stream
+    return value
 
 
 _BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation", "(1)", "(2)")

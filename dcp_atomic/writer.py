@@ -60,6 +60,7 @@ from .manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, 
 from .parallelism import Parallelism
 from .progress import Progress
 from .reshard import ItemSummary, SaveReport, check_save, summarize_items
+from .safe_pickle import load_refusal
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -629,6 +630,7 @@ class _RankWrite:
         if item.type == WriteItemType.BYTE_IO:
             if not isinstance(data, io.BytesIO):
                 raise self._refuse_resolved(item, data, "io.BytesIO")
+            _warn_if_load_refuses(data.getbuffer(), item.index.fqn, self.rank)
             start = out.begin_item()
             out.write(data.getbuffer())
             length, checksums = out.end_item()
@@ -724,6 +726,22 @@ def _without_zip_crc32():
 
 class _Aborted(Exception):
     """Another writer thread of this rank failed; stop early."""
+
+
+_warned_keys: set[str] = set()
+
+
+def _warn_if_load_refuses(data: memoryview, key: str, rank: int) -> None:
+    """A non-tensor item the load's allow-list (P11) will refuse is saved, with a warning naming the fix now,
+    once per key and process, rather than found at the first resume."""
+    if key in _warned_keys:
+        return
+    refusal = load_refusal(data, key=key)
+    if refusal is not None:
+        _warned_keys.add(key)
+        log.warning("rank %d: saving %r, which a load will refuse unless the type is allowed there: %s. Save plain "
+                    "types (dicts, lists, tensors, numbers, strings) under this key, or allow the type at load.",
+                    rank, key, refusal)
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -124,3 +124,24 @@ def test_an_s3_endpoint_that_cannot_be_reached_fails_in_seconds_with_the_endpoin
     assert time.monotonic() - started < 60, "an unreachable endpoint was retried like a throttling store"
     assert "cannot be reached" in str(failed.value) and "endpoint_url" in str(failed.value), failed.value
     assert endpoint in str(failed.value)
+
+
+class _Opaque:  # a user's own class: pickled by DCP at save, refused by the weights-only allow-list at load
+    def __init__(self, n):
+        self.n = n
+
+
+def test_saving_an_object_the_load_will_refuse_warns_at_save_naming_the_key_and_the_fix(tmp_path, caplog):
+    import logging
+
+    from dcp_atomic import UnsafeItemError
+
+    root = str(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="dcp_atomic"):
+        _save(root, 1, {"w": torch.ones(2), "extra": {"sampler": _Opaque(3)}, "plain": {"epoch": 2}})
+    warned = [r.getMessage() for r in caplog.records if "a load will refuse" in r.getMessage()]
+    assert len(warned) == 1 and "'extra.sampler'" in warned[0] and "add_safe_globals" in warned[0], warned
+    from dcp_atomic import CheckpointManager
+
+    with pytest.raises(UnsafeItemError), CheckpointManager(root, RUN, timeout=10) as manager:  # the warning was true
+        manager.load({"w": torch.zeros(2), "extra": {"sampler": None}, "plain": {"epoch": 0}}, step=1)
