@@ -43,7 +43,9 @@ def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id:
     ``save_id`` the caller was told to load, is a stale cached read (NFS): it is
     re-read until it agrees or the deadline passes.
     """
-    absent = step is not None and save_id is None and not layout.storage.is_dir(layout.step_dir(step))
+    # One stat on a POSIX root (on an object store it would be a LIST by every rank, which ranks never make).
+    absent = (step is not None and save_id is None and isinstance(layout.storage, LocalStorage)
+              and not layout.storage.is_dir(layout.step_dir(step)))
     if absent:  # maybe a step another node just wrote (an NFS client caches a missing name for up to a minute)
         log.warning("step %d of run %r is not visible under %s: waiting up to %.0fs in case another node is saving it "
                     "(storage caches lag); pass a shorter timeout= to be answered sooner", step, layout.run_id,
