@@ -256,7 +256,7 @@ class Manifest:
                 run_id=validate_run_id(raw["run_id"]),
                 step=validate_step(raw["step"]),
                 save_id=validate_save_id(raw["save_id"]),
-                world_size=_nonneg(raw["world_size"]),
+                world_size=_world_size(raw["world_size"]),
                 parallelism=_parallelism(raw.get("parallelism")),
                 ranks=_rank_records(raw["ranks"]),
                 files=files,
@@ -365,10 +365,19 @@ def _shard_ref(value: Any) -> ShardRef:
     return ref
 
 
+MAX_WORLD = 1 << 20  # ranks: far above any job; a larger world_size is garbled, and would cost memory per rank
+
+
+def _world_size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORLD:
+        raise ValueError(f"world_size {value!r} is not between 1 and {MAX_WORLD}")
+    return value
+
+
 def _check_shard_refs(manifest: "Manifest") -> None:
     """One shard per rank of the world, and every file owned by a rank that has one."""
     ranks = [s.rank for s in manifest.shards]
-    if sorted(ranks) != list(range(manifest.world_size)):
+    if len(ranks) != manifest.world_size or sorted(ranks) != list(range(len(ranks))):
         raise ValueError(f"shards of ranks {sorted(ranks)[:8]} for a world of {manifest.world_size}")
     for f in manifest.files:
         if f.rank >= manifest.world_size or f"__{f.rank}_" != f.name[: len(f"__{f.rank}_")]:
@@ -509,10 +518,19 @@ def _known_fields(cls, raw: dict) -> dict:
     fields = {k: raw[k] for k in cls.__dataclass_fields__ if k not in optional}
     if isinstance(fields["committed_at"], bool) or not isinstance(fields["committed_at"], (int, float)):
         raise ValueError(f"committed_at {fields['committed_at']!r} is not a time")
+    for name in ("manifest", "library_version"):  # kind and schema: _unseal; run_id, step, save_id: the caller
+        if name in fields and not isinstance(fields[name], str):
+            raise ValueError(f"{name} {fields[name]!r} is not a string")
+    digest = fields.get("manifest_sha256", "0" * 64)
+    if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+        raise ValueError(f"manifest_sha256 {digest!r} is not a sha256")
     sequence = raw.get("sequence")
-    fields["sequence"] = None if sequence is None else _nonneg(sequence)
+    if sequence is not None and (isinstance(sequence, bool) or not isinstance(sequence, int)
+                                 or not 0 <= sequence < MAX_BYTES):
+        raise ValueError(f"sequence {sequence!r} is not a commit number")
+    fields["sequence"] = sequence
     if "drain" in cls.__dataclass_fields__:
-        if raw.get("drain") not in (None, True, False):
+        if not (raw.get("drain") is None or isinstance(raw.get("drain"), bool)):
             raise ValueError(f"drain {raw['drain']!r} is not a boolean")
         fields["drain"] = raw.get("drain")
     if "lineage" in cls.__dataclass_fields__:
