@@ -548,7 +548,8 @@ def cmd_rm(args) -> int:
         print("dcp-atomic: nothing was removed: pass --yes to remove it", file=sys.stderr)
         return 2
     if args.step is not None:
-        remove_step(layout, args.step)
+        left = remove_step(layout, args.step, lease_seconds=args.lease_hours * 3600)
+        plan["left_in_flight"] = left
     else:
         plan["committed_steps"] = remove_run(layout)
     if args.json:
@@ -666,6 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run")
     p.add_argument("step", nargs="?", type=int, help="the step to delete (default: the whole run)")
     p.add_argument("--yes", action="store_true", help="really delete (without it: show what would go, exit 2)")
+    p.add_argument("--lease-hours", type=float, default=6.0,
+                   help="a step's uncommitted attempt younger than this is a save in flight and is left (0: none)")
     p.set_defaults(func=cmd_rm)
 
     p = sub.add_parser("export", parents=[after],

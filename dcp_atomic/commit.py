@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from . import failpoints
-from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError, IncompleteStepError
+from .errors import (CheckpointError, CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError,
+                     IncompleteStepError, StorageError)
 from .integrity import sha256_hex
-from .layout import DCP_METADATA, MANIFEST, RunLayout, parse_step_dir
+from .layout import ATTEMPT, DCP_METADATA, MANIFEST, RunLayout, parse_step_dir
 from .manifest import RANKS_FILE, Latest, Manifest, ManifestShard, Marker, RankRecords, ShardRef, now, shard_name
 from .retry import REREAD_SECONDS, Deadline, retry_until
 from .version import __version__
@@ -282,11 +283,33 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
 
     marker = place_marker(layout, marker, manifest, evidence or Evidence.written(manifest), overwrite=overwrite,
                           resumed=resumed, timeout=timeout, conflict_message=conflict, what="commit")
+    _refuse_removed_under(layout, marker)
     _last_sequence[layout.run_dir] = marker.sequence
     failpoints.hit("commit.after_marker", rank)
     write_latest(layout, marker)
     failpoints.hit("commit.after_latest", rank)
     return marker
+
+
+def _refuse_removed_under(layout: RunLayout, marker: Marker) -> None:
+    """After the marker: the attempt's claim, written before any data, is still there, else something removed
+    the attempt while it committed (``rm -r``, or a removal tool that ignores leases): the marker is withdrawn and
+    the save fails, never reporting success over files that are gone.  One small request per commit."""
+    claim = layout.attempt_file(marker.step, marker.save_id, ATTEMPT)
+    try:
+        layout.storage.size(claim)
+        return
+    except FileNotFoundError:
+        pass
+    try:
+        if _read_marker_once(layout, marker.step).save_id == marker.save_id:
+            layout.storage.remove(layout.marker(marker.step))
+    except (OSError, CheckpointError):
+        pass
+    raise StorageError(f"step {marker.step} of run {layout.run_id!r}: the attempt {marker.save_id} was removed while "
+                       f"it committed ({claim} is gone: `rm`, or a tool that ignores in-flight saves); its marker was "
+                       "withdrawn and nothing of this save is visible. Save again.", step=marker.step,
+                       path=claim, committed=False)
 
 
 def place_marker(layout: RunLayout, marker: Marker, manifest: Manifest, evidence: Evidence, *, overwrite: bool,

@@ -207,29 +207,48 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
 # -- deletions an operator asks for -----------------------------------------------------------------------------
 
 
-def remove_step(layout: RunLayout, step: int) -> None:
-    """Delete one step, committed or not, even the one ``LATEST`` names.
+def remove_step(layout: RunLayout, step: int, *, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> list[str]:
+    """Delete one step, committed or not, even the one ``LATEST`` names; returns the attempts left in place.
+
+    An uncommitted attempt inside its lease (its ``ATTEMPT`` claim younger than ``lease_seconds``) is a save in
+    flight: it is left (logged), and commits or is gc's once the lease ends, so a job saving the step while it is
+    removed never commits over files taken from under it.
 
     Order, so that a crash at any point leaves no committed step with missing files and no ``LATEST`` naming a
     step that is gone for longer than the deletion: the marker is removed first (un-commit), then ``LATEST`` is
     pointed at the most recent remaining commit (commit order, P10; deleted if none remains) and the step is
     dropped from the ``COMMITS`` journal, and only then are the step's files deleted, its hashed-prefix data
     (``_dXX/<run>/step_N/``) before the step directory that leads gc to it.  Run by one process (the CLI, global
-    rank 0), never while a job saves into this run.
+    rank 0).
     """
     storage = layout.storage
     if not storage.is_dir(layout.step_dir(step)) and not any(
             step_dir_name(step) in names for names in _data_steps(layout).values()):
         raise CheckpointNotFoundError(f"run {layout.run_id!r} has no step {step} ({layout.step_dir(step)} does not "
                                       "exist); nothing was removed", step=step, path=layout.step_dir(step))
+    try:
+        committed = read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True).save_id
+    except (FileNotFoundError, CheckpointError):
+        committed = None  # uncommitted, or a damaged marker: its attempts are judged by their leases alone
+    now = time.time()
+    attempts = [e for e in storage.list_dir(layout.step_dir(step)) if e != MARKER and not e.startswith(".")]
+    in_flight = [a for a in attempts if a != committed
+                 and now - (_attempt_started(layout, step, a) or _save_id_time(a) or 0.0) <= lease_seconds]
     storage.remove(layout.marker(step))  # un-commit first
     storage.sync_dir(layout.step_dir(step))
     _point_latest_at_newest(layout, exclude={step})
     journal = _read_journal(layout)
     if journal is not None:  # a missing journal stays missing: the next commit rebuilds it from a scan
         _write_journal(layout, [m for m in journal if m.step != step])
-    apply_gc(layout, GcPlan(delete_steps=[step]))
-    log.info("removed step %d of run %r", step, layout.run_id)
+    if in_flight:
+        apply_gc(layout, GcPlan(delete_attempts=[(step, a) for a in attempts if a not in in_flight]))
+        log.warning("removed step %d of run %r but left %d attempt(s) of a save in flight (inside the %.0f h lease): "
+                    "%s; it commits, or gc collects it once the lease ends", step, layout.run_id, len(in_flight),
+                    lease_seconds / 3600, ", ".join(in_flight))
+    else:
+        apply_gc(layout, GcPlan(delete_steps=[step]))
+        log.info("removed step %d of run %r", step, layout.run_id)
+    return in_flight
 
 
 def remove_run(layout: RunLayout) -> list[int]:

@@ -86,7 +86,7 @@ def test_rm_of_the_latest_step_points_latest_and_the_journal_at_the_previous_com
     assert main(["--json", "rm", root, RUN, "10", "--yes"]) == 0  # not the latest: LATEST keeps its step
     report = json.loads(capsys.readouterr().out)
     assert report == {"schema": 1, "run": RUN, "step": 10, "committed": True, "attempts": report["attempts"],
-                      "latest_after": 40, "removed": True}
+                      "latest_after": 40, "removed": True, "left_in_flight": []}
     assert read_latest(layout, Deadline(1)).step == 40
 
 
@@ -95,7 +95,8 @@ def test_rm_of_the_last_commit_deletes_latest_and_an_uncommitted_step_goes_too(r
     _save(root, RUN, 2)
     layout = _layout(root, RUN)
     os.remove(layout.marker(2))  # step 2: an attempt that never committed
-    remove_step(layout, 2)
+    assert remove_step(layout, 2) == [os.listdir(layout.step_dir(2))[0]]  # inside its lease: a save in flight?
+    assert remove_step(layout, 2, lease_seconds=0) == []  # the operator says it crashed (rm --lease-hours 0)
     assert not os.path.exists(layout.step_dir(2))
     assert read_latest(layout, Deadline(1)).step == 1
     remove_step(layout, 1)
