@@ -277,7 +277,9 @@ def _save_while_the_drain_is_stuck(ctx, options):
     after the drain and one more save (60), only 60 is left."""
     drained, seen = [], {}
     model, optim = _fsdp_app(ctx.world_size, 0)
-    with _manager(ctx, storage_options=options, keep_local=1, on_drained=drained.append) as manager:
+    # timeout (the drain's stall deadline, too) well above the hold: a held PUT is a stall until it ends
+    with _manager(ctx, storage_options=options, keep_local=1, on_drained=drained.append,
+                  timeout=2 * HOLD_S + 5) as manager:
         for step, durable in ((10, True), (20, False), (30, True), (40, True), (50, False)):
             _train_step(model, optim, step)
             manager.save(step, _state(model, optim, step), durable=durable)
