@@ -125,7 +125,8 @@ class Heartbeat:
                 now = self.bounded(self.beats)
             except _StoreSilent:
                 return None
-            moved |= {rank for rank, before, after in zip(self.ranks, first, now) if after is not None and after != before}
+            moved |= {rank for rank, before, after in zip(self.ranks, first, now)
+                      if after is not None and after != before}
             if len(moved) == len(self.ranks) or time.monotonic() > deadline:
                 return [rank for rank in self.ranks if rank not in moved]
             time.sleep(self.poll)

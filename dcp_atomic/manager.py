@@ -922,8 +922,8 @@ class CheckpointManager(RankAgreement):
                     step_dir = self._local.step_dir(step)
                     raise CommitConflictError(
                         f"step {step} of run {self.run_id!r} on {where} was saved for another durable root or "
-                        f"experiment ({describe_lineage(marker.lineage)}; this job's: {describe_lineage(self._lineage)}, "
-                        f"{lineage_path(self.layout)}): it is not this job's to replace, and nothing was written. "
+                        f"experiment ({describe_lineage(marker.lineage)}; this job's: "
+                        f"{describe_lineage(self._lineage)}, {lineage_path(self.layout)}): it is not this job's to replace, and nothing was written. "
                         f"Save another step, use another run_id, or, if nothing needs it, remove it on every node: "
                         f"rm -rf {step_dir}", step=step, committed=marker.save_id)
                 if marker is not None:

@@ -231,7 +231,8 @@ def test_unreachable_store_is_a_storage_error_naming_rank_and_key_after_bounded_
     options = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "dcp_atomic_max_attempts": 3,
                "dcp_atomic_backoff_s": 0.01, "config_kwargs": {"connect_timeout": 1}}
     started = time.monotonic()
-    with pytest.raises(StorageError, match=r"rank 0 .*s3://bucket/p/exp/LATEST.*cannot be reached \(3 attempts") as info:
+    refused = r"rank 0 .*s3://bucket/p/exp/LATEST.*cannot be reached \(3 attempts"
+    with pytest.raises(StorageError, match=refused) as info:
         AtomicStorageReader("s3://bucket/p", RUN, storage_options=options, timeout=5).resolve()
     assert info.value.details["attempts"] == 3 and time.monotonic() - started < 10
 
