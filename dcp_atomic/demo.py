@@ -231,11 +231,24 @@ def run_demo(root: str, world: int = 4) -> int:
     print(f"   committed steps: {steps}; latest = {latest_step(root, RUN_ID)}\n", flush=True)
     print(f"Files: {root}/{RUN_ID}  (took {time.monotonic() - began:.0f}s)")
     print("Look (each line is a command):")
+    cli = _cli_command()
     for command in ("ls", "show", "verify"):  # shlex.quote: a root with spaces still pastes as one argument
-        print(f"  dcp-atomic {command} {shlex.quote(root)} {RUN_ID}" + (" --all" if command == "verify" else ""))
+        print(f"  {cli} {command} {shlex.quote(root)} {RUN_ID}" + (" --all" if command == "verify" else ""))
     ok = steps == [4, 8, 12, 16, 20]
     print("demo finished: " + ("OK" if ok else "UNEXPECTED STATE"))
     return 0 if ok else 1
+
+
+def _cli_command() -> str:
+    """How to run the CLI from the user's shell, as printed: ``dcp-atomic`` when that is this install's (on PATH),
+    else its full path in this environment (the README's bootstrap puts it in ``.venv/bin``, not on PATH)."""
+    script = os.path.join(os.path.dirname(sys.executable), "dcp-atomic")
+    on_path = shutil.which("dcp-atomic")
+    if on_path and os.path.exists(script) and os.path.samefile(on_path, script):
+        return "dcp-atomic"
+    if os.path.exists(script):
+        return shlex.quote(script)
+    return f"{shlex.quote(sys.executable)} -m dcp_atomic"
 
 
 def main(argv: list[str] | None = None) -> int:

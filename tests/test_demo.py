@@ -65,12 +65,17 @@ def test_demo_kills_a_rank_mid_save_and_resumes_at_another_tp_size(tmp_path):
             layout = json.load(f)["parallelism"]
         assert (layout["tp"], layout["dp"]) == ((2, 2) if step <= 8 else (1, 4)), (step, layout)
 
-    # The commands the demo suggests run as printed (verify --all among them: every byte checks out).
-    suggested = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("dcp-atomic ")]
-    assert [c.split()[1] for c in suggested] == ["ls", "show", "verify"], done.stdout[-2000:]
+    # The commands the demo suggests run as printed, pasted into a shell whose PATH lacks the venv (as a new
+    # user's does after the README's bootstrap): verify --all among them, every byte checks out.
+    lines = done.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Look (each line is a command)")) + 1
+    suggested = [line.strip() for line in lines[start:start + 3]]
+    assert [shlex.split(c)[1] for c in suggested] == ["ls", "show", "verify"], done.stdout[-2000:]
+    plain = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    plain["PATH"] = "/usr/bin:/bin"
     for command in suggested:
-        argv = _cli(*shlex.split(command)[1:])
-        ran = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        ran = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                             env=plain)
         assert ran.returncode == 0, f"$ {command}\n{ran.stdout}{ran.stderr}"
 
     # What each step holds: its own progress counter, and AdamW's step count.  The resumed job loaded step 8's
