@@ -460,3 +460,54 @@ def test_one_field_mutations_of_shards_ranks_json_and_metadata_dtypes_never_load
     assert shards == set(FORMATS), shards
     print(f"{len(results)} mutations, {sum(r['outcome'] == 'refused' for r in results)} refused, "
           f"{time.monotonic() - started:.1f}s")
+
+
+def _load_latest(root: str) -> tuple[str, str]:
+    """The latest step through LATEST (step=None), classified as :func:`_load` does."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader
+
+    got = _template()
+    try:
+        dcp.load(got, storage_reader=AtomicStorageReader(root, RUN, None, timeout=0.05, thread_count=2))
+    except BaseException as e:  # noqa: BLE001 - classified here
+        return ("refused" if typed(e) else "untyped"), f"{type(e).__name__}: {str(e)[-400:]}"
+    return ("exact" if _exact(got) else "silent"), ""
+
+
+def test_one_field_mutations_of_resealed_markers_and_latest_are_refused_typed_or_load_exactly(root):
+    """Every field of COMMITTED and LATEST, each mutated and the file re-sealed (its self-checksum recomputed, as
+    an editor or a buggy tool would leave it): every load is exact or a typed refusal, never silent or untyped."""
+    results = []
+    for step, (fmt, options) in enumerate(FORMATS.items()):
+        import shutil
+
+        shutil.rmtree(os.path.join(root, RUN), ignore_errors=True)  # one step per run: LATEST names it
+        _save(root, step, options)
+        step_dir = os.path.join(root, RUN, f"step_{step:010d}")
+        for name, path, load in (("COMMITTED", os.path.join(step_dir, "COMMITTED"), lambda: _load(root, step)),
+                                 ("LATEST", os.path.join(root, RUN, "LATEST"), lambda: _load_latest(root))):
+            pristine = open(path, "rb").read()
+            body = json.loads(pristine)
+            for case, field_path in enumerate(p for p in _every_path(body) if p != ("checksum",)):
+                for round_ in range(3):
+                    mutated = copy.deepcopy(body)
+                    what = _mutate(random.Random(f"20261202/{fmt}/{name}/{case}/{round_}"), mutated, field_path)
+                    try:
+                        with open(path, "wb") as f:
+                            f.write(seal(mutated))
+                        outcome, detail = load()
+                    finally:
+                        with open(path, "wb") as f:
+                            f.write(pristine)
+                    results.append({"format": fmt, "file": name, "mutation": what, "outcome": outcome,
+                                    "detail": detail})
+        assert _load(root, step)[0] == "exact" and _load_latest(root)[0] == "exact"
+    silent = [r for r in results if r["outcome"] == "silent"]
+    untyped = [r for r in results if r["outcome"] == "untyped"]
+    assert not silent, f"{len(silent)} silent wrong loads, e.g. {silent[:5]}"
+    assert not untyped, f"{len(untyped)} loads failed without our typed error, e.g. {untyped[:5]}"
+    for name in ("COMMITTED", "LATEST"):
+        assert any(r["outcome"] == "refused" for r in results if r["file"] == name), name
+    print(f"{len(results)} mutations, {sum(r['outcome'] == 'refused' for r in results)} refused")
