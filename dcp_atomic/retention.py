@@ -70,6 +70,13 @@ def _attempt_started(layout: RunLayout, step: int, save_id: str) -> float | None
         return None  # unreadable or missing claim: judged by its save_id timestamp below
 
 
+def _attempt_age(layout: RunLayout, step: int, save_id: str, now: float) -> float | None:
+    """Seconds since an attempt started (its claim, else its save id's time); None when neither tells.  An
+    attempt is a save in flight while its age is within the lease: gc keeps it, `rm` leaves it."""
+    started = _attempt_started(layout, step, save_id) or _save_id_time(save_id)
+    return None if started is None else now - started
+
+
 def _save_id_time(save_id: str) -> float | None:
     try:
         return float(calendar.timegm(time.strptime(save_id[:16], "%Y%m%dT%H%M%SZ")))
@@ -165,8 +172,8 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
                 continue
             if entry == MARKER or entry.startswith(".") or entry == committed.get(step):
                 continue
-            started = _attempt_started(layout, step, entry) or _save_id_time(entry)
-            if started is not None and now - started > lease_seconds:
+            age = _attempt_age(layout, step, entry, now)
+            if age is not None and age > lease_seconds:  # an unknown age is kept: it may be in flight
                 plan.delete_attempts.append((step, entry))
     return plan
 
@@ -232,8 +239,8 @@ def remove_step(layout: RunLayout, step: int, *, lease_seconds: float = DEFAULT_
         committed = None  # uncommitted, or a damaged marker: its attempts are judged by their leases alone
     now = time.time()
     attempts = [e for e in storage.list_dir(layout.step_dir(step)) if e != MARKER and not e.startswith(".")]
-    in_flight = [a for a in attempts if a != committed
-                 and now - (_attempt_started(layout, step, a) or _save_id_time(a) or 0.0) <= lease_seconds]
+    in_flight = [a for a in attempts if a != committed  # an unknown age goes: the operator asked for the step
+                 and (age := _attempt_age(layout, step, a, now)) is not None and age <= lease_seconds]
     storage.remove(layout.marker(step))  # un-commit first
     storage.sync_dir(layout.step_dir(step))
     _point_latest_at_newest(layout, exclude={step})
