@@ -109,22 +109,10 @@ def latest_step(
     *,
     repair: bool = True,
     timeout: float = 10.0,
+    missing_root_ok: bool = False,
 ) -> int | None:
-    """The most recently committed step, or None (see :func:`scan_latest_step`); a local root that does not exist
-    is a typo, not an empty run (:class:`CheckpointNotFoundError`)."""
-    _existing_root(root, run_id, storage_options, "latest_step")
-    return scan_latest_step(root, run_id, storage_options, repair=repair, timeout=timeout)
-
-
-def scan_latest_step(
-    root: str | os.PathLike,
-    run_id: str,
-    storage_options: dict[str, Any] | None = None,
-    *,
-    repair: bool = True,
-    timeout: float = 10.0,
-) -> int | None:
-    """The most recently committed step, or None (a root nothing was saved to: the manager's first resume).
+    """The most recently committed step, or None.  A local root that does not exist is a typo, not an empty run
+    (:class:`CheckpointNotFoundError`), unless ``missing_root_ok`` (a job's first resume: the manager, torchtitan).
 
     Scans the markers (one process), and also reads ``LATEST`` by exact name:
     a client with stale caches may not list a marker that ``LATEST`` already
@@ -133,7 +121,8 @@ def scan_latest_step(
     newest commit, and only ever moves it forward.  A damaged marker raises
     :class:`CorruptCheckpointError` rather than silently choosing an older step.
     """
-    layout = RunLayout(open_storage(root, storage_options), run_id)
+    layout = (RunLayout(open_storage(root, storage_options), run_id) if missing_root_ok
+              else _existing_root(root, run_id, storage_options, "latest_step"))
     newest = most_recent(scan_markers(layout, strict=True))
     try:
         current = read_latest(layout, Deadline(min(timeout, SCAN_RETRY_SECONDS)))

@@ -48,7 +48,7 @@ import torch.distributed.checkpoint as dcp
 
 from .backends import open_storage
 from . import arguments
-from .catalog import DEFAULT_TIMEOUT, scan_latest_step
+from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
 from .collective import RankAgreement, _first_line, _raise_typed
 from .commit import (ResumePoint, listed_steps, next_sequence, read_committed, read_marker, refuse_committed,
                      resume_point, scan_markers)
@@ -562,7 +562,8 @@ class CheckpointManager(RankAgreement):
     def latest_step(self) -> int | None:
         """The most recently committed step (global rank 0 scans, the others are told)."""
         return self._on_rank0(
-            lambda: scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout),
+            lambda: scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
+                                     missing_root_ok=True),
             "find the latest step")
 
     @_operation
@@ -892,7 +893,8 @@ class CheckpointManager(RankAgreement):
         try:
             asked = step is not None
             if step is None:
-                step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout)
+                step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
+                                        missing_root_ok=True)
                 if step is None:
                     return None
             elif not self.layout.storage.is_dir(self.layout.step_dir(step)):
@@ -997,7 +999,8 @@ class CheckpointManager(RankAgreement):
         """(step, save_id, resume point) to load, decided by rank 0: every rank then waits for that exact
         attempt, and the resume point says which later steps this job's saves may supersede (P14)."""
         if step is None:
-            step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout)
+            step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
+                                    missing_root_ok=True)
             if step is None:
                 return None, None, None
         validate_step(step)

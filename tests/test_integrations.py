@@ -289,13 +289,13 @@ def _torchtitan_find_load_step_rank(ctx, folder):
     from dcp_atomic.integrations import torchtitan
 
     scans = []
-    real = torchtitan.scan_latest_step
+    real = torchtitan.latest_step
 
     def counted(*args, **kwargs):
         scans.append(args)
         return 1 if ctx.rank == 1 else real(*args, **kwargs)  # rank 1 would see a stale listing (NFS caches)
 
-    torchtitan.scan_latest_step = counted
+    torchtitan.latest_step = counted
     manager = types.SimpleNamespace(folder=folder)
     found = torchtitan.AtomicCheckpointManager._find_load_step(manager)
     if ctx.rank == 0:

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 
-from ..catalog import DEFAULT_TIMEOUT, scan_latest_step
+from ..catalog import DEFAULT_TIMEOUT, latest_step
 from ..commit import read_marker, resume_point
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
 from ..layout import RunLayout, parse_checkpoint_id, root_key, step_dir_name
@@ -163,7 +163,7 @@ class AtomicCheckpointManager(CheckpointManager):
         outcome: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                step = scan_latest_step(root, run_id)
+                step = latest_step(root, run_id, missing_root_ok=True)
                 outcome[0] = -1 if step is None else step
             except CheckpointError as e:
                 outcome[0] = e
