@@ -145,3 +145,20 @@ def test_saving_an_object_the_load_will_refuse_warns_at_save_naming_the_key_and_
 
     with pytest.raises(UnsafeItemError), CheckpointManager(root, RUN, timeout=10) as manager:  # the warning was true
         manager.load({"w": torch.zeros(2), "extra": {"sampler": None}, "plain": {"epoch": 0}}, step=1)
+
+
+def test_a_float_checkpoint_into_an_integer_tensor_is_refused_through_plain_dcp_load_with_the_planner(tmp_path):
+    """Held as a user of plain dcp.load holds it (no manager): AtomicLoadPlanner refuses before any byte lands;
+    DCP wraps the refusal, which still names the key."""
+    from dcp_atomic import AtomicLoadPlanner
+
+    root = str(tmp_path)
+    _save(root, 1, {"w": torch.linspace(-1.5, 1.5, 6)})
+    target = {"w": torch.zeros(6, dtype=torch.int64)}
+    with pytest.raises(BaseException) as refused:  # DCP's CheckpointException is a BaseException
+        dcp.load(target, storage_reader=AtomicStorageReader(root, RUN, 1), planner=AtomicLoadPlanner(), no_dist=True)
+    assert "ReshardError" in str(refused.value) and "'w'" in str(refused.value), refused.value
+    assert not target["w"].any()
+    plain = {"w": torch.zeros(6, dtype=torch.bfloat16)}  # float to float: loads
+    dcp.load(plain, storage_reader=AtomicStorageReader(root, RUN, 1), planner=AtomicLoadPlanner(), no_dist=True)
+    assert torch.equal(plain["w"], torch.linspace(-1.5, 1.5, 6).to(torch.bfloat16))
