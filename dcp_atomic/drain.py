@@ -10,7 +10,8 @@ steps go: ``durable=`` per save, else the manager's ``durable_every`` policy.  O
 2. every rank reports which of the step's ranks its local root holds (:func:`held_ranks`); rank 0 plans the uploads
    (:func:`plan_uploads`: each rank its own primary files where it holds them, any other rank's from a replica, so a
    job of another world size, or one with a replaced node, drains the step whole); each rank uploads its share
-   (manifest shards and data files) from its own local root to the durable attempt directory
+   (manifest shards and data files; one rank also the control files, from rank 0's root unless its node was
+   replaced) from its own local root to the durable attempt directory
    ``<root>/<run_id>/step_N/<save_id>/``, as many files at once as a direct save writes (the library's thread count),
    each in one pass: a piece of about :data:`COPY_CHUNK` bytes is read into the thread's buffer, every block digest
    it holds is checked, and only then is it uploaded (onto a disk, written through as it goes rather than all at the
@@ -20,10 +21,10 @@ steps go: ``durable=`` per save, else the manager's ``durable_every`` policy.  O
 3. every rank reports what it uploaded; rank 0 alone commits, through :func:`~.commit.place_marker` as a save does,
    which refuses the marker unless those reports cover every file the manifest names
    (:func:`~.commit.require_complete`: a step no root covers stays local, the error naming the files):
-   ``ranks.json``, ``.metadata``, the local manifest (verbatim: its digest is the local marker's), fsync, the marker
-   created exclusively, ``LATEST``.  The marker carries the step's *local* commit sequence: a step keeps its place in
-   the run's history whichever tier serves it (P10 across tiers), and ``LATEST`` never moves back to a lower
-   sequence;
+   the control files uploaded (``ranks.json``, ``.metadata``, the local manifest verbatim: its digest is the local
+   marker's), fsync, the marker created exclusively, ``LATEST``.  The marker carries the step's *local* commit
+   sequence: a step keeps its place in the run's history whichever tier serves it (P10 across tiers), and
+   ``LATEST`` never moves back to a lower sequence;
 4. rank 0 hands every rank the outcome, so a failure is raised (``wait()``) and reported (``on_failed``) on every
    rank, as an async save's is.
 
@@ -46,6 +47,7 @@ rank and drains stop (the group cannot be trusted after it); the local tier is u
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -100,6 +102,7 @@ class Uploaded:
     bytes: int = 0
     files: int = 0
     verified: dict[str, str] = field(default_factory=dict)  # file name -> how it got there (the commit's evidence)
+    manifest: bytes | None = None  # the control uploader's (Plan.control): kept by rank 0, never gathered
 
 
 @dataclass
@@ -119,14 +122,32 @@ class Drained:
 # -- steps 2 and 3 ------------------------------------------------------------------------------------------
 
 
-def held_ranks(local: RunLayout, job: DrainJob) -> list[int]:
-    """The ranks of ``job``'s step whose manifest shard and data files this local root holds at their recorded
-    sizes (its own primary files, or replicas): what this rank could upload.  Sizes only, from the manifest: the
-    upload checks every block as it reads (:func:`_copy_verified`), so a damaged copy still fails there."""
+@dataclass(frozen=True)
+class Holding:
+    """What one local root holds of a drain's step: the ranks whose manifest shard and data files are there, and
+    whether its control files (the manifest the local marker names, ``.metadata``, ``ranks.json``) are."""
+
+    ranks: list[int]
+    control: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Rank 0's plan for one attempt: which drain rank uploads which source ranks' files, and which one uploads the
+    control files (None: no root holds them, and the commit refuses the step)."""
+
+    sources: dict[int, list[int]]
+    control: int | None
+
+
+def held_ranks(local: RunLayout, job: DrainJob) -> Holding:
+    """What this local root holds of ``job``'s step at the recorded sizes (its own primary files, or replicas):
+    what this rank could upload.  Sizes only, from the manifest: the upload checks every block as it reads
+    (:func:`_copy_verified`) and every control file's digest, so a damaged copy still fails there."""
     try:
         manifest = _local_manifest(local, job)
     except (OSError, CheckpointError):
-        return []  # no local copy of the step here (a replaced node): others upload
+        return Holding([], False)  # no local copy of the step here (a replaced node): others upload
     sizes: dict[int, list[tuple[str, int]]] = {}
     for f in manifest.files:
         sizes.setdefault(f.rank, []).append((local.data_file(job.step, job.save_id, f.name, manifest.data_prefixes),
@@ -135,42 +156,54 @@ def held_ranks(local: RunLayout, job: DrainJob) -> list[int]:
     for rank in range(manifest.world_size):
         ref = manifest.shard_of(rank)
         shard = [(local.attempt_file(job.step, job.save_id, ref.name), ref.size)] if ref is not None else []
-        wanted = sizes.get(rank, []) + shard
-        try:
-            if ref is not None and all(os.path.getsize(path) == size for path, size in wanted):
-                held.append(rank)
-        except OSError:
-            continue
-    return held
+        if ref is not None and _all_there(sizes.get(rank, []) + shard):
+            held.append(rank)
+    control = _all_there([(local.attempt_file(job.step, job.save_id, name), ref["size"])
+                          for name, ref in _control_refs(manifest)])
+    return Holding(held, control)
 
 
-def plan_uploads(held: list[list[int]]) -> dict[int, list[int]]:
+def _all_there(files: list[tuple[str, int]]) -> bool:
+    try:
+        return all(os.path.getsize(path) == size for path, size in files)
+    except OSError:
+        return False
+
+
+def _control_refs(manifest: Manifest) -> list[tuple[str, dict]]:
+    """The control files a drain copies besides the manifest: (name, the manifest's record of it)."""
+    control = [(RANKS_FILE, manifest.ranks_file)] if manifest.ranks_file is not None else []
+    return control + [(DCP_METADATA, manifest.dcp_metadata)]
+
+
+def plan_uploads(held: list[Holding]) -> Plan:
     """Rank 0: which drain rank uploads which source rank's files, from what each drain rank's root holds
     (:func:`held_ranks`).  A rank uploads its own files where it holds them (the common case: one pass over its own
     disk, as before); every other source rank goes to the least-loaded rank that holds it, so a resized job (or one
-    with a replaced node) drains from replicas.  A source rank no root holds is left out: the commit's completeness
-    check (:func:`~.commit.require_complete`) then refuses the step, naming its files."""
+    with a replaced node) drains from replicas.  The control files go from rank 0's root where it holds them, else
+    from the first root that does (global rank 0's node replaced).  A source rank no root holds is left out: the
+    commit's completeness check (:func:`~.commit.require_complete`) then refuses the step, naming its files."""
     plan: dict[int, list[int]] = {rank: [] for rank in range(len(held))}
-    sources = sorted({r for ranks in held for r in ranks})
+    sources = sorted({r for holding in held for r in holding.ranks})
     for source in sources:
-        if source < len(held) and source in held[source]:
+        if source < len(held) and source in held[source].ranks:
             plan[source].append(source)
     for source in sources:
-        if source < len(held) and source in held[source]:
+        if source < len(held) and source in held[source].ranks:
             continue
-        holders = [rank for rank, ranks in enumerate(held) if source in ranks]
+        holders = [rank for rank, holding in enumerate(held) if source in holding.ranks]
         plan[min(holders, key=lambda rank: (len(plan[rank]), rank))].append(source)
-    return plan
+    return Plan(plan, next((rank for rank, holding in enumerate(held) if holding.control), None))
 
 
 def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: list[int], rank: int,
-                 threads: int = 1, progress: Callable[[], None] | None = None) -> Uploaded:
+                 threads: int = 1, progress: Callable[[], None] | None = None, control: bool = False) -> Uploaded:
     """Step 2: copy the shards and data files of the ranks ``sources`` of ``job`` from this local root, ``threads``
-    files at a time, each block checked as it is read; a shard goes last, once every file it names is up.  Returns
-    the files uploaded, by name, as the commit's evidence.  ``progress()`` is called after each piece uploaded (the
-    stall clock of :meth:`Drainer.wait`)."""
+    files at a time, each block checked as it is read; a shard goes last, once every file it names is up; then, with
+    ``control``, the control files (:func:`upload_control`).  Returns the files uploaded, by name, as the commit's
+    evidence.  ``progress()`` is called after each piece uploaded (the stall clock of :meth:`Drainer.wait`)."""
     uploaded = Uploaded()
-    if not sources:
+    if not sources and not control:
         return uploaded
     manifest = _local_manifest(local, job)
     storage = durable.storage
@@ -217,7 +250,27 @@ def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: l
         uploaded.verified[shard_name(source)] = who
     uploaded.verified.update((entry.name, who) for entry, _, _ in copies)
     uploaded.bytes, uploaded.files = sum(entry.size for entry, _, _ in copies), len(copies)
+    if control:
+        uploaded.manifest = upload_control(local, durable, job)
     return uploaded
+
+
+def upload_control(local: RunLayout, durable: RunLayout, job: DrainJob) -> bytes:
+    """The step's control files from this local root to the durable attempt, each checked first: the manifest
+    against the local marker's digest, ``ranks.json`` and ``.metadata`` against the manifest.  Returns the
+    manifest's bytes (what the commit's marker names)."""
+    manifest_bytes, manifest = _local_manifest_bytes(local, job)
+    storage = durable.storage
+    attempt = durable.attempt_dir(job.step, job.save_id)
+    for name, ref in _control_refs(manifest):
+        path = local.attempt_file(job.step, job.save_id, name)
+        data = local.storage.read_file(path)
+        if len(data) != ref["size"] or sha256_hex(data) != ref["sha256"]:
+            raise CorruptCheckpointError(f"{path}: does not match the manifest of local step {job.step}; this step "
+                                         "cannot be drained (a later one can)", path=path, step=job.step)
+        storage.publish(storage.join(attempt, name), data)
+    storage.publish(storage.join(attempt, MANIFEST), manifest_bytes)
+    return manifest_bytes
 
 
 _POLL = 1.0  # seconds between a waiter's looks at the stall clock
@@ -361,23 +414,21 @@ def _read_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += n
 
 
-def commit_durable(local: RunLayout, durable: RunLayout, job: DrainJob, resumed: ResumePoint | None,
+def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | None, resumed: ResumePoint | None,
                    timeout: float, evidence: Evidence) -> Marker:
-    """Step 3 (global rank 0): the control files from the local root, checked against the local marker's manifest,
-    then the durable marker with the step's local sequence, then ``LATEST`` unless a newer commit holds it."""
-    manifest_bytes, manifest = _local_manifest_bytes(local, job)
+    """Step 3 (global rank 0), once every share (and the control files, :func:`upload_control`) is up: the durable
+    marker with the step's local sequence, then ``LATEST`` unless a newer commit holds it.  ``manifest_bytes``: the
+    manifest rank 0 uploaded itself, or None when another rank's root held the control files (global rank 0's node
+    was replaced): then it is read back from the durable attempt, checked against the local marker's digest."""
     storage = durable.storage
     attempt = durable.attempt_dir(job.step, job.save_id)
-    control = [(RANKS_FILE, manifest.ranks_file)] if manifest.ranks_file is not None else []
-    control.append((DCP_METADATA, manifest.dcp_metadata))
-    for name, ref in control:
-        path = local.attempt_file(job.step, job.save_id, name)
-        data = local.storage.read_file(path)
-        if len(data) != ref["size"] or sha256_hex(data) != ref["sha256"]:
-            raise CorruptCheckpointError(f"{path}: does not match the manifest of local step {job.step}; this step "
-                                         "cannot be drained (a later one can)", path=path, step=job.step)
-        storage.publish(storage.join(attempt, name), data)
-    storage.publish(storage.join(attempt, MANIFEST), manifest_bytes)
+    path = storage.join(attempt, MANIFEST)
+    if manifest_bytes is None:
+        manifest_bytes = storage.read_file(path)
+    if sha256_hex(manifest_bytes) != job.manifest_sha256:
+        raise CorruptCheckpointError(f"{path}: does not match the local marker of step {job.step}", path=path,
+                                     step=job.step)
+    manifest = Manifest.from_json(manifest_bytes, where=path)
     storage.sync_dir(attempt)
     storage.sync_dir(durable.step_dir(job.step))
     failpoints.hit("commit.after_manifest", 0)  # the committer's phases, as a save's (commit.publish)
@@ -644,12 +695,13 @@ class Drainer:
             queued = time.monotonic() - self._queued_at.get(job.index, time.monotonic())
             self._queued_at = {i: t for i, t in self._queued_at.items() if i > job.index}
         holdings = self._gathered((held_ranks(self.local, job), self.here))  # any world drains any step
-        plan = self._share(plan_uploads([held for held, _ in holdings]) if self.rank == 0 else None)
-        mine = self._upload(job, plan.get(self.rank, []))
-        shares = self._gathered(mine)
+        plan: Plan = self._share(plan_uploads([held for held, _ in holdings]) if self.rank == 0 else None)
+        mine = self._upload(job, plan.sources.get(self.rank, []), control=plan.control == self.rank)
+        shares = self._gathered(dataclasses.replace(mine, manifest=None))
         outcome: Any = None
         if self.rank == 0:
-            outcome = self._decide(job, attempt, shares, started, queued, [where for _, where in holdings])
+            outcome = self._decide(job, attempt, shares, mine.manifest, plan, started, queued,
+                                   [where for _, where in holdings])
         status, error, again = self._share(outcome[:3] if outcome is not None else None)
         drained = outcome[3] if outcome is not None else None
         with self._cond:
@@ -671,13 +723,13 @@ class Drainer:
             log.error("drain of step %d to %s failed: %s", job.step, self.where, error)
             self._failed(job, error, time.perf_counter() - started)
 
-    def _upload(self, job: DrainJob, sources: list[int]) -> Uploaded:
+    def _upload(self, job: DrainJob, sources: list[int], control: bool) -> Uploaded:
         try:
             if "before_upload" in hooks:
                 hooks["before_upload"](self.rank, job.step)
             with self._io():
                 return upload_ranks(self.local, self.durable, job, sources, self.rank, self.threads,
-                                    progress=self._progressed)
+                                    progress=self._progressed, control=control)
         except CheckpointError as e:
             return Uploaded(error=e)
         except OSError as e:
@@ -686,11 +738,20 @@ class Drainer:
                 f"rank {self.rank} could not upload its files of step {job.step} to {path}: {e.strerror or e}",
                 rank=self.rank, path=str(path), errno=e.errno, step=job.step))
 
-    def _decide(self, job: DrainJob, attempt: int, shares: list[Uploaded], started: float, queued: float,
-                roots: list[str]) -> tuple:
-        """Rank 0: commit if every rank uploaded; else whether to try again.  (status, error, again, Drained)."""
+    def _decide(self, job: DrainJob, attempt: int, shares: list[Uploaded], manifest: bytes | None, plan: Plan,
+                started: float, queued: float, roots: list[str]) -> tuple:
+        """Rank 0: commit if every rank uploaded; else whether to try again.  (status, error, again, Drained).
+        ``manifest``: rank 0's own upload of it, if it was the control uploader."""
         failed = [(r, s.error) for r, s in enumerate(shares) if s.error is not None]
         error: CheckpointError | None = None
+        if plan.control is None:  # no retry finds them: they are on no root this job has
+            with self._cond:
+                self._replaced.pop(job.index, None)
+            return "error", IncompleteStepError(
+                f"drain of step {job.step} (save {job.save_id}) to {self.where}: no local root holds the step's "
+                f"control files ({MANIFEST}, {DCP_METADATA}) named by its local marker; looked in "
+                f"{', '.join(roots)}. No durable marker was written; the step stays local (a node that held them "
+                "was replaced?)", step=job.step, save_id=job.save_id, files=[MANIFEST, DCP_METADATA]), False, None
         if failed:
             error = StorageError(
                 f"drain of step {job.step} (save {job.save_id}) to {self.where}: {len(failed)} rank(s) could not "
@@ -703,7 +764,7 @@ class Drainer:
             evidence = Evidence.on_roots({name: who for share in shares for name, who in share.verified.items()}, roots)
             try:
                 with self._io():
-                    marker = commit_durable(self.local, self.durable, job, self._resumed(), self.timeout, evidence)
+                    marker = commit_durable(self.durable, job, manifest, self._resumed(), self.timeout, evidence)
             except (CommitConflictError, IncompleteStepError) as e:  # retrying finds no other copy, nor another save
                 with self._cond:
                     self._replaced.pop(job.index, None)

@@ -50,8 +50,8 @@ from .backends import open_storage
 from . import arguments
 from .catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
 from .collective import RankAgreement, _first_line, _raise_typed
-from .commit import (ResumePoint, listed_steps, next_sequence, read_committed, read_marker, refuse_committed,
-                     resume_point, scan_markers)
+from .commit import (ResumePoint, commit_order, listed_steps, next_sequence, read_committed, read_marker,
+                     refuse_committed, resume_point, scan_markers)
 from .errors import (CheckpointError, CheckpointNotFoundError, CommitConflictError, ConfigurationError,
                      RankConsistencyError, StorageError)
 from .layout import RunLayout, validate_step
@@ -725,13 +725,13 @@ class CheckpointManager(RankAgreement):
         if self._tier is None:
             return
         try:
-            drainer, undrained = self._drainer, None
-            protected = None
-            if drainer is not None and self.rank == 0:
-                protected = drainer.protected()
+            drainer, undrained, protected = self._drainer, None, None
+            if drainer is not None:
+                protected = drainer.protected() if self.rank == 0 else None
                 if not drain:  # a drain of this step would supersede an older one's (drain.py, "Falling behind")
-                    undrained = self._undrained(protected)
-                    protected |= {undrained.step} if undrained is not None else set()
+                    undrained = self._undrained(protected, group)
+                    if undrained is not None:
+                        protected |= {undrained.step}
             committed = commit_local(self._tier, self._local, writer, step, group, self._sequence_floor(),
                                      protected, drain=bool(drain), lineage=self._lineage)
             if drainer is not None and not drain:
@@ -776,16 +776,24 @@ class CheckpointManager(RankAgreement):
                 remove_failed_attempt(self._local, step, writer.save_id, self._tier.describe(self.rank))
             raise
 
-    def _undrained(self, queued: set[int]) -> Marker | None:
-        """Rank 0: the newest local step saved for a durable copy (:attr:`Marker.drain`) that has none and is not
-        queued (its drain failed, or the job stopped before it) -- the newest durable-pending step, which local
-        retention keeps and the drain takes again.  An unreadable durable root counts as "none" (kept, retried)."""
-        resumed = self._resumed
-        wanted = [m for m in of_lineage(local_markers(self._local), self._lineage)  # nor a rolled-back branch's
-                  if m.drain and (resumed is None or not resumed.supersedes(m))]
-        if not wanted or wanted[-1].step in queued:
+    def _undrained(self, queued: set[int] | None, group: dist.ProcessGroup | None) -> Marker | None:
+        """Every rank (a collective); rank 0 returns the newest local step saved for a durable copy
+        (:attr:`Marker.drain`) that has none and is not queued (its drain failed, or the job stopped before it) --
+        the newest durable-pending step, which local retention keeps and the drain takes again.  Each root reports
+        its own newest such step: global rank 0's node may have been replaced since (an empty disk), and the step's
+        files then sit on the other nodes alone.  An unreadable durable root counts as "none" (kept, retried)."""
+        mine = None
+        if self._tier.is_leader:
+            resumed = self._resumed
+            wanted = [m for m in of_lineage(local_markers(self._local), self._lineage)  # nor a rolled-back branch's
+                      if m.drain and (resumed is None or not resumed.supersedes(m))]
+            mine = wanted[-1] if wanted else None
+        reported = [m for m in self._gathered(mine, group) if m is not None]
+        if self.rank != 0 or not reported:
             return None
-        newest = wanted[-1]
+        newest = max(reported, key=commit_order)
+        if newest.step in queued:
+            return None
         if newest.save_id in self._durable_saves or newest.save_id in self._requeued:
             return None  # drained, or queued again once already by this process (its failure was reported)
         try:
