@@ -18,6 +18,7 @@ from .errors import CheckpointError
 from .integrity import sha256_hex, verify_blocks
 from .layout import DCP_METADATA, PARTIAL_SUFFIX, RunLayout
 from .manifest import FileEntry, ItemExtent
+from .read_checks import check_metadata, check_stored_items, decode_chunk
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata, safe_byte_item
 from .storage import Storage
@@ -54,16 +55,23 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
     manifest = committed.manifest
     problems: list[str] = []
     meta_path = layout.attempt_file(step, committed.save_id, DCP_METADATA)
+    chunks: dict = {}  # (key, chunk offset) -> the stored chunk, once .metadata and the manifest agree
     try:
         meta = layout.storage.read_file(meta_path)
         if sha256_hex(meta) != manifest.dcp_metadata["sha256"]:
             problems.append(f"{meta_path}: sha256 does not match the manifest")
         else:
-            load_dcp_metadata(meta, where=meta_path, written_by=manifest.versions.get("torch"))
+            metadata = load_dcp_metadata(meta, where=meta_path, written_by=manifest.versions.get("torch"))
+            check_metadata(metadata, manifest.keys, meta_path)  # the checks a load makes, every item at once
+            infos = dict(metadata.storage_data or {})
+            _, chunks = check_stored_items(metadata, manifest, {i.relative_path for i in infos.values()}, infos,
+                                           meta_path)
     except FileNotFoundError:
         problems.append(f"{meta_path}: missing")
     except CheckpointError as e:  # the allow-list refuses it, or this torch cannot read it: a load would fail
         problems.append(f"{type(e).__name__}: {e.message}")
+    except (AttributeError, TypeError) as e:  # storage entries of the wrong shape: a load refuses them too
+        problems.append(f"{meta_path}: malformed DCP metadata ({type(e).__name__}: {e})")
 
     def check(entry: FileEntry) -> list[str]:
         path = layout.data_file(step, committed.save_id, entry.name, manifest.data_prefixes)
@@ -74,7 +82,7 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
         found = [f"{path}: size {actual}, manifest says {entry.size}"] if actual != entry.size else []
         decoder = Decoder()
         checked = [(item, _check_item(layout.storage, path, item, decoder, progress)) for item in entry.items]
-        checked = [(item, problem or _decodable(layout.storage, path, item)) for item, problem in checked]
+        checked = [(item, problem or _decodable(layout.storage, path, item, chunks)) for item, problem in checked]
         note = layout.attempt_file(step, committed.save_id, entry.name + PARTIAL_SUFFIX)
         claims = partial_claims(layout.storage, note)
         if claims is not None and not local:
@@ -113,12 +121,18 @@ def partial_claims(storage: Storage, note: str) -> set[int] | str | None:
         return "stray"
 
 
-def _decodable(storage: Storage, path: str, item: ItemExtent) -> str | None:
-    """A non-tensor item through the same allow-list a load uses (P11): refused here means refused there."""
-    if item.kind != "bytes" or item.codec != "none":
+def _decodable(storage: Storage, path: str, item: ItemExtent, chunks: dict) -> str | None:
+    """A non-tensor item through the same allow-list a load uses (P11), a ``torch.save`` tensor item through the
+    same decoder and dtype/shape check (:func:`~.read_checks.decode_chunk`): refused here means refused there."""
+    chunk = chunks.get((item.key, None if item.chunk_offset is None else tuple(item.chunk_offset)))
+    if item.codec != "none" or (item.kind == "tensor" and (item.format != "torch_save" or chunk is None)):
         return None
     try:
-        safe_byte_item(storage.read_range(path, item.pos, item.length), key=item.key, where=path)
+        data = storage.read_range(path, item.pos, item.length)
+        if item.kind == "bytes":
+            safe_byte_item(data, key=item.key, where=path)
+        else:
+            decode_chunk(data, chunk, f"{path} item {item.key!r}", item.key)
     except CheckpointError as e:
         return f"{type(e).__name__}: {e.message}"
     return None

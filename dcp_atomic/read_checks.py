@@ -9,6 +9,7 @@ payload where the manifest says.  A mismatch is corruption or tampering and is r
 
 from __future__ import annotations
 
+import io
 import math
 import struct
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from .codec import plane_width
 from .container import find_payload
-from .manifest import ItemExtent
+from .errors import CorruptCheckpointError
+from .manifest import ItemExtent, Manifest
 
 _DATA_DESCRIPTOR = b"PK\x07\x08"
 
@@ -199,3 +201,82 @@ def payload_proven(head: bytes, tail: bytes, payload: int, nbytes: int) -> bool:
     small = len(tail) >= 16 and struct.unpack_from("<II", tail, 8) == (nbytes, nbytes)
     large = len(tail) >= 24 and struct.unpack_from("<QQ", tail, 8) == (nbytes, nbytes)
     return small or large
+
+
+# -- the checks as a load (and ``verify``, :mod:`.audit`) applies them: one place, so the two cannot disagree -----
+
+
+def _malformed(path: str, e: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path)
+
+
+def check_metadata(metadata: Metadata, keys: dict, path: str) -> None:
+    """``.metadata`` (at ``path``) as a whole, once it is unpickled: every tensor's chunks tile it, and each key's
+    element type is the one the manifest recorded (``keys``).  Raises :class:`CorruptCheckpointError`."""
+    try:
+        holes = check_coverage(metadata)
+        relabelled = dtype_mismatches(metadata, keys)
+    except (AttributeError, TypeError, ValueError) as e:  # a .metadata of the right classes, wrongly built
+        raise _malformed(path, e) from None
+    if holes:
+        raise CorruptCheckpointError(
+            f"{path}: the stored chunks of {len(holes)} key(s) do not cover their tensors exactly (a partial "
+            "checkpoint, e.g. saved without collectives); loading would leave parts of them unset:\n  - "
+            + "\n  - ".join(f"{key!r}: {why}" for key, why in sorted(holes.items()))
+            + "\nLoad another step, or save again with every rank taking part.",
+            path=path,
+            keys=sorted(holes),
+        )
+    if relabelled:
+        raise CorruptCheckpointError(
+            f"{path}: the element type .metadata gives {len(relabelled)} key(s) is not the one the manifest "
+            "recorded at save; their bytes would load reinterpreted as another type:\n  - "
+            + "\n  - ".join(f"{key!r}: .metadata says {found}, the manifest {recorded}"
+                             for key, found, recorded in relabelled[:20])
+            + ("\n  - ..." if len(relabelled) > 20 else "")
+            + "\nThe step's control files were altered after the commit: restore them or load another step.",
+            path=path,
+            keys=[key for key, _, _ in relabelled],
+        )
+
+
+def check_stored_items(metadata: Metadata, manifest: Manifest, names: set[str], infos: dict,
+                       path: str) -> tuple[dict, dict[tuple, Chunk]]:
+    """The stored items ``infos`` (index -> .metadata's storage entry, in the data files ``names``) against the
+    manifest's items of those files (their shards loaded): returns (extents, chunks) or raises
+    :class:`CorruptCheckpointError` naming every item that disagrees."""
+    unknown = sorted(names - {f.name for f in manifest.files})
+    if unknown:
+        raise CorruptCheckpointError(f"{path}: names data file(s) {unknown[:5]} that the manifest does not record",
+                                     path=path)
+    try:
+        extents = manifest.extent_index(names)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: the manifest shards record {e}", path=path) from None
+    try:
+        chunks, problems = check_items(metadata, extents, infos)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise _malformed(path, e) from None
+    if problems:
+        raise CorruptCheckpointError(
+            f"{path}: {len(problems)} stored item(s) do not match the manifest; refusing to read them:\n  - "
+            + "\n  - ".join(text for _, text in problems[:20]) + ("\n  - ..." if len(problems) > 20 else ""),
+            path=path,
+            keys=sorted({key for key, _ in problems}),
+        )
+    return extents, chunks
+
+
+def decode_chunk(data: bytes, chunk: Chunk, what: str, key: str) -> torch.Tensor:
+    """A ``torch.save`` item read whole (no proven payload offset): decoded with ``weights_only`` and held to the
+    chunk's stored dtype and shape."""
+    try:
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CorruptCheckpointError(f"{what}: cannot decode tensor ({e})", key=key) from None
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != chunk.dtype or tuple(tensor.shape) != chunk.sizes:
+        found = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise CorruptCheckpointError(
+            f"{what}: stored chunk is {found}, the checkpoint records {chunk.dtype} {chunk.sizes}", key=key
+        )
+    return tensor

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import math
 import logging
 import os
@@ -59,7 +58,7 @@ from .parallelism import Parallelism
 from .planners import LOAD_CONTEXT_ATTR
 from .progress import Progress
 from .reshard import LoadContext
-from .read_checks import Chunk, check_coverage, check_items, dtype_mismatches, item_id, payload_proven
+from .read_checks import Chunk, check_metadata, check_stored_items, decode_chunk, item_id, payload_proven
 from .read_sources import Counted, Window, holds_bytes, item_runs
 from .retry import Deadline
 from .safe_pickle import load_dcp_metadata, safe_byte_item
@@ -235,31 +234,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
                 path=path,
             )
         metadata = load_dcp_metadata(data, where=path, written_by=committed.manifest.versions.get("torch"))
-        try:
-            holes = check_coverage(metadata)
-            relabelled = dtype_mismatches(metadata, committed.manifest.keys)
-        except (AttributeError, TypeError, ValueError) as e:  # a .metadata of the right classes, wrongly built
-            raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path) from None
-        if holes:
-            raise CorruptCheckpointError(
-                f"{path}: the stored chunks of {len(holes)} key(s) do not cover their tensors exactly (a partial "
-                "checkpoint, e.g. saved without collectives); loading would leave parts of them unset:\n  - "
-                + "\n  - ".join(f"{key!r}: {why}" for key, why in sorted(holes.items()))
-                + "\nLoad another step, or save again with every rank taking part.",
-                path=path,
-                keys=sorted(holes),
-            )
-        if relabelled:
-            raise CorruptCheckpointError(
-                f"{path}: the element type .metadata gives {len(relabelled)} key(s) is not the one the manifest "
-                "recorded at save; their bytes would load reinterpreted as another type:\n  - "
-                + "\n  - ".join(f"{key!r}: .metadata says {found}, the manifest {recorded}"
-                                 for key, found, recorded in relabelled[:20])
-                + ("\n  - ..." if len(relabelled) > 20 else "")
-                + "\nThe step's control files were altered after the commit: restore them or load another step.",
-                path=path,
-                keys=[key for key, _, _ in relabelled],
-            )
+        check_metadata(metadata, committed.manifest.keys, path)
         return metadata
 
     def _check_plan_items(self, plan: LoadPlan) -> None:
@@ -272,26 +247,8 @@ class AtomicStorageReader(SharedReads, StorageReader):
         indexes = {item.storage_index for item in plan.items}
         infos = {index: self._storage_info_of(storage, index) for index in indexes}
         names = {info.relative_path for info in infos.values()}
-        unknown = sorted(names - {f.name for f in committed.manifest.files})
-        if unknown:
-            raise CorruptCheckpointError(f"{path}: names data file(s) {unknown[:5]} that the manifest does not record",
-                                         path=path)
         committed.load_items(self.layout, names, Deadline(self.timeout))
-        try:
-            extents = committed.manifest.extent_index(names)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{path}: the manifest shards record {e}", path=path) from None
-        try:
-            chunks, problems = check_items(metadata, extents, infos)
-        except (AttributeError, TypeError, ValueError) as e:  # a .metadata of the right classes, wrongly built
-            raise CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path) from None
-        if problems:
-            raise CorruptCheckpointError(
-                f"{path}: {len(problems)} stored item(s) do not match the manifest; refusing to read them:\n  - "
-                + "\n  - ".join(text for _, text in problems[:20]) + ("\n  - ..." if len(problems) > 20 else ""),
-                path=path,
-                keys=sorted({key for key, _ in problems}),
-            )
+        extents, chunks = check_stored_items(metadata, committed.manifest, names, infos, path)
         self._extents = extents
         self._chunks = chunks
         self._file_sizes = {f.name: f.size for f in committed.manifest.files if f.name in names}
@@ -715,17 +672,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
             with planner_lock:
                 planner.load_bytes(item, safe_byte_item(data, key=fqn, where=what))  # P11: no code runs
             return
-        try:
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CorruptCheckpointError(f"{what}: cannot decode tensor ({e})", key=fqn) from None
-        chunk = self._chunks[item_id(item.storage_index)]
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != chunk.dtype or tuple(tensor.shape) != chunk.sizes:
-            found = (f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
-                     else type(tensor).__name__)
-            raise CorruptCheckpointError(
-                f"{what}: stored chunk is {found}, the checkpoint records {chunk.dtype} {chunk.sizes}", key=fqn
-            )
+        tensor = decode_chunk(data, self._chunks[item_id(item.storage_index)], what, fqn)
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         with planner_lock:
             target = planner.resolve_tensor(item).detach()

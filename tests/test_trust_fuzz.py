@@ -511,3 +511,191 @@ def test_one_field_mutations_of_resealed_markers_and_latest_are_refused_typed_or
     for name in ("COMMITTED", "LATEST"):
         assert any(r["outcome"] == "refused" for r in results if r["file"] == name), name
     print(f"{len(results)} mutations, {sum(r['outcome'] == 'refused' for r in results)} refused")
+
+
+# -- the tiers' and the run's other control files: local markers, COMMITS; shards of worlds 2 and 3 ---------------
+
+
+def _classify(run: "Callable[[], tuple[int, dict]]", expected: dict[int, dict]) -> tuple[str, str]:
+    """``run()`` loads and returns (step it reports, state): exact if the state is that step's saved one."""
+    try:
+        step, got = run()
+    except BaseException as e:  # noqa: BLE001 - classified here
+        return ("refused" if typed(e) else "untyped"), f"{type(e).__name__}: {str(e)[-300:]}"
+    want = expected.get(step)
+    same = want is not None and all(torch.equal(got[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))
+    return ("exact" if same and got["meta"] == want["meta"] else "silent"), f"step {step}"
+
+
+def _tally(results: list[dict]) -> str:
+    silent = [r for r in results if r["outcome"] == "silent"]
+    untyped = [r for r in results if r["outcome"] == "untyped"]
+    assert not silent, f"{len(silent)} silent wrong loads, e.g. {silent[:5]}"
+    assert not untyped, f"{len(untyped)} failed without our typed error, e.g. {untyped[:5]}"
+    return f"{len(results)} mutations, {sum(r['outcome'] == 'refused' for r in results)} refused"
+
+
+def _small(step: int) -> dict:
+    return {"w": torch.arange(64.0) * step, "b": torch.full((5,), float(step), dtype=torch.bfloat16),
+            "meta": {"step": step}}
+
+
+def _small_target() -> dict:
+    return {"w": torch.full((64,), -1.0), "b": torch.full((5,), -1.0, dtype=torch.bfloat16), "meta": {"step": -1}}
+
+
+def test_one_field_mutations_of_resealed_local_markers_never_restore_wrong_values(root):
+    """Both tiers, one process: the newest local step's marker (every field, each re-sealed) mutated under a
+    restore that may choose either local step or the durable one: what loads is exactly the step it says it
+    is, or a typed refusal."""
+    from dcp_atomic import CheckpointManager
+
+    durable, local = os.path.join(root, "durable"), os.path.join(root, "local")
+    with CheckpointManager(durable, RUN, local_root=local, replicas=0, keep_local=3, timeout=5) as manager:
+        manager.save(1, _small(1), durable=True)
+        manager.save(2, _small(2), durable=False)
+        manager.save(3, _small(3), durable=False)
+        manager.wait()
+    expected = {s: _small(s) for s in (1, 2, 3)}
+
+    def restore() -> tuple[int, dict]:
+        got = _small_target()
+        with CheckpointManager(durable, RUN, local_root=local, replicas=0, timeout=0.5) as manager:
+            return manager.load(got), got
+
+    path = os.path.join(local, RUN, f"step_{3:010d}", "COMMITTED")
+    pristine = open(path, "rb").read()
+    body = json.loads(pristine)
+    assert body.get("lineage") and body.get("sequence"), body  # the fields that decide ownership and order
+    results = []
+    for case, field_path in enumerate(p for p in _every_path(body) if p != ("checksum",)):
+        for round_ in range(3):
+            mutated = copy.deepcopy(body)
+            what = _mutate(random.Random(f"20261202/local/{case}/{round_}"), mutated, field_path)
+            try:
+                with open(path, "wb") as f:
+                    f.write(seal(mutated))
+                outcome, detail = _classify(restore, expected)
+            finally:
+                with open(path, "wb") as f:
+                    f.write(pristine)
+            results.append({"mutation": what, "outcome": outcome, "detail": detail})
+    assert _classify(restore, expected) == ("exact", "step 3")
+    assert any(r["detail"] != "step 3" for r in results if r["outcome"] == "exact"), "no mutation moved the restore"
+    print(_tally(results))
+
+
+def test_one_field_mutations_of_a_resealed_commits_journal_never_cost_a_kept_step(root):
+    """``keep_last=2`` after steps 1-3: each one-field change of the ``COMMITS`` journal (re-sealed), then the
+    commit of step 4.  The journal is a hint: steps 3 and 4 are kept and load exactly, and the commit never
+    fails with anything but a typed error."""
+    import shutil
+
+    from dcp_atomic import CheckpointManager
+
+    durable = os.path.join(root, "durable")
+    with CheckpointManager(durable, RUN, keep_last=2, timeout=5) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _small(step))
+    pristine = os.path.join(root, "pristine")
+    shutil.copytree(os.path.join(durable, RUN), pristine)
+    journal = os.path.join(durable, RUN, "COMMITS")
+    body = json.loads(open(journal, "rb").read())
+    assert [c["step"] for c in body["commits"]] == [2, 3], body
+    expected = {s: _small(s) for s in (3, 4)}
+    results = []
+    for case, field_path in enumerate(p for p in _every_path(body) if p != ("checksum",)):
+        mutated = copy.deepcopy(body)
+        what = _mutate(random.Random(f"20261202/commits/{case}"), mutated, field_path)
+        shutil.rmtree(os.path.join(durable, RUN))
+        shutil.copytree(pristine, os.path.join(durable, RUN))
+        with open(journal, "wb") as f:
+            f.write(seal(mutated))
+        try:
+            with CheckpointManager(durable, RUN, keep_last=2, timeout=0.5) as manager:
+                manager.save(4, _small(4))
+        except BaseException as e:  # noqa: BLE001 - classified here
+            results.append({"mutation": what, "outcome": "refused" if typed(e) else "untyped",
+                            "detail": f"save: {type(e).__name__}: {e}"})
+            continue
+        for step in (3, 4):
+            def load(step=step) -> tuple[int, dict]:
+                got = _small_target()
+                with CheckpointManager(durable, RUN, timeout=0.5) as manager:
+                    return manager.load(got, step=step), got
+
+            outcome, detail = _classify(load, expected)
+            # a kept step that no longer loads is the lie this test is about, typed or not
+            results.append({"mutation": what, "outcome": "silent" if outcome == "refused" else outcome,
+                            "detail": f"step {step}: {detail}"})
+    print(_tally(results))
+
+
+def _rank_state(rank: int) -> dict:
+    g = torch.Generator().manual_seed(100 + rank)
+    return {f"r{rank}.w": torch.randn(40, generator=g), f"r{rank}.i": torch.arange(30, dtype=torch.int32) * rank,
+            f"r{rank}.meta": {"rank": rank}}
+
+
+def _save_world(ctx) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    dcp.save(_rank_state(ctx.rank), storage_writer=AtomicStorageWriter(ctx.root, RUN, 1, block_size=BLOCK))
+
+
+def _verify_ok(root: str) -> bool:
+    from dcp_atomic.audit import audit_step
+    from dcp_atomic.backends import open_storage
+    from dcp_atomic.layout import RunLayout
+
+    return audit_step(RunLayout(open_storage(root), RUN), 1, threads=1, timeout=0.05).ok
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_field_mutations_of_every_ranks_shard_of_worlds_2_and_3_never_load_wrong_values(root, world):
+    """A step saved by a real gloo world of 2 or 3 ranks (each rank its own keys), loaded whole in one process:
+    every field of every rank's manifest shard and of ``ranks.json`` mutated and re-sealed; exact or typed, and
+    ``verify`` and ``show`` raise nothing else (``ranks.json`` is not read by a load: it is theirs)."""
+    from tests.harness import assert_all_ok, run_world
+
+    assert_all_ok(run_world(_save_world, world, root))
+    want: dict = {}
+    for rank in range(world):
+        want.update(_rank_state(rank))
+
+    def load() -> tuple[int, dict]:
+        import torch.distributed.checkpoint as dcp
+
+        from dcp_atomic import AtomicStorageReader
+
+        got = {k: (torch.full_like(v, -3) if isinstance(v, torch.Tensor) else {"rank": -1}) for k, v in want.items()}
+        dcp.load(got, storage_reader=AtomicStorageReader(root, RUN, 1, timeout=0.05, thread_count=2))
+        got["meta"] = {k: got[k] for k in want if k.endswith(".meta")}
+        return 1, got
+
+    expected = {1: {**want, "meta": {k: want[k] for k in want if k.endswith(".meta")}}}
+    assert _classify(load, expected) == ("exact", "step 1")
+    sealed = _SealedFiles(root, 1)
+    shards = sorted(n for n in os.listdir(sealed.ck.attempt) if SHARD_NAME.fullmatch(n))
+    assert shards == [f"manifest.{r}.json" for r in range(world)], shards
+    results = []
+    rng = random.Random(f"20261202/world{world}")
+    for what, name, data in [case for case in _file_cases(rng, sealed) if not case[0].startswith(".metadata")]:
+        try:
+            sealed.write(name, data)
+            outcome, detail = _classify(load, expected)
+            problems = _side_tools(root, 1, sealed.ck.manifest_bytes, sealed.ck.manifest_path)  # verify, show
+            if outcome == "refused" and _verify_ok(root):
+                problems.append(f"verify passes a step the load refuses ({detail})")
+        finally:
+            sealed.restore()
+        results.append({"file": name, "mutation": what, "outcome": outcome, "detail": detail})
+        results += [{"file": name, "mutation": what, "outcome": "untyped", "detail": p} for p in problems]
+    assert _classify(load, expected) == ("exact", "step 1")
+    for name in shards:
+        assert any(r["outcome"] == "refused" for r in results if r["file"] == name), name
+    assert any(r["file"] == "ranks.json" for r in results)
+    print(_tally(results), {name: sum(r["outcome"] == "refused" for r in results if r["file"] == name)
+                            for name in shards + ["ranks.json"]})
