@@ -476,6 +476,25 @@ def _load_latest(root: str) -> tuple[str, str]:
     return ("exact" if _exact(got) else "silent"), ""
 
 
+def _resealed_mutations(path: str, seed: str, load, rounds: int = 3):
+    """Each field of the self-checksummed file at ``path`` mutated ``rounds`` times, the file re-sealed, then
+    ``load()``; the file is restored after each.  Yields (mutation, what ``load`` returned)."""
+    pristine = open(path, "rb").read()
+    body = json.loads(pristine)
+    for case, field_path in enumerate(p for p in _every_path(body) if p != ("checksum",)):
+        for round_ in range(rounds):
+            mutated = copy.deepcopy(body)
+            what = _mutate(random.Random(f"{seed}/{case}/{round_}"), mutated, field_path)
+            try:
+                with open(path, "wb") as f:
+                    f.write(seal(mutated))
+                got = load()
+            finally:
+                with open(path, "wb") as f:
+                    f.write(pristine)
+            yield what, got
+
+
 def test_one_field_mutations_of_resealed_markers_and_latest_are_refused_typed_or_load_exactly(root):
     """Every field of COMMITTED and LATEST, each mutated and the file re-sealed (its self-checksum recomputed, as
     an editor or a buggy tool would leave it): every load is exact or a typed refusal, never silent or untyped."""
@@ -488,21 +507,8 @@ def test_one_field_mutations_of_resealed_markers_and_latest_are_refused_typed_or
         step_dir = os.path.join(root, RUN, f"step_{step:010d}")
         for name, path, load in (("COMMITTED", os.path.join(step_dir, "COMMITTED"), lambda: _load(root, step)),
                                  ("LATEST", os.path.join(root, RUN, "LATEST"), lambda: _load_latest(root))):
-            pristine = open(path, "rb").read()
-            body = json.loads(pristine)
-            for case, field_path in enumerate(p for p in _every_path(body) if p != ("checksum",)):
-                for round_ in range(3):
-                    mutated = copy.deepcopy(body)
-                    what = _mutate(random.Random(f"20261202/{fmt}/{name}/{case}/{round_}"), mutated, field_path)
-                    try:
-                        with open(path, "wb") as f:
-                            f.write(seal(mutated))
-                        outcome, detail = load()
-                    finally:
-                        with open(path, "wb") as f:
-                            f.write(pristine)
-                    results.append({"format": fmt, "file": name, "mutation": what, "outcome": outcome,
-                                    "detail": detail})
+            for what, (outcome, detail) in _resealed_mutations(path, f"20261202/{fmt}/{name}", load):
+                results.append({"format": fmt, "file": name, "mutation": what, "outcome": outcome, "detail": detail})
         assert _load(root, step)[0] == "exact" and _load_latest(root)[0] == "exact"
     silent = [r for r in results if r["outcome"] == "silent"]
     untyped = [r for r in results if r["outcome"] == "untyped"]
@@ -564,22 +570,10 @@ def test_one_field_mutations_of_resealed_local_markers_never_restore_wrong_value
             return manager.load(got), got
 
     path = os.path.join(local, RUN, f"step_{3:010d}", "COMMITTED")
-    pristine = open(path, "rb").read()
-    body = json.loads(pristine)
+    body = json.loads(open(path, "rb").read())
     assert body.get("lineage") and body.get("sequence"), body  # the fields that decide ownership and order
-    results = []
-    for case, field_path in enumerate(p for p in _every_path(body) if p != ("checksum",)):
-        for round_ in range(3):
-            mutated = copy.deepcopy(body)
-            what = _mutate(random.Random(f"20261202/local/{case}/{round_}"), mutated, field_path)
-            try:
-                with open(path, "wb") as f:
-                    f.write(seal(mutated))
-                outcome, detail = _classify(restore, expected)
-            finally:
-                with open(path, "wb") as f:
-                    f.write(pristine)
-            results.append({"mutation": what, "outcome": outcome, "detail": detail})
+    results = [{"mutation": what, "outcome": outcome, "detail": detail} for what, (outcome, detail)
+               in _resealed_mutations(path, "20261202/local", lambda: _classify(restore, expected))]
     assert _classify(restore, expected) == ("exact", "step 3")
     assert any(r["detail"] != "step 3" for r in results if r["outcome"] == "exact"), "no mutation moved the restore"
     print(_tally(results))
