@@ -640,11 +640,11 @@ def _save_world(ctx) -> None:
 
 
 def _verify_ok(root: str) -> bool:
-    from dcp_atomic.audit import audit_step
-    from dcp_atomic.backends import open_storage
-    from dcp_atomic.layout import RunLayout
+    """``dcp-atomic verify ROOT RUN 1`` as a user runs it: exit status 0."""
+    from dcp_atomic import cli
 
-    return audit_step(RunLayout(open_storage(root), RUN), 1, threads=1, timeout=0.05).ok
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return cli.main(["--timeout", "0.05", "verify", root, RUN, "1"]) == 0
 
 
 @pytest.mark.parametrize("world", [2, 3])
