@@ -92,6 +92,7 @@ def import_stock(source: str | os.PathLike, root: str | os.PathLike, run_id: str
         started_at=started,
         written_at=now(),
         keys=_key_records(metadata),
+        stored_dtypes={},  # items are stored as .metadata plans them (the payload offsets above assume it)
     )
     commit.write_shards(layout, manifest)  # each rank's items and digests, beside the data as a save writes them
     Manifest.from_json(manifest.to_json(), where=f"manifest of the import of {source}")  # what readers will parse

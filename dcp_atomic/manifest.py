@@ -186,6 +186,10 @@ class Manifest:
     # what the user attached to this checkpoint (``save(..., metadata=...)``): small JSON, sealed with the rest;
     # absent when None, so older readers (which ignore unknown fields) read such manifests unchanged
     user_metadata: dict[str, Any] | None = None
+    # key -> every dtype its chunks are stored as, for the keys a planner cast ("save as bf16"); every other
+    # chunk is stored as .metadata plans it.  A load refuses a shard item whose dtype this does not allow (a
+    # relabel after the commit would load reinterpreted bytes).  None: written before it was recorded, unchecked.
+    stored_dtypes: dict[str, list[str]] | None = None
     schema_version: int = SCHEMA_VERSION
     kind: str = "dcp_atomic.manifest"
 
@@ -203,6 +207,8 @@ class Manifest:
             body["ranks"], body["stats"] = [], []
         if self.user_metadata is None:
             del body["user_metadata"]
+        if self.stored_dtypes is None:
+            del body["stored_dtypes"]
         if self.data_prefixes:
             body["schema_version"] = PREFIXED_SCHEMA
         else:
@@ -270,6 +276,7 @@ class Manifest:
                 data_prefixes=_data_prefixes(raw),
                 ranks_file=None if raw.get("ranks_file") is None else _file_ref(raw["ranks_file"], RANKS_FILE),
                 user_metadata=None if raw.get("user_metadata") is None else _dict(raw["user_metadata"]),
+                stored_dtypes=_stored_dtypes(raw.get("stored_dtypes")),
                 schema_version=raw["schema_version"],
             )
             manifest.extent_index()  # one item per (key, chunk offset)
@@ -650,6 +657,18 @@ def _key_record(value: Any) -> dict:
     if record.get("dtype") is not None:
         _str(record["dtype"])
     return record
+
+
+def _stored_dtypes(value: Any) -> dict[str, list[str]] | None:
+    if value is None:
+        return None
+    recorded = {}
+    for key, dtypes in _dict(value).items():
+        names = [_str(name) for name in _list(dtypes)]
+        if not names or not all(_DTYPE_NAME.fullmatch(name) for name in names):
+            raise ValueError(f"stored dtypes {names!r} of {key!r} are not torch dtype names")
+        recorded[str(key)] = names
+    return recorded
 
 
 def _parallelism(value: Any) -> dict | None:

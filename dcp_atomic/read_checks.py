@@ -62,10 +62,12 @@ def described(metadata: Metadata, index: MetadataIndex) -> tuple[Any, tuple[int,
     return next(((md, tuple(c.sizes)) for c in md.chunks if tuple(c.offsets) == offsets), (None, None))
 
 
-def check_items(metadata: Metadata, extents: dict, infos: dict) -> tuple[dict[tuple, Chunk], list[tuple[str, str]]]:
+def check_items(metadata: Metadata, extents: dict, infos: dict,
+                stored_dtypes: dict[str, list[str]] | None) -> tuple[dict[tuple, Chunk], list[tuple[str, str]]]:
     """The stored items ``infos`` (index -> .metadata's storage entry) against the manifest's ``extents`` of
     their files; returns the tensor chunks and every (key, problem).  Every extent of those files must also be
-    named by .metadata."""
+    named by .metadata, and every item's stored dtype be one the manifest recorded for its key (``stored_dtypes``,
+    Manifest.stored_dtypes; None: a manifest that predates the record)."""
     chunks: dict[tuple, Chunk] = {}
     problems: list[tuple[str, str]] = []
     storage = metadata.storage_data or {}
@@ -90,6 +92,11 @@ def check_items(metadata: Metadata, extents: dict, infos: dict) -> tuple[dict[tu
         dtype = stored_dtype(extent.dtype, md.properties.dtype)
         if dtype is None:
             problems.append((fqn, f"{where}: unknown stored dtype {extent.dtype!r}"))
+            continue
+        allowed = None if stored_dtypes is None else stored_dtypes.get(fqn, [str(md.properties.dtype)])
+        if allowed is not None and str(dtype) not in allowed:
+            problems.append((fqn, f"{where}: its shard says it is stored as {dtype}, the manifest records "
+                                 f"{' / '.join(allowed)} for this key"))
             continue
         nbytes = math.prod(sizes) * dtype.itemsize
         if extent.format == "raw" and extent.logical != nbytes:
@@ -254,7 +261,7 @@ def check_stored_items(metadata: Metadata, manifest: Manifest, names: set[str], 
     except ValueError as e:
         raise CorruptCheckpointError(f"{path}: the manifest shards record {e}", path=path) from None
     try:
-        chunks, problems = check_items(metadata, extents, infos)
+        chunks, problems = check_items(metadata, extents, infos, manifest.stored_dtypes)
     except (AttributeError, TypeError, ValueError) as e:
         raise _malformed(path, e) from None
     if problems:

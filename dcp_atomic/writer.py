@@ -125,6 +125,9 @@ class _RankStats:
     shard: ShardRef | None = None  # this rank's manifest shard, as the manifest names it
     step: int | None = None  # the attempt this rank wrote (checked against the coordinator's plan in finish)
     save_id: str | None = None
+    # key -> the dtypes this rank stored its chunks of that key as, for keys of which the planner cast a chunk
+    # ("save as bf16"); the coordinator records them in the manifest (Manifest.stored_dtypes)
+    casts: dict[str, set[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -420,7 +423,7 @@ class AtomicStorageWriter(StorageWriter):
         metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=str(attempt), save_id=save_id)
         metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        manifest = self._manifest(save_id, stats, len(results), metadata_bytes)
+        manifest = self._manifest(save_id, stats, len(results), metadata_bytes, _stored_dtypes(metadata, results, stats))
         started = time.monotonic()
         try:
             self.last_marker = self._publish(manifest, metadata_bytes)
@@ -504,7 +507,8 @@ class AtomicStorageWriter(StorageWriter):
             raise _storage_error(e, assigned.rank, e.filename or self.layout.attempt_dir(assigned.step,
                                                                                            assigned.save_id)) from e
 
-    def _manifest(self, save_id: str, stats: list[_RankStats], world: int, metadata_bytes: bytes) -> Manifest:
+    def _manifest(self, save_id: str, stats: list[_RankStats], world: int, metadata_bytes: bytes,
+                  stored_dtypes: dict[str, list[str]]) -> Manifest:
         """O(world + keys): per-rank files and shard digests, identities, per-key records; no item lists."""
         files = [FileEntry(name=name, rank=s.rank, size=size) for s in stats for name, size in s.files.items()]
         return Manifest(
@@ -526,7 +530,22 @@ class AtomicStorageWriter(StorageWriter):
             data_prefixes=self.data_prefixes,
             shards=sorted((s.shard for s in stats), key=lambda ref: ref.rank),
             user_metadata=self.metadata,
+            stored_dtypes=stored_dtypes,
         )
+
+
+def _stored_dtypes(metadata: Metadata, results: list[list[WriteResult]], stats: list[_RankStats]) -> dict[str, list[str]]:
+    """Key -> every dtype its chunks are stored as, for each key a planner cast on some rank.  The manifest holds
+    it so that a load can tell a recorded cast from a shard whose item dtype was changed after the commit."""
+    cast: dict[str, set[str]] = {}
+    for s in stats:
+        for key, dtypes in s.casts.items():
+            cast.setdefault(key, set()).update(dtypes)
+    if cast:
+        for rank_results, s in zip(results, stats):  # a rank that wrote chunks of a cast key without casting any
+            for key in {r.index.fqn for r in rank_results[:-1]} & cast.keys() - s.casts.keys():
+                cast[key].add(str(metadata.state_dict_metadata[key].properties.dtype))
+    return {key: sorted(dtypes) for key, dtypes in sorted(cast.items())}
 
 
 class _RankWrite:
@@ -542,6 +561,8 @@ class _RankWrite:
         self._first_item = threading.Event()
         self._lock = threading.Lock()
         self._failed = threading.Event()
+        self._stored: dict[str, set[str]] = {}  # key -> the dtypes this rank stored its chunks of it as
+        self._cast: set[str] = set()  # keys of which the planner cast a chunk
 
     def run(self, items: list[WriteItem]) -> tuple[list[WriteResult], _RankStats]:
         storage = self.writer.storage
@@ -566,6 +587,7 @@ class _RankWrite:
             raise self._first_cause(errors)
         self.stats.write_seconds = time.monotonic() - started
         self.stats.items = len(items)
+        self.stats.casts = {key: self._stored[key] for key in self._cast}
         failpoints.hit("write.after_data", self.rank)
         return results, self.stats
 
@@ -646,8 +668,12 @@ class _RankWrite:
                 written = _WrittenItem(name, start, length, "tensor", "torch_save", checksums, block_size, payload)
             else:
                 written = self._write_raw_tensor(out, name, tensor, encoder)
+            with self._lock:
+                self._stored.setdefault(item.index.fqn, set()).add(str(tensor.dtype))
             if tensor.dtype != item.tensor_data.properties.dtype:
                 written.dtype = str(tensor.dtype)
+                with self._lock:
+                    self._cast.add(item.index.fqn)
         return WriteResult(index=item.index, size_in_bytes=written.length, storage_data=written)
 
     def _as_planned(self, item: WriteItem, data: Any) -> torch.Tensor:

@@ -216,17 +216,12 @@ def _siblings(manifest: dict, field: str) -> list:
 
 
 def _relabels(manifest: dict, item: dict) -> list[str]:
-    """Stored dtypes a garbled ``dtype`` field could name: other element sizes, and no dtype at all.
-
-    A relabel to another dtype of the same element size (bf16 -> fp16) is left
-    out on purpose: it is exactly what a planner casting to that dtype records,
-    and with every digest recomputed nothing else in the checkpoint tells the
-    two apart (as with re-sealed different data).
-    """
+    """Stored dtypes a garbled ``dtype`` field could name: other element sizes, the same size (bf16 -> fp16:
+    refused because the manifest records which keys a planner cast, and to what), and no dtype at all."""
     stored = item.get("dtype") or (manifest.get("keys", {}).get(item.get("key")) or {}).get("dtype")
-    size = getattr(torch, str(stored).removeprefix("torch."), torch.float32).itemsize
-    names = ["torch.float16", "torch.bfloat16", "torch.int8", "torch.float32", "torch.float64", "torch.int64"]
-    return [n for n in names if getattr(torch, n[6:]).itemsize != size] + ["torch.nope"]
+    names = ["torch.float16", "torch.bfloat16", "torch.int8", "torch.float32", "torch.float64", "torch.int64",
+             "torch.int16", "torch.int32"]
+    return [n for n in names if n != stored] + ["torch.nope"]
 
 
 def _mutate(rng: random.Random, manifest: dict, path: tuple) -> str:
@@ -405,25 +400,48 @@ _SAME_WIDTH = {1: ["torch.int8", "torch.uint8", "torch.bool"], 2: ["torch.float1
 
 def _file_cases(rng: random.Random, sealed: _SealedFiles):
     """(description, file name, new bytes) for one-field changes of every shard, ranks.json, and every tensor's
-    dtype in .metadata (to each other dtype of its element size, and to one of another size)."""
+    dtype in .metadata and in the shards' items (to each other dtype of its element size, and to one of another
+    size: a same-size relabel is what would load reinterpreted bytes)."""
     attempt = sealed.ck.attempt
+    metadata = sealed.ck.metadata()
     for name in sorted(n for n in os.listdir(attempt) if SHARD_NAME.fullmatch(n)) + ["ranks.json"]:
         body = json.load(open(os.path.join(attempt, name)))
         for path in _every_path(body):
             mutated = copy.deepcopy(body)
             what = _mutate(rng, mutated, path)
             yield f"{name}: {what}", name, json.dumps(mutated, sort_keys=True, separators=(",", ":")).encode()
-    metadata = sealed.ck.metadata()
+        for path, item in _shard_tensor_items(body):
+            planned = metadata.state_dict_metadata[item["key"]].properties.dtype
+            for relabel in _relabel_names(planned, rng):
+                mutated = copy.deepcopy(body)
+                _at(mutated, path)["dtype"] = relabel
+                yield (f"{name}: {item['key']!r} item dtype {planned} -> {relabel}", name,
+                       json.dumps(mutated, sort_keys=True, separators=(",", ":")).encode())
     for key, md in sorted(metadata.state_dict_metadata.items()):
         if not hasattr(md, "properties"):
             continue
         old = md.properties.dtype
-        names = [n for n in _SAME_WIDTH[old.itemsize] if n != str(old)]
-        names.append(rng.choice([n for size, group in _SAME_WIDTH.items() if size != old.itemsize for n in group]))
-        for relabel in names:
+        for relabel in _relabel_names(old, rng):
             md.properties.dtype = getattr(torch, relabel[6:])
             yield f".metadata: {key!r} dtype {old} -> {relabel}", ".metadata", pickle.dumps(metadata)
         md.properties.dtype = old
+
+
+def _relabel_names(dtype: torch.dtype, rng: random.Random) -> list[str]:
+    names = [n for n in _SAME_WIDTH[dtype.itemsize] if n != str(dtype)]
+    return names + [rng.choice([n for size, group in _SAME_WIDTH.items() if size != dtype.itemsize for n in group])]
+
+
+def _shard_tensor_items(body: dict) -> list[tuple[tuple, dict]]:
+    """(path, item) of every tensor item a manifest shard records."""
+    return [(("files", f, "items", i), item) for f, entry in enumerate(body["files"])
+            for i, item in enumerate(entry["items"]) if item.get("kind") == "tensor"] if "files" in body else []
+
+
+def _at(node, path: tuple):
+    for part in path:
+        node = node[part]
+    return node
 
 
 SHARD_NAME = __import__("re").compile(r"manifest\.\d+\.json")
@@ -454,8 +472,11 @@ def test_one_field_mutations_of_shards_ranks_json_and_metadata_dtypes_never_load
     untyped = [r for r in results if r["outcome"] == "untyped"]
     assert not silent, f"{len(silent)} silent wrong loads, e.g. {silent[:5]}"
     assert not untyped, f"{len(untyped)} loads failed without our typed error, e.g. {untyped[:5]}"
-    relabels = [r for r in results if r["mutation"].startswith(".metadata")]
-    assert relabels and all(r["outcome"] == "refused" for r in relabels), relabels[:5]
+    # a zero-element item is never read (DCP plans no read for it): its relabel may load exactly
+    relabels = [r for r in results if r["mutation"].startswith(".metadata")
+                or " item dtype " in r["mutation"] and "'empty'" not in r["mutation"]]
+    assert relabels and all(r["outcome"] == "refused" for r in relabels), [r for r in relabels if r["outcome"] != "refused"][:5]
+    assert any(" item dtype " in r["mutation"] for r in relabels)
     shards = {r["format"] for r in results if r["mutation"].startswith("manifest.0.json") and r["outcome"] == "refused"}
     assert shards == set(FORMATS), shards
     print(f"{len(results)} mutations, {sum(r['outcome'] == 'refused' for r in results)} refused, "
@@ -693,3 +714,94 @@ def test_one_field_mutations_of_every_ranks_shard_of_worlds_2_and_3_never_load_w
     assert any(r["file"] == "ranks.json" for r in results)
     print(_tally(results), {name: sum(r["outcome"] == "refused" for r in results if r["file"] == name)
                             for name in shards + ["ranks.json"]})
+
+
+# -- a planner's casts are recorded, so a relabel of a stored dtype is told from a cast ------------------------
+
+
+def _casting_planner(cast_on_rank: int | None = None):
+    """'Save as bf16' for ``w`` (on every rank, or on ``cast_on_rank`` only), as a user's planner would."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class CastW(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            here = cast_on_rank is None or dist.get_rank() == cast_on_rank
+            return data.to(torch.bfloat16) if write_item.index.fqn == "w" and here else data
+
+    return CastW()
+
+
+def _load_w(root: str, n: int) -> torch.Tensor:
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader
+
+    got = {"w": torch.full((n,), -3.0)}
+    dcp.load(got, storage_reader=AtomicStorageReader(root, RUN, 1, timeout=0.05))
+    return got["w"]
+
+
+def test_a_recorded_cast_loads_and_a_same_size_relabel_of_a_stored_dtype_is_refused(root):
+    """A planner's "save as bf16" is recorded in the manifest per key (``stored_dtypes``); a shard whose item
+    dtype was relabelled to another of the same size (bf16 -> fp16), or a manifest record changed to say so,
+    would load the bytes reinterpreted and is refused naming the key.  Before, both loaded silently."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    w = torch.linspace(-3, 3, 96) * 1.001
+    dcp.save({"w": w}, storage_writer=AtomicStorageWriter(root, RUN, 1, block_size=BLOCK), planner=_casting_planner())
+    assert torch.equal(_load_w(root, 96), w.to(torch.bfloat16).float())  # as stock DCP loads a cast
+    ck = Sealed(root, 1)
+    top = json.loads(ck.manifest_bytes)
+    assert top["stored_dtypes"] == {"w": ["torch.bfloat16"]}
+    ((_, item),) = ck.items()
+    assert item["dtype"] == "torch.bfloat16"
+    item["dtype"] = "torch.float16"  # the same two bytes per element, read as another type
+    ck.write_manifest()
+    with pytest.raises(BaseException) as refused:  # DCP wraps it in a CheckpointException
+        _load_w(root, 96)
+    assert typed(refused.value) and "'w'" in str(refused.value) and "torch.float16" in str(refused.value)
+    ck.restore()
+    top["stored_dtypes"]["w"] = ["torch.float16"]
+    item["dtype"] = "torch.float16"
+    Sealed(root, 1).write_manifest(json.dumps(top).encode())  # the manifest alone now disagrees with the shard
+    with pytest.raises(BaseException) as refused:  # DCP wraps it in a CheckpointException
+        _load_w(root, 96)
+    assert typed(refused.value), refused.value
+    assert not _verify_ok(root)  # verify refuses what the load refuses
+    ck.restore()
+    assert torch.equal(_load_w(root, 96), w.to(torch.bfloat16).float())
+
+
+def _save_half_cast(ctx) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dcp_atomic import AtomicStorageWriter
+
+    mesh = init_device_mesh("cpu", (2,))
+    w = distribute_tensor(torch.linspace(-3, 3, 64) * 1.001, mesh, [Shard(0)])
+    dcp.save({"w": w}, storage_writer=AtomicStorageWriter(ctx.root, RUN, 1, block_size=BLOCK),
+             planner=_casting_planner(cast_on_rank=0))
+
+
+def test_a_key_cast_on_one_rank_only_records_both_dtypes_and_loads(root):
+    """Rank 0's planner casts its chunk of ``w``, rank 1's does not: the manifest records both dtypes for ``w``,
+    the step loads as each rank stored it, and rank 1's chunk relabelled to a type neither stored is refused."""
+    from tests.harness import assert_all_ok, run_world
+
+    assert_all_ok(run_world(_save_half_cast, 2, root))
+    w = torch.linspace(-3, 3, 64) * 1.001
+    assert json.loads(Sealed(root, 1).manifest_bytes)["stored_dtypes"] == {"w": ["torch.bfloat16", "torch.float32"]}
+    assert torch.equal(_load_w(root, 64), torch.cat([w[:32].to(torch.bfloat16).float(), w[32:]]))
+    ck = Sealed(root, 1)
+    (item,) = [item for _, item in ck.items() if item.get("dtype") is None]  # rank 1's, stored as planned
+    item["dtype"] = "torch.int32"
+    ck.write_manifest()
+    with pytest.raises(BaseException) as refused:  # DCP wraps it in a CheckpointException
+        _load_w(root, 64)
+    assert typed(refused.value) and "torch.int32" in str(refused.value), refused.value
