@@ -91,14 +91,17 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
                             "writes them only there): a load reads this file whole here"] + [
                 problem for _, problem in checked if problem]
         if claims is not None and claims != "stray":
-            damaged = [problem for item, problem in checked if problem and item.pos in claims]
-            if damaged:
-                return found + damaged
+            unknown = sorted(claims - {(item.pos, item.length) for item in entry.items})
+            damaged = [problem for item, problem in checked if problem and (item.pos, item.length) in claims]
+            if unknown or damaged:
+                return found + damaged + [f"{note}: claims {length} bytes at offset {offset}, which are no item of "
+                                          f"{entry.name}" for offset, length in unknown[:5]]
             notes.append(f"{path}: a partial copy a tier restore kept for this node's ranks ({len(claims)} of "
                          f"{len(entry.items)} items here, each verified); the whole file is on another node's "
                          "local root or in the durable root")
             return found
-        stray = [f"{note}: a partial-copy note no tier restore wrote (it names no items); the file is checked whole"]
+        stray = [f"{note}: a partial-copy note no tier restore wrote (it names no items as a restore does); the file "
+                 "is checked whole"]
         return found + (stray if claims == "stray" else []) + [problem for _, problem in checked if problem]
 
     notes: list[str] = []
@@ -108,18 +111,23 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
     return AuditReport(step, committed.save_id, len(manifest.files), manifest.total_bytes, problems, sorted(notes))
 
 
-def partial_claims(storage: Storage, note: str) -> set[int] | str | None:
-    """What a partial-copy note beside a data file claims: the offsets of the items a tier restore kept
-    (:func:`~.local_tier.keep_extents` writes them), ``"stray"`` for a note that names none, None without a note."""
+def partial_claims(storage: Storage, note: str) -> set[tuple[int, int]] | str | None:
+    """What a partial-copy note beside a data file claims: the (offset, length) of each item a tier restore kept
+    (:func:`~.local_tier.keep_extents` writes ``{"items": [[offset, length], ...]}``), ``"stray"`` for a note
+    that is not such a list naming at least one extent, None without a note."""
     try:
         data = storage.read_file(note)
     except FileNotFoundError:
         return None
     try:
-        claimed = json.loads(data)["items"]
-        return {int(offset) for offset, _ in claimed}
-    except (ValueError, KeyError, TypeError):
+        raw = json.loads(data)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep, a number too long
         return "stray"
+    claimed = raw.get("items") if isinstance(raw, dict) and set(raw) == {"items"} else None
+    if not isinstance(claimed, list) or not claimed or not all(
+            isinstance(c, list) and len(c) == 2 and all(type(v) is int and v >= 0 for v in c) for c in claimed):
+        return "stray"
+    return {(offset, length) for offset, length in claimed}
 
 
 def _decodable(storage: Storage, path: str, item: ItemExtent, chunks: dict) -> str | None:
