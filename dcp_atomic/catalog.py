@@ -36,12 +36,15 @@ def most_recent(markers: list[Marker]) -> Marker | None:
     return max(markers, key=commit_order, default=None)
 
 
-def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id: str | None = None) -> Committed:
+def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id: str | None = None,
+            save_sequence: int | None = None) -> Committed:
     """The committed checkpoint to load: ``step`` itself, or the one ``LATEST`` names.
 
     A marker older than the ``LATEST`` that led to it, or not naming the
     ``save_id`` the caller was told to load, is a stale cached read (NFS): it is
-    re-read until it agrees or the deadline passes.
+    re-read until it agrees or the deadline passes.  Unless the caller knows the commit sequence of that save
+    (``save_sequence``) and the marker records a later commit of the step: then the save was superseded (the
+    step re-saved since), and no wait can bring it back.
     """
     # One stat on a POSIX root (on an object store it would be a LIST by every rank, which ranks never make).
     absent = (step is not None and save_id is None and isinstance(layout.storage, LocalStorage)
@@ -51,7 +54,7 @@ def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id:
                     "(storage caches lag); pass a shorter timeout= to be answered sooner", step, layout.run_id,
                     layout.storage.describe(), deadline.seconds)
     try:
-        return _resolve(layout, step, deadline, save_id)
+        return _resolve(layout, step, deadline, save_id, save_sequence)
     except CheckpointNotFoundError as e:
         if not absent:
             raise
@@ -60,7 +63,8 @@ def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id:
                                       **e.details) from None
 
 
-def _resolve(layout: RunLayout, step: int | None, deadline: Deadline, save_id: str | None) -> Committed:
+def _resolve(layout: RunLayout, step: int | None, deadline: Deadline, save_id: str | None,
+             save_sequence: int | None) -> Committed:
     while True:
         if step is None:
             latest = read_latest(layout, deadline)
@@ -74,6 +78,14 @@ def _resolve(layout: RunLayout, step: int | None, deadline: Deadline, save_id: s
             expected = f"save {save_id} was committed for step {step}"
         if current:
             return committed
+        sequence = committed.marker.sequence
+        if step is not None and save_sequence is not None and sequence is not None and sequence > save_sequence:
+            raise CheckpointNotFoundError(
+                f"save {save_id} (commit {save_sequence}) of step {step} is gone: the step was saved again since "
+                f"(save {committed.save_id}, commit {sequence}), and only that save is kept. Load the step's "
+                "current save, or another step",
+                path=layout.marker(step), step=step, save_id=save_id,
+            )
         if deadline.expired():
             raise CheckpointNotFoundError(
                 f"{expected}, but this process still reads a marker naming save {committed.save_id} after "

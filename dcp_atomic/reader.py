@@ -110,6 +110,9 @@ class AtomicStorageReader(SharedReads, StorageReader):
         layout_dependent: globs of keys refused when tp / pp changes (besides those declared at save).
         save_id: load exactly this attempt of ``step`` (waits, bounded, until the marker names it); what pins
             one version on every rank of a ``no_dist=True`` load in a multi-rank job (``dcp-atomic show`` prints it).
+        save_sequence: the commit sequence of ``save_id`` where the caller recorded it (``dcp-atomic show``, a
+            Lightning file): a marker naming a later commit of the step then fails at once (the save was replaced),
+            instead of being waited out as a stale cache.
         share_reads: read each stored item once and share it with the other ranks that need it (see
             :mod:`.exchange`). ``None`` (default): on where the storage is not a local POSIX file system
             (object stores, where every byte read is a request) or the ranks span several hosts; ``False``:
@@ -136,6 +139,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
         thread_count: int | None = None,
         layout_dependent: Iterable[str] = (),
         save_id: str | None = None,
+        save_sequence: int | None = None,
         share_reads: bool | None = None,
         process_group: "dist.ProcessGroup | None" = None,
         share_buffer_bytes: int = 256 << 20,
@@ -153,6 +157,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
         self.storage, self.layout = open_location(root, run_id, storage_options)
         self.requested_step = None if step is None else validate_step(step)
         self.requested_save_id = save_id
+        self.requested_sequence = arguments.count("AtomicStorageReader(save_sequence=...)", save_sequence, minimum=0)
         self.parallelism = parallelism
         self.allow_reshard = allow_reshard
         self.verify = verify
@@ -196,7 +201,8 @@ class AtomicStorageReader(SharedReads, StorageReader):
         if self.requested_save_id is not None and self.requested_step is None:
             raise ConfigurationError(f"AtomicStorageReader(save_id={self.requested_save_id!r}) needs the step that "
                                      "save belongs to (step=, or checkpoint_id=<root>/<run>/step_<N>)")
-        committed = resolve(self.layout, self.requested_step, Deadline(self.timeout), save_id=self.requested_save_id)
+        committed = resolve(self.layout, self.requested_step, Deadline(self.timeout), save_id=self.requested_save_id,
+                            save_sequence=self.requested_sequence)
         context = LoadContext(
             where=f"run {self.layout.run_id!r} step {committed.step}",
             saved=committed.manifest.parallelism,

@@ -222,3 +222,62 @@ def test_ckpt_path_best_loads_the_best_checkpoint_top_k_keeps_two(root):
         assert out["best"] in out["kept"] and len(out["kept"]) == 2, out
     namespace = os.path.join(root, "ckpts", "lightning")
     assert len(os.listdir(namespace)) == 2  # the runs of the rotated-out files are gone
+
+
+def _copied_and_moved(ctx):
+    """``cp -a`` of a dirpath, then the original's step-4 file re-saved with other weights (a rollback that saves
+    the same name at the same step): the archive resumes its own state; a moved archive too; the file copied alone
+    (its state is not beside it) names the original's step-4 save, which is gone, and says so at once."""
+    import shutil
+
+    import torch.distributed as dist
+
+    pl, Module = _module_class("pytorch_lightning")
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from dcp_atomic import CheckpointNotFoundError
+
+    dirpath, archive = os.path.join(ctx.root, "ckpts"), os.path.join(ctx.root, "archive")
+    first = Module(seed=0, data_seed=1)
+    _trainer(pl, ctx, 4, [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)]).fit(first)
+    at_4 = _weights(first)
+    name = "epoch=0-step=4.ckpt"
+    if ctx.rank == 0:
+        shutil.copytree(dirpath, archive, symlinks=True)  # cp -a
+    dist.barrier()
+    rolled = Module(seed=0, data_seed=7)  # back to step 2, other data, and step 4 saved again under the same name
+    trainer = _trainer(pl, ctx, 4)
+    trainer.fit(rolled, ckpt_path=os.path.join(dirpath, "epoch=0-step=2.ckpt"))
+    trainer.save_checkpoint(os.path.join(dirpath, name))
+    out = {"branches_differ": not _same(at_4, _weights(rolled)),
+           "original": _same(_resumed_weights(pl, Module, ctx, os.path.join(dirpath, name), 5), _weights(rolled)),
+           "archive": _same(_resumed_weights(pl, Module, ctx, os.path.join(archive, name), 5), at_4)}
+    moved, alone = os.path.join(ctx.root, "moved"), os.path.join(ctx.root, "alone")
+    if ctx.rank == 0:
+        os.rename(archive, moved)
+        os.makedirs(alone)
+        shutil.copy2(os.path.join(moved, name), alone)
+    dist.barrier()
+    out["moved"] = _same(_resumed_weights(pl, Module, ctx, os.path.join(moved, name), 5), at_4)
+    try:
+        _resumed_weights(pl, Module, ctx, os.path.join(alone, name), 5)
+        out["alone"] = "loaded"
+    except CheckpointNotFoundError as e:
+        out["alone"] = e.message
+    if ctx.rank == 0:
+        try:
+            Module.load_from_checkpoint(os.path.join(alone, name))
+            out["alone_hooks"] = "loaded"
+        except BaseException as e:  # noqa: BLE001 - DCP wraps it
+            out["alone_hooks"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_copied_dirpath_resumes_its_own_state_a_moved_one_loads_and_a_file_copied_alone_says_its_save_is_gone(root):
+    for rank, out in enumerate(assert_all_ok(run_world(_copied_and_moved, 2, root, timeout=420))):
+        assert out["branches_differ"] and out["original"], out
+        assert out["archive"], "the copy resumed the original's re-saved state"
+        assert out["moved"], out
+        assert "is gone: the step was saved again since" in out["alone"], out["alone"]
+        if rank == 0:
+            assert "is gone: the step was saved again since" in out["alone_hooks"], out["alone_hooks"]

@@ -74,6 +74,7 @@ log = logging.getLogger(__name__)
 
 POINTER_KEY = "dcp_atomic_checkpoint_id"
 SAVE_ID_KEY = "dcp_atomic_save_id"  # beside POINTER_KEY: the one save of the step the file names
+SEQUENCE_KEY = "dcp_atomic_sequence"  # and its commit sequence: a later commit of the step means it is gone
 POINTER_RECORD = "dcp_atomic_pointer.json"  # inside the archive: {POINTER_KEY: checkpoint_id}
 MAX_POINTER_RECORD_BYTES = 64 * 1024
 _UNSAFE_RUN_CHARS = re.compile(r"[^A-Za-z0-9._-]")
@@ -155,7 +156,10 @@ class _AtomicCheckpointing:
         writer = AtomicStorageWriter(overwrite=True, timeout=self.timeout, parallelism=self.parallelism,
                                      compression=self.compression)
         dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, planner=AtomicSavePlanner())
-        self._publish(checkpoint, path, checkpoint_id, {"save_id": writer.save_id})
+        marker = writer.last_marker  # rank 0's (the one whose file is written); the state lives beside the file
+        self._publish(checkpoint, path, checkpoint_id, {
+            "save_id": writer.save_id, "sequence": None if marker is None else marker.sequence,
+            "relative": os.path.relpath(checkpoint_id, os.path.dirname(path))})
 
     def _publish(self, checkpoint: dict[str, Any], path: str, checkpoint_id: str,
                  record: dict[str, Any] | None = None) -> None:
@@ -163,6 +167,7 @@ class _AtomicCheckpointing:
         one tier that the file named before and no file names now); a failure reaches every rank."""
         checkpoint[POINTER_KEY] = checkpoint_id  # for AtomicCheckpointHooks, outside a Trainer
         checkpoint[SAVE_ID_KEY] = (record or {}).get("save_id")  # rank 0's: the one whose file is written
+        checkpoint[SEQUENCE_KEY] = (record or {}).get("sequence")
         failure = None
         if self.global_rank == 0:
             try:
@@ -233,22 +238,23 @@ class _AtomicCheckpointing:
 
         path = self.broadcast(os.fspath(checkpoint_path))
         record = _pointer_record(path)
-        checkpoint_id = None if record is None else record[POINTER_KEY]
+        checkpoint_id = None if record is None else checkpoint_id_of(path, record)
         if checkpoint_id is None:
             raise CheckpointError(f"{path} was not saved by {type(self).__name__} (no dcp_atomic checkpoint id "
                                   "recorded in it): resume from a file this strategy wrote", path=path)
         meta = torch.load(path, weights_only=weights_only)  # Lightning's own rule: None is torch's default
         meta.pop(POINTER_KEY, None)  # loaded here: AtomicCheckpointHooks must not load it again
         meta.pop(SAVE_ID_KEY, None)
+        meta.pop(SEQUENCE_KEY, None)
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
         if record.get("tier") and self.local_root is not None:
             self._tier_load(path, record, state)
         else:  # one tier, or a local-tier file read where this job has no local root: its durable copy
-            reader = AtomicStorageReader(timeout=self.timeout, parallelism=self.parallelism,
-                                         save_id=record.get("save_id"))  # that save or nothing, before any read
-            try:
-                dcp.load(state, storage_reader=reader, checkpoint_id=checkpoint_id, planner=AtomicLoadPlanner())
+            try:  # that save or nothing, refused before any read
+                reader = _resolved_reader(checkpoint_id, record.get("save_id"), _sequence(record),
+                                          timeout=self.timeout, parallelism=self.parallelism)
+                dcp.load(state, storage_reader=reader, planner=AtomicLoadPlanner())
             except CheckpointNotFoundError as e:
                 if not record.get("tier"):
                     raise
@@ -379,11 +385,9 @@ class AtomicCheckpointHooks:
             # a file of an earlier version names only the step: then the save the step holds now.
             save_id = checkpoint.get(SAVE_ID_KEY)
             if not isinstance(save_id, str):
-                current = AtomicStorageReader()
-                current.reset(checkpoint_id)
-                save_id = current.resolve().save_id
-            dcp.load(state, storage_reader=AtomicStorageReader(save_id=save_id), checkpoint_id=checkpoint_id,
-                     planner=AtomicLoadPlanner(), no_dist=True)
+                save_id = _resolved_reader(checkpoint_id, None, None).save_id
+            reader = _resolved_reader(checkpoint_id, save_id, _sequence({"sequence": checkpoint.get(SEQUENCE_KEY)}))
+            dcp.load(state, storage_reader=reader, planner=AtomicLoadPlanner(), no_dist=True)
             checkpoint["state_dict"] = state["state_dict"]
         parent = getattr(super(), "on_load_checkpoint", None)
         if parent is not None:
@@ -470,10 +474,41 @@ def _write_pointer(path: str, checkpoint: dict[str, Any], checkpoint_id: str,
             os.remove(temp)
 
 
+def checkpoint_id_of(path: str, record: dict[str, Any]) -> str:
+    """The state a file written by :func:`_write_pointer` names, wherever the file is now.
+
+    A name's state lives beside its file (``<dir>/<namespace>/<run>/step_N``, :func:`checkpoint_id_for`), and the
+    record says where relative to the file: so a copied (``cp -a``) or moved ``dirpath`` resumes its own state,
+    not the original's.  The absolute id the file recorded is used when that place holds no run (the file was
+    copied without its directory, or an older file records no place); the save id pins the version either way.
+    """
+    relative = record.get("relative")
+    if isinstance(relative, str) and not os.path.isabs(relative) and ".." not in relative.split(os.sep):
+        here = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), relative))
+        if os.path.isdir(os.path.dirname(here)):
+            return here
+    return record[POINTER_KEY]
+
+
+def _resolved_reader(checkpoint_id: str, save_id: str | None, sequence: int | None, **options: Any) -> AtomicStorageReader:
+    """A reader of exactly that save of ``checkpoint_id``, resolved here: a refusal (the save is gone, the step
+    damaged) is dcp_atomic's own typed error, not DCP's wrapping of it."""
+    root, run_id, step = parse_checkpoint_id(checkpoint_id)
+    reader = AtomicStorageReader(root, run_id, step, save_id=save_id, save_sequence=sequence, **options)
+    reader.resolve()
+    return reader
+
+
+def _sequence(record: dict[str, Any]) -> int | None:
+    sequence = record.get("sequence")
+    return sequence if type(sequence) is int and sequence >= 0 else None
+
+
 def _pointer(path: str) -> str | None:
-    """The checkpoint id a file written by :func:`_write_pointer` names; None for any other file."""
+    """The checkpoint id a file written by :func:`_write_pointer` names where it is now (:func:`checkpoint_id_of`);
+    None for any other file."""
     record = _pointer_record(path)
-    return None if record is None else record[POINTER_KEY]
+    return None if record is None else checkpoint_id_of(path, record)
 
 
 def _pointer_record(path: str) -> dict[str, Any] | None:
