@@ -259,6 +259,12 @@ def _copied_and_moved(ctx):
         shutil.copy2(os.path.join(moved, name), alone)
     dist.barrier()
     out["moved"] = _same(_resumed_weights(pl, Module, ctx, os.path.join(moved, name), 5), at_4)
+    # a save in the moved copy that replaces one of its files retires the copy's old state, not the original's
+    on = _trainer(pl, ctx, 5)
+    on.fit(Module(seed=3), ckpt_path=os.path.join(moved, name))
+    on.save_checkpoint(os.path.join(moved, "epoch=0-step=2.ckpt"))
+    out["original_kept"] = _same(_resumed_weights(pl, Module, ctx, os.path.join(dirpath, "epoch=0-step=2.ckpt"), 5),
+                                 rolled.at_start)
     try:
         _resumed_weights(pl, Module, ctx, os.path.join(alone, name), 5)
         out["alone"] = "loaded"
@@ -277,7 +283,7 @@ def test_a_copied_dirpath_resumes_its_own_state_a_moved_one_loads_and_a_file_cop
     for rank, out in enumerate(assert_all_ok(run_world(_copied_and_moved, 2, root, timeout=420))):
         assert out["branches_differ"] and out["original"], out
         assert out["archive"], "the copy resumed the original's re-saved state"
-        assert out["moved"], out
+        assert out["moved"] and out["original_kept"], out
         assert "is gone: the step was saved again since" in out["alone"], out["alone"]
         if rank == 0:
             assert "is gone: the step was saved again since" in out["alone_hooks"], out["alone_hooks"]
