@@ -22,12 +22,27 @@ from .errors import (
     TorchVersionError,
     UnsafeItemError,
 )
-from .manager import CheckpointManager
 from .parallelism import Parallelism
-from .planners import AtomicLoadPlanner, AtomicSavePlanner
-from .reader import AtomicStorageReader
 from .version import __version__
-from .writer import AtomicStorageWriter
+
+# What needs torch is imported on first use, so that `dcp-atomic --help`, `ls` and `show` (and anything that only
+# looks at a root) start without it: importing torch costs seconds, a minute on a loaded node.
+_LAZY = {"CheckpointManager": ".manager", "AtomicLoadPlanner": ".planners", "AtomicSavePlanner": ".planners",
+         "AtomicStorageReader": ".reader", "AtomicStorageWriter": ".writer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "AtomicStorageWriter",

@@ -25,7 +25,6 @@ import threading
 import time
 from typing import Any
 
-from .audit import AuditReport, audit_step
 from .catalog import most_recent, scan_markers
 from .commit import read_committed, read_marker
 from .errors import CheckpointError, CheckpointNotFoundError
@@ -427,6 +426,8 @@ def cmd_show(args) -> int:
 def cmd_verify(args) -> int:
     """Audit the step(s); a step whose marker exists but cannot be validated is reported as FAILED, never skipped."""
     layout = _layout(args)
+    from .audit import AuditReport, audit_step  # torch: only the commands that read tensors import it
+
     reports: list[AuditReport] = []
     if args.step is not None:
         _require_step(layout, args.step)

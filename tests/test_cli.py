@@ -94,3 +94,33 @@ def test_export_writes_one_loadable_unsharded_file(root, tmp_path):
     assert main(["export", root, RUN, "7", str(out)]) == 0
     exported = torch.load(out, weights_only=False)
     assert torch.equal(exported["model"]["w"], weights) and exported["meta"] == {"step": 7}
+
+
+_NO_TORCH_PROBE = """
+import contextlib, io, json, sys
+from dcp_atomic.cli import main
+out = io.StringIO()
+try:
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, "out": out.getvalue()[-300:]}))
+"""
+
+
+def test_help_argument_errors_ls_and_show_answer_without_importing_torch(root):
+    """Importing torch takes seconds (a minute on a loaded node): the CLI imports it only for what reads tensors."""
+    _save(root, 1)
+    for argv, code in ((["--help"], 0), (["verify", "--help"], 0), (["no-such-command"], 2), (["ls", root], 0),
+                       (["ls", root, RUN], 0), (["show", root, RUN, "1"], 0), (["--json", "show", root, RUN], 0)):
+        probe = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, *argv], capture_output=True, text=True,
+                               timeout=600)
+        result = json.loads(probe.stdout.strip().splitlines()[-1])
+        assert result["code"] == code and not result["torch"], (argv, result, probe.stderr[-500:])
+    installed = os.path.join(os.path.dirname(sys.executable), "dcp-atomic")  # the command a user runs
+    ran = subprocess.run([installed, "--help"], capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0 and "usage: dcp-atomic" in ran.stdout, ran
+    import dcp_atomic  # the public names still resolve (imported on first use)
+
+    assert dcp_atomic.AtomicStorageWriter is AtomicStorageWriter and "CheckpointManager" in dir(dcp_atomic)
