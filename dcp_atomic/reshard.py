@@ -557,6 +557,9 @@ def check_layout(*, saved: dict[str, Any] | None, current: Parallelism | None, a
                  where: str) -> bool:
     """Apply the layout policy; returns True when tp, pp or ep changed (with consent).  A cp change is a
     data-parallel one: weights are replicated or FSDP-sharded across cp (see :mod:`.parallelism`)."""
+    if saved is None and current is None:  # nothing declared on either side: nothing asked for, nothing to check
+        log.info("%s: no parallel layout declared at save or load; layout check not applicable", where)
+        return False
     if saved is None or current is None:
         missing = "the checkpoint" if saved is None else "this job"
         _warn_once(missing, "%s: parallel layout check skipped (%s has no declared or inferable Parallelism)",

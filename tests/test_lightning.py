@@ -259,6 +259,23 @@ def _copied_and_moved(ctx):
         shutil.copy2(os.path.join(moved, name), alone)
     dist.barrier()
     out["moved"] = _same(_resumed_weights(pl, Module, ctx, os.path.join(moved, name), 5), at_4)
+    if ctx.rank == 0:  # outside a Trainer, as users call it: the moved file's own state, and no noise
+        import logging
+        import warnings
+
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("dcp_atomic").addHandler(handler)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loaded = Module.load_from_checkpoint(os.path.join(moved, name))
+        finally:
+            logging.getLogger("dcp_atomic").removeHandler(handler)
+        out["hooks_moved"] = _same(_weights(loaded), at_4)
+        out["noise"] = [str(w.message) for w in caught if "torch.distributed is disabled" in str(w.message)] + [
+            r.getMessage() for r in records if r.levelno >= logging.WARNING]
     # a save in the moved copy that replaces one of its files retires the copy's old state, not the original's
     on = _trainer(pl, ctx, 5)
     on.fit(Module(seed=3), ckpt_path=os.path.join(moved, name))
@@ -287,3 +304,4 @@ def test_a_copied_dirpath_resumes_its_own_state_a_moved_one_loads_and_a_file_cop
         assert "is gone: the step was saved again since" in out["alone"], out["alone"]
         if rank == 0:
             assert "is gone: the step was saved again since" in out["alone_hooks"], out["alone_hooks"]
+            assert out["hooks_moved"] and not out["noise"], out

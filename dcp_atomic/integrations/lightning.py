@@ -46,6 +46,8 @@ the module to mix in :class:`AtomicCheckpointHooks` (Lightning calls no strategy
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import importlib
@@ -53,6 +55,7 @@ import json
 import logging
 import os
 import re
+import warnings
 import zipfile
 from typing import Any
 
@@ -77,6 +80,7 @@ SAVE_ID_KEY = "dcp_atomic_save_id"  # beside POINTER_KEY: the one save of the st
 SEQUENCE_KEY = "dcp_atomic_sequence"  # and its commit sequence: a later commit of the step means it is gone
 POINTER_RECORD = "dcp_atomic_pointer.json"  # inside the archive: {POINTER_KEY: checkpoint_id}
 MAX_POINTER_RECORD_BYTES = 64 * 1024
+_LOADING_FILE: contextvars.ContextVar[str | None] = contextvars.ContextVar("dcp_atomic_lightning_file", default=None)
 _UNSAFE_RUN_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 TIER_DIGEST_CHARS = 12  # "tier-<12 hex>": never a name's run, whose digest has 8 (checkpoint_id_for)
@@ -376,8 +380,23 @@ class AtomicCheckpointHooks:
     unsharded tensors), read by each process on its own: no collective, so rank 0 alone may call it.
     """
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any):
+        """Lightning's, noting which file is loaded: its state is found relative to it (:func:`checkpoint_id_of`),
+        so a copied or moved ``dirpath`` loads its own."""
+        where = os.fspath(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else None
+        token = _LOADING_FILE.set(where)
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        finally:
+            _LOADING_FILE.reset(token)
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint_id = checkpoint.get(POINTER_KEY)
+        where = _LOADING_FILE.get()
+        record = None if where is None or not isinstance(checkpoint_id, str) else _pointer_record(where)
+        if record is not None and record[POINTER_KEY] == checkpoint_id:  # this dict is that file's
+            checkpoint_id = checkpoint_id_of(where, record)
         if isinstance(checkpoint_id, str) and not checkpoint.get("state_dict"):
             state = {"state_dict": self.state_dict()}
             # This process alone, even inside a process group: Lightning calls this per process (often on rank 0
@@ -387,11 +406,29 @@ class AtomicCheckpointHooks:
             if not isinstance(save_id, str):
                 save_id = _resolved_reader(checkpoint_id, None, None).save_id
             reader = _resolved_reader(checkpoint_id, save_id, _sequence({"sequence": checkpoint.get(SEQUENCE_KEY)}))
-            dcp.load(state, storage_reader=reader, planner=AtomicLoadPlanner(), no_dist=True)
+            with warnings.catch_warnings(), _quiet_layout_check():
+                # no_dist is this hook's choice, not a missing process group
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                dcp.load(state, storage_reader=reader, planner=AtomicLoadPlanner(), no_dist=True)
             checkpoint["state_dict"] = state["state_dict"]
         parent = getattr(super(), "on_load_checkpoint", None)
         if parent is not None:
             parent(checkpoint)
+
+
+@contextlib.contextmanager
+def _quiet_layout_check():
+    """``load_from_checkpoint`` reads unsharded tensors into one process: a module outside a Trainer has no layout
+    to declare, so "parallel layout check skipped" would be said on every call, with nothing the user could do."""
+    def drop(record: logging.LogRecord) -> bool:
+        return "parallel layout check skipped" not in record.getMessage()
+
+    logger = logging.getLogger("dcp_atomic.reshard")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _retire_if_unreferenced(directory: str, checkpoint_id: str | None) -> None:
