@@ -38,6 +38,11 @@ What changes and why:
   drain can bring it back; the end of ``fit`` waits for the last drain, and a save outside ``fit``
   (``trainer.save_checkpoint`` afterwards) waits for its own, so every file is durable when they return.
 
+Moving a job onto this strategy: ``fit(ckpt_path=<a directory stock ModelParallelStrategy saved>)`` (its DCP
+checkpoint and ``meta.pt``) resumes from it, read as stock reads it and said once to be unverified (it carries no
+digests); every save from then on is a commit as above, and the stock directories the resumed callbacks rotate out
+or save again (``last.ckpt``) are removed or replaced as stock Lightning would.
+
 Both packages work: ``AtomicModelParallelStrategy`` is built over ``pytorch_lightning``'s ``ModelParallelStrategy``
 (over ``lightning.pytorch``'s where only that is installed), ``LightningAtomicModelParallelStrategy`` over
 ``lightning.pytorch``'s.  ``LightningModule.load_from_checkpoint`` on one of these files needs
@@ -55,16 +60,18 @@ import json
 import logging
 import os
 import re
+import shutil
 import warnings
 import zipfile
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 
 from ..backends import open_storage
 from ..catalog import DEFAULT_TIMEOUT
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, shorten
 from ..layout import RunLayout, parse_checkpoint_id
 from ..manager import CheckpointManager
 from ..parallelism import Parallelism
@@ -83,6 +90,9 @@ MAX_POINTER_RECORD_BYTES = 64 * 1024
 _LOADING_FILE: contextvars.ContextVar[str | None] = contextvars.ContextVar("dcp_atomic_lightning_file", default=None)
 _UNSAFE_RUN_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
+STOCK_META = "meta.pt"  # stock ModelParallelStrategy's directory: Lightning's non-tensor state (torch.save)
+STOCK_DCP_METADATA = ".metadata"  # beside it, torch's FileSystemWriter's index of the __<rank>_<n>.distcp files
+_STOCK_FILES = f"DCP's {STOCK_DCP_METADATA} with its *.distcp files, and Lightning's {STOCK_META}"
 TIER_DIGEST_CHARS = 12  # "tier-<12 hex>": never a name's run, whose digest has 8 (checkpoint_id_for)
 
 
@@ -241,17 +251,24 @@ class _AtomicCheckpointing:
                                                              set_model_state_dict, set_optimizer_state_dict)
 
         path = self.broadcast(os.fspath(checkpoint_path))
+        state = {"state_dict": get_model_state_dict(self.model)}
+        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
+        if os.path.isdir(path):  # what stock ModelParallelStrategy saved: a job moving onto this strategy
+            meta = self._stock_load(path, state, weights_only)
+            set_model_state_dict(self.model, state["state_dict"])
+            for i, optimizer in enumerate(self.optimizers):
+                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
+            return meta
         record = _pointer_record(path)
         checkpoint_id = None if record is None else checkpoint_id_of(path, record)
         if checkpoint_id is None:
             raise CheckpointError(f"{path} was not saved by {type(self).__name__} (no dcp_atomic checkpoint id "
-                                  "recorded in it): resume from a file this strategy wrote", path=path)
+                                  f"recorded in it), nor is it a directory stock ModelParallelStrategy saved "
+                                  f"({_STOCK_FILES}): resume from one of those", path=path)
         meta = torch.load(path, weights_only=weights_only)  # Lightning's own rule: None is torch's default
         meta.pop(POINTER_KEY, None)  # loaded here: AtomicCheckpointHooks must not load it again
         meta.pop(SAVE_ID_KEY, None)
         meta.pop(SEQUENCE_KEY, None)
-        state = {"state_dict": get_model_state_dict(self.model)}
-        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
         if record.get("tier") and self.local_root is not None:
             self._tier_load(path, record, state)
         else:  # one tier, or a local-tier file read where this job has no local root: its durable copy
@@ -272,6 +289,43 @@ class _AtomicCheckpointing:
         set_model_state_dict(self.model, state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
+        return meta
+
+    def _stock_load(self, path: str, state: dict[str, Any], weights_only: bool | None) -> dict[str, Any]:
+        """Fill ``state`` from a directory stock ``ModelParallelStrategy(save_distributed_checkpoint=True)`` saved
+        (a stock DCP checkpoint of ``state_dict`` and ``optimizer_<i>``, and ``meta.pt``: loops, callbacks, epoch);
+        return that Lightning state.
+
+        So a job moves onto this strategy by resuming, with no conversion step: the tensors are read as stock
+        Lightning reads them (torch's ``FileSystemReader``, which wrote them), and every save from then on is a
+        dcp_atomic commit.  Such a checkpoint carries no digests: its bytes cannot be verified as a commit's are,
+        which global rank 0 says once.  Anything else in a directory is refused before a byte is read.
+        """
+        missing = [name for name in (STOCK_DCP_METADATA, STOCK_META) if not os.path.isfile(os.path.join(path, name))]
+        if missing:
+            raise CheckpointError(f"{path} is a directory, but not a checkpoint stock ModelParallelStrategy saved: "
+                                  f"{' and '.join(missing)} missing (expected {_STOCK_FILES}); resume from a "
+                                  "complete stock checkpoint directory or a file this strategy wrote",
+                                  path=path, missing=missing)
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+        except CheckpointException as e:  # DCP wraps each rank's failure as (exception, traceback)
+            causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()] or [e]
+            cause = str(causes[0]).strip().splitlines()[0] if str(causes[0]).strip() else type(causes[0]).__name__
+            raise CheckpointError(f"{path} is a stock ModelParallelStrategy checkpoint, but this model's state could "
+                                  f"not be read from it ({type(causes[0]).__name__}: {shorten(cause, 300)}); it "
+                                  "carries no digests, so a damaged or partly copied file shows only here: resume "
+                                  "from another checkpoint, or check that it was saved from this model and "
+                                  "optimizer", path=path) from e
+        meta = torch.load(os.path.join(path, STOCK_META), weights_only=weights_only)  # as stock loads it
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{os.path.join(path, STOCK_META)} holds a {type(meta).__name__}, not the dict of "
+                                  "Lightning state stock ModelParallelStrategy saves there: resume from another "
+                                  "checkpoint", path=path)
+        if self.global_rank == 0:
+            log.warning("%s: resumed from a checkpoint stock ModelParallelStrategy saved; it carries no digests, so "
+                        "its bytes were read unverified (dcp_atomic's commits are verified on every load). "
+                        "Checkpoints saved from now on are dcp_atomic commits", path)
         return meta
 
     def _tier_load(self, path: str, record: dict[str, Any], state: dict[str, Any]) -> None:
@@ -295,6 +349,12 @@ class _AtomicCheckpointing:
         if not self.is_global_zero:
             return
         path = os.path.abspath(os.fspath(filepath))
+        if _is_stock_checkpoint(path):  # a stock directory a resumed callback rotates out: removed as stock would
+            try:
+                shutil.rmtree(path)
+            except OSError as e:
+                log.warning("could not remove the stock checkpoint %s (%s)", path, e)
+            return
         try:  # rank 0 alone: raising here would leave the other ranks in their next collective
             checkpoint_id = _pointer(path)
             os.remove(path)
@@ -505,10 +565,41 @@ def _write_pointer(path: str, checkpoint: dict[str, Any], checkpoint_id: str,
             archive.writestr(f"{folder}/{POINTER_RECORD}", json.dumps({**(record or {}), POINTER_KEY: checkpoint_id}))
         with open(temp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(temp, path)
+        if os.path.isdir(path):
+            _replace_stock_checkpoint(temp, path)
+        else:
+            os.replace(temp, path)
     finally:
         if os.path.exists(temp):
             os.remove(temp)
+
+
+def _is_stock_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a directory stock ``ModelParallelStrategy`` saved: DCP's ``.metadata`` and ``meta.pt``."""
+    return all(os.path.isfile(os.path.join(path, name)) for name in (STOCK_DCP_METADATA, STOCK_META))
+
+
+def _replace_stock_checkpoint(temp: str, path: str) -> None:
+    """Publish ``temp`` at ``path``, where stock ``ModelParallelStrategy`` saved a directory (``last.ckpt`` of the
+    job before it moved onto this strategy): stock Lightning overwrites a name it saves again, and so does this.
+
+    A directory cannot be replaced by a file in one rename: it is renamed aside first, so a crash in between leaves
+    the stock checkpoint whole at ``<path>.<pid>.stock`` (rename it back to resume from it), then removed.  Any other
+    directory is never touched."""
+    if not _is_stock_checkpoint(path):
+        raise IsADirectoryError(f"{path} is a directory, and not a checkpoint stock ModelParallelStrategy saved "
+                                f"({_STOCK_FILES}): move it away, or save under another name")
+    aside = f"{path}.{os.getpid()}.stock"
+    os.rename(path, aside)
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        os.rename(aside, path)
+        raise
+    try:
+        shutil.rmtree(aside)
+    except OSError as e:  # the file is published: what is left of the old directory is only space
+        log.warning("could not remove %s (%s), the stock checkpoint %s replaced", aside, e, path)
 
 
 def checkpoint_id_of(path: str, record: dict[str, Any]) -> str:
