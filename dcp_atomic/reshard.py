@@ -307,6 +307,12 @@ def canonical_bytes(value: Any) -> bytes:
         return part(kind.__name__.encode(), b"".join(sorted(items) if kind is dict else items))
     if kind in (list, tuple):
         return part(kind.__name__.encode(), b"".join(canonical_bytes(v) for v in value))
+    if kind is torch.Tensor and value.layout == torch.strided and value.device.type != "meta":
+        # its pickle names the storage's address: equal tensors inside an object (a gathered RNG state, a
+        # scheduler's) would look diverged
+        flat = value.detach().reshape(-1).contiguous()
+        header = f"{flat.dtype} {tuple(value.shape)} {value.requires_grad}".encode()
+        return part(b"tensor", header + flat.view(torch.uint8).cpu().numpy().tobytes())
     return part(b"pickle", pickle.dumps(value, protocol=4))
 
 

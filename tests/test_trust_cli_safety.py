@@ -147,6 +147,30 @@ def test_equal_sets_ordered_differently_per_rank_save_and_different_ones_are_ref
     assert not os.path.exists(os.path.join(root, RUN, "step_0000000002", "COMMITTED"))
 
 
+def _save_equal_tensors_inside_objects_then_different_ones(ctx):
+    from dcp_atomic import AtomicSavePlanner
+
+    def gathered(value):  # what an integration gathers to every rank: each rank's copy unpickled from the others'
+        return tuple(pickle.loads(pickle.dumps({"generator": torch.full((4,), float(value))})) for _ in range(2))
+
+    dcp.save({"o": gathered(1)}, storage_writer=AtomicStorageWriter(ctx.root, RUN, 1, timeout=20),
+             planner=AtomicSavePlanner())
+    try:
+        dcp.save({"o": gathered(ctx.rank)}, storage_writer=AtomicStorageWriter(ctx.root, RUN, 2, timeout=20),
+                 planner=AtomicSavePlanner())
+        return None
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return str(e)
+
+
+def test_equal_tensors_inside_an_object_save_and_different_ones_are_refused(root):
+    # a tensor's pickle names its storage's address: equal tensors inside objects looked diverged (refused)
+    for refused in assert_all_ok(run_world(_save_equal_tensors_inside_objects_then_different_ones, 2, root)):
+        assert refused and "'o': object differs across ranks" in refused, refused
+    assert os.path.exists(os.path.join(root, RUN, "step_0000000001", "COMMITTED"))
+    assert not os.path.exists(os.path.join(root, RUN, "step_0000000002", "COMMITTED"))
+
+
 # -- item 11: verify walks compressed frames the way the reader does ----------------------------------------------
 
 

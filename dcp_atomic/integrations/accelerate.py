@@ -1,0 +1,265 @@
+"""HF Accelerate through dcp_atomic: everything ``Accelerator.save_state`` saves, as one atomic, verified step.
+
+``accelerator.save_state(dir)`` writes each model, each optimizer, the schedulers, samplers, RNG states and the
+``register_for_checkpointing`` objects as separate files (under FSDP: model and optimizer as two separate DCP
+checkpoints through a hard-coded ``FileSystemWriter``), so a crash between them leaves a directory that mixes two
+steps, and retention is an ``rmtree`` of the oldest folder.  :class:`AcceleratorCheckpoint` gathers the same state
+into one state dict and hands it to one :class:`dcp_atomic.CheckpointManager`: one commit marker per step, every
+byte verified on load, ``keep_last`` retention that never deletes the step ``LATEST`` names, the local tier and
+S3/GCS as the manager has them (its keyword arguments pass through)::
+
+    accelerator = Accelerator()
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    checkpoint = AcceleratorCheckpoint(accelerator, "ckpt", run_id="exp1", keep_last=3)
+    start = checkpoint.load() or 0          # the latest committed step, or None on a fresh start
+    ...
+    checkpoint.save(step)                   # instead of accelerator.save_state(...)
+
+What goes in, per index as Accelerate numbers them: ``model`` / ``model_<i>`` (``get_model_state_dict``: DDP's
+``module.`` prefix dropped, FSDP1/FSDP2 sharded as DTensors, so a changed world size reshards), ``optimizer`` /
+``optimizer_<i>`` (``get_optimizer_state_dict`` against the model that owns its parameters), ``scheduler_<i>``,
+``scaler``, ``dataloader_<i>`` (epoch counter, a seedable sampler's seed and epoch, a stateful loader's position
+per rank), ``custom_<i>`` (``register_for_checkpointing``), ``rng`` (Python, NumPy, torch and accelerator
+generators of every rank: gathered, so a job resumed on more ranks than saved says which ranks start fresh) and
+Accelerate's own ``step`` counter.  Per-rank values are gathered to every rank before the save: DCP keeps one
+copy of a key, and a key every rank holds alike is one copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ..errors import CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError
+from ..manager import CheckpointManager
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # of the "accelerate" record: a later layout bumps it, and an older reader refuses it by name
+RECORD_KEY = "accelerate"
+_OPTIONS = StateDictOptions(full_state_dict=False)  # sharded stays sharded: each rank saves and loads its own part
+
+
+def _indexed(name: str, i: int) -> str:
+    """Accelerate's numbering (``pytorch_model.bin``, ``pytorch_model_1.bin``): the first has no index."""
+    return name if i == 0 else f"{name}_{i}"
+
+
+def _unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the user's
+
+
+class AcceleratorCheckpoint:
+    """Save and load everything an :class:`accelerate.Accelerator` prepared, as one step of one
+    :class:`CheckpointManager` (see the module docstring).
+
+    Args:
+        accelerator: the job's ``Accelerator``, after ``prepare``: what it holds then is what is saved (models,
+            optimizers, schedulers, dataloaders and ``register_for_checkpointing`` objects).
+        root, run_id, manager_kwargs: the manager's (``keep_last``, ``local_root``, ``storage_options``,
+            ``compression``...); build it after the ``Accelerator``, which starts the process group.
+    """
+
+    def __init__(self, accelerator: Any, root: Any, run_id: str, **manager_kwargs: Any) -> None:
+        self.accelerator = accelerator
+        self.manager = CheckpointManager(root, run_id, **manager_kwargs)
+        # Per-rank state (RNG, stateful loaders) is gathered on a gloo group of our own: the default group may be
+        # NCCL, where an object gather needs a current CUDA device.
+        self._group = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.manager.timeout))
+
+    # -- what a step holds -----------------------------------------------------------------
+
+    def _owners(self) -> list[int]:
+        """For each optimizer, the index of the prepared model whose parameters it updates; refuses a save that
+        would hold no model weights (a model Accelerate never prepared is not registered for checkpointing)."""
+        models = self.accelerator._models
+        if not models:
+            raise ConfigurationError(
+                "the Accelerator holds no model to checkpoint: a save would hold no model weights. Pass the model "
+                "through accelerator.prepare(model, optimizer, ...) (or accelerator.prepare_model(model)) before "
+                "AcceleratorCheckpoint.save")
+        owned = [{id(p) for p in model.parameters()} for model in models]
+        owners = []
+        for j, optimizer in enumerate(self.accelerator._optimizers):
+            params = {id(p) for group in _unwrapped_optimizer(optimizer).param_groups for p in group["params"]}
+            found = [i for i, ids in enumerate(owned) if params and params <= ids]
+            if not found:
+                raise ConfigurationError(
+                    f"optimizer {j} updates parameters of no model the Accelerator prepared: its weights would not "
+                    "be in the checkpoint. Prepare that model with the optimizer, accelerator.prepare(model, "
+                    "optimizer, ...), and build the optimizer from the model's parameters")
+            owners.append(found[0])
+        return owners
+
+    def _gathered(self, mine: Any) -> tuple[Any, ...]:
+        """Every rank's ``mine``, by rank: a tuple, which DCP stores as one object (a list or dict it would
+        flatten into keys that depend on the world size)."""
+        if self._group is None:
+            return (mine,)
+        everyone: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(everyone, mine, group=self._group)
+        return tuple(everyone)
+
+    def _state(self, *, saving: bool) -> dict[str, Any]:
+        acc = self.accelerator
+        owners = self._owners()
+        state: dict[str, Any] = {}
+        for i, model in enumerate(acc._models):
+            state[_indexed("model", i)] = get_model_state_dict(model, options=_OPTIONS)
+        for j, optimizer in enumerate(acc._optimizers):
+            state[_indexed("optimizer", j)] = get_optimizer_state_dict(
+                acc._models[owners[j]], _unwrapped_optimizer(optimizer), options=_OPTIONS)
+        for k, scheduler in enumerate(acc._schedulers):
+            state[_indexed("scheduler", k)] = scheduler.state_dict()
+        if acc.scaler is not None:
+            state["scaler"] = acc.scaler.state_dict()
+        for d, loader in enumerate(acc._dataloaders):
+            state[_indexed("dataloader", d)] = _loader_state(loader, self._gathered if saving else None)
+        for c, obj in enumerate(acc._custom_objects):
+            state[_indexed("custom", c)] = obj.state_dict()
+        state["rng"] = self._gathered(_rng_state()) if saving else None
+        state[RECORD_KEY] = {"format": FORMAT, "step": acc.step, "counts": _counts(acc),
+                             "world_size": acc.num_processes}
+        return state
+
+    # -- save and load -----------------------------------------------------------------------
+
+    def save(self, step: int, metadata: dict[str, Any] | None = None, durable: bool | None = None) -> int:
+        """Commit ``step`` (every rank calls it, as ``save_state``): returns the step.  ``metadata`` and
+        ``durable`` as :meth:`CheckpointManager.save`."""
+        return self.manager.save(step, self._state(saving=True), metadata=metadata, durable=durable)
+
+    def load(self, step: int | None = None, *, allow_reshard: bool = False) -> int | None:
+        """Load ``step`` (default: the most recent committed step) into everything the Accelerator holds; returns
+        the step, or None when the run has no checkpoint yet (a fresh start: nothing is changed)."""
+        state = self._state(saving=False)
+        try:
+            chosen = self.manager.load(state, step=step, allow_reshard=allow_reshard)
+        except CheckpointNotFoundError:
+            if step is not None:
+                raise
+            return None
+        self._apply(state, chosen)
+        return chosen
+
+    def _apply(self, state: dict[str, Any], step: int) -> None:
+        acc = self.accelerator
+        record = state[RECORD_KEY]
+        where = f"step {step} of run {self.manager.run_id!r}"
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            raise CorruptCheckpointError(f"{where}: its {RECORD_KEY!r} record is {record!r}, not format {FORMAT} "
+                                         "of AcceleratorCheckpoint (saved by another dcp_atomic version?)")
+        if record.get("counts") != _counts(acc):
+            raise ConfigurationError(
+                f"{where} was saved from an Accelerator holding {record.get('counts')}; this one holds "
+                f"{_counts(acc)}. Prepare the same objects, in the same order, as the job that saved it")
+        owners = self._owners()
+        for i, model in enumerate(acc._models):
+            set_model_state_dict(model, state[_indexed("model", i)], options=_OPTIONS)
+        for j, optimizer in enumerate(acc._optimizers):
+            set_optimizer_state_dict(acc._models[owners[j]], _unwrapped_optimizer(optimizer),
+                                     state[_indexed("optimizer", j)], options=_OPTIONS)
+        for k, scheduler in enumerate(acc._schedulers):
+            scheduler.load_state_dict(state[_indexed("scheduler", k)])
+        if acc.scaler is not None:
+            acc.scaler.load_state_dict(state["scaler"])
+        for d, loader in enumerate(acc._dataloaders):
+            _restore_loader(loader, state[_indexed("dataloader", d)], acc.process_index, where)
+        for c, obj in enumerate(acc._custom_objects):
+            obj.load_state_dict(state[_indexed("custom", c)])
+        rngs = state["rng"]
+        if acc.process_index < len(rngs):
+            _restore_rng(rngs[acc.process_index], where)
+        else:
+            log.warning("%s holds the random generators of %d ranks; rank %d (of %d now) keeps its own", where,
+                        len(rngs), acc.process_index, acc.num_processes)
+        acc.step = record["step"]
+
+    def close(self) -> None:
+        """Wait for background work (drains of the local tier) and release the manager."""
+        self.manager.close()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def __enter__(self) -> "AcceleratorCheckpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _counts(acc: Any) -> dict[str, int]:
+    return {"models": len(acc._models), "optimizers": len(acc._optimizers), "schedulers": len(acc._schedulers),
+            "dataloaders": len(acc._dataloaders), "custom_objects": len(acc._custom_objects)}
+
+
+def _sampler(loader: Any) -> Any:
+    get = getattr(loader, "get_sampler", None)
+    sampler = get() if get is not None else getattr(loader, "sampler", None)
+    return sampler if hasattr(sampler, "initial_seed") and hasattr(sampler, "epoch") else None  # a seedable one
+
+
+def _loader_state(loader: Any, gather: Any) -> dict[str, Any]:
+    """A dataloader's position: its epoch counter, a seedable sampler's seed and epoch (the same on every rank)
+    and, for a stateful loader, each rank's own ``state_dict()`` (gathered: see the module docstring)."""
+    sampler = _sampler(loader)
+    stateful = getattr(loader, "use_stateful_dataloader", False)
+    return {"iteration": getattr(loader, "iteration", 0),
+            "sampler": None if sampler is None else {"initial_seed": sampler.initial_seed, "epoch": sampler.epoch},
+            "ranks": (gather(loader.state_dict()) if gather is not None else None) if stateful else None}
+
+
+def _restore_loader(loader: Any, saved: dict[str, Any], rank: int, where: str) -> None:
+    if hasattr(loader, "iteration"):
+        loader.iteration = saved["iteration"]
+    sampler = _sampler(loader)
+    if sampler is not None and saved["sampler"] is not None:
+        sampler.initial_seed, sampler.epoch = saved["sampler"]["initial_seed"], saved["sampler"]["epoch"]
+    ranks = saved["ranks"]
+    if getattr(loader, "use_stateful_dataloader", False) and ranks is not None:
+        if rank < len(ranks):
+            loader.load_state_dict(ranks[rank])
+        else:
+            log.warning("%s holds the dataloader positions of %d ranks; rank %d starts its loader afresh", where,
+                        len(ranks), rank)
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's generators, as plain values and CPU tensors (what a weights-only load accepts)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(),
+                             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                                       float(cached))}
+    if torch.cuda.is_available():  # not exercised on the CPU-only test machines
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict[str, Any], where: str) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning("%s holds the CUDA generators of %d devices; this process sees %d and keeps its own", where,
+                        len(cuda), torch.cuda.device_count())

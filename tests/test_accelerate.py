@@ -1,0 +1,214 @@
+"""HF Accelerate the way its users run it: a real ``Accelerator`` with ``prepare`` (DDP over gloo on the CPU: Accelerate
+turns on FSDP only on accelerator devices), saved through :class:`AcceleratorCheckpoint` where they would call
+``save_state`` — a job killed inside a save resumes the last committed step exactly (weights, optimizer, scheduler,
+sampler epoch, registered objects, every rank's random generators) and trains on to the same weights; a job on
+one process loads it too; a save that would hold no model weights is refused with the fix."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tests.harness import assert_all_ok, run_world
+
+pytest.importorskip("accelerate")
+
+
+class Counter:
+    """A ``register_for_checkpointing`` object."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+def _job(seed: int = 0):
+    """What every run of the test job builds, identically: the user's script up to its training loop."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    set_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+    data = torch.randn(32, 6, generator=torch.Generator().manual_seed(99))  # the same data, whatever the seed
+    data = torch.utils.data.TensorDataset(data[:, :4], data[:, 4:])
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    return accelerator, model, optimizer, loader, scheduler, counter
+
+
+def _train_step(accelerator, model, optimizer, loader, scheduler, counter) -> None:
+    """One step = one epoch of the loader (its order decides the float sums: a wrong sampler epoch shows)."""
+    for x, y in loader:
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+    counter.n += 1
+
+
+def _snapshot(accelerator, model, optimizer, scheduler, counter) -> dict:
+    def cloned(value):
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone()
+        if isinstance(value, dict):
+            return {k: cloned(v) for k, v in value.items()}
+        return value
+
+    return {"weights": cloned(accelerator.unwrap_model(model).state_dict()),
+            "optimizer": cloned(optimizer.optimizer.state_dict()["state"]), "lr": scheduler.get_last_lr(),
+            "counter": counter.n}
+
+
+def _draws() -> tuple:
+    return (torch.rand(3), random.random(), float(np.random.rand()))
+
+
+def _first_run(ctx):
+    """Train 5 steps, save at 2 and 3 (keep_last=2); what a resume must reproduce is recorded after the step-3
+    save; the save at step 5 is killed on rank 1 (DCP_ATOMIC_FAILPOINTS)."""
+    from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
+
+    job = _job()
+    accelerator = job[0]
+    torch.manual_seed(100 + ctx.rank), random.seed(ctx.rank), np.random.seed(ctx.rank)  # generators of its own
+    checkpoint = AcceleratorCheckpoint(accelerator, ctx.root, "exp", keep_last=2, timeout=15)
+    assert checkpoint.load() is None  # a fresh start
+    record = {}
+    for step in range(1, 6):
+        _train_step(*job)
+        if step in (2, 3):
+            checkpoint.save(step)
+        if step == 3:
+            record["at_3"] = _snapshot(accelerator, job[1], job[2], job[4], job[5])
+            record["draws"] = _draws()
+            record["loader_iteration"] = job[3].iteration
+    record["at_5"] = _snapshot(accelerator, job[1], job[2], job[4], job[5])
+    torch.save(record, os.path.join(ctx.root, f"first_rank{ctx.rank}.pt"))
+    checkpoint.save(5)  # rank 1 is killed inside it
+
+
+def _resumed_run(ctx):
+    from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
+
+    job = _job(seed=123)  # another seed: everything that matters must come from the checkpoint
+    accelerator = job[0]
+    with AcceleratorCheckpoint(accelerator, ctx.root, "exp", keep_last=2, timeout=15) as checkpoint:
+        step = checkpoint.load()
+        got = {"step": step, "at_3": _snapshot(accelerator, job[1], job[2], job[4], job[5]), "draws": _draws(),
+               "loader_iteration": job[3].iteration, "steps": checkpoint.manager.steps()}
+        if ctx.extra.get("train_on"):
+            for _ in range(step + 1, 6):
+                _train_step(*job)
+            got["at_5"] = _snapshot(accelerator, job[1], job[2], job[4], job[5])
+    return got
+
+
+def _assert_same(got, want, where):
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for k in want:
+            _assert_same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+@pytest.mark.timeout(400)
+def test_a_job_killed_inside_a_save_resumes_the_last_commit_exactly_on_two_ranks_and_on_one(tmp_path):
+    root = str(tmp_path)
+    first = run_world(_first_run, 2, root, env={"DCP_ATOMIC_FAILPOINTS": "write.mid_data@1#3=kill"}, timeout=150)
+    assert first[1].killed or first[1].error_type == "ProcessDied", first[1]
+    assert not first[0].ok  # its peer died inside the save: the save failed, never reported committed
+    recorded = [torch.load(os.path.join(root, f"first_rank{r}.pt"), weights_only=False) for r in range(2)]
+    assert recorded[0]["loader_iteration"] == 3  # three epochs: a fresh loader would start at 0
+
+    resumed = assert_all_ok(run_world(_resumed_run, 2, root, extra={"train_on": True}, timeout=150))
+    for rank, got in enumerate(resumed):
+        want = recorded[rank]
+        assert got["step"] == 3 and got["steps"] == [2, 3]  # the killed save is not a step; keep_last=2
+        _assert_same(got["at_3"], want["at_3"], f"rank {rank} at step 3")
+        _assert_same(got["draws"], want["draws"], f"rank {rank} random draws after the load")
+        assert got["loader_iteration"] == want["loader_iteration"]
+        _assert_same(got["at_5"], want["at_5"], f"rank {rank} trained on to step 5")
+    assert not torch.equal(resumed[0]["draws"][0], resumed[1]["draws"][0])  # each rank got its own generators
+
+    [alone] = assert_all_ok(run_world(_resumed_run, 1, root, no_process_group=True, timeout=150))
+    assert alone["step"] == 3
+    _assert_same(alone["at_3"], recorded[0]["at_3"], "one process at step 3")
+    _assert_same(alone["draws"], recorded[0]["draws"], "one process: rank 0's generators")
+
+
+def _refusals(ctx):
+    from accelerate import Accelerator
+
+    from dcp_atomic.errors import ConfigurationError
+    from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 2)
+    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))  # the model is not prepared
+    messages = []
+    with AcceleratorCheckpoint(accelerator, ctx.root, "exp") as checkpoint:
+        try:
+            checkpoint.save(1)
+        except ConfigurationError as e:
+            messages.append(str(e))
+        accelerator.prepare(torch.nn.Linear(3, 3))  # a model, but not the optimizer's
+        try:
+            checkpoint.save(1)
+        except ConfigurationError as e:
+            messages.append(str(e))
+        steps = checkpoint.manager.steps()
+    del optimizer
+    return messages, steps
+
+
+def test_a_save_that_would_hold_no_model_weights_is_refused_with_the_fix(tmp_path):
+    [(messages, steps)] = assert_all_ok(run_world(_refusals, 1, str(tmp_path), no_process_group=True, timeout=120))
+    assert len(messages) == 2, messages
+    assert "holds no model" in messages[0] and "accelerator.prepare(model, optimizer" in messages[0]
+    assert "optimizer 0 updates parameters of no model" in messages[1]
+    assert steps == []  # nothing was committed
+
+
+def _two_tiers(ctx):
+    from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
+
+    job = _job()
+    durable, local = os.path.join(ctx.root, "durable"), os.path.join(ctx.root, "local")
+    with AcceleratorCheckpoint(job[0], durable, "exp", local_root=local, replicas=0) as checkpoint:
+        _train_step(*job)
+        checkpoint.save(1)
+        want = _snapshot(job[0], job[1], job[2], job[4], job[5])
+    job = _job(seed=7)
+    with AcceleratorCheckpoint(job[0], durable, "exp", local_root=local, replicas=0) as checkpoint:
+        step = checkpoint.load()
+        tier = checkpoint.manager.restored_from["tier"]
+        durable_steps = checkpoint.manager.steps("durable")
+    return step, tier, durable_steps, want, _snapshot(job[0], job[1], job[2], job[4], job[5])
+
+
+def test_the_local_tier_works_through_it_as_through_the_manager(tmp_path):
+    [(step, tier, durable_steps, want, got)] = assert_all_ok(
+        run_world(_two_tiers, 1, str(tmp_path), no_process_group=True, timeout=120))
+    assert (step, tier, durable_steps) == (1, "local", [1])  # restored from the node's disk, drained on close
+    _assert_same(got, want, "restored from the local tier")
