@@ -212,3 +212,36 @@ def test_the_local_tier_works_through_it_as_through_the_manager(tmp_path):
         run_world(_two_tiers, 1, str(tmp_path), no_process_group=True, timeout=120))
     assert (step, tier, durable_steps) == (1, "local", [1])  # restored from the node's disk, drained on close
     _assert_same(got, want, "restored from the local tier")
+
+
+def _other_objects(ctx):
+    from accelerate import Accelerator
+
+    from dcp_atomic.errors import CheckpointError
+    from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
+
+    job = _job()
+    with AcceleratorCheckpoint(job[0], ctx.root, "exp") as checkpoint:
+        checkpoint.save(1)
+    errors = {}
+    for extra in (0, 1):  # one object fewer than saved, then one more
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+        accelerator._custom_objects.clear()  # the Accelerator state is per process: start from this job's objects
+        accelerator.register_for_checkpointing(*[Counter() for _ in range(extra * 2)])
+        with AcceleratorCheckpoint(accelerator, ctx.root, "exp") as checkpoint:
+            try:
+                checkpoint.load()
+            except CheckpointError as e:
+                errors[extra] = (type(e).__name__, str(e))
+        del model
+    return errors
+
+
+def test_a_load_into_an_accelerator_holding_other_objects_is_refused_naming_them(tmp_path):
+    """Fewer objects than saved: refused naming both sets; more: DCP's plan names the key the checkpoint lacks."""
+    [errors] = assert_all_ok(run_world(_other_objects, 1, str(tmp_path), no_process_group=True, timeout=120))
+    fewer, more = errors[0], errors[1]
+    assert fewer[0] == "ConfigurationError" and "'optimizers': 1" in fewer[1] and "'optimizers': 0" in fewer[1]
+    assert "Prepare the same objects, in the same order" in fewer[1]
+    assert "Missing key in checkpoint state_dict: custom_1.n" in more[1]  # DCP's plan, before any byte is read

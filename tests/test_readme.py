@@ -44,7 +44,7 @@ def console_commands() -> list[tuple[str, list[str]]]:
 
 # Examples whose command writes only under the directory it names: each runs as its own test (beside the rest of
 # the README, which shares one scratch directory), so the suite's workers run them in parallel.
-SELF_CONTAINED = ("examples/lightning_quickstart.py", "examples/two_tiers.py")
+SELF_CONTAINED = ("examples/lightning_quickstart.py", "examples/two_tiers.py", "examples/accelerate_quickstart.py")
 
 
 def _self_contained(command: str) -> bool:
