@@ -2,7 +2,7 @@
 
 Layout
     bench.py        the command: picks a scenario, parses its options, writes its JSON
-    world.py        the world launcher (the tests' own ``tests.harness.run_world``) and the measured
+    world.py        the world launcher (the tests' own ``testbed.worlds.run_world``) and the measured
                     save / load round of world scenarios
     contenders.py   how each contender (dcp_atomic formats, stock DCP variants, torch.save) saves and loads
     common.py       state dicts, bit-exact checks, memory probes, media (disk, tmpfs)

@@ -23,7 +23,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or ".") == HERE:
-    sys.path[0] = os.path.dirname(HERE)  # import benchmarks.* and tests.* as packages, never as loose files
+    sys.path[0] = os.path.dirname(HERE)  # import benchmarks.* and testbed.* as packages, never as loose files
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank, as in a job whose ranks share cores
 
 SCENARIOS = ("large", "small", "compression", "s3", "restore", "tiers")

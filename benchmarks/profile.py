@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="counted rounds after a warm-up (default %(default)s)")
     parser.add_argument("--root", default=None, help="directory to write under (default: a fresh one in /var/tmp)")
     args = parser.parse_args(argv)
-    from tests.harness import run_world
+    from testbed.worlds import run_world
 
     root = tempfile.mkdtemp(prefix="dcp-profile-", dir=args.root or "/var/tmp")
     load_before = os.getloadavg()[0]

@@ -78,7 +78,7 @@ def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 @contextlib.contextmanager
 def server(kind: str, data_dir: str | None) -> Iterator[str]:
     """The endpoint URL of a server started for this run (stopped after), or ``kind`` itself when it is a URL."""
-    from tests.s3_servers import _wait_http, seaweedfs_server
+    from testbed.s3_servers import _wait_http, seaweedfs_server
 
     if kind == "seaweedfs":
         with tempfile.TemporaryDirectory(prefix="dcp-bench-weed-", dir=data_dir) as workdir:

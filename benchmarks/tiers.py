@@ -448,7 +448,7 @@ def run(args: argparse.Namespace) -> dict:
         rounds = args.repeats + (0 if args.no_warmup else 1)
         ops = rounds * len(STORES) * 7
         progress = Progress(total=ops, started=time.monotonic())
-        from tests.harness import run_world
+        from testbed.worlds import run_world
 
         outcomes = run_world(_rank, WORLD, disk, args=(plan, progress), rank_env=node_env,
                              timeout=args.op_timeout * (ops + 10) + 60, pg_timeout=args.op_timeout)

