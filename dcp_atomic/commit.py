@@ -89,7 +89,7 @@ def refuse_committed(marker: Marker, step: int, run_id: str, resumed: ResumePoin
                  "supersedes it", step, run_id, marker.save_id, where, resumed.describe())
         return True
     hint = ("Save a new step, load an earlier step first to roll back (it then supersedes the abandoned "
-            "steps above it), or pass overwrite=True to replace it.")
+            "steps above it), or pass AtomicStorageWriter(overwrite=True) to replace it (plain DCP saves).")
     if resumed is not None:
         hint = (f"This job {resumed.describe()}, and step {step} was committed after that (sequence "
                 f"{marker.sequence}), by this job or by another one saving into the same run. Save a new "
@@ -278,7 +278,7 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
     def conflict(existing: Marker) -> str:
         return (f"step {step} of run {layout.run_id!r} was committed by save {existing.save_id} while save "
                 f"{save_id} was writing (two jobs on one run?); nothing of {save_id} is visible. "
-                f"Use another run_id or step, or overwrite=True to replace it deliberately"
+                f"Use another run_id or step, or AtomicStorageWriter(overwrite=True) to replace it deliberately"
                 + (f" ({resumed.describe()}; this commit is newer than that)." if resumed is not None else "."))
 
     marker = place_marker(layout, marker, manifest, evidence or Evidence.written(manifest), overwrite=overwrite,

@@ -432,7 +432,7 @@ def check_save(item_summaries: list[ItemSummary], reports: list[SaveReport | Non
             "silently drop the others:\n  - " + "\n  - ".join(problems) +
             "\nFix: make sharded state a DTensor, or give each rank its own key (e.g. f'rng_state.rank{rank}'); "
             "for diverged replicas, find why data-parallel ranks drifted apart. To save rank-local state "
-            "knowingly, use AtomicSavePlanner(divergence='warn')."
+            "knowingly, use AtomicSavePlanner(divergence='warn') (CheckpointManager(allow_divergence=True))."
         )
         if divergence == "raise":
             raise ReshardError(message, keys=sorted(per_rank))

@@ -31,12 +31,13 @@ class Counter:
         self.n = state["n"]
 
 
-def _job(seed: int = 0):
-    """What every run of the test job builds, identically: the user's script up to its training loop."""
+def _job(seed: int = 0, seedable: bool = True):
+    """What every run of the test job builds, identically: the user's script up to its training loop.  Accelerate's
+    default sampler shuffles with a generator it synchronises across ranks; the seedable one reseeds per epoch."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=seedable))
     set_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
@@ -82,7 +83,7 @@ def _first_run(ctx):
     save; the save at step 5 is killed on rank 1 (DCP_ATOMIC_FAILPOINTS)."""
     from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
 
-    job = _job()
+    job = _job(seedable=ctx.extra["seedable"])
     accelerator = job[0]
     torch.manual_seed(100 + ctx.rank), random.seed(ctx.rank), np.random.seed(ctx.rank)  # generators of its own
     checkpoint = AcceleratorCheckpoint(accelerator, ctx.root, "exp", keep_last=2, timeout=15)
@@ -104,7 +105,7 @@ def _first_run(ctx):
 def _resumed_run(ctx):
     from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
 
-    job = _job(seed=123)  # another seed: everything that matters must come from the checkpoint
+    job = _job(seed=123, seedable=ctx.extra.get("seedable", True))  # everything that matters from the checkpoint
     accelerator = job[0]
     with AcceleratorCheckpoint(accelerator, ctx.root, "exp", keep_last=2, timeout=15) as checkpoint:
         step = checkpoint.load()
@@ -133,15 +134,18 @@ def _assert_same(got, want, where):
 
 
 @pytest.mark.timeout(400)
-def test_a_job_killed_inside_a_save_resumes_the_last_commit_exactly_on_two_ranks_and_on_one(tmp_path):
-    root = str(tmp_path)
-    first = run_world(_first_run, 2, root, env={"DCP_ATOMIC_FAILPOINTS": "write.mid_data@1#3=kill"}, timeout=150)
+@pytest.mark.parametrize("sampler", ["seedable", "default"])
+def test_a_job_killed_inside_a_save_resumes_the_last_commit_exactly_on_two_ranks_and_on_one(tmp_path, sampler):
+    root, seedable = str(tmp_path), sampler == "seedable"
+    first = run_world(_first_run, 2, root, env={"DCP_ATOMIC_FAILPOINTS": "write.mid_data@1#3=kill"}, timeout=150,
+                      extra={"seedable": seedable})
     assert first[1].killed or first[1].error_type == "ProcessDied", first[1]
     assert not first[0].ok  # its peer died inside the save: the save failed, never reported committed
     recorded = [torch.load(os.path.join(root, f"first_rank{r}.pt"), weights_only=False) for r in range(2)]
     assert recorded[0]["loader_iteration"] == 3  # three epochs: a fresh loader would start at 0
 
-    resumed = assert_all_ok(run_world(_resumed_run, 2, root, extra={"train_on": True}, timeout=150))
+    resumed = assert_all_ok(run_world(_resumed_run, 2, root, extra={"train_on": True, "seedable": seedable},
+                                      timeout=150))
     for rank, got in enumerate(resumed):
         want = recorded[rank]
         assert got["step"] == 3 and got["steps"] == [2, 3]  # the killed save is not a step; keep_last=2
@@ -151,7 +155,8 @@ def test_a_job_killed_inside_a_save_resumes_the_last_commit_exactly_on_two_ranks
         _assert_same(got["at_5"], want["at_5"], f"rank {rank} trained on to step 5")
     assert not torch.equal(resumed[0]["draws"][0], resumed[1]["draws"][0])  # each rank got its own generators
 
-    [alone] = assert_all_ok(run_world(_resumed_run, 1, root, no_process_group=True, timeout=150))
+    [alone] = assert_all_ok(run_world(_resumed_run, 1, root, no_process_group=True, timeout=150,
+                                      extra={"seedable": seedable}))
     assert alone["step"] == 3
     _assert_same(alone["at_3"], recorded[0]["at_3"], "one process at step 3")
     _assert_same(alone["draws"], recorded[0]["draws"], "one process: rank 0's generators")
@@ -186,7 +191,7 @@ def test_a_save_that_would_hold_no_model_weights_is_refused_with_the_fix(tmp_pat
     [(messages, steps)] = assert_all_ok(run_world(_refusals, 1, str(tmp_path), no_process_group=True, timeout=120))
     assert len(messages) == 2, messages
     assert "holds no model" in messages[0] and "accelerator.prepare(model, optimizer" in messages[0]
-    assert "optimizer 0 updates parameters of no model" in messages[1]
+    assert "optimizer 0 updates parameters that are in no model the Accelerator prepared" in messages[1]
     assert steps == []  # nothing was committed
 
 
@@ -244,4 +249,76 @@ def test_a_load_into_an_accelerator_holding_other_objects_is_refused_naming_them
     fewer, more = errors[0], errors[1]
     assert fewer[0] == "ConfigurationError" and "'optimizers': 1" in fewer[1] and "'optimizers': 0" in fewer[1]
     assert "Prepare the same objects, in the same order" in fewer[1]
-    assert "Missing key in checkpoint state_dict: custom_1.n" in more[1]  # DCP's plan, before any byte is read
+    assert "Missing key in checkpoint state_dict: custom_1" in more[1]  # DCP's plan, before any byte is read
+
+
+class Tracker:
+    """A registered object whose state grows: a fresh one's ``state_dict()`` has none of the saved keys."""
+
+    def __init__(self):
+        self.best: dict = {}
+
+    def state_dict(self):
+        return {"best": self.best}
+
+    def load_state_dict(self, state):
+        self.best = state["best"]
+
+
+def _what_users_do(ctx):
+    """A fresh start and a save before the first step change nothing; growing state loads whole; one optimizer over
+    two models; Accelerate's pre-hooks and a save into another run's steps without load() are refused."""
+    from accelerate import Accelerator
+
+    from dcp_atomic.errors import ConfigurationError
+    from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    generator, critic = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(list(generator.parameters()) + list(critic.parameters()), lr=0.1)
+    generator, critic, optimizer = accelerator.prepare(generator, critic, optimizer)
+    tracker = Tracker()
+    accelerator.register_for_checkpointing(tracker)
+    got = {}
+    with AcceleratorCheckpoint(accelerator, ctx.root, "exp") as checkpoint:
+        got["fresh_load"] = checkpoint.load()
+        got["state_after_fresh_load"] = len(optimizer.optimizer.state)
+        checkpoint.save(0)
+        got["state_after_save_0"] = len(optimizer.optimizer.state)
+        critic(generator(torch.ones(2, 4))).sum().backward()
+        optimizer.step()
+        tracker.best = {"loss": torch.tensor(0.25), "epoch": 3}
+        checkpoint.save(1)
+        want = {k: v.clone() for k, v in optimizer.optimizer.state_dict()["state"][0].items()}
+    tracker.best = {}
+    with AcceleratorCheckpoint(accelerator, ctx.root, "exp") as checkpoint:
+        got["loaded"] = checkpoint.load(0)
+        got["state_after_loading_0"] = len(optimizer.optimizer.state)
+        got["loaded"] = (got["loaded"], checkpoint.load())
+        loaded = optimizer.optimizer.state_dict()["state"][0]
+        got["optimizer_exact"] = all(torch.equal(loaded[k], want[k]) for k in want)
+        got["tracker"] = tracker.best
+    with AcceleratorCheckpoint(accelerator, ctx.root, "exp") as checkpoint:  # a new job forgets load()
+        try:
+            checkpoint.save(1)
+        except ConfigurationError as e:
+            got["no_load"] = str(e)
+        accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: None)
+        try:
+            checkpoint.load()
+        except ConfigurationError as e:
+            got["hooks"] = str(e)
+        got["steps"] = checkpoint.manager.steps()
+    return got
+
+
+def test_what_accelerate_users_do_saves_and_loads_what_they_meant_or_is_refused(tmp_path):
+    [got] = assert_all_ok(run_world(_what_users_do, 1, str(tmp_path), no_process_group=True, timeout=120))
+    assert got["fresh_load"] is None
+    assert got["state_after_fresh_load"] == got["state_after_save_0"] == got["state_after_loading_0"] == 0
+    assert got["loaded"] == (0, 1) and got["optimizer_exact"]
+    assert torch.equal(got["tracker"]["loss"], torch.tensor(0.25)) and got["tracker"]["epoch"] == 3
+    assert "already holds committed steps [0, 1]; call AcceleratorCheckpoint.load() first" in got["no_load"]
+    assert "1 save/load-state pre-hook(s)" in got["hooks"] and "register_for_checkpointing" in got["hooks"]
+    assert got["steps"] == [0, 1]  # nothing written by the refused calls
