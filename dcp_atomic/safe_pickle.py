@@ -64,6 +64,11 @@ class _TensorPropertiesAnyTorch(TensorProperties):
             if isinstance(state, dict):  # never unpacked positionally: a dict of five names would "fit"
                 raise TypeError
             TensorProperties.__setstate__(self, state)
+            # 2.15's own __setstate__ unpacks any six entries by position: a state that puts strides elsewhere
+            # "fits" with pin_memory=(3, 1), strides=False.  Placed by type below instead.
+            if type(self.requires_grad) is not bool or type(self.pin_memory) is not bool \
+                    or not _is_strides(getattr(self, "strides", None)):
+                raise TypeError
         except (ValueError, TypeError, RuntimeError):
             self.__dict__.update(_read_properties(state))
         self.__class__ = TensorProperties  # what DCP and its users compare and re-pickle
