@@ -4,8 +4,13 @@ Pass :class:`AtomicStorageWriter` / :class:`AtomicStorageReader` to ``dcp.save``
 / ``dcp.async_save`` / ``dcp.load``.  See README.md for the guarantees.
 """
 
-from .catalog import latest_step, list_steps, resume_point
-from .commit import ResumePoint
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+from .protocol.catalog import latest_step, list_steps, resume_point
+from .protocol.commit import ResumePoint
 from .errors import (
     ArgumentError,
     CheckpointError,
@@ -22,19 +27,52 @@ from .errors import (
     TorchVersionError,
     UnsafeItemError,
 )
-from .parallelism import Parallelism
+from .format.parallelism import Parallelism
 from .version import __version__
 
 # What needs torch is imported on first use, so that `dcp-atomic --help`, `ls` and `show` (and anything that only
 # looks at a root) start without it: importing torch costs seconds, a minute on a loaded node.
-_LAZY = {"CheckpointManager": ".manager", "AtomicLoadPlanner": ".planners", "AtomicSavePlanner": ".planners",
-         "AtomicStorageReader": ".reader", "AtomicStorageWriter": ".writer"}
+_LAZY = {"CheckpointManager": ".manager", "AtomicLoadPlanner": ".dcp.planners",
+         "AtomicSavePlanner": ".dcp.planners", "AtomicStorageReader": ".dcp.reader", "AtomicStorageWriter": ".dcp.writer"}
+
+# The modules' paths before the layers had packages (``dcp_atomic.writer``...), kept for one release: importing one
+# gives the module itself (so ``monkeypatch`` and ``mock.patch`` of an old path reach the code that runs).  The former
+# ``dcp_atomic.manager`` and ``dcp_atomic.exchange`` are their packages now (the first holds the manager itself).
+_MOVED = {
+    **dict.fromkeys(("arguments", "failpoints", "gc_pause", "progress", "retry", "stats"), "_base"),
+    **dict.fromkeys(("codec", "container", "integrity", "layout", "manifest", "parallelism", "safe_pickle"), "format"),
+    **dict.fromkeys(("backends", "gcs", "object_retry", "s3", "s3_multipart", "s3_probe", "storage"), "stores"),
+    **dict.fromkeys(("catalog", "commit", "lineage", "location", "retention"), "protocol"),
+    **dict.fromkeys(("collective", "liveness"), "exchange"),
+    **dict.fromkeys(("identity", "planners", "read_checks", "read_sources", "reader", "reshard", "shared_read",
+                     "watched", "writer"), "dcp"),
+    **dict.fromkeys(("drain", "file_transfer", "local_tier", "placement", "tier_restore"), "tiers"),
+    **dict.fromkeys(("audit", "cli", "demo", "export", "importer"), "tools"),
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import dcp_atomic.<old name>`` -> the module at its new path (one object under both names)."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None):
+        package, _, name = fullname.rpartition(".")
+        if package == __name__ and name in _MOVED:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        name = spec.name.rpartition(".")[2]
+        return importlib.import_module(f"{__name__}.{_MOVED[name]}.{name}")
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+sys.meta_path.insert(0, _MovedModules())
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value

@@ -16,6 +16,11 @@ if ! .venv/bin/python -c 'import torchtitan, spmd_types' 2>/dev/null; then
         exit 1
     fi
 fi
+# The layers' import directions ([tool.importlinter] in pyproject.toml): a wrong-way import fails the run here.
+if ! log=$(.venv/bin/lint-imports 2>&1); then
+    echo "$log" >&2
+    exit 1
+fi
 # Parallel workers (pytest-xdist): the suite mostly waits (timeouts, liveness, servers), so more workers than
 # cores pay off; every test is isolated in its ports (tests/ports.py), directories and mounts.
 exec .venv/bin/python -m pytest -n "${DCP_ATOMIC_TEST_WORKERS:-4}" "$@"

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import ConfigurationError, CorruptCheckpointError, UnsafeItemError
 from ..manager import CheckpointManager
-from ..safe_pickle import load_refusal
+from ..format.safe_pickle import load_refusal
 
 log = logging.getLogger(__name__)
 

@@ -69,16 +69,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-from ..backends import open_storage
-from ..catalog import DEFAULT_TIMEOUT
+from ..stores.backends import open_storage
+from ..protocol.catalog import DEFAULT_TIMEOUT
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, shorten
-from ..layout import RunLayout, parse_checkpoint_id
+from ..format.layout import RunLayout, parse_checkpoint_id
 from ..manager import CheckpointManager
-from ..parallelism import Parallelism
-from ..planners import AtomicLoadPlanner, AtomicSavePlanner
-from ..reader import AtomicStorageReader
-from ..retention import remove_run, remove_step
-from ..writer import AtomicStorageWriter
+from ..format.parallelism import Parallelism
+from ..dcp.planners import AtomicLoadPlanner, AtomicSavePlanner
+from ..dcp.reader import AtomicStorageReader
+from ..protocol.retention import remove_run, remove_step
+from ..dcp.writer import AtomicStorageWriter
 
 log = logging.getLogger(__name__)
 

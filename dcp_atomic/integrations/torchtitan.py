@@ -41,17 +41,17 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 
-from ..catalog import DEFAULT_TIMEOUT, latest_step
-from ..commit import read_marker, resume_point
+from ..protocol.catalog import DEFAULT_TIMEOUT, latest_step
+from ..protocol.commit import read_marker, resume_point
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
-from ..layout import RunLayout, parse_checkpoint_id, root_key, step_dir_name
-from ..planners import AtomicLoadPlanner, AtomicSavePlanner
-from ..backends import open_storage
-from ..reader import AtomicStorageReader
-from ..retry import Deadline
-from ..retention import apply_gc, plan_gc
+from ..format.layout import RunLayout, parse_checkpoint_id, root_key, step_dir_name
+from ..dcp.planners import AtomicLoadPlanner, AtomicSavePlanner
+from ..stores.backends import open_storage
+from ..dcp.reader import AtomicStorageReader
+from .._base.retry import Deadline
+from ..protocol.retention import apply_gc, plan_gc
 from ..manager import CheckpointManager as TierManager
-from ..writer import AtomicStorageWriter
+from ..dcp.writer import AtomicStorageWriter
 
 log = logging.getLogger(__name__)
 

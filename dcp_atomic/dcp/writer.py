@@ -1,0 +1,938 @@
+"""``AtomicStorageWriter``: DCP's StorageWriter with versioned attempts and one commit.
+
+Lifecycle, as DCP calls it (names follow DCP's hooks):
+
+* ``set_up_storage_writer`` (every rank) starts a fresh save;
+* ``prepare_local_plan`` (every rank) stashes this rank's identity in the plan;
+* ``prepare_global_plan`` (coordinator) checks every identity (P7), refuses a
+  step that is already committed unless ``overwrite=True``, and picks the
+  ``save_id`` that every rank then writes under — all before a byte is written
+  (with DCP's plan caching, ranks replay a cached plan instead: each derives the
+  save_id from it and a count of saves, and ``finish`` checks they agree);
+* ``write_data`` (every rank) writes ``thread_count`` files in parallel into the
+  attempt directory, hashing blocks as they go, fsyncs them, and publishes its
+  own manifest shard (items and block digests); only the shard's digest and
+  each item's (file, offset, length) travel to the coordinator;
+* ``finish`` (coordinator, only if every rank succeeded) runs the commit
+  protocol of :mod:`dcp_atomic.commit`.
+
+Tensor items are raw blocks by default (:mod:`.codec`: the faster format, optionally
+zstd-compressed); with ``stock_readable=True`` they are ``torch.save`` containers, exactly
+as stock DCP writes them, so torch's own ``FileSystemReader`` can open an attempt directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import io
+import json
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from .._base import arguments
+from ..protocol import commit
+from .._base import failpoints
+from ..protocol.catalog import DEFAULT_TIMEOUT
+from ..format.codec import Encoder, Staging, host_blocks, plane_width, tensor_bytes
+from ..format.container import find_payload
+from ..errors import CheckpointError, CommitConflictError, ConfigurationError, RankConsistencyError, StorageError
+from .identity import check_identities, default_thread_count, local_identity
+from .._base.gc_pause import STORAGE, hook, leave
+from ..format.integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
+from ..format.layout import ATTEMPT, checked_checkpoint_id, data_file_name, new_save_id, no_location_error, validate_step
+from ..protocol.location import is_checkpoint_id, open_location, retarget
+from ..format.manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, check_user_metadata, now
+from ..format.parallelism import Parallelism
+from .._base.progress import Progress
+from .reshard import ItemSummary, SaveReport, check_save, summarize_items
+from ..format.safe_pickle import load_refusal
+from ..version import __version__
+
+log = logging.getLogger("dcp_atomic.writer")  # the name users filter on
+
+DCP_METADATA_VERSION = "1.0.0"  # the .metadata version stock FileSystemReader expects
+_STATS_FQN = "__dcp_atomic_rank_stats__"  # sentinel WriteResult carrying per-rank stats to finish()
+
+
+@dataclass
+class _LocalPlanData:
+    """What a rank tells the coordinator about itself (travels in ``SavePlan.storage_data``)."""
+
+    identity: dict[str, Any]
+    items: ItemSummary | None  # per key (reshard.summarize_items); None: a cached plan, no items
+    report: SaveReport | None  # content summary from AtomicSavePlanner, if used
+
+
+@dataclass
+class _AssignedPlanData:
+    """What the coordinator hands each rank: the attempt it writes into.
+
+    DCP's plan caching replays this object on every later save of the series: ``save_id`` is the series' first
+    save_id and ``number`` the save it was assigned for; each save derives its own id (:func:`_advance_series`).
+    """
+
+    save_id: str
+    rank: int
+    step: int
+    data_prefixes: int = 0  # where every rank puts its data (layout.data_prefix): one choice, recorded in the manifest
+    number: int = 1
+
+
+@dataclass
+class _WrittenItem:
+    """``WriteResult.storage_data``: where an item went and its block digests."""
+
+    relative_path: str
+    offset: int
+    length: int
+    kind: str
+    format: str
+    checksums: list[str]
+    block_size: int
+    payload: int | None = None
+    codec: str = "none"
+    planes: int = 1
+    logical_length: int | None = None
+    frames: list[int] | None = None
+    dtype: str | None = None  # the dtype stored, when the planner resolved another than it planned
+
+
+@dataclass
+class _RankStats:
+    rank: int
+    host: str
+    files: dict[str, int] = field(default_factory=dict)  # name -> size
+    bytes: int = 0
+    items: int = 0
+    write_seconds: float = 0.0
+    fsync_seconds: float = 0.0
+    threads: int = 1
+    shard: ShardRef | None = None  # this rank's manifest shard, as the manifest names it
+    step: int | None = None  # the attempt this rank wrote (checked against the coordinator's plan in finish)
+    save_id: str | None = None
+    # key -> the dtypes this rank stored its chunks of that key as, for keys of which the planner cast a chunk
+    # ("save as bf16"); the coordinator records them in the manifest (Manifest.stored_dtypes)
+    casts: dict[str, set[str]] = field(default_factory=dict)
+
+
+@dataclass
+class _Series:
+    """Saves sharing one DCP-cached plan, as the coordinator knows them: a cached plan (``usable=False``)
+    reaches it without items, and without what the rank's writer added unless the planner passes it on
+    (AtomicSavePlanner does), so each rank's last full report stands in."""
+
+    first_save_id: str
+    plans: list[_LocalPlanData]
+    keys: dict[str, dict[str, Any]]
+    named: bool = False  # its planner names its DCP cache in every report (AtomicSavePlanner), so replays find it
+
+
+_MANIFEST_STATS = ("rank", "bytes", "items", "write_seconds", "fsync_seconds", "threads")  # per rank
+_series_lock = threading.Lock()
+_series_counts: dict[str, int] = {}  # series (first save_id) -> number of the last save of it this process wrote
+_MAX_SERIES = 64  # a series ends when every rank's plan changes; a process has one live series per planner class
+# Coordinator: per DCP plan-cache key, the series whose plans every rank has cached.  DCP keys its caches by the
+# planner's class name (``_cached_plans_key``), so two planner classes (full and model-only saves) replay two
+# series, and two state dicts saved through one class share one (DCP re-plans when the structure changes).  Set in
+# write_data only: a save gets there after every rank's DCP cache advanced (finish_plan), never after a refusal.
+_cached_series: dict[str, _Series] = {}
+# What DCP's coordinator caches in create_global_plan, before prepare_global_plan may refuse the save.
+_DCP_COORDINATOR_CACHES = ("_cached_all_plans", "_cached_global_plan", "_cached_metadata")
+
+class AtomicStorageWriter(StorageWriter):
+    """Write one DCP checkpoint as an immutable attempt, committed by global rank 0 alone.
+
+    Args:
+        root: local/NFS directory or fsspec URL holding all runs.
+        run_id: run name; ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
+        step: training step; the checkpoint lands in ``<root>/<run_id>/step_{step:010d}/``.
+            Any of the three may be ``None`` and come from ``dcp.save(..., checkpoint_id=
+            "<root>/<run_id>/step_<N>")`` (or ``step-<N>``), which must agree with those given.
+        parallelism: the job's layout, recorded for reshard checks at load.
+        compression: ``None`` or ``"zstd"`` (byte-plane grouped, per-block frames; implies the raw format).
+        compression_level: ``None`` for the tuned fast profile (see codec.py), or a zstd level.
+        thread_count: files (and writer threads) per rank.
+        overwrite: replace an already committed step (after the new attempt is complete).
+        metadata: a small JSON dict stored in the manifest (``dcp-atomic show`` prints it,
+            ``CheckpointManager.metadata(step)`` returns it); only global rank 0's is recorded.
+        resumed_from: where this job resumed (``commit.resume_point(layout, step)`` after loading ``step``; the
+            manager and the framework integrations set it): a save of a step above it that the abandoned branch
+            committed supersedes that step instead of raising ``CommitConflictError`` (P14).
+        stock_readable: ``True`` writes each tensor as a torch.save container so torch's own
+            FileSystemReader opens the attempt (interop); the default ``False`` writes raw blocks,
+            the faster format (see README, "Formats and compression", for the measurements).
+        timeout: seconds any wait of this writer may take.
+        storage_options: fsspec options (e.g. an S3 endpoint).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike | None = None,
+        run_id: str | None = None,
+        step: int | None = None,
+        *,
+        parallelism: Parallelism | None = None,
+        compression: str | None = None,
+        compression_level: int | None = None,
+        thread_count: int | None = None,
+        overwrite: bool = False,
+        resumed_from: commit.ResumePoint | None = None,
+        metadata: dict[str, Any] | None = None,
+        stock_readable: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        storage_options: dict[str, Any] | None = None,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        super().__init__()
+        if compression not in (None, "zstd"):
+            raise ConfigurationError(f"compression must be None or 'zstd', got {compression!r}")
+        if stock_readable and compression is not None:
+            raise ConfigurationError(
+                "stock_readable=True cannot be compressed: torch's FileSystemReader only reads torch.save "
+                "containers; use compression=None, or stock_readable=False"
+            )
+        if parallelism is not None and not isinstance(parallelism, Parallelism):
+            raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
+        thread_count = arguments.count("AtomicStorageWriter(thread_count=...)", thread_count)
+        timeout = arguments.seconds("AtomicStorageWriter(timeout=...)", timeout)
+        overwrite = arguments.flag("AtomicStorageWriter(overwrite=...)", overwrite)
+        stock_readable = arguments.flag("AtomicStorageWriter(stock_readable=...)", stock_readable)
+        block_size = arguments.count("AtomicStorageWriter(block_size=...)", block_size, optional=False)
+        self.storage_options = storage_options
+        self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
+        self.storage, self.layout = open_location(root, run_id, storage_options)
+        self.step = None if step is None else validate_step(step)
+        self.parallelism = parallelism
+        self.compression = compression
+        self.compression_level = compression_level
+        self.thread_count = thread_count or default_thread_count()
+        self.overwrite = overwrite
+        self.resumed_from = resumed_from
+        try:
+            self.metadata = check_user_metadata(metadata)
+        except ValueError as e:
+            raise ConfigurationError(f"AtomicStorageWriter(metadata=...): {e}") from None
+        self.stock_readable = stock_readable
+        self.timeout = timeout
+        self.block_size = block_size
+        self.save_id: str | None = None
+        self.data_prefixes = 0  # the coordinator's choice for the save in progress (see prepare_global_plan)
+        self.rank = 0
+        self.is_coordinator = True
+        self.use_collectives = True
+        self.last_marker = None
+        self.last_stats: dict[str, Any] | None = None  # coordinator only, after a commit
+        self._identities: list[dict] = []
+        self._keys: dict[str, dict] = {}
+        self._started_at = 0.0
+
+    # -- DCP lifecycle -----------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Retarget to ``<root>/<run_id>/step_<N>`` (DCP calls this when given ``checkpoint_id=``).
+
+        Only the location changes: every save is a fresh attempt anyway (``set_up_storage_writer``).
+        """
+        if checkpoint_id is None:
+            if self.layout is None or self.step is None:
+                raise no_location_error(type(self).__name__)
+            return
+        root, run_id, step = checked_checkpoint_id(checkpoint_id, self._built_root, self._built_run_id,
+                                                   type(self).__name__)
+        self.storage, self.layout = retarget(self.storage, self.layout, root, run_id, self.storage_options)
+        self.step = step
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        with hook(STORAGE, first=True):  # the save's lease (gc_pause): ends after this rank's last hook
+            self._set_up(is_coordinator, kwargs)
+
+    def _set_up(self, is_coordinator: bool, kwargs: dict) -> None:
+        if self.layout is None or self.step is None:
+            raise no_location_error(type(self).__name__)
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", 0 if is_coordinator else -1)
+        self.use_collectives = kwargs.get("use_collectives", True)
+        self.save_id = None
+        self.last_marker = None
+        self._identities = []
+        self._started_at = now()
+        self._series: _Series | None = None  # coordinator: the series this save belongs to (prepare_global_plan)
+        self._planned_save_id: str | None = None
+        self._dcp_caches_before = _dcp_coordinator_caches() if is_coordinator else None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        with hook(STORAGE):
+            return self._prepare_local_plan(plan)
+
+    def _prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        report = plan.storage_data if isinstance(plan.storage_data, SaveReport) else None
+        layout = self.parallelism or (report.parallelism if report else None)
+        identity = local_identity(self.rank, layout.to_dict() if layout else None,
+                                  declared=self.parallelism is not None)
+        items = summarize_items(plan.items) if plan.usable else None  # a cached plan is sent without its items
+        return dataclasses.replace(plan, storage_data=_LocalPlanData(identity=identity, items=items, report=report))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Checks, then the attempt.  With DCP's plan caching, ranks whose plan is unchanged replay their cached
+        one: the save continues that series (its next number), and what they last reported stands in.
+
+        A refusal here (a committed step, an identity or content check, the attempt's storage) puts DCP's
+        coordinator caches back as they were before this save.  DCP filled them in ``create_global_plan``, but no
+        rank's own cache advanced (``finish_plan`` comes after): left filled, the next save would tell every rank
+        to replay a plan it never cached (KeyError), or its previous plan under the refused save's metadata (a
+        committed checkpoint missing keys)."""
+        try:
+            with hook(STORAGE):
+                failpoints.hit("plan.before_checks", self.rank)
+                return self._plan(plans)
+        except BaseException:
+            if self._dcp_caches_before is not None:
+                _restore_dcp_coordinator_caches(self._dcp_caches_before)
+            raise
+
+    def _plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        replayed = not all(plan.usable for plan in plans)  # those ranks replay their cached plan: same series
+        cached = [position for position, plan in enumerate(plans) if not plan.usable
+                  or isinstance(plan.storage_data, _LocalPlanData) and plan.storage_data.items is None]
+        named = _named_plan_cache(plans)
+        known = _replayed_series(named) if cached else None
+        if cached and (known is None or len(known.plans) != len(plans)):
+            raise ConfigurationError(
+                f"rank {cached[0]} sent a DCP plan cached by a save this coordinator did not plan with dcp_atomic "
+                "(another storage writer, or another world): save with DefaultSavePlanner(enable_plan_caching=False) "
+                "once, or restart the job"
+            )
+        ranks = [self._rank_plan(position, plan, known) for position, plan in enumerate(plans)]
+        self._identities = [plan.identity for plan in ranks]
+        self._refuse_partial_world(len(plans))
+        check_identities(self._identities)
+        if replayed and all(a is b for a, b in zip(ranks, known.plans)):
+            self._keys = known.keys  # nothing new reached the coordinator: the last checks stand
+        else:
+            self._keys = check_save([plan.items for plan in ranks], [plan.report for plan in ranks])
+        replacing = self.overwrite or self._refuse_committed_step()
+        if replayed:
+            with _series_lock:
+                number = _series_counts.get(known.first_save_id, 0) + 1
+            first = known.first_save_id
+        else:
+            first, number = new_save_id(), 1
+        self._series = _Series(first, ranks, self._keys, named=named is not None)  # remembered in write_data
+        save_id = self._planned_save_id = _series_save_id(first, number)
+        attempt = self.layout.attempt_dir(self.step, save_id)
+        claim = {"save_id": save_id, "step": self.step, "host": socket.gethostname(), "pid": os.getpid(),
+                 "started_at": self._started_at, "world_size": len(plans), "library_version": __version__}
+        try:
+            self.storage.makedirs(attempt)
+            self.storage.check_commit_support(attempt, overwrite=replacing)  # refuse now, not after all the data
+            self.storage.publish(self.storage.join(attempt, ATTEMPT), _json(claim))
+        except OSError as e:
+            raise _storage_error(e, self.rank, e.filename or attempt, phase="creating the attempt") from e
+        prefixes = 0 if self.stock_readable else getattr(self.storage, "data_prefixes", 0)  # stock: data by .metadata
+        return [
+            dataclasses.replace(plan, storage_data=_AssignedPlanData(save_id=first, rank=i, step=self.step,
+                                                                     data_prefixes=prefixes, number=number))
+            for i, plan in enumerate(plans)
+        ]
+
+    def _rank_plan(self, position: int, plan: SavePlan, series: _Series | None) -> _LocalPlanData:
+        """What rank ``position`` reported, completed from its last full report where its plan was cached."""
+        data = plan.storage_data
+        if isinstance(data, _LocalPlanData) and data.items is not None:
+            return data
+        if series is not None and (isinstance(data, _LocalPlanData) or data is None and not plan.usable):
+            cached = series.plans[position]
+            return cached if data is None else dataclasses.replace(data, items=cached.items)
+        raise ConfigurationError(
+            f"the local plan of rank {position} carries no dcp_atomic identity: "
+            "every rank must save with an AtomicStorageWriter"
+        )
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        # 10^4+ item records and results per rank.  Another rank's lease lasts until DCP's broadcast of the
+        # global metadata has been unpickled (_MetadataVersion); without collectives, until its own finish.
+        with hook(STORAGE):
+            return self._write_data(plan, planner)
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assigned = plan.storage_data
+        if not isinstance(assigned, _AssignedPlanData):
+            raise ConfigurationError(
+                f"rank {self.rank}: this save plan was not assigned by an AtomicStorageWriter coordinator (a DCP "
+                "plan cached by a save through another storage writer?): save once with "
+                "DefaultSavePlanner(enable_plan_caching=False), or restart the job"
+            )
+        caching = getattr(planner, "_enable_plan_caching", False)
+        number = _advance_series(assigned, caching)  # first: every rank counts every save, even one that fails
+        if number == assigned.number and assigned.step != self.step:  # a replayed plan's step is stale: see finish
+            raise ConfigurationError(f"rank {self.rank} writer is for step {self.step}, coordinator chose {assigned.step}")
+        if caching and self._series is not None:  # the coordinator: ranks now cache this series
+            _remember_series(planner, self._series)
+        assigned = dataclasses.replace(assigned, save_id=_series_save_id(assigned.save_id, number), step=self.step)
+        self.save_id = assigned.save_id
+        self.data_prefixes = assigned.data_prefixes
+        self.rank = assigned.rank
+        results, stats = _RankWrite(self, planner, assigned).run(plan.items)
+        stats.shard = self._publish_shard(assigned, results, stats)
+        stats.step, stats.save_id = assigned.step, assigned.save_id
+        results = [  # the coordinator needs only what DCP's .metadata records
+            WriteResult(r.index, r.size_in_bytes, _StorageInfo(r.storage_data.relative_path, r.storage_data.offset,
+                                                               r.storage_data.length))
+            for r in results
+        ]
+        stats_result = WriteResult(index=MetadataIndex(f"{_STATS_FQN}/{self.rank}"), size_in_bytes=0, storage_data=stats)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results + [stats_result])
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with hook(STORAGE, last=True):
+            self._commit(metadata, results)
+            if self.use_collectives and len(results) > 1:  # DCP broadcasts it to the other ranks next
+                metadata.version = _MetadataVersion(metadata.version)
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        stats: list[_RankStats] = []
+        storage_data: dict[MetadataIndex, Any] = {}
+        for position, rank_results in enumerate(results):  # each rank's statistics come last (see write_data)
+            if not rank_results or not isinstance(rank_results[-1].storage_data, _RankStats):
+                raise ConfigurationError(f"the write results of rank {position} carry no dcp_atomic statistics: "
+                                         "every rank must save with an AtomicStorageWriter")
+            stats.append(rank_results[-1].storage_data)
+            storage_data.update({r.index: r.storage_data for r in rank_results[:-1]})
+        save_id = self._planned_save_id
+        assert save_id is not None, "finish() before prepare_global_plan()"
+        _refuse_diverged_attempts(self.step, save_id, stats)
+        attempt = self.layout.attempt_dir(self.step, save_id)
+        metadata.version = DCP_METADATA_VERSION
+        metadata.storage_data = storage_data
+        metadata.storage_meta = StorageMeta(checkpoint_id=str(attempt), save_id=save_id)
+        metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        manifest = self._manifest(save_id, stats, len(results), metadata_bytes, _stored_dtypes(metadata, results, stats))
+        started = time.monotonic()
+        try:
+            self.last_marker = self._publish(manifest, metadata_bytes)
+        except OSError as e:
+            raise _storage_error(e, self.rank, e.filename or attempt, phase="committing") from e
+        self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
+                           "commit_seconds": time.monotonic() - started,
+                           "ranks": [{**m, "host": s.host, "files": s.files} for m, s in
+                                     zip(manifest.stats, sorted(stats, key=lambda s: s.rank))]}
+        log.info(
+            "committed run %s step %d save %s: %d files, %.1f MiB, commit %.3fs",
+            self.layout.run_id, self.step, save_id, len(manifest.files), manifest.total_bytes / 2**20,
+            time.monotonic() - started,
+        )
+
+    def _publish(self, manifest: Manifest, metadata_bytes: bytes):
+        """The commit (steps 2-4 of :mod:`.commit`); returns the marker.  The hook where the local tier
+        (:mod:`.local_tier`) publishes the control files without a marker, which it records only once every
+        rank's replicas are verified."""
+        return commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite, timeout=self.timeout,
+                              rank=self.rank, resumed=self.resumed_from)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return None
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return None if self.layout is None or self.step is None else self.layout.step_dir(self.step)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_checkpoint_id(checkpoint_id)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _refuse_partial_world(self, plans: int) -> None:
+        """One commit must hold every rank's shards; DCP's modes that plan per rank would commit a part as whole."""
+        if not (dist.is_available() and dist.is_initialized()) or plans == dist.get_world_size():
+            return
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mode = ("use_collectives=False" if not self.use_collectives
+                else "no_dist=True (or a process group smaller than the world)")
+        raise ConfigurationError(
+            f"global rank {rank} on {socket.gethostname()}: dcp.save(..., {mode}) plans {plans} of the {world} "
+            "ranks, so its checkpoint would hold only their shards and still load as complete. Call dcp.save on "
+            "every rank with use_collectives=True, without no_dist, on a process group spanning every rank (DCP "
+            "writes replicated tensors once). Nothing was written.",
+            rank=rank, plans=plans, world_size=world,
+        )
+
+    def _refuse_committed_step(self) -> bool:
+        """Refuse a committed step unless this job abandoned it by resuming below it (P14); True: superseding."""
+        try:
+            marker = commit._read_marker_once(self.layout, self.step)
+        except FileNotFoundError:
+            return False
+        except OSError as e:  # e.g. a file where the step directory belongs
+            raise _storage_error(e, self.rank, e.filename or self.layout.marker(self.step),
+                                 phase="checking whether the step is committed") from e
+        return commit.refuse_committed(marker, self.step, self.layout.run_id, self.resumed_from,
+                                       self.layout.storage.describe())
+
+    def _publish_shard(self, assigned: _AssignedPlanData, results: list[WriteResult], stats: _RankStats) -> ShardRef:
+        """This rank's record of what it wrote, durable beside its data before the coordinator may commit."""
+        files = {name: FileEntry(name=name, rank=assigned.rank, size=size) for name, size in stats.files.items()}
+        for result in results:
+            index, written = result.index, result.storage_data
+            files[written.relative_path].items.append(ItemExtent(
+                key=index.fqn, chunk_offset=None if index.offset is None else list(index.offset), kind=written.kind,
+                format=written.format, pos=written.offset, length=written.length, checksums=written.checksums,
+                block_size=written.block_size, payload=written.payload, codec=written.codec, planes=written.planes,
+                logical_length=written.logical_length, frames=written.frames, dtype=written.dtype,
+            ))
+        for entry in files.values():
+            entry.items.sort(key=lambda i: i.pos)
+        shard = ManifestShard(self.layout.run_id, assigned.step, assigned.save_id, assigned.rank,
+                              sorted(files.values(), key=lambda f: f.name))
+        try:
+            return commit.publish_shard(self.layout, shard)
+        except OSError as e:
+            raise _storage_error(e, assigned.rank, e.filename or self.layout.attempt_dir(assigned.step,
+                                                                                           assigned.save_id)) from e
+
+    def _manifest(self, save_id: str, stats: list[_RankStats], world: int, metadata_bytes: bytes,
+                  stored_dtypes: dict[str, list[str]]) -> Manifest:
+        """O(world + keys): per-rank files and shard digests, identities, per-key records; no item lists."""
+        files = [FileEntry(name=name, rank=s.rank, size=size) for s in stats for name, size in s.files.items()]
+        return Manifest(
+            run_id=self.layout.run_id,
+            step=self.step,
+            save_id=save_id,
+            world_size=world,
+            parallelism=self._identities[0]["parallelism"] if self._identities else None,
+            # every rank's read of the whole manifest grows with these: the layout each rank declared is the
+            # manifest's own (check_identities refused any other), hosts are in ``ranks``, files in ``files``
+            ranks=[{k: v for k, v in ident.items() if k != "parallelism"} for ident in self._identities],
+            files=sorted(files, key=lambda f: (f.rank, f.name)),
+            dcp_metadata={"name": ".metadata", "size": len(metadata_bytes), "sha256": sha256_hex(metadata_bytes)},
+            versions={"dcp_atomic": __version__, "torch": torch.__version__},
+            started_at=self._started_at,
+            written_at=now(),
+            stats=[{k: getattr(s, k) for k in _MANIFEST_STATS} for s in sorted(stats, key=lambda s: s.rank)],
+            keys=self._keys,
+            data_prefixes=self.data_prefixes,
+            shards=sorted((s.shard for s in stats), key=lambda ref: ref.rank),
+            user_metadata=self.metadata,
+            stored_dtypes=stored_dtypes,
+        )
+
+
+def _stored_dtypes(metadata: Metadata, results: list[list[WriteResult]], stats: list[_RankStats]) -> dict[str, list[str]]:
+    """Key -> every dtype its chunks are stored as, for each key a planner cast on some rank.  The manifest holds
+    it so that a load can tell a recorded cast from a shard whose item dtype was changed after the commit."""
+    cast: dict[str, set[str]] = {}
+    for s in stats:
+        for key, dtypes in s.casts.items():
+            cast.setdefault(key, set()).update(dtypes)
+    if cast:
+        for rank_results, s in zip(results, stats):  # a rank that wrote chunks of a cast key without casting any
+            for key in {r.index.fqn for r in rank_results[:-1]} & cast.keys() - s.casts.keys():
+                cast[key].add(str(metadata.state_dict_metadata[key].properties.dtype))
+    return {key: sorted(dtypes) for key, dtypes in sorted(cast.items())}
+
+
+class _RankWrite:
+    """One rank's share of a save: ``thread_count`` files written concurrently."""
+
+    def __init__(self, writer: AtomicStorageWriter, planner: SavePlanner, assigned: _AssignedPlanData) -> None:
+        self.writer = writer
+        self.planner = planner
+        self.rank = assigned.rank
+        self.attempt = writer.layout.attempt_dir(assigned.step, assigned.save_id)
+        self.stats = _RankStats(rank=self.rank, host=socket.gethostname(), threads=writer.thread_count)
+        self._staging = threading.local()  # per writer thread: one host buffer for device tensors
+        self._first_item = threading.Event()
+        self._lock = threading.Lock()
+        self._failed = threading.Event()
+        self._stored: dict[str, set[str]] = {}  # key -> the dtypes this rank stored its chunks of it as
+        self._cast: set[str] = set()  # keys of which the planner cast a chunk
+
+    def run(self, items: list[WriteItem]) -> tuple[list[WriteResult], _RankStats]:
+        storage = self.writer.storage
+        failpoints.hit("write.before_data", self.rank)
+        try:
+            storage.makedirs(self.attempt)
+        except OSError as e:
+            raise _storage_error(e, self.rank, e.filename or self.attempt) from e
+        buckets = [b for b in _split_by_size(items, self.writer.thread_count) if b] or [[]]
+        self.progress = Progress(f"saving step {self.writer.step}", sum(_planned_bytes(i) for i in items), self.rank)
+        started = time.monotonic()
+        results: list[WriteResult] = []
+        with ThreadPoolExecutor(max_workers=len(buckets), thread_name_prefix=f"dcp-atomic-w{self.rank}") as pool:
+            futures = [pool.submit(self._write_file, k, bucket) for k, bucket in enumerate(buckets)]
+            errors = []
+            for f in futures:
+                try:
+                    results.extend(f.result())
+                except BaseException as e:  # collect all, raise the first
+                    errors.append(e)
+        if errors:
+            raise self._first_cause(errors)
+        self.stats.write_seconds = time.monotonic() - started
+        self.stats.items = len(items)
+        self.stats.casts = {key: self._stored[key] for key in self._cast}
+        failpoints.hit("write.after_data", self.rank)
+        return results, self.stats
+
+    def _first_cause(self, errors: list[BaseException]) -> BaseException:
+        """The failure that stopped this rank, never the ``_Aborted`` it caused in the other threads."""
+        real = [e for e in errors if not isinstance(e, _Aborted)] or errors
+        first, others = real[0], real[1:]
+        if not others:
+            return first
+        also = f" ({len(others)} more writer thread(s) of rank {self.rank} failed too; the next: {others[0]})"
+        if isinstance(first, CheckpointError):
+            amended = type(first)(first.message + also, **first.details)
+            amended.__cause__ = first
+            return amended
+        first.add_note(also.strip(" ()"))
+        return first
+
+    def _write_file(self, k: int, bucket: list[WriteItem]) -> list[WriteResult]:
+        storage = self.writer.storage
+        name = data_file_name(self.rank, k)
+        path = self.writer.layout.data_file(self.writer.step, self.writer.save_id, name, self.writer.data_prefixes)
+        encoder = Encoder(self.writer.compression or "none", self.writer.compression_level)
+        results = []
+        try:
+            raw = storage.open_write(path)
+            try:
+                out = HashingWriter(raw, self.writer.block_size)
+                with _without_zip_crc32():
+                    for item in bucket:
+                        if self._failed.is_set():
+                            raise _Aborted()
+                        results.append(self._write_item(out, name, item, encoder))
+                        self.progress.add(_planned_bytes(item))
+                        if not self._first_item.is_set():
+                            self._first_item.set()
+                            failpoints.hit("write.mid_data", self.rank)
+            except BaseException:
+                # Closing flushes what is buffered: on a full disk that fails again and would hide (or, for
+                # _Aborted, impersonate) what stopped this file.  The file is abandoned either way.
+                with contextlib.suppress(OSError):
+                    storage.abort_write(raw)
+                raise
+            fsync_started = time.monotonic()
+            storage.close_write(raw)
+            with self._lock:
+                self.stats.fsync_seconds += time.monotonic() - fsync_started
+                self.stats.files[name] = out.position
+                self.stats.bytes += out.position
+        except _Aborted:
+            raise
+        except OSError as e:
+            self._failed.set()
+            raise _storage_error(e, self.rank, path) from e
+        except BaseException:
+            self._failed.set()
+            raise
+        return results
+
+    def _write_item(self, out: HashingWriter, name: str, item: WriteItem, encoder: Encoder) -> WriteResult:
+        data = self.planner.resolve_data(item)
+        block_size = self.writer.block_size
+        if item.type == WriteItemType.BYTE_IO:
+            if not isinstance(data, io.BytesIO):
+                raise self._refuse_resolved(item, data, "io.BytesIO")
+            _warn_if_load_refuses(data.getbuffer(), item.index.fqn, self.rank)
+            start = out.begin_item()
+            out.write(data.getbuffer())
+            length, checksums = out.end_item()
+            written = _WrittenItem(name, start, length, "bytes", "raw", checksums, block_size)
+        else:
+            tensor = self._as_planned(item, data)
+            if self.writer.stock_readable:
+                start = out.begin_item()
+                tensor = _host_copy(tensor)
+                torch.save(tensor, out)
+                payload = find_payload(bytes(out.prefix), out.writes, tensor.nbytes)
+                length, checksums = out.end_item()
+                written = _WrittenItem(name, start, length, "tensor", "torch_save", checksums, block_size, payload)
+            else:
+                written = self._write_raw_tensor(out, name, tensor, encoder)
+            with self._lock:
+                self._stored.setdefault(item.index.fqn, set()).add(str(tensor.dtype))
+            if tensor.dtype != item.tensor_data.properties.dtype:
+                written.dtype = str(tensor.dtype)
+                with self._lock:
+                    self._cast.add(item.index.fqn)
+        return WriteResult(index=item.index, size_in_bytes=written.length, storage_data=written)
+
+    def _as_planned(self, item: WriteItem, data: Any) -> torch.Tensor:
+        """The resolved tensor in the planned shape.  ``.metadata`` records the plan; a planner may resolve
+        another dtype ("save as bf16": recorded, cast at load as stock DCP does) or shape (stored as planned,
+        same bytes), but other elements than planned could only load as garbage."""
+        sizes = item.tensor_data.chunk.sizes
+        if not isinstance(data, torch.Tensor) or data.numel() != sizes.numel():
+            raise self._refuse_resolved(item, data, f"{item.tensor_data.properties.dtype} {tuple(sizes)}")
+        return data if data.shape == sizes else data.reshape(sizes)
+
+    def _refuse_resolved(self, item: WriteItem, data: Any, planned: str) -> ConfigurationError:
+        got = f"{data.dtype} {tuple(data.shape)}" if isinstance(data, torch.Tensor) else f"a {type(data).__name__}"
+        where = "" if item.index.offset is None else f" (chunk at {tuple(item.index.offset)})"
+        return ConfigurationError(
+            f"rank {self.rank}: {type(self.planner).__name__}.resolve_data returned {got} for {item.index.fqn!r}"
+            f"{where}, planned as {planned}. A planner may resolve another dtype or shape, never other elements: "
+            "fix resolve_data. Nothing was committed.",
+            rank=self.rank, key=item.index.fqn,
+        )
+
+    def _write_raw_tensor(self, out: HashingWriter, name: str, tensor: torch.Tensor, encoder: Encoder) -> _WrittenItem:
+        """Block by block: stage (device tensors), encode, hash the stored frame, write.
+
+        The bytes stored are the tensor's value: a lazily conjugated or negated view is resolved first (its
+        memory holds the other value).  A small uncompressed CPU tensor is one block written as it lies.
+        """
+        tensor = tensor.detach().resolve_conj().resolve_neg()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        block_size = self.writer.block_size
+        start = out.position
+        if encoder.codec == "none" and tensor.device.type == "cpu" and tensor.nbytes <= block_size:
+            view = tensor_bytes(tensor)
+            out.write_unhashed(view)
+            return _WrittenItem(name, start, len(view), "tensor", "raw", [block_digest(view)], block_size, None,
+                                logical_length=len(view))
+        width = plane_width(tensor.dtype) if encoder.codec == "zstd" else 1
+        frames: list[int] = []
+        checksums: list[str] = []
+        compressed = False
+        staging = None
+        if tensor.device.type != "cpu":
+            staging = getattr(self._staging, "buffer", None) or Staging(block_size)
+            self._staging.buffer = staging
+        for block in host_blocks(tensor, block_size, staging):
+            stored = encoder.encode(block, width)
+            compressed |= len(stored) != len(block)
+            checksums.append(block_digest(stored))
+            frames.append(len(stored))
+            out.write_unhashed(stored)
+        if not frames:  # zero-size tensor: one empty block
+            checksums, frames = [block_digest(b"")], [0]
+        length = out.position - start
+        return _WrittenItem(name, start, length, "tensor", "raw", checksums, block_size, None,
+                            codec="zstd" if compressed else "none", planes=width if compressed else 1,
+                            logical_length=tensor.nbytes, frames=frames if compressed else None)
+
+
+@contextlib.contextmanager
+def _without_zip_crc32():
+    """torch.save's zip CRC32 is a third of its CPU time, and redundant: every block already has an
+    xxh3 digest, and torch.load does not check the CRC.  The option is per thread in torch 2.13;
+    it is restored afterwards in case another version makes it global."""
+    setter = getattr(torch.serialization, "set_crc32_options", None)
+    if setter is None:
+        yield
+        return
+    previous = torch.serialization.get_crc32_options()
+    setter(False)
+    try:
+        yield
+    finally:
+        setter(previous)
+
+
+class _Aborted(Exception):
+    """Another writer thread of this rank failed; stop early."""
+
+
+_warned_keys: set[str] = set()
+
+
+def _warn_if_load_refuses(data: memoryview, key: str, rank: int) -> None:
+    """A non-tensor item the load's allow-list (P11) will refuse is saved, with a warning naming the fix now,
+    once per key and process, rather than found at the first resume."""
+    if key in _warned_keys:
+        return
+    refusal = load_refusal(data, key=key)
+    if refusal is not None:
+        _warned_keys.add(key)
+        log.warning("rank %d: saving %r, which a load will refuse unless the type is allowed there: %s. Save plain "
+                    "types (dicts, lists, tensors, numbers, strings) under this key, or allow the type at load.",
+                    rank, key, refusal)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor whose storage holds exactly its elements (torch.save writes whole storages).
+
+    Device tensors are copied to host one item at a time, so extra host memory
+    is bounded by the largest item, not the whole state.  A lazily conjugated or
+    negated view is resolved: the payload the reader copies in place must be the value.
+    """
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu", non_blocking=False)
+    if tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous():
+        tensor = tensor.contiguous().clone()
+    return tensor
+
+
+class _MetadataVersion(str):
+    """The committed metadata's version, as the coordinator's ``finish`` hands it to DCP for its broadcast.
+
+    The other ranks have no hook after ``write_data``, yet their save's last and largest unpickling is still to
+    come: the global metadata (every rank's items) in that broadcast.  ``version`` is Metadata's last field, so
+    unpickling this string is the last thing of it; it ends the receiving rank's part in its lease
+    (:mod:`.gc_pause`) there.  Only the first pickling (the broadcast, right after ``finish``) carries the
+    signal: the Metadata that ``dcp.save`` returns pickles afterwards as a plain string."""
+
+    def __reduce__(self):
+        if self.__dict__.get("_sent"):
+            return str, (str(self),)
+        self._sent = True
+        return _metadata_received, (str(self),)
+
+
+def _metadata_received(version: str) -> str:
+    leave(STORAGE)
+    return version
+
+
+def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Largest-first greedy packing, so each writer thread gets a similar byte count."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    for item in sorted(items, key=_planned_bytes, reverse=True):
+        k = loads.index(min(loads))
+        buckets[k].append(item)
+        loads[k] += max(_planned_bytes(item), 1)
+    return buckets
+
+
+def _planned_bytes(item: WriteItem) -> int:
+    """An item's size before encoding, as planned (non-tensor items: unknown until resolved, counted as 0)."""
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+
+
+def _series_save_id(first: str, number: int) -> str:
+    """The save_id of save ``number`` of the series that ``first`` began: every rank derives the same one.
+    Its time part stays the series' start (the ATTEMPT claim records when each save started)."""
+    if number == 1:
+        return first
+    return first[:17] + sha256_hex(f"{first}/{number}".encode())[:8]
+
+
+def _advance_series(assigned: _AssignedPlanData, caching: bool) -> int:
+    """The number of this save in its series.  A plan fresh from the coordinator names it; a cached plan that
+    DCP replays names an earlier one, so every rank counts the saves of each series it caches, in lockstep
+    (every rank runs ``write_data`` once per save that got past planning)."""
+    if not caching:
+        return assigned.number
+    with _series_lock:
+        number = max(assigned.number, _series_counts.pop(assigned.save_id, 0) + 1)
+        _series_counts[assigned.save_id] = number  # most recent last
+        while len(_series_counts) > _MAX_SERIES:
+            del _series_counts[next(iter(_series_counts))]
+    return number
+
+
+def _named_plan_cache(plans: list[SavePlan]) -> str | None:
+    """The DCP cache key the planner's reports name (AtomicSavePlanner's); DCP's own planners name none."""
+    for plan in plans:
+        data = plan.storage_data
+        if isinstance(data, _LocalPlanData) and data.report is not None and data.report.plan_cache is not None:
+            return data.report.plan_cache
+    return None
+
+
+def _replayed_series(named: str | None) -> _Series | None:
+    """The series that ranks replaying their cached plans continue: the one of the cache their planner names, or
+    else the one series of a planner that names none (several such cannot be told apart)."""
+    with _series_lock:
+        if named is not None:
+            return _cached_series.get(named)
+        unnamed = sorted(key for key, series in _cached_series.items() if not series.named)
+        if len(unnamed) <= 1:
+            return _cached_series[unnamed[0]] if unnamed else None
+    raise ConfigurationError(
+        f"ranks replay a DCP plan cached by one of the planners {', '.join(unnamed)}, and nothing in it says which: "
+        "with enable_plan_caching=True in several planner classes of one process, make each an AtomicSavePlanner "
+        "(or a subclass), whose reports name the cache they replay, or turn caching off in all but one. Nothing "
+        "was written.",
+        planners=unnamed,
+    )
+
+
+def _remember_series(planner: SavePlanner, series: _Series) -> None:
+    """Coordinator, once every rank has cached the plans of ``series``: replays through this planner's cache
+    continue it (DCP keys its caches by ``_cached_plans_key``, the planner's class name)."""
+    with _series_lock:
+        _cached_series[getattr(planner, "_cached_plans_key", type(planner).__name__)] = series
+
+
+def _dcp_coordinator_caches() -> dict[str, dict]:
+    return {name: dict(getattr(SavePlanner, name)) for name in _DCP_COORDINATOR_CACHES}
+
+
+def _restore_dcp_coordinator_caches(before: dict[str, dict]) -> None:
+    """Put back, entry by entry, what :func:`_dcp_coordinator_caches` copied (DCP replaces an entry, never
+    mutates one), leaving the dicts DCP holds in place."""
+    for name, entries in before.items():
+        cache = getattr(SavePlanner, name)
+        for key in cache.keys() - entries.keys():
+            del cache[key]
+        for key, value in entries.items():
+            if cache.get(key) is not value:
+                cache[key] = value
+
+
+def _refuse_diverged_attempts(step: int, save_id: str, stats: list[_RankStats]) -> None:
+    """Every rank must have written the attempt the coordinator planned: with cached plans each rank derives it."""
+    wrote = {s.rank: (s.step, s.save_id) for s in stats}
+    if all(attempt == (step, save_id) for attempt in wrote.values()):
+        return
+    groups: dict[tuple, list[int]] = {}
+    for rank, attempt in sorted(wrote.items()):
+        groups.setdefault(attempt, []).append(rank)
+    seen = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} wrote step {a[0]} save {a[1]}"
+                     for a, r in groups.items())
+    raise RankConsistencyError(
+        f"ranks wrote different attempts, the coordinator planned step {step} save {save_id}: {seen}. With DCP "
+        "plan caching each rank derives the save_id from its cached plan and its count of the series' saves: a "
+        "writer built for another step, or a rank that missed a save of the series, diverges. Nothing was "
+        "committed (the attempts are collectable by gc). Give every rank's writer the same step; a rank that "
+        "missed a save needs the job restarted (DCP's plan caches live in each process).",
+        step=step, save_id=save_id, ranks=sorted(rank for rank, attempt in wrote.items() if attempt != (step, save_id)),
+    )
+
+
+def _storage_error(e: OSError, rank: int, path: str, phase: str = "writing") -> StorageError:
+    hint = {
+        errno.ENOSPC: "the filesystem is full: free space or point root elsewhere",
+        errno.EDQUOT: "the disk quota is exhausted",
+        errno.EROFS: "the filesystem is read-only",
+        errno.EEXIST: "the file already exists (two saves with one save_id?)",
+    }.get(e.errno or 0, "check the storage and retry the save")
+    return StorageError(
+        f"rank {rank} on {socket.gethostname()} failed {phase} {path}: {e.strerror or e} "
+        f"(errno {e.errno}); {hint}. Nothing was committed; the previous checkpoint is intact.",
+        rank=rank,
+        path=path,
+        errno=e.errno,
+    )
+
+
+def _json(value: dict) -> bytes:
+    return json.dumps(value, indent=1, sort_keys=True).encode()

@@ -1,0 +1,206 @@
+"""Where every file of a checkpoint lives.
+
+The layout is part of the contract (operators and tools rely on it)::
+
+    <root>/<run_id>/LATEST
+    <root>/<run_id>/step_0000001000/COMMITTED
+    <root>/<run_id>/step_0000001000/<save_id>/{ATTEMPT, __<rank>_<k>.distcp, .metadata, manifest.json}
+
+With hashed data prefixes (object stores, ``data_prefixes = P > 0`` in the manifest),
+data objects alone move to ``<root>/_dXX/<run_id>/step_.../<save_id>/__<rank>_<k>.distcp``
+(see :func:`data_prefix`); everything else keeps its place.
+
+Every name a reader uses is built here from validated parts, so nothing read
+from a manifest or marker can point outside the run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import re
+import secrets
+import time
+
+from ..errors import ConfigurationError
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SAVE_ID_PATTERN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
+STEP_DIR_PATTERN = re.compile(r"step_(\d{10,})")
+DATA_FILE_PATTERN = re.compile(r"__(\d+)_(\d+)\.distcp")
+CHECKPOINT_ID_STEP_PATTERN = re.compile(r"step[_-](\d+)")  # ours (step_N) and torchtitan's (step-N)
+DATA_PREFIX_PATTERN = re.compile(r"_d[0-9a-f]{2}")  # '_' never starts a run id: never listed as a run
+MAX_DATA_PREFIXES = 256  # two hex digits
+
+MARKER = "COMMITTED"
+LATEST = "LATEST"
+MANIFEST = "manifest.json"
+DCP_METADATA = ".metadata"
+PARTIAL_SUFFIX = ".partial"  # beside a data file a tier restore copied in part (local roots only)
+ATTEMPT = "ATTEMPT"  # written first by the coordinator: who started this attempt, when
+
+
+def validate_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id) or run_id in {".", ".."}:
+        raise ValueError(
+            f"invalid run_id {run_id!r}: it must match {RUN_ID_PATTERN.pattern} "
+            "(letters, digits, '.', '_', '-'; no '/', no leading '.', at most 128 chars)"
+        )
+    return run_id
+
+
+def validate_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"invalid step {step!r}: steps are non-negative integers")
+    return step
+
+
+def validate_save_id(save_id: str) -> str:
+    if not isinstance(save_id, str) or not SAVE_ID_PATTERN.fullmatch(save_id):
+        raise ValueError(f"invalid save_id {save_id!r}: expected {SAVE_ID_PATTERN.pattern}")
+    return save_id
+
+
+def new_save_id() -> str:
+    """Sortable by start time, unique without coordination (32 random bits)."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{validate_step(step):010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    match = STEP_DIR_PATTERN.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def parse_checkpoint_id(checkpoint_id: str | os.PathLike) -> tuple[str, str, int]:
+    """``<root>/<run_id>/step_<N>`` or ``<root>/<run_id>/step-<N>`` -> (root, run_id, step).
+
+    The id frameworks pass to ``dcp.save``/``dcp.load`` names a location, not a layout: the
+    checkpoint still lands in ``step_{N:010d}/<save_id>/`` under that root and run.
+    """
+    text = os.fspath(checkpoint_id) if isinstance(checkpoint_id, os.PathLike) else checkpoint_id
+    if not isinstance(text, str):
+        raise ConfigurationError(f"checkpoint_id must be a path or URL string, got {type(checkpoint_id).__name__}")
+    head, last = posixpath.split(text.rstrip("/"))
+    root, run_id = posixpath.split(head)
+    match = CHECKPOINT_ID_STEP_PATTERN.fullmatch(last)
+    scheme, _, bucket = root.partition("://")
+    if not match or not root or not run_id or ("://" in text and not (bucket and scheme)):
+        raise ConfigurationError(
+            f"checkpoint_id {text!r} is not <root>/<run_id>/step_<N> (or torchtitan's <root>/<run_id>/step-<N>): "
+            "it needs a root directory or URL, a run directory and a step part. Nothing was written or read.",
+            checkpoint_id=text,
+        )
+    try:
+        validate_run_id(run_id)
+    except ValueError as e:
+        raise ConfigurationError(f"checkpoint_id {text!r}: {e}. Nothing was written or read.",
+                                 checkpoint_id=text) from None
+    return root, run_id, int(match.group(1))
+
+
+def root_key(root: str | os.PathLike) -> str:
+    """A root as it compares: local paths absolute (``file://`` stripped), URLs without a trailing '/'."""
+    text = os.fspath(root)
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    return text.rstrip("/") if "://" in text else os.path.abspath(text)
+
+
+def checked_checkpoint_id(checkpoint_id: str | os.PathLike, built_root: str | os.PathLike | None,
+                          built_run_id: str | None, who: str) -> tuple[str, str, int]:
+    """``parse_checkpoint_id``, refusing a root or run other than the ones ``who`` was built with."""
+    root, run_id, step = parse_checkpoint_id(checkpoint_id)
+    if built_root is not None and root_key(root) != root_key(built_root):
+        raise ConfigurationError(
+            f"checkpoint_id {os.fspath(checkpoint_id)!r} is under root {root!r}, but this {who} was built with root "
+            f"{os.fspath(built_root)!r}: pass a checkpoint_id under that root, or build the {who} with root=None to "
+            "follow the checkpoint_id. Nothing was written or read.",
+            checkpoint_id=os.fspath(checkpoint_id), root=os.fspath(built_root),
+        )
+    if built_run_id is not None and run_id != built_run_id:
+        raise ConfigurationError(
+            f"checkpoint_id {os.fspath(checkpoint_id)!r} names run {run_id!r}, but this {who} was built with run_id "
+            f"{built_run_id!r}: pass a checkpoint_id of that run, or build the {who} with run_id=None. "
+            "Nothing was written or read.",
+            checkpoint_id=os.fspath(checkpoint_id), run_id=built_run_id,
+        )
+    return root, run_id, step
+
+
+def no_location_error(who: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"this {who} has no location: build it with root, run_id (and step), or pass "
+        "checkpoint_id='<root>/<run_id>/step_<N>' to dcp.save / dcp.load. Nothing was written or read."
+    )
+
+
+def data_file_name(rank: int, k: int) -> str:
+    return f"__{rank}_{k}.distcp"
+
+
+def validate_data_file_name(name: str) -> str:
+    """Refuse anything a hostile manifest or .metadata could use to escape the attempt dir."""
+    if not isinstance(name, str) or not DATA_FILE_PATTERN.fullmatch(name):
+        raise ValueError(f"invalid data file name {name!r}: expected __<rank>_<k>.distcp")
+    return name
+
+
+def validate_data_prefixes(prefixes: int) -> int:
+    if isinstance(prefixes, bool) or not isinstance(prefixes, int) or not 0 <= prefixes <= MAX_DATA_PREFIXES:
+        raise ValueError(f"invalid data_prefixes {prefixes!r}: an integer from 0 (off) to {MAX_DATA_PREFIXES}")
+    return prefixes
+
+
+def data_prefix(save_id: str, name: str, prefixes: int) -> str:
+    """``_dXX`` for one data file: a hash of the save and the file name, so one save's files (every rank's, and
+    each rank's several) spread over all ``prefixes``, and the same ``prefixes`` names serve every save (S3 splits
+    a hot prefix once and keeps the split)."""
+    digest = hashlib.sha256(f"{save_id}/{name}".encode()).digest()
+    return f"_d{int.from_bytes(digest[:4], 'big') % validate_data_prefixes(prefixes):02x}"
+
+
+class RunLayout:
+    """Paths of one run under one storage root; pure string work, no I/O."""
+
+    def __init__(self, storage, run_id: str) -> None:
+        self.storage = storage
+        self.run_id = validate_run_id(run_id)
+        self.run_dir = storage.join(storage.root, self.run_id)
+
+    def step_dir(self, step: int) -> str:
+        return self.storage.join(self.run_dir, step_dir_name(step))
+
+    def marker(self, step: int) -> str:
+        return self.storage.join(self.step_dir(step), MARKER)
+
+    def latest(self) -> str:
+        return self.storage.join(self.run_dir, LATEST)
+
+    def attempt_dir(self, step: int, save_id: str) -> str:
+        return self.storage.join(self.step_dir(step), validate_save_id(save_id))
+
+    def attempt_file(self, step: int, save_id: str, name: str) -> str:
+        return self.storage.join(self.attempt_dir(step, save_id), name)
+
+    def data_file(self, step: int, save_id: str, name: str, prefixes: int = 0) -> str:
+        """Where a data file lives: beside the manifest, or under its hashed prefix when the manifest says
+        ``data_prefixes`` > 0 (a fact of the checkpoint, never of the reader's options)."""
+        validate_data_file_name(name)
+        if not prefixes:
+            return self.attempt_file(step, save_id, name)
+        return self.storage.join(self.storage.root, data_prefix(save_id, name, prefixes), self.run_id,
+                                 step_dir_name(step), validate_save_id(save_id), name)
+
+    def data_run_dir(self, prefix: str) -> str:
+        """This run's data under one hashed prefix ``_dXX`` (gc looks under each, whatever P a save used)."""
+        if not DATA_PREFIX_PATTERN.fullmatch(prefix):
+            raise ValueError(f"invalid data prefix {prefix!r}: expected {DATA_PREFIX_PATTERN.pattern}")
+        return self.storage.join(self.storage.root, prefix, self.run_id)
+
+    def data_step_dir(self, prefix: str, step: int) -> str:
+        return self.storage.join(self.data_run_dir(prefix), step_dir_name(step))

@@ -1,0 +1,586 @@
+"""The commit protocol: how a finished attempt becomes the visible checkpoint.
+
+P1-P3 of the design, in order, executed by global rank 0 alone inside DCP's
+``finish()`` (P2: no other process ever renames, replaces or deletes):
+
+1. every rank has written and fsynced its data files into its own
+   ``<step>/<save_id>/`` attempt directory (nothing there is visible yet);
+2. DCP's ``.metadata`` is published atomically, then ``manifest.json`` (files,
+   sizes, identities, layout, and the sha256 of each rank's ``manifest.<rank>.json``
+   shard of items and block checksums, which every rank published beside its data)
+   by atomic rename / single PUT, and the attempt and step directories are fsynced;
+3. the marker ``COMMITTED`` — naming the attempt and the manifest's sha256,
+   sealed with its own checksum — is created *exclusively* (``link()`` of a
+   written temp file on POSIX, put-if-absent on object stores), or, for an
+   ``overwrite=True`` re-save, put over the old marker by rename once the new
+   attempt is complete, or for a save superseding a step of a branch the job abandoned
+   by resuming from an earlier step (P14, :class:`ResumePoint`); :func:`place_marker`, which the drain's
+   durable commit (:mod:`.drain`) uses too;
+4. ``LATEST`` is replaced.  It is only a hint: a crash before this step leaves
+   the step committed, and ``latest_step`` repairs it.
+
+"Most recent" is decided by the marker's commit ``sequence`` (P10), never by
+comparing the wall clocks of the hosts that committed; see :func:`next_sequence`.
+
+A crash at any point before 3 leaves the previous marker (and so the previous
+checkpoint) untouched; the orphaned attempt is collectable by ``gc``.
+
+The read side lives here too, because it must agree with the write side on what
+counts as committed: a marker that parses, passes its self-checksum and whose
+manifest hashes to the digest it names; shards are read only when needed
+(:meth:`Committed.load_items`), each checked against the digest the manifest names.  A file that is not visible yet is
+waited for until the deadline; one that is visible but damaged gets a short
+re-read and is then reported (P9).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from .._base import failpoints
+from ..errors import (CheckpointError, CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError,
+                     IncompleteStepError, StorageError)
+from ..format.integrity import sha256_hex
+from ..format.layout import ATTEMPT, DCP_METADATA, MANIFEST, RunLayout, parse_step_dir
+from ..format.manifest import RANKS_FILE, Latest, Manifest, ManifestShard, Marker, RankRecords, ShardRef, now, shard_name
+from .._base.retry import REREAD_SECONDS, Deadline, retry_until
+from ..version import __version__
+
+log = logging.getLogger("dcp_atomic.commit")  # the name users filter on
+_warned_roots: set[str] = set()
+SCAN_RETRY_SECONDS = 1.0  # how long a scan re-reads a marker that looks torn
+_last_sequence: dict[str, int] = {}  # run directory -> the last sequence this process committed there
+
+
+def commit_order(record: Marker | Latest) -> tuple[bool, int, float, int]:
+    """Sort key of commits (P10): by sequence; records from before sequences existed rank below every sequenced
+    one and among themselves by commit time, as that version ordered them."""
+    return (record.sequence is not None, record.sequence or 0, record.committed_at, record.step)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a job resumed (P14): it loaded ``step`` while the run's newest commit had sequence ``sequence``.
+
+    Steps above ``step`` that were committed by then belong to the branch the job abandoned (a rollback, or a
+    restart after one), so its own saves of those steps supersede them: a new attempt, a marker with a higher
+    sequence, the old attempt left for ``gc``.  A step committed *after* the resume (a higher sequence) is
+    another job's work on the same run and is still refused (``CommitConflictError``), as is ``step`` itself.
+    """
+
+    step: int
+    sequence: int
+
+    def supersedes(self, marker: Marker) -> bool:
+        return marker.step > self.step and (marker.sequence or 0) <= self.sequence
+
+    def describe(self) -> str:
+        return f"resumed from step {self.step} (commit sequence {self.sequence})"
+
+
+def refuse_committed(marker: Marker, step: int, run_id: str, resumed: ResumePoint | None, where: str) -> bool:
+    """The one rule for saving ``step`` where ``where`` already holds it committed (``marker``): a job that abandoned
+    it by resuming below it supersedes it (True, P14); anything else -- a fresh job, a step committed after this
+    job's resume point, by it or another job -- is :class:`CommitConflictError` before anything is written."""
+    if resumed is not None and resumed.supersedes(marker):
+        log.info("step %d of run %r (save %s, %s) belongs to the branch abandoned when this job %s: this save "
+                 "supersedes it", step, run_id, marker.save_id, where, resumed.describe())
+        return True
+    hint = ("Save a new step, load an earlier step first to roll back (it then supersedes the abandoned "
+            "steps above it), or pass AtomicStorageWriter(overwrite=True) to replace it (plain DCP saves).")
+    if resumed is not None:
+        hint = (f"This job {resumed.describe()}, and step {step} was committed after that (sequence "
+                f"{marker.sequence}), by this job or by another one saving into the same run. Save a new "
+                "step, or use another run_id.")
+    raise CommitConflictError(f"step {step} of run {run_id!r} is already committed in {where} (save "
+                              f"{marker.save_id}); nothing was written. {hint}", step=step, committed=marker.save_id)
+
+
+def resume_point(layout: RunLayout, step: int) -> ResumePoint:
+    """The :class:`ResumePoint` of loading ``step`` now (global rank 0, once per resume: one listing).
+
+    ``LATEST`` alone can lag behind a marker (a crash between a step's marker and ``LATEST``): that step was
+    committed before the resume too, so it belongs to the abandoned branch, and the next commit must number
+    above it.  So every marker is read once, and the newest number found becomes this process's floor."""
+    newest = max([next_sequence(layout) - 1] + [m.sequence for m in scan_markers(layout) if m.sequence is not None])
+    _last_sequence[layout.run_dir] = max(_last_sequence.get(layout.run_dir, 0), newest)
+    return ResumePoint(step=step, sequence=newest)
+
+
+@dataclass
+class Committed:
+    """A step as a reader sees it after verification."""
+
+    marker: Marker
+    manifest: Manifest
+    manifest_sha256: str
+    _loaded: set[int] = field(default_factory=set, repr=False)  # ranks whose shard items are attached
+
+    @property
+    def step(self) -> int:
+        return self.marker.step
+
+    @property
+    def save_id(self) -> str:
+        return self.marker.save_id
+
+    def load_items(self, layout: RunLayout, names: Iterable[str] | None, deadline: Deadline) -> None:
+        """Attach the items of the data files ``names`` (None: all) to ``manifest.files``, reading only their
+        ranks' shards, each once.  Schema 1 manifests hold their items already."""
+        if not self.manifest.shards:
+            return
+        wanted = None if names is None else set(names)
+        ranks = {f.rank for f in self.manifest.files if wanted is None or f.name in wanted} - self._loaded
+        for rank in sorted(ranks):
+            shard = read_shard(layout, self, rank, deadline)
+            by_name = {f.name: f for f in shard.files}
+            for entry in self.manifest.files:
+                if entry.rank == rank:
+                    entry.items = by_name[entry.name].items
+            self._loaded.add(rank)
+
+    def load_rank_records(self, layout: RunLayout, deadline: Deadline) -> None:
+        """Fill ``manifest.ranks`` / ``manifest.stats`` from ``ranks.json`` (checked against its digest) where the
+        manifest keeps them there; for ``show`` and ``verify``, never needed to load."""
+        ref = self.manifest.ranks_file
+        if ref is None or self.manifest.ranks or self.manifest.stats:
+            return
+        path = layout.attempt_file(self.step, self.save_id, ref["name"])
+        data = _read_sealed(layout, path, ref["size"], ref["sha256"], deadline, what="ranks file")
+        records = RankRecords.from_json(data, where=path)
+        self.manifest.ranks, self.manifest.stats = records.ranks, records.stats
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a committer has seen of a step at its destination: each file (data file or manifest shard) that was
+    written or copied there *and verified in this attempt*, with who did it ("rank 3 wrote it", "rank 1 copied it
+    from node1:/nvme"), and ``looked_in``: the places that were searched, for the error when one is missing.
+
+    Every marker goes through :func:`require_complete` with one: the marker is the promise that every file the
+    manifest names is there, so no path (a save, the drain, a local commit, a restore, an import) may place one on
+    its own judgement.  A drain by fewer ranks than wrote the step once committed half a step this way."""
+
+    verified: dict[str, str]
+    looked_in: str = ""
+
+    @classmethod
+    def written(cls, manifest: Manifest) -> "Evidence":
+        """A save's own: every rank reported the files it wrote and fsynced, each digest computed while writing
+        (the manifest is built from those reports, its shards published by the ranks themselves)."""
+        names = {f.name: f"rank {f.rank} wrote it" for f in manifest.files}
+        names.update({s.name: f"rank {s.rank} wrote it" for s in manifest.shards})
+        return cls(names, "the ranks' write results")
+
+    @classmethod
+    def on_roots(cls, verified: dict[str, str], roots: list[str]) -> "Evidence":
+        """The local tier's (a local commit, a drain, a restore): files verified on these local roots."""
+        return cls(verified, "the local roots of " + ", ".join(roots))
+
+
+def missing_files(manifest: Manifest, evidence: Evidence) -> list[tuple[int, str]]:
+    """(rank, name) of each file ``manifest`` names (every rank's data files and manifest shards, and a shard for
+    each of its ``world_size`` ranks) that ``evidence`` does not hold."""
+    named = [(f.rank, f.name) for f in manifest.files] + [(s.rank, s.name) for s in manifest.shards]
+    if manifest.schema_version >= 2:
+        named += [(r, shard_name(r)) for r in range(manifest.world_size) if manifest.shard_of(r) is None]
+    seen: set[str] = set()
+    missing = []
+    for rank, name in named:
+        if name not in seen and name not in evidence.verified:
+            missing.append((rank, name))
+        seen.add(name)
+    return missing
+
+
+def require_complete(manifest: Manifest, evidence: Evidence, where: str) -> None:
+    """The completeness rule of every commit: refuse (:class:`IncompleteStepError`, naming each missing file, the
+    rank it belongs to and where it was looked for) unless every file the manifest names was verified."""
+    missing = missing_files(manifest, evidence)
+    if not missing:
+        return
+    listed = ", ".join(f"{name} (rank {rank})" for rank, name in missing[:8]) + (
+        f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    raise IncompleteStepError(
+        f"{where}: step {manifest.step} (save {manifest.save_id}, {manifest.world_size} ranks) is not complete: no "
+        f"verified copy of {len(missing)} file(s) its manifest names: {listed}; looked in "
+        f"{evidence.looked_in or 'nowhere'}. No marker was written: the previous step stays the newest; the files "
+        "must be on a root this job can read (a node that held them was replaced?)",
+        step=manifest.step, save_id=manifest.save_id, files=[n for _, n in missing[:64]],
+        ranks=sorted({r for r, _ in missing}))
+
+
+def publish_shard(layout: RunLayout, shard: ManifestShard) -> ShardRef:
+    """Write one rank's shard durably beside its data (the rank itself does this); returns how the manifest
+    names it."""
+    data = shard.to_json()
+    name = shard_name(shard.rank)
+    layout.storage.publish(layout.attempt_file(shard.step, shard.save_id, name), data)
+    return ShardRef(rank=shard.rank, name=name, size=len(data), sha256=sha256_hex(data))
+
+
+def write_shards(layout: RunLayout, manifest: Manifest) -> None:
+    """Shards for a manifest built with its items inline (``import``): one per rank, named in ``manifest.shards``."""
+    if manifest.shards or manifest.schema_version < 2:
+        return
+    manifest.shards = [
+        publish_shard(layout, ManifestShard(layout.run_id, manifest.step, manifest.save_id, r,
+                                            [f for f in manifest.files if f.rank == r]))
+        for r in range(manifest.world_size)
+    ]
+
+
+def write_rank_records(layout: RunLayout, manifest: Manifest) -> None:
+    """Write the manifest's per-rank identities and statistics to ``ranks.json``, which the manifest then seals
+    (its JSON form leaves them out)."""
+    if manifest.ranks_file is not None or manifest.schema_version < 2:
+        return
+    data = RankRecords(manifest.ranks, manifest.stats).to_json()
+    layout.storage.publish(layout.attempt_file(manifest.step, manifest.save_id, RANKS_FILE), data)
+    manifest.ranks_file = {"name": RANKS_FILE, "size": len(data), "sha256": sha256_hex(data)}
+
+
+def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overwrite: bool, timeout: float,
+            rank: int = 0, resumed: ResumePoint | None = None, evidence: Evidence | None = None) -> Marker:
+    """Run steps 2-4 above; returns the marker that is now visible (writing the shards of a manifest built
+    with its items inline first, see :func:`write_shards`).  An existing marker is replaced with ``overwrite``,
+    or when ``resumed`` says it belongs to the branch this job abandoned (judged on the marker read now, so a
+    step another job committed since the writer's own check is still refused)."""
+    storage = layout.storage
+    step, save_id = manifest.step, manifest.save_id
+    attempt = layout.attempt_dir(step, save_id)
+    write_shards(layout, manifest)
+    write_rank_records(layout, manifest)
+    failpoints.hit("commit.before_metadata", rank)
+    storage.publish(storage.join(attempt, DCP_METADATA), dcp_metadata)
+    failpoints.hit("commit.after_metadata", rank)
+
+    manifest.written_at = now()
+    manifest_bytes = manifest.to_json()
+    storage.publish(storage.join(attempt, MANIFEST), manifest_bytes)
+    storage.sync_dir(attempt)
+    storage.sync_dir(layout.step_dir(step))
+    failpoints.hit("commit.after_manifest", rank)
+
+    marker = Marker(
+        run_id=layout.run_id,
+        step=step,
+        save_id=save_id,
+        manifest=f"{save_id}/{MANIFEST}",
+        manifest_sha256=sha256_hex(manifest_bytes),
+        committed_at=now(),
+        library_version=__version__,
+        sequence=next_sequence(layout),
+    )
+
+    def conflict(existing: Marker) -> str:
+        return (f"step {step} of run {layout.run_id!r} was committed by save {existing.save_id} while save "
+                f"{save_id} was writing (two jobs on one run?); nothing of {save_id} is visible. "
+                f"Use another run_id or step, or AtomicStorageWriter(overwrite=True) to replace it deliberately"
+                + (f" ({resumed.describe()}; this commit is newer than that)." if resumed is not None else "."))
+
+    marker = place_marker(layout, marker, manifest, evidence or Evidence.written(manifest), overwrite=overwrite,
+                          resumed=resumed, timeout=timeout, conflict_message=conflict, what="commit")
+    _refuse_removed_under(layout, marker)
+    _last_sequence[layout.run_dir] = marker.sequence
+    failpoints.hit("commit.after_marker", rank)
+    write_latest(layout, marker)
+    failpoints.hit("commit.after_latest", rank)
+    return marker
+
+
+def _refuse_removed_under(layout: RunLayout, marker: Marker) -> None:
+    """After the marker: the attempt's claim, written before any data, is still there, else something removed
+    the attempt while it committed (``rm -r``, or a removal tool that ignores leases): the marker is withdrawn and
+    the save fails, never reporting success over files that are gone.  One small request per commit."""
+    claim = layout.attempt_file(marker.step, marker.save_id, ATTEMPT)
+    try:
+        layout.storage.size(claim)
+        return
+    except FileNotFoundError:
+        pass
+    try:
+        if _read_marker_once(layout, marker.step).save_id == marker.save_id:
+            layout.storage.remove(layout.marker(marker.step))
+    except (OSError, CheckpointError):
+        pass
+    raise StorageError(f"step {marker.step} of run {layout.run_id!r}: the attempt {marker.save_id} was removed while "
+                       f"it committed ({claim} is gone: `rm`, or a tool that ignores in-flight saves); its marker was "
+                       "withdrawn and nothing of this save is visible. Save again.", step=marker.step,
+                       path=claim, committed=False)
+
+
+def place_marker(layout: RunLayout, marker: Marker, manifest: Manifest, evidence: Evidence, *, overwrite: bool,
+                 resumed: ResumePoint | None, timeout: float, conflict_message: Callable[[Marker], str],
+                 what: str) -> Marker:
+    """Step 3 for every durable committer (a save's :func:`publish`, the drain's durable commit): make ``marker``
+    the step's marker; returns the marker now visible, after the step directory is synced.
+
+    First :func:`require_complete`: ``manifest`` (the one ``marker`` names, by digest) against ``evidence``.
+
+    Created exclusively, so two jobs committing one step cannot both win.  If a marker is there already: the same
+    save's (an earlier attempt whose reply was lost) is accepted as it is; another save's is replaced only with
+    ``overwrite`` or when ``resumed`` says it belongs to the branch this job abandoned (judged on the marker read
+    now, so a step another job committed since the caller's own check is still refused); otherwise
+    :class:`CommitConflictError` with ``conflict_message(existing)``, the caller's words for what stays where.
+    ``what`` starts the log lines ("commit", "drain"), so an operator can tell which committer acted.
+    """
+    storage, step = layout.storage, marker.step
+    if (manifest.run_id, manifest.step, manifest.save_id) != (marker.run_id, step, marker.save_id):
+        raise CorruptCheckpointError(f"{what}: the marker of step {step} (save {marker.save_id}) would name another "
+                                     f"save's manifest ({manifest.save_id})", step=step)
+    require_complete(manifest, evidence, f"{what} to {storage.describe()}")
+    marker_path = layout.marker(step)
+    visible = marker
+    if not storage.exclusive_create_is_atomic and storage.describe() not in _warned_roots:
+        _warned_roots.add(storage.describe())
+        log.warning("%s offers no put-if-absent: the commit marker is created check-then-put, which is safe "
+                    "for one job per run but cannot arbitrate two jobs committing one step", storage.describe())
+    if not storage.create_exclusive(marker_path, marker.to_json()):
+        # It exists on the server; this client may not see it yet (NFS negative-lookup cache): wait it out.
+        existing = read_marker(layout, step, Deadline(timeout))
+        if existing.save_id == marker.save_id:
+            log.info("%s: the marker of step %d already names save %s (an earlier attempt)", what, step,
+                     marker.save_id)
+            visible = existing
+        elif overwrite or (resumed is not None and resumed.supersedes(existing)):
+            storage.replace(marker_path, marker.to_json())
+            why = "re-saved" if overwrite else f"superseded ({resumed.describe()})"
+            log.info("%s: step %d %s in %s: marker now names %s (was %s)", what, step, why, storage.describe(),
+                     marker.save_id, existing.save_id)
+        else:
+            raise CommitConflictError(conflict_message(existing), step=step, save_id=marker.save_id,
+                                      winner=existing.save_id)
+    storage.sync_dir(layout.step_dir(step))
+    return visible
+
+
+def next_sequence(layout: RunLayout) -> int:
+    """The sequence number of the commit global rank 0 is about to make: the newest one it can find, + 1.
+
+    Cheap and by exact name: ``LATEST``, the marker it names (an ``overwrite=True`` re-save of that step may have
+    replaced it and crashed before ``LATEST``), and the last number this process committed to the run.  A
+    ``LATEST`` without a number (written before sequences existed) or a damaged one makes rank 0, the one process
+    that may list, scan the markers once.  A missing ``LATEST`` is a run's first commit: no listing, number 1.
+
+    Guaranteed: numbers increase along every chain of commits in which each ``LATEST`` was written, or repaired by
+    ``latest_step()`` (``CheckpointManager`` calls it on every resume), or the commits came from one process.
+    A crash between another step's marker and ``LATEST``, followed by a new job that resumes without
+    ``latest_step()``, can give its first commit the orphan's number; :func:`commit_order` then falls back to
+    commit time for that pair.
+    """
+    found = [_last_sequence.get(layout.run_dir)]
+    try:
+        latest: Latest | None = retry_until(lambda: _read_latest_once(layout), deadline=Deadline(REREAD_SECONDS),
+                                            retry_on=(), reread_on=(CorruptCheckpointError,))
+    except FileNotFoundError:
+        return (found[0] or 0) + 1
+    except CorruptCheckpointError:
+        latest = None
+    if latest is not None and latest.sequence is not None:
+        found.append(latest.sequence)
+        try:
+            found.append(_read_marker_once(layout, latest.step).sequence)
+        except (FileNotFoundError, CorruptCheckpointError):
+            pass  # deleted or damaged since: LATEST's own number stands
+    else:
+        found.extend(m.sequence for m in scan_markers(layout))
+    return max((n for n in found if n is not None), default=0) + 1
+
+
+def _read_sealed(layout: RunLayout, path: str, size: int, sha256: str, deadline: Deadline, *, what: str,
+                 **details) -> bytes:
+    """A file the manifest names by size and sha256: missing is visibility lag until the deadline, damage gets
+    a short re-read (P9), then a typed error."""
+
+    def load() -> bytes:
+        data = layout.storage.read_file(path)
+        if len(data) != size or sha256_hex(data) != sha256:
+            raise CorruptCheckpointError(
+                f"{path}: {what} does not match the manifest (size {len(data)} vs {size} or sha256 differs): "
+                "damaged or replaced; restore it or load another step", path=path, **details)
+        return data
+
+    try:
+        return retry_until(load, deadline=deadline, retry_on=(FileNotFoundError,), reread_on=(CorruptCheckpointError,))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: the manifest names this {what} but it cannot be read", path=path,
+                                     **details) from None
+
+
+def read_shard(layout: RunLayout, committed: Committed, rank: int, deadline: Deadline) -> ManifestShard:
+    """Rank ``rank``'s shard, verified against the manifest: digest, size, identity and its files."""
+    manifest = committed.manifest
+    ref = manifest.shard_of(rank)
+    path = layout.attempt_file(committed.step, committed.save_id, ref.name)
+    data = _read_sealed(layout, path, ref.size, ref.sha256, deadline, what=f"manifest shard of rank {rank}", rank=rank)
+    shard = ManifestShard.from_json(data, where=path)
+    recorded = sorted((f.name, f.size) for f in manifest.files if f.rank == rank)
+    if ((shard.run_id, shard.step, shard.save_id, shard.rank) != (manifest.run_id, manifest.step, manifest.save_id, rank)
+            or sorted((f.name, f.size) for f in shard.files) != recorded):
+        raise CorruptCheckpointError(f"{path}: shard describes another checkpoint, rank or set of files than the "
+                                     f"manifest records for rank {rank}", path=path, rank=rank)
+    return shard
+
+
+def record_local_marker(layout: RunLayout, marker_bytes: bytes, manifest: Manifest, evidence: Evidence,
+                        where: str, rank: int) -> None:
+    """A local root's copy of a marker rank 0 decided (the local commit, a restore): the same completeness rule as
+    :func:`place_marker`, over the whole tier (a root holds its ranks' files and their replicas, not the step).
+    Replaced, not created exclusively: local markers are rank 0's records (:mod:`.local_tier`).  ``rank``: the
+    recording rank, for the kill point every path that records a local marker shares."""
+    marker = Marker.from_json(marker_bytes, where=where)
+    if (marker.step, marker.save_id) != (manifest.step, manifest.save_id):
+        raise CorruptCheckpointError(f"{where}: the marker names save {marker.save_id}, the manifest is of "
+                                     f"{manifest.save_id}", step=marker.step)
+    require_complete(manifest, evidence, where)
+    failpoints.hit("local.before_marker", rank)
+    layout.storage.replace(layout.marker(marker.step), marker_bytes)
+
+
+def write_latest(layout: RunLayout, marker: Marker) -> None:
+    latest = Latest(run_id=layout.run_id, step=marker.step, save_id=marker.save_id, committed_at=marker.committed_at,
+                    sequence=marker.sequence)
+    layout.storage.replace(layout.latest(), latest.to_json())
+
+
+def _read_marker_once(layout: RunLayout, step: int) -> Marker:
+    path = layout.marker(step)
+    return Marker.from_json(layout.storage.read_file(path), where=path)
+
+
+def _read_latest_once(layout: RunLayout) -> Latest:
+    path = layout.latest()
+    return Latest.from_json(layout.storage.read_file(path), where=path)
+
+
+def read_marker(layout: RunLayout, step: int, deadline: Deadline, *, missing_ok: bool = False) -> Marker:
+    """The step's marker, waiting out visibility lag until ``deadline``.
+
+    A marker that fails its self-checksum or does not parse (torn by a
+    concurrent replace, or damaged) is re-read for a moment, then reported.
+    With ``missing_ok`` a missing marker is not waited for (a scan of steps that
+    may simply be uncommitted) and surfaces as ``FileNotFoundError``.
+    """
+    path = layout.marker(step)
+    try:
+        marker = retry_until(lambda: _read_marker_once(layout, step), deadline=deadline,
+                             retry_on=() if missing_ok else (FileNotFoundError,), reread_on=(CorruptCheckpointError,))
+    except FileNotFoundError:
+        if missing_ok:
+            raise
+        raise CheckpointNotFoundError(
+            f"step {step} of run {layout.run_id!r} is not committed: no {path} after waiting "
+            f"{deadline.seconds:.0f}s (crashed or unfinished save, or a storage cache that is still stale)",
+            step=step,
+            path=path,
+        ) from None
+    if marker.run_id != layout.run_id or marker.step != step:
+        raise CorruptCheckpointError(
+            f"{path}: marker belongs to run {marker.run_id!r} step {marker.step}, not {layout.run_id!r} step {step}",
+            path=path,
+        )
+    return marker
+
+
+def listed_steps(layout: RunLayout) -> list[int]:
+    """The steps that have a directory in the run, committed or not, from one listing (both tiers scan so)."""
+    return [step for step in map(parse_step_dir, layout.storage.list_dir(layout.run_dir)) if step is not None]
+
+
+def scan_markers(layout: RunLayout, *, strict: bool = False,
+                 unreadable: list[tuple[int, str]] | None = None) -> list[Marker]:
+    """Every valid commit marker of the run, ascending by step (one process only).
+
+    A marker that fails validation is re-read for a moment (it may be a torn
+    read of one being replaced); if it stays bad it is skipped with a warning
+    and appended to ``unreadable`` as (step, reason), or, with ``strict``,
+    raised: a resume decision must not quietly fall back to an older step
+    because the newest marker is damaged.
+    """
+    markers = []
+    for step in listed_steps(layout):
+        try:
+            markers.append(read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True))
+        except FileNotFoundError:
+            continue  # an attempt that never committed
+        except CorruptCheckpointError as e:
+            if strict:
+                raise CorruptCheckpointError(
+                    f"{e.message}. The newest commit cannot be determined while this marker is damaged: restore "
+                    f"it, delete that step (dcp-atomic gc / rm), or load an explicit step",
+                    **e.details,
+                ) from None
+            log.warning("ignoring step %d: %s", step, e)
+            if unreadable is not None:
+                unreadable.append((step, e.message))
+    return sorted(markers, key=lambda m: m.step)
+
+
+def read_committed(layout: RunLayout, step: int, deadline: Deadline) -> Committed:
+    """Marker plus its manifest, the manifest verified against the marker's digest."""
+    marker = read_marker(layout, step, deadline)
+    path = layout.attempt_file(step, marker.save_id, MANIFEST)
+
+    def load() -> tuple[bytes, str]:
+        data = layout.storage.read_file(path)
+        digest = sha256_hex(data)
+        if digest != marker.manifest_sha256:
+            raise CorruptCheckpointError(
+                f"{path}: manifest sha256 {digest[:16]}... does not match the commit marker's "
+                f"{marker.manifest_sha256[:16]}... (damaged or replaced manifest)",
+                path=path,
+            )
+        return data, digest
+
+    try:  # the marker names it, so a missing manifest is lag; a damaged one gets a short re-read (P9)
+        data, digest = retry_until(load, deadline=deadline, retry_on=(FileNotFoundError,),
+                                   reread_on=(CorruptCheckpointError,))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{path}: the commit marker of step {step} names this manifest but it cannot be read", path=path
+        ) from None
+    manifest = Manifest.from_json(data, where=path)
+    if (manifest.run_id, manifest.step, manifest.save_id) != (layout.run_id, step, marker.save_id):
+        raise CorruptCheckpointError(f"{path}: manifest describes another checkpoint", path=path)
+    return Committed(marker=marker, manifest=manifest, manifest_sha256=digest)
+
+
+def read_latest(layout: RunLayout, deadline: Deadline) -> Latest:
+    """``LATEST`` by exact name.  A missing one is waited for only while the run shows a trace of a save (P9).
+
+    ``LATEST`` is legitimately missing while a run's first commit is between its
+    marker and ``LATEST``, or before a repair.  So at the first miss the run
+    directory is listed once (one request, only on a run without ``LATEST``): no
+    step directory means nothing was ever saved there, reported at once.
+    """
+    path = layout.latest()
+    listed = False
+
+    def attempt() -> Latest:
+        nonlocal listed
+        try:
+            return _read_latest_once(layout)
+        except FileNotFoundError:
+            if not listed:
+                listed = True
+                if not any(parse_step_dir(name) is not None for name in layout.storage.list_dir(layout.run_dir)):
+                    raise CheckpointNotFoundError(
+                        f"no checkpoint committed for run {layout.run_id!r}: nothing was ever saved there "
+                        f"({layout.run_dir} holds no step directory and no LATEST). Check root and run_id, or start "
+                        f"training from scratch.",
+                        path=path,
+                    ) from None
+            raise
+
+    try:
+        return retry_until(attempt, deadline=deadline, retry_on=(FileNotFoundError,),
+                           reread_on=(CorruptCheckpointError,))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"no checkpoint committed for run {layout.run_id!r}: {path} does not exist "
+            f"(waited {deadline.seconds:.0f}s). Pass step= explicitly, or start training from scratch.",
+            path=path,
+        ) from None

@@ -1,0 +1,413 @@
+"""Retention and garbage collection, run by one process (global rank 0 or the CLI).
+
+Known failures elsewhere: cleanup that counted half-written directories, that
+deleted the previous good checkpoint as soon as an async save *returned*, or
+that kept the highest step numbers after a rollback restart.  Here:
+
+* only committed steps count, ordered by commit sequence number (P10), not by
+  step number or clock, and only those of the live branch: after a rollback
+  (a job resumed from step k and saved on), steps above the live branch's that
+  were committed before it are the abandoned branch's; they are not counted,
+  and go only once they are older than every step kept (see :func:`retained`);
+* the step ``LATEST`` names is never deleted;
+* a step whose marker exists but cannot be validated (damaged, torn, written by
+  a newer dcp_atomic) is left whole and reported in ``unreadable_steps``: its
+  committed attempt cannot be told from debris;
+* a step is un-committed first (marker removed), then its data deleted, so a
+  crash half-way leaves debris, never a committed step with missing files;
+* attempts without a marker (crashed or in-flight saves) are deleted only once
+  their lease has expired (their ``ATTEMPT`` record is older than ``lease_seconds``);
+* data under hashed prefixes (``<root>/_dXX/<run>/step_N/<save_id>/``, object stores)
+  goes with its step or attempt, found by listing every prefix (so whatever P a save
+  used, with or without a manifest), and *before* the step or attempt records that
+  would lead a later gc back to it; prefixed data whose step has no record at all
+  (an older dcp_atomic's gc removed it) is swept once its lease has expired.
+
+:func:`remove_step` and :func:`remove_run` are the operator's deletions (``dcp-atomic rm``, the Lightning
+integration's ``remove_checkpoint``): unlike gc they delete what is asked even when ``LATEST`` names it, and
+then leave ``LATEST`` and the ``COMMITS`` journal telling the truth about what remains.
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from .catalog import most_recent
+from .commit import SCAN_RETRY_SECONDS, commit_order, read_latest, read_marker, scan_markers, write_latest
+from ..errors import CheckpointError, CheckpointNotFoundError
+from ..format.layout import ATTEMPT, DATA_PREFIX_PATTERN, MARKER, RunLayout, parse_step_dir, step_dir_name
+from ..format.manifest import CONTROL_SCHEMA, Marker, _sealed_json, _unseal
+from .._base.retry import Deadline
+
+log = logging.getLogger("dcp_atomic.retention")  # the name users filter on
+
+DEFAULT_LEASE_SECONDS = 6 * 3600.0
+
+
+@dataclass
+class GcPlan:
+    delete_steps: list[int] = field(default_factory=list)
+    delete_attempts: list[tuple[int, str]] = field(default_factory=list)  # (step, save_id)
+    delete_temps: list[str] = field(default_factory=list)  # control-file temps of crashed commits
+    delete_data: list[str] = field(default_factory=list)  # prefixed attempt data of steps that have no record left
+    kept_steps: list[int] = field(default_factory=list)
+    unreadable_steps: list[tuple[int, str]] = field(default_factory=list)  # (step, reason): left whole, needs a human
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+
+    @property
+    def empty(self) -> bool:
+        return not self.delete_steps and not self.delete_attempts and not self.delete_temps and not self.delete_data
+
+
+def _attempt_started(layout: RunLayout, step: int, save_id: str) -> float | None:
+    try:
+        return float(json.loads(layout.storage.read_file(layout.attempt_file(step, save_id, ATTEMPT)))["started_at"])
+    except Exception:
+        return None  # unreadable or missing claim: judged by its save_id timestamp below
+
+
+def _attempt_age(layout: RunLayout, step: int, save_id: str, now: float) -> float | None:
+    """Seconds since an attempt started (its claim, else its save id's time); None when neither tells.  An
+    attempt is a save in flight while its age is within the lease: gc keeps it, `rm` leaves it."""
+    started = _attempt_started(layout, step, save_id) or _save_id_time(save_id)
+    return None if started is None else now - started
+
+
+def _save_id_time(save_id: str) -> float | None:
+    try:
+        return float(calendar.timegm(time.strptime(save_id[:16], "%Y%m%dT%H%M%SZ")))
+    except ValueError:
+        return None
+
+
+def _data_steps(layout: RunLayout) -> dict[str, list[str]]:
+    """Hashed data prefix -> this run's step directories under it (one LIST of the root, one per prefix)."""
+    storage = layout.storage
+    prefixes = [e for e in storage.list_dir(storage.root) if DATA_PREFIX_PATTERN.fullmatch(e)]
+    return {prefix: storage.list_dir(layout.data_run_dir(prefix)) for prefix in prefixes}
+
+
+def retained(markers: list[Marker], keep_last: int | None) -> list[Marker]:
+    """The commits retention keeps: the ``keep_last`` most recent of the live branch, and the abandoned branch's
+    commits newer than the oldest of those (a rollback's superseding saves will replace them; until the live
+    branch has ``keep_last`` commits of its own, deleting them would leave fewer than asked).
+
+    The live branch, newest first: each older commit belongs to it only if its step is below every step of the
+    live branch after it (P14: a resumed job re-saves steps above where it resumed).
+    """
+    newest_first = sorted(markers, key=commit_order, reverse=True)
+    if keep_last is None:
+        return newest_first
+    live, lowest = [], None
+    for marker in newest_first:
+        if lowest is None or marker.step < lowest:
+            live.append(marker)
+            lowest = marker.step
+    kept = live[:keep_last]
+    if not kept:
+        return []
+    oldest = commit_order(kept[-1])
+    return [m for m in newest_first if commit_order(m) >= oldest]
+
+
+def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = DEFAULT_LEASE_SECONDS,
+            now: float | None = None, markers: list[Marker] | None = None) -> GcPlan:
+    now = time.time() if now is None else now
+    data_steps = _data_steps(layout)  # before the step listing: a save publishes its ATTEMPT before any data
+    unreadable: list[tuple[int, str]] = []
+    if markers is None:
+        markers = scan_markers(layout, unreadable=unreadable)
+    keep = {m.step for m in retained(markers, keep_last)}
+    keep.add(_latest_step_named(layout))
+    keep.discard(None)
+    plan = GcPlan(kept_steps=sorted(keep), lease_seconds=lease_seconds)
+    plan.delete_steps = sorted(m.step for m in markers if m.step not in keep)
+    committed = {m.step: m.save_id for m in markers}
+    scanned_bad = dict(unreadable)
+    storage = layout.storage
+
+    def marker_problem(step: int) -> str | None:
+        """Why a listed marker is not among the valid ones; None if it reads fine now (committed since the scan)."""
+        if step in scanned_bad:
+            return scanned_bad[step]
+        try:  # a caller's scan skipped it (damaged) or predates it: read it here
+            committed[step] = read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS)).save_id
+            return None
+        except CheckpointError as e:
+            return e.message
+
+    def stale_temp(directory: str, entry: str) -> bool:
+        """A control-file temp (".NAME.<pid>.<hex>.tmp") a crashed commit left behind."""
+        if not (entry.startswith(".") and entry.endswith(".tmp")):
+            return False
+        stamp = storage.modified(storage.join(directory, entry))
+        return stamp is not None and now - stamp > lease_seconds
+
+    run_entries = storage.list_dir(layout.run_dir)
+    plan.delete_temps = [storage.join(layout.run_dir, e) for e in run_entries if stale_temp(layout.run_dir, e)]
+    for prefix, names in data_steps.items():
+        for name in set(names) - set(run_entries):
+            orphans = storage.join(layout.data_run_dir(prefix), name)
+            plan.delete_data += [storage.join(orphans, save_id) for save_id in storage.list_dir(orphans)
+                                 if now - (_save_id_time(save_id) or now) > lease_seconds]
+    for name in run_entries:
+        step = parse_step_dir(name)
+        if step is None or step in plan.delete_steps:
+            continue
+        entries = storage.list_dir(layout.step_dir(step))
+        if MARKER in entries and step not in committed:
+            reason = marker_problem(step)
+            if reason is not None:
+                log.warning("gc: leaving step %d of run %r untouched: its commit marker cannot be validated (%s)",
+                            step, layout.run_id, reason)
+                plan.unreadable_steps.append((step, reason))
+                continue
+        for entry in entries:
+            if stale_temp(layout.step_dir(step), entry):
+                plan.delete_temps.append(storage.join(layout.step_dir(step), entry))
+                continue
+            if entry == MARKER or entry.startswith(".") or entry == committed.get(step):
+                continue
+            age = _attempt_age(layout, step, entry, now)
+            if age is not None and age > lease_seconds:  # an unknown age is kept: it may be in flight
+                plan.delete_attempts.append((step, entry))
+    return plan
+
+
+def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
+    storage = layout.storage
+    data_steps = _data_steps(layout) if plan.delete_steps or plan.delete_attempts else {}
+
+    def data_dirs(step: int) -> list[str]:
+        return [layout.data_step_dir(prefix, step) for prefix, names in data_steps.items()
+                if step_dir_name(step) in names]
+
+    for step in plan.delete_steps:
+        storage.remove(layout.marker(step))  # un-commit first
+        storage.sync_dir(layout.step_dir(step))
+        for path in data_dirs(step):
+            storage.remove(path)
+        storage.remove(layout.step_dir(step))
+        log.info("gc: deleted step %d of run %r", step, layout.run_id)
+    for step, save_id in plan.delete_attempts:
+        for path in data_dirs(step):
+            storage.remove(storage.join(path, save_id))
+        storage.remove(layout.storage.join(layout.step_dir(step), save_id))
+        log.info("gc: deleted abandoned attempt %s of step %d", save_id, step)
+        if not storage.list_dir(layout.step_dir(step)):
+            storage.remove(layout.step_dir(step))
+    for path in plan.delete_temps:
+        storage.remove(path)
+        log.info("gc: deleted leftover temp file %s", path)
+    for path in plan.delete_data:
+        storage.remove(path)
+        log.info("gc: deleted data %s, whose step has no record left", path)
+    abort = getattr(storage, "abort_stale_uploads", None)
+    if abort is not None:
+        abort(layout.run_dir, older_than_s=plan.lease_seconds)
+
+
+# -- deletions an operator asks for -----------------------------------------------------------------------------
+
+
+def remove_step(layout: RunLayout, step: int, *, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> list[str]:
+    """Delete one step, committed or not, even the one ``LATEST`` names; returns the attempts left in place.
+
+    An uncommitted attempt inside its lease (its ``ATTEMPT`` claim younger than ``lease_seconds``) is a save in
+    flight: it is left (logged), and commits or is gc's once the lease ends, so a job saving the step while it is
+    removed never commits over files taken from under it.
+
+    Order, so that a crash at any point leaves no committed step with missing files and no ``LATEST`` naming a
+    step that is gone for longer than the deletion: the marker is removed first (un-commit), then ``LATEST`` is
+    pointed at the most recent remaining commit (commit order, P10; deleted if none remains) and the step is
+    dropped from the ``COMMITS`` journal, and only then are the step's files deleted, its hashed-prefix data
+    (``_dXX/<run>/step_N/``) before the step directory that leads gc to it.  Run by one process (the CLI, global
+    rank 0).
+    """
+    storage = layout.storage
+    if not storage.is_dir(layout.step_dir(step)) and not any(
+            step_dir_name(step) in names for names in _data_steps(layout).values()):
+        raise CheckpointNotFoundError(f"run {layout.run_id!r} has no step {step} ({layout.step_dir(step)} does not "
+                                      "exist); nothing was removed", step=step, path=layout.step_dir(step))
+    try:
+        committed = read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True).save_id
+    except (FileNotFoundError, CheckpointError):
+        committed = None  # uncommitted, or a damaged marker: its attempts are judged by their leases alone
+    now = time.time()
+    attempts = [e for e in storage.list_dir(layout.step_dir(step)) if e != MARKER and not e.startswith(".")]
+    in_flight = [a for a in attempts if a != committed  # an unknown age goes: the operator asked for the step
+                 and (age := _attempt_age(layout, step, a, now)) is not None and age <= lease_seconds]
+    storage.remove(layout.marker(step))  # un-commit first
+    storage.sync_dir(layout.step_dir(step))
+    _point_latest_at_newest(layout, exclude={step})
+    journal = _read_journal(layout)
+    if journal is not None:  # a missing journal stays missing: the next commit rebuilds it from a scan
+        _write_journal(layout, [m for m in journal if m.step != step])
+    if in_flight:
+        apply_gc(layout, GcPlan(delete_attempts=[(step, a) for a in attempts if a not in in_flight]))
+        log.warning("removed step %d of run %r but left %d attempt(s) of a save in flight (inside the %.0f h lease): "
+                    "%s; it commits, or gc collects it once the lease ends", step, layout.run_id, len(in_flight),
+                    lease_seconds / 3600, ", ".join(in_flight))
+    else:
+        apply_gc(layout, GcPlan(delete_steps=[step]))
+        log.info("removed step %d of run %r", step, layout.run_id)
+    return in_flight
+
+
+def remove_run(layout: RunLayout) -> list[int]:
+    """Delete a whole run: every step (committed, uncommitted, damaged), ``LATEST``, the journal, its data under
+    every hashed prefix, its unfinished multipart uploads and the run directory.  Returns the committed steps it
+    removed.
+
+    Markers go first, newest commit first, then ``LATEST``: a crash half-way leaves a run whose remaining
+    commits are complete (or none), never a ``LATEST`` or marker that leads to deleted files.  Only paths under
+    ``<root>/<run>/`` and ``<root>/_dXX/<run>/`` are touched (with the '/' after the run: run ``exp1`` never
+    reaches ``exp10``).
+    """
+    storage = layout.storage
+    data_steps = _data_steps(layout)
+    if not storage.is_dir(layout.run_dir) and not any(data_steps.values()):
+        raise CheckpointNotFoundError(f"no run {layout.run_id!r} under {storage.root}; nothing was removed",
+                                      path=layout.run_dir)
+    committed = scan_markers(layout)
+    steps = [parse_step_dir(name) for name in storage.list_dir(layout.run_dir)]
+    for marker in sorted(committed, key=commit_order, reverse=True):
+        storage.remove(layout.marker(marker.step))
+    for step in steps:  # damaged markers too: nothing of this run may stay committed
+        if step is not None:
+            storage.remove(layout.marker(step))
+    storage.remove(layout.latest())
+    storage.remove(storage.join(layout.run_dir, COMMITS))
+    for prefix, names in data_steps.items():
+        if names:
+            storage.remove(layout.data_run_dir(prefix))
+    abort = getattr(storage, "abort_stale_uploads", None)
+    if abort is not None:
+        abort(layout.run_dir, older_than_s=0)
+    storage.remove(layout.run_dir)
+    log.info("removed run %r (%d committed step(s))", layout.run_id, len(committed))
+    return sorted(m.step for m in committed)
+
+
+def _point_latest_at_newest(layout: RunLayout, exclude: set[int]) -> None:
+    """``LATEST`` names the most recent commit outside ``exclude``, or is deleted when there is none."""
+    newest = most_recent([m for m in scan_markers(layout) if m.step not in exclude])
+    if newest is None:
+        layout.storage.remove(layout.latest())
+    else:
+        write_latest(layout, newest)
+
+
+# -- per commit: O(keep_last), not O(steps) ----------------------------------------------------------------
+
+COMMITS = "COMMITS"  # run-level journal of the steps retention keeps; a hint, every deletion re-reads its marker
+FULL_GC_EVERY = 64  # commits between full sweeps (crashed attempts of other steps, stale temps)
+
+
+def retain_after_commit(layout: RunLayout, marker: Marker, keep_last: int | None, *,
+                        lease_seconds: float = DEFAULT_LEASE_SECONDS) -> GcPlan:
+    """Retention right after ``marker`` was committed (global rank 0): reads one small journal and the markers of
+    only the steps it may delete, instead of every step's marker.
+
+    The journal (``<run>/COMMITS``, self-checksummed) lists the kept steps in commit order.  It is a hint: a step
+    is deleted only when its own marker, read by exact name, still names the recorded save and ranks below the
+    newest ``keep_last``; a missing, damaged or lagging journal (another writer, an older dcp_atomic) is rebuilt
+    from one full scan, as is every ``FULL_GC_EVERY``-th commit, which also sweeps crashed attempts.
+    """
+    if keep_last is None:
+        return GcPlan(lease_seconds=lease_seconds)
+    journal = _read_journal(layout)
+    newest_known = max((commit_order(m) for m in journal or []), default=None)
+    lagging = journal is None or (marker.sequence is not None and newest_known is not None
+                                  and newest_known[1] + 1 < marker.sequence)
+    if lagging or (marker.sequence or 0) % FULL_GC_EVERY == 0:
+        markers = scan_markers(layout)
+        plan = plan_gc(layout, keep_last, lease_seconds=lease_seconds, markers=markers)
+        apply_gc(layout, plan)
+        _write_journal(layout, [m for m in markers if m.step not in plan.delete_steps])
+        return plan
+    entries = {m.step: m for m in journal}
+    entries[marker.step] = marker
+    protected = {marker.step, _latest_step_named(layout)}  # LATEST may still name an older step (its write failed)
+    plan = GcPlan(lease_seconds=lease_seconds)
+    kept = _kept_by_their_markers(layout, entries, keep_last, marker, plan)
+    plan.kept_steps = sorted(m.step for m in kept)
+    kept_steps = {m.step for m in kept}
+    for old in sorted(entries.values(), key=commit_order, reverse=True):
+        if old.step in kept_steps:
+            continue
+        if old.step in protected:
+            continue
+        try:
+            current = read_marker(layout, old.step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True)
+        except FileNotFoundError:
+            entries.pop(old.step)  # deleted by someone else: nothing to do
+            continue
+        except CheckpointError as e:
+            plan.unreadable_steps.append((old.step, e.message))
+            continue
+        if current.save_id == old.save_id or commit_order(current) <= commit_order(old):
+            plan.delete_steps.append(old.step)
+            entries.pop(old.step)
+        else:  # re-saved since the journal saw it: judged again at the next commit, with its real order
+            entries[old.step] = current
+    apply_gc(layout, plan)
+    _write_journal(layout, list(entries.values()))
+    return plan
+
+
+def _kept_by_their_markers(layout: RunLayout, entries: dict[int, Marker], keep_last: int, committed: Marker,
+                           plan: GcPlan) -> list[Marker]:
+    """The commits to keep, each one's marker read by exact name: a journal entry whose step is gone (removed by
+    hand) or unreadable takes no slot, and one re-saved since counts with its real order, so the ``keep_last``
+    kept are commits that exist (a stale entry would otherwise make the next commit delete the last good step).
+    ``entries`` is repaired in place; ``keep_last`` marker reads per commit, not a scan."""
+    confirmed = {committed.step}
+    while True:
+        kept = retained(list(entries.values()), keep_last)
+        unconfirmed = [m for m in kept if m.step not in confirmed]
+        if not unconfirmed:
+            return kept
+        for entry in unconfirmed:
+            confirmed.add(entry.step)
+            try:
+                current = read_marker(layout, entry.step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True)
+            except FileNotFoundError:
+                log.warning("retention: the COMMITS journal of run %r lists step %d, which has no marker (removed "
+                            "outside dcp_atomic?): the journal is repaired and the step takes no keep_last slot",
+                            layout.run_id, entry.step)
+                entries.pop(entry.step)
+                continue
+            except CheckpointError as e:  # neither kept nor deleted: reported (dcp-atomic verify / rm)
+                plan.unreadable_steps.append((entry.step, e.message))
+                entries.pop(entry.step)
+                continue
+            if current.save_id != entry.save_id:
+                entries[entry.step] = current  # re-saved since the journal saw it: its real order
+
+
+def _latest_step_named(layout: RunLayout) -> int | None:
+    """The step ``LATEST`` names (one read by exact name), or None if it cannot be read."""
+    try:
+        return read_latest(layout, Deadline(0)).step
+    except Exception:  # noqa: BLE001 - a hint: unreadable LATEST protects nothing extra
+        return None
+
+
+def _read_journal(layout: RunLayout) -> list[Marker] | None:
+    path = layout.storage.join(layout.run_dir, COMMITS)
+    try:
+        raw = _unseal(layout.storage.read_file(path), path, "dcp_atomic.commits")
+        return [Marker.from_json(Marker(**m).to_json(), where=path) for m in raw["commits"]]
+    except Exception:  # noqa: BLE001 - missing, damaged or foreign: rebuilt from a scan
+        return None
+
+
+def _write_journal(layout: RunLayout, markers: list[Marker]) -> None:
+    body = {"kind": "dcp_atomic.commits", "schema_version": CONTROL_SCHEMA,
+            "commits": [m.record() for m in sorted(markers, key=commit_order)]}
+    layout.storage.replace(layout.storage.join(layout.run_dir, COMMITS), _sealed_json(body))

@@ -1,0 +1,813 @@
+"""The drain: local-committed steps copied to the durable root in the background (P13).
+
+A local commit (:mod:`.local_tier`) survives the loss of a failure domain, not of the whole job's nodes; some
+steps must therefore also reach the durable root.  Training must not wait for that upload (it is what the local
+tier exists to avoid), so a background thread on every rank does it, while training keeps saving locally.  Which
+steps go: ``durable=`` per save, else the manager's ``durable_every`` policy.  One drain, run by every rank:
+
+1. global rank 0 picks the job (the newest step waiting) and announces it; every rank takes that step, never
+   one it chose itself (the ranks' queues fill at slightly different moments);
+2. every rank reports which of the step's ranks its local root holds (:func:`held_ranks`); rank 0 plans the uploads
+   (:func:`plan_uploads`: each rank its own primary files where it holds them, any other rank's from a replica, so a
+   job of another world size, or one with a replaced node, drains the step whole); each rank uploads its share
+   (manifest shards and data files; one rank also the control files, from rank 0's root unless its node was
+   replaced) from its own local root to the durable attempt directory
+   ``<root>/<run_id>/step_N/<save_id>/``, as many files at once as a direct save writes (the library's thread count),
+   each in one pass: a piece of about :data:`COPY_CHUNK` bytes is read into the thread's buffer, every block digest
+   it holds is checked, and only then is it uploaded (onto a disk, written through as it goes rather than all at the
+   final fsync).  The stored bytes travel, never re-serialised, never staged from device memory again, never a whole
+   file in memory, and never a byte whose block was not checked (a damaged block stops the file before it; gc
+   collects the partial attempt);
+3. every rank reports what it uploaded; rank 0 alone commits, through :func:`~.commit.place_marker` as a save does,
+   which refuses the marker unless those reports cover every file the manifest names
+   (:func:`~.commit.require_complete`: a step no root covers stays local, the error naming the files):
+   the control files uploaded (``ranks.json``, ``.metadata``, the local manifest verbatim: its digest is the local
+   marker's), fsync, the marker created exclusively, ``LATEST``.  The marker carries the step's *local* commit
+   sequence: a step keeps its place in the run's history whichever tier serves it (P10 across tiers), and
+   ``LATEST`` never moves back to a lower sequence;
+4. rank 0 hands every rank the outcome, so a failure is raised (``wait()``) and reported (``on_failed``) on every
+   rank, as an async save's is.
+
+A crash or kill before step 3's marker leaves no marker of the step in the durable root and its previous step
+intact; the partial attempt directory is collected by ``gc`` like any crashed save.  A failed attempt is retried
+(``DRAIN_ATTEMPTS``, backoff doubling) unless a newer step is waiting by then, which supersedes it.  A failure after
+the marker (``LATEST`` refused) fails the attempt too, saying the step is committed: the retry accepts the marker
+it placed and writes ``LATEST``.
+
+Falling behind: the queue holds one drain in flight and the newest step waiting.  A step submitted while another
+waits replaces it: the replaced step is never drained, and rank 0 logs it by name (a durable copy of an older step
+than the newest waiting one protects nothing the newer does not).  Local retention never removes a step that is in
+flight or waiting (:meth:`Drainer.protected`).
+
+Coordination: the drain thread speaks only on a gloo group of its own, created on the main thread when the
+manager is built; gloo pairs collectives by their order in a group, so sharing a group with the training thread
+would interleave the two.  A peer that dies mid-drain surfaces as that group's error: the drain fails on every
+rank and drains stop (the group cannot be trusted after it); the local tier is untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from .._base import failpoints
+from ..protocol.commit import Evidence, ResumePoint, place_marker, write_latest
+from ..errors import (CheckpointError, CommitConflictError, CorruptCheckpointError, DrainStalledError,
+                     IncompleteStepError, StorageError)
+from ..dcp.identity import default_thread_count
+from ..format.integrity import block_digest, sha256_hex
+from ..format.layout import DCP_METADATA, MANIFEST, RunLayout
+from .local_tier import check_shard, read_manifest, stored_blocks
+from ..format.manifest import RANKS_FILE, FileEntry, Latest, Manifest, Marker, now, shard_name
+from ..stores.storage import Storage
+from ..version import __version__
+
+log = logging.getLogger("dcp_atomic.drain")  # the name users filter on
+
+COPY_CHUNK = 8 << 20  # bytes of a data file a drain thread reads, checks and uploads at a time (a block more
+# when one block is larger: a block is never cut, so its bytes are checked before any leaves)
+DRAIN_ATTEMPTS = 3  # per step; a newer step waiting supersedes the retries
+RETRY_BACKOFF = 1.0  # seconds before the second attempt, doubled after each
+
+# Tests only: called as hook(rank, step) on the drain thread before this rank uploads ("before_upload") and on
+# rank 0 before the marker ("before_marker").  Empty in production.
+hooks: dict[str, Callable[[int, int], None]] = {}
+
+
+@dataclass(frozen=True)
+class DrainJob:
+    """One local-committed step to copy.  ``index`` numbers submissions; it is the same on every rank (SPMD)."""
+
+    index: int
+    step: int
+    save_id: str
+    manifest_sha256: str
+    sequence: int | None
+
+
+@dataclass
+class Uploaded:
+    """One rank's share of a drain attempt."""
+
+    error: CheckpointError | None = None
+    bytes: int = 0
+    files: int = 0
+    verified: dict[str, str] = field(default_factory=dict)  # file name -> how it got there (the commit's evidence)
+    manifest: bytes | None = None  # the control uploader's (Plan.control): kept by rank 0, never gathered
+
+
+@dataclass
+class Drained:
+    """A drain committed to the durable root (rank 0's figures, for ``DrainStats``)."""
+
+    job: DrainJob
+    marker: Marker
+    seconds: float
+    queued_seconds: float
+    bytes: int
+    files: int
+    attempts: int
+    skipped: list[int]
+
+
+# -- steps 2 and 3 ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one local root holds of a drain's step: the ranks whose manifest shard and data files are there, and
+    whether its control files (the manifest the local marker names, ``.metadata``, ``ranks.json``) are."""
+
+    ranks: list[int]
+    control: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Rank 0's plan for one attempt: which drain rank uploads which source ranks' files, and which one uploads the
+    control files (None: no root holds them, and the commit refuses the step)."""
+
+    sources: dict[int, list[int]]
+    control: int | None
+
+
+def held_ranks(local: RunLayout, job: DrainJob) -> Holding:
+    """What this local root holds of ``job``'s step at the recorded sizes (its own primary files, or replicas):
+    what this rank could upload.  Sizes only, from the manifest: the upload checks every block as it reads
+    (:func:`_copy_verified`) and every control file's digest, so a damaged copy still fails there."""
+    try:
+        manifest = _local_manifest(local, job)
+    except (OSError, CheckpointError):
+        return Holding([], False)  # no local copy of the step here (a replaced node): others upload
+    sizes: dict[int, list[tuple[str, int]]] = {}
+    for f in manifest.files:
+        sizes.setdefault(f.rank, []).append((local.data_file(job.step, job.save_id, f.name, manifest.data_prefixes),
+                                             f.size))
+    held = []
+    for rank in range(manifest.world_size):
+        ref = manifest.shard_of(rank)
+        shard = [(local.attempt_file(job.step, job.save_id, ref.name), ref.size)] if ref is not None else []
+        if ref is not None and _all_there(sizes.get(rank, []) + shard):
+            held.append(rank)
+    control = _all_there([(local.attempt_file(job.step, job.save_id, name), ref["size"])
+                          for name, ref in _control_refs(manifest)])
+    return Holding(held, control)
+
+
+def _all_there(files: list[tuple[str, int]]) -> bool:
+    try:
+        return all(os.path.getsize(path) == size for path, size in files)
+    except OSError:
+        return False
+
+
+def _control_refs(manifest: Manifest) -> list[tuple[str, dict]]:
+    """The control files a drain copies besides the manifest: (name, the manifest's record of it)."""
+    control = [(RANKS_FILE, manifest.ranks_file)] if manifest.ranks_file is not None else []
+    return control + [(DCP_METADATA, manifest.dcp_metadata)]
+
+
+def plan_uploads(held: list[Holding]) -> Plan:
+    """Rank 0: which drain rank uploads which source rank's files, from what each drain rank's root holds
+    (:func:`held_ranks`).  A rank uploads its own files where it holds them (the common case: one pass over its own
+    disk, as before); every other source rank goes to the least-loaded rank that holds it, so a resized job (or one
+    with a replaced node) drains from replicas.  The control files go from rank 0's root where it holds them, else
+    from the first root that does (global rank 0's node replaced).  A source rank no root holds is left out: the
+    commit's completeness check (:func:`~.commit.require_complete`) then refuses the step, naming its files."""
+    plan: dict[int, list[int]] = {rank: [] for rank in range(len(held))}
+    sources = sorted({r for holding in held for r in holding.ranks})
+    for source in sources:
+        if source < len(held) and source in held[source].ranks:
+            plan[source].append(source)
+    for source in sources:
+        if source < len(held) and source in held[source].ranks:
+            continue
+        holders = [rank for rank, holding in enumerate(held) if source in holding.ranks]
+        plan[min(holders, key=lambda rank: (len(plan[rank]), rank))].append(source)
+    return Plan(plan, next((rank for rank, holding in enumerate(held) if holding.control), None))
+
+
+def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: list[int], rank: int,
+                 threads: int = 1, progress: Callable[[], None] | None = None, control: bool = False) -> Uploaded:
+    """Step 2: copy the shards and data files of the ranks ``sources`` of ``job`` from this local root, ``threads``
+    files at a time, each block checked as it is read; a shard goes last, once every file it names is up; then, with
+    ``control``, the control files (:func:`upload_control`).  Returns the files uploaded, by name, as the commit's
+    evidence.  ``progress()`` is called after each piece uploaded (the stall clock of :meth:`Drainer.wait`)."""
+    uploaded = Uploaded()
+    if not sources and not control:
+        return uploaded
+    manifest = _local_manifest(local, job)
+    storage = durable.storage
+    storage.makedirs(durable.attempt_dir(job.step, job.save_id))
+    shards, copies = [], []
+    for source in sources:
+        shard_path = local.attempt_file(job.step, job.save_id, shard_name(source))
+        shard_bytes = local.storage.read_file(shard_path)
+        shard = check_shard(manifest, source, shard_bytes, shard_path)
+        shards.append((source, shard_bytes))
+        for entry in shard.files:
+            src = local.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
+            target = durable.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
+            if manifest.data_prefixes:
+                storage.makedirs(target.rsplit("/", 1)[0])
+            copies.append((entry, src, target))
+    stop = threading.Event()  # one file failed: the others stop at their next piece
+
+    def copy(entry: FileEntry, source: str, target: str) -> None:
+        try:
+            _copy_verified(entry, source, storage, target, stop, progress)
+        except OSError as e:  # name the file, not only the directory (a short write carries no file name)
+            e.filename = e.filename or target
+            stop.set()
+            raise
+        except BaseException:
+            stop.set()
+            raise
+
+    threads = max(1, min(threads, len(copies)))
+    if threads == 1:
+        for args in copies:
+            copy(*args)
+    else:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"dcp-atomic-drain{rank}") as pool:
+            futures = [pool.submit(copy, *args) for args in copies]
+            errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None and not isinstance(e, _Stopped)), None)
+        if first is not None:
+            raise first
+    who = f"rank {rank} uploaded it from {local.storage.describe()}, every block checked"
+    for source, shard_bytes in shards:
+        storage.publish(durable.attempt_file(job.step, job.save_id, shard_name(source)), shard_bytes)
+        uploaded.verified[shard_name(source)] = who
+    uploaded.verified.update((entry.name, who) for entry, _, _ in copies)
+    uploaded.bytes, uploaded.files = sum(entry.size for entry, _, _ in copies), len(copies)
+    if control:
+        uploaded.manifest = upload_control(local, durable, job)
+    return uploaded
+
+
+def upload_control(local: RunLayout, durable: RunLayout, job: DrainJob) -> bytes:
+    """The step's control files from this local root to the durable attempt, each checked first: the manifest
+    against the local marker's digest, ``ranks.json`` and ``.metadata`` against the manifest.  Returns the
+    manifest's bytes (what the commit's marker names)."""
+    manifest_bytes, manifest = _local_manifest_bytes(local, job)
+    storage = durable.storage
+    attempt = durable.attempt_dir(job.step, job.save_id)
+    for name, ref in _control_refs(manifest):
+        path = local.attempt_file(job.step, job.save_id, name)
+        data = local.storage.read_file(path)
+        if len(data) != ref["size"] or sha256_hex(data) != ref["sha256"]:
+            raise CorruptCheckpointError(f"{path}: does not match the manifest of local step {job.step}; this step "
+                                         "cannot be drained (a later one can)", path=path, step=job.step)
+        storage.publish(storage.join(attempt, name), data)
+    storage.publish(storage.join(attempt, MANIFEST), manifest_bytes)
+    return manifest_bytes
+
+
+_POLL = 1.0  # seconds between a waiter's looks at the stall clock
+
+
+class _StoreWork:
+    """``with drainer._io():`` this rank works on the stores (the stall clock runs), not waiting in a collective."""
+
+    def __init__(self, drainer: "Drainer") -> None:
+        self.drainer = drainer
+
+    def __enter__(self) -> None:
+        self.drainer._progress_at = time.monotonic()
+        self.drainer._io_since = self.drainer._progress_at
+
+    def __exit__(self, *exc: Any) -> None:
+        self.drainer._io_since = None
+
+
+class _Stopped(Exception):
+    """A copy thread gave up because another file of the same upload failed (never the error reported)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One digest of a data file: its bytes ``[start, end)`` of the file."""
+
+    start: int
+    end: int
+    digest: str
+    what: str
+    index: int
+    item_start: int
+
+
+def _blocks(entry: FileEntry, where: str) -> list[_Block]:
+    """Every block (or frame) digest of ``entry``, in file order; the checks of ``check_stored_file``."""
+    blocks = [_Block(item.pos + lo, item.pos + hi, item.checksums[index], what, index, item.pos)
+              for item, what, index, lo, hi in stored_blocks(entry, where)]
+    blocks.sort(key=lambda b: (b.start, b.end))
+    return blocks
+
+
+def _copy_verified(entry: FileEntry, source: str, storage: Storage, target: str,
+                   stop: threading.Event | None = None, progress: Callable[[], None] | None = None) -> None:
+    """Stream a local data file to ``target`` in the durable store in one pass: read a piece (about
+    :data:`COPY_CHUNK` bytes, ending where a block ends) into one reused buffer, check every block it holds against
+    the shard's digests, then upload it.  An object store gets a multipart upload for a large file.  Memory is one
+    piece per thread, whatever the file's size.  A durable file left by a failed earlier attempt is replaced."""
+    blocks = _blocks(entry, source)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry.size:
+            raise CorruptCheckpointError(f"{source}: {size} bytes, the shard records {entry.size}", path=source)
+        for block in blocks:
+            if block.end > size:
+                raise CorruptCheckpointError(f"{block.what}: block {block.index} ends at byte {block.end}, past the "
+                                             f"end of the {size}-byte file", path=source, block=block.index)
+        try:
+            stream = storage.open_write(target)
+        except FileExistsError:  # the same attempt directory, an earlier try: nothing references it yet
+            storage.remove(target)
+            stream = storage.open_write(target)
+        try:
+            buffer = bytearray(min(COPY_CHUNK, size) or 1)
+            written = _writeback(stream)
+            position, next_block = 0, 0
+            while position < size or next_block < len(blocks):
+                if stop is not None and stop.is_set():
+                    raise _Stopped()
+                end = _piece_end(blocks, next_block, position, min(size, position + COPY_CHUNK))
+                if end - position > len(buffer):
+                    buffer = bytearray(end - position)  # one block larger than a piece
+                view = memoryview(buffer)[:end - position]
+                _read_exactly(fd, view, position, source)
+                while next_block < len(blocks) and blocks[next_block].end <= end:
+                    block = blocks[next_block]
+                    data = (view[block.start - position:block.end - position] if block.start >= position
+                            else os.pread(fd, block.end - block.start, block.start))  # items overlapping: rare
+                    if block_digest(data) != block.digest:
+                        raise CorruptCheckpointError(
+                            f"{block.what}: block {block.index} (bytes {block.start - block.item_start}.."
+                            f"{block.end - block.item_start} of the item) does not match its digest; the local file "
+                            "was damaged after it was written, so this step cannot be drained (a later one can)",
+                            path=source, block=block.index)
+                    next_block += 1
+                stream.write(view)
+                written(position, end - position)
+                position = end
+                if progress is not None:
+                    progress()
+            storage.close_write(stream)
+        except BaseException:
+            storage.abort_write(stream)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _writeback(stream: Any) -> Callable[[int, int], None]:
+    """For a stream onto a local file: start writing each uploaded piece to the disk now, and drop it from the page
+    cache once written.  Left to the kernel, the pages wait for the final fsync, which then writes the whole file
+    while the copy sits idle (4 ranks copying 252 MB each to ext4 on the 2-core VM: 15-50% faster with it); and
+    the drain never reads them again, so they should not push the training job's pages out.  Advice only: a
+    stream without a file descriptor (an object store's upload) gets nothing, and a refusal is ignored."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = None
+    if fd is None or not hasattr(os, "posix_fadvise"):
+        return lambda offset, length: None
+
+    def advise(offset: int, length: int) -> None:
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)  # Linux: starts writeback of dirty pages
+        except OSError:
+            pass
+
+    return advise
+
+
+def _piece_end(blocks: list[_Block], first: int, position: int, end: int) -> int:
+    """Where the piece from ``position`` ends: at ``end``, moved back to the start of a block that ``end`` would cut,
+    or on to that block's end when it begins at ``position`` (a block larger than a piece)."""
+    for block in blocks[first:]:
+        if block.start >= end:
+            break
+        if block.end > end:  # cut by the piece's end
+            return block.start if block.start > position else block.end
+    return end
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, the shard records more (truncated "
+                                         "while the drain read it?)", path=path)
+        done += n
+
+
+def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | None, resumed: ResumePoint | None,
+                   timeout: float, evidence: Evidence) -> Marker:
+    """Step 3 (global rank 0), once every share (and the control files, :func:`upload_control`) is up: the durable
+    marker with the step's local sequence, then ``LATEST`` unless a newer commit holds it.  ``manifest_bytes``: the
+    manifest rank 0 uploaded itself, or None when another rank's root held the control files (global rank 0's node
+    was replaced): then it is read back from the durable attempt, checked against the local marker's digest."""
+    storage = durable.storage
+    attempt = durable.attempt_dir(job.step, job.save_id)
+    path = storage.join(attempt, MANIFEST)
+    if manifest_bytes is None:
+        manifest_bytes = storage.read_file(path)
+    if sha256_hex(manifest_bytes) != job.manifest_sha256:
+        raise CorruptCheckpointError(f"{path}: does not match the local marker of step {job.step}", path=path,
+                                     step=job.step)
+    manifest = Manifest.from_json(manifest_bytes, where=path)
+    storage.sync_dir(attempt)
+    storage.sync_dir(durable.step_dir(job.step))
+    failpoints.hit("commit.after_manifest", 0)  # the committer's phases, as a save's (commit.publish)
+    if "before_marker" in hooks:
+        hooks["before_marker"](0, job.step)
+    marker = Marker(run_id=durable.run_id, step=job.step, save_id=job.save_id, manifest=f"{job.save_id}/{MANIFEST}",
+                    manifest_sha256=job.manifest_sha256, committed_at=now(), library_version=__version__,
+                    sequence=job.sequence)
+
+    def conflict(existing: Marker) -> str:
+        return (f"draining step {job.step} to {durable.run_dir}: the durable root already holds step {job.step} from "
+                f"another save ({existing.save_id}, sequence {existing.sequence}); the local step (save "
+                f"{job.save_id}) stays local only. Two jobs on one run? Use another run_id.")
+
+    # An earlier attempt of this drain may have placed the marker and then failed on LATEST: then the marker it
+    # placed is accepted, and LATEST is written now.
+    try:
+        marker = place_marker(durable, marker, manifest, evidence, overwrite=False, resumed=resumed,
+                              timeout=timeout, conflict_message=conflict, what=f"drain of step {job.step}")
+    except (CommitConflictError, IncompleteStepError):
+        raise
+    except (OSError, CheckpointError) as e:  # before or after the marker's create: say which, if we can tell
+        reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+        where = getattr(e, "filename", None) or durable.marker(job.step)
+        raise StorageError(reason, step=job.step, rank=0, path=str(where),
+                           committed=None if _holds_marker_of(durable, job) else False) from e
+    failpoints.hit("commit.after_marker", 0)
+    try:
+        newest = _latest_sequence(durable)
+        if newest is not None and (marker.sequence or 0) < newest:
+            log.warning("drain: step %d (sequence %s) is committed to the durable root, but LATEST stays on a newer "
+                        "commit (sequence %d)", job.step, marker.sequence, newest)
+            return marker
+        write_latest(durable, marker)
+        failpoints.hit("commit.after_latest", 0)
+    except (OSError, CheckpointError) as e:
+        reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+        raise StorageError(
+            f"drain of step {job.step}: the step is committed to the durable root ({durable.marker(job.step)}), but "
+            f"global rank 0 could not update {durable.latest()}: {reason.rstrip('.')}. Until LATEST is written, "
+            "readers that ask for the latest step by LATEST get an older one; the drain tries again.",
+            step=job.step, rank=0, path=durable.latest(), committed=True) from e
+    return marker
+
+
+def _local_manifest_bytes(local: RunLayout, job: DrainJob) -> tuple[bytes, Manifest]:
+    path = local.attempt_file(job.step, job.save_id, MANIFEST)
+    data = local.storage.read_file(path)
+    if sha256_hex(data) != job.manifest_sha256:
+        raise CorruptCheckpointError(f"{path}: does not match the local marker of step {job.step}", path=path)
+    return data, Manifest.from_json(data, where=path)
+
+
+def _local_manifest(local: RunLayout, job: DrainJob) -> Manifest:
+    marker = Marker.from_json(local.storage.read_file(local.marker(job.step)), where=local.marker(job.step))
+    if (marker.save_id, marker.manifest_sha256) != (job.save_id, job.manifest_sha256):
+        raise CorruptCheckpointError(f"{local.marker(job.step)}: names save {marker.save_id}, the drain was asked for "
+                                     f"{job.save_id}", path=local.marker(job.step))
+    return read_manifest(local, marker)
+
+
+def _holds_marker_of(durable: RunLayout, job: DrainJob) -> bool:
+    """Whether the durable root now shows this drain's marker (a failure inside the marker step came after it)."""
+    try:
+        marker = Marker.from_json(durable.storage.read_file(durable.marker(job.step)), where=durable.marker(job.step))
+    except (OSError, CheckpointError):
+        return False
+    return marker.save_id == job.save_id
+
+
+def _latest_sequence(durable: RunLayout) -> int | None:
+    try:
+        latest = Latest.from_json(durable.storage.read_file(durable.latest()), where=durable.latest())
+    except (FileNotFoundError, CorruptCheckpointError):
+        return None
+    return latest.sequence
+
+
+# -- the background thread -----------------------------------------------------------------------------------
+
+
+class Drainer:
+    """One manager's drain queue and thread (module doc).  ``submit`` from the thread that committed a step,
+    ``wait``/``close`` from the training thread; the thread itself speaks only on ``group``."""
+
+    def __init__(self, *, rank: int, world_size: int, group: dist.ProcessGroup | None, local: RunLayout,
+                 durable: RunLayout, timeout: float, where: str,
+                 resumed: Callable[[], ResumePoint | None],
+                 committed: Callable[[Drained], None],
+                 failed: Callable[[DrainJob, CheckpointError, float], None], threads: int | None = None,
+                 stall: float | None = None) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.stall = stall  # seconds this rank's store work may go without progress before wait() gives up
+        self.here = f"rank {rank} ({socket.gethostname()}:{local.storage.describe()})"
+        self.threads = threads or default_thread_count()  # files uploaded at once: a direct save's writer count
+        self.local, self.durable, self.timeout, self.where = local, durable, timeout, where
+        self._resumed, self._committed, self._failed = resumed, committed, failed
+        self._cond = threading.Condition()
+        self._pending: list[DrainJob] = []  # rank 0: at most one (the newest); others: until rank 0 takes them
+        self._inflight: DrainJob | None = None
+        self._retry: tuple[DrainJob, int] | None = None  # rank 0: the job to attempt again, and its attempt number
+        self._another_round = False  # other ranks: rank 0 announced that a round follows (a retry)
+        self._submitted = 0
+        self._taken = 0  # the highest job index a round has taken
+        self._queued_at: dict[int, float] = {}
+        self._replaced: dict[int, list[int]] = {}  # rank 0: job index -> the waiting steps it replaced
+        self._failure: CheckpointError | None = None  # unreported
+        self._broken: CheckpointError | None = None  # the group failed: no more drains
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._io_since: float | None = None  # this rank works on the stores (not in a collective) since, or None
+        self._progress_at = 0.0  # the last piece uploaded, or the start of this rank's store work
+        self.drained = self.failed = self.skipped = 0  # counters (every rank; ``skipped`` on rank 0)
+
+    # -- the training side
+
+    def submit(self, step: int, marker: Marker) -> None:
+        with self._cond:
+            self._submitted += 1
+            job = DrainJob(self._submitted, step, marker.save_id, marker.manifest_sha256, marker.sequence)
+            if self._broken is not None:
+                self._failure = self._failure or self._broken
+                log.error("drain of step %d not started: drains stopped after an earlier failure (%s)", step,
+                          self._broken)
+                return
+            self._queued_at[job.index] = time.monotonic()
+            if self.rank == 0 and self._pending:
+                replaced = [s for j in self._pending for s in [*self._replaced.pop(j.index, []), j.step]]
+                self._replaced[job.index] = replaced
+                self.skipped += len(self._pending)
+                log.warning("drain to %s is behind (step %s in flight): step(s) %s replaced by step %d before they "
+                            "started, never drained; the newest waiting step drains next", self.where,
+                            self._inflight.step if self._inflight else "none", [j.step for j in self._pending], step)
+                self._pending = []
+            self._pending.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dcp-atomic-drain", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def protected(self) -> set[int]:
+        """Steps local retention must keep: in flight, waiting, or about to be retried."""
+        with self._cond:
+            steps = {j.step for j in self._pending}
+            if self._inflight is not None:
+                steps.add(self._inflight.step)
+            if self._retry is not None:
+                steps.add(self._retry[0].step)
+            return steps
+
+    def busy(self) -> bool:
+        with self._cond:
+            return self._has_work() or self._inflight is not None
+
+    def wait(self) -> None:
+        """Block until nothing is in flight or waiting; raise a failure nothing has reported yet (once).
+
+        Bounded by the stall deadline: when this rank's part of the drain in flight (its uploads, rank 0's commit)
+        made no progress for ``stall`` seconds -- a frozen mount, an endpoint that stopped answering -- raise
+        :class:`DrainStalledError` naming the step and the store, and stop drains (the stuck thread is left to its
+        store; a later submit reports this failure).  Time spent in the drain's collectives is bounded by its
+        process group's timeout instead (a peer stuck on its own store is waited for that long)."""
+        idle = lambda: not self._has_work() and self._inflight is None  # noqa: E731
+        with self._cond:
+            while not idle():
+                stalled = self._stalled()
+                if stalled is not None:
+                    self._broken = self._broken or stalled
+                    raise stalled
+                self._cond.wait(timeout=_POLL if self.stall is not None else None)
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _stalled(self) -> DrainStalledError | None:
+        """Under the lock: the stall error if this rank's store work has not moved for ``stall`` seconds."""
+        if self.stall is None or self._io_since is None or self._inflight is None:
+            return None
+        quiet = time.monotonic() - self._progress_at
+        if quiet < self.stall:
+            return None
+        job = self._inflight
+        return DrainStalledError(
+            f"the drain of step {job.step} (save {job.save_id}) made no progress on rank {self.rank} for {quiet:.0f}s "
+            f"(stall deadline {self.stall:.0f}s): the store ({self.where}, or this rank's local root "
+            f"{self.local.storage.describe()}) does not answer. Stopped waiting: no durable marker of the step was "
+            "written by this wait, the durable root's previous step is intact and the step stays on the local tier "
+            "(keep_local keeps it); drains stop until the job restarts, and the next job drains it again. Check the "
+            "store (a frozen mount, an unreachable endpoint).", step=job.step, rank=self.rank, path=self.where)
+
+    def _io(self) -> "_StoreWork":
+        return _StoreWork(self)
+
+    def _progressed(self) -> None:
+        self._progress_at = time.monotonic()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout)
+
+    def _has_work(self) -> bool:
+        if self._broken is not None:
+            return False
+        if self.rank == 0:
+            return bool(self._pending) or self._retry is not None
+        return any(j.index > self._taken for j in self._pending) or self._another_round
+
+    # -- the drain thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._has_work())
+                if not self._has_work():
+                    return
+                planned = self._plan() if self.rank == 0 else None
+                if planned is not None:
+                    self._inflight = planned[0]  # from here on ``wait`` waits for it
+            try:
+                self._round(planned)
+            except BaseException as e:  # the group failed (a peer died), or a bug: every waiter must hear of it
+                error = e if isinstance(e, CheckpointError) else StorageError(
+                    f"the drain to {self.where} stopped on rank {self.rank}: {type(e).__name__}: {e}. No durable "
+                    "marker was written for the step in flight (the durable root's previous step is intact; gc "
+                    "collects the partial attempt); later steps stay local until the job restarts.",
+                    rank=self.rank)
+                with self._cond:
+                    job = self._inflight
+                    self._broken = error
+                    self._failure = error
+                    self._pending, self._retry, self._inflight, self._another_round = [], None, None, False
+                    self.failed += 1
+                    self._cond.notify_all()
+                log.error("%s", error)
+                if job is not None:
+                    self._failed(job, error, 0.0)
+                return
+
+    def _plan(self) -> tuple[DrainJob, int]:
+        """Rank 0, under the lock: the newest waiting step, else the retry."""
+        if self._pending:
+            job = self._pending.pop()
+            if self._retry is not None:
+                self._replaced.setdefault(job.index, []).insert(0, self._retry[0].step)
+                log.warning("drain: step %d is not retried, newer step %d supersedes it", self._retry[0].step,
+                            job.step)
+                self._retry = None
+            return job, 1
+        planned, self._retry = self._retry, None
+        return planned
+
+    def _round(self, planned: tuple[DrainJob, int] | None) -> None:
+        if planned is not None and planned[1] > 1:
+            time.sleep(RETRY_BACKOFF * 2 ** (planned[1] - 2))  # rank 0; the others wait in the announcement
+        started = time.perf_counter()
+        job, attempt = self._share(planned)
+        with self._cond:
+            self._pending = [j for j in self._pending if j.index > job.index]
+            self._taken = max(self._taken, job.index)
+            self._inflight, self._another_round = job, False
+            queued = time.monotonic() - self._queued_at.get(job.index, time.monotonic())
+            self._queued_at = {i: t for i, t in self._queued_at.items() if i > job.index}
+        holdings = self._gathered((held_ranks(self.local, job), self.here))  # any world drains any step
+        plan: Plan = self._share(plan_uploads([held for held, _ in holdings]) if self.rank == 0 else None)
+        mine = self._upload(job, plan.sources.get(self.rank, []), control=plan.control == self.rank)
+        shares = self._gathered(dataclasses.replace(mine, manifest=None))
+        outcome: Any = None
+        if self.rank == 0:
+            outcome = self._decide(job, attempt, shares, mine.manifest, plan, started, queued,
+                                   [where for _, where in holdings])
+        status, error, again = self._share(outcome[:3] if outcome is not None else None)
+        drained = outcome[3] if outcome is not None else None
+        with self._cond:
+            self._inflight = None
+            self._another_round = again
+            if status == "ok":
+                self.drained += 1
+            elif not again:
+                self.failed += 1
+                self._failure = error
+            self._cond.notify_all()
+        if status == "ok":
+            if drained is not None:
+                self._committed(drained)
+        elif again:
+            log.warning("drain of step %d to %s failed (attempt %d of %d), retrying: %s", job.step, self.where,
+                        attempt, DRAIN_ATTEMPTS, error)
+        else:
+            log.error("drain of step %d to %s failed: %s", job.step, self.where, error)
+            self._failed(job, error, time.perf_counter() - started)
+
+    def _upload(self, job: DrainJob, sources: list[int], control: bool) -> Uploaded:
+        try:
+            if "before_upload" in hooks:
+                hooks["before_upload"](self.rank, job.step)
+            with self._io():
+                return upload_ranks(self.local, self.durable, job, sources, self.rank, self.threads,
+                                    progress=self._progressed, control=control)
+        except CheckpointError as e:
+            return Uploaded(error=e)
+        except OSError as e:
+            path = e.filename or self.durable.attempt_dir(job.step, job.save_id)
+            return Uploaded(error=StorageError(
+                f"rank {self.rank} could not upload its files of step {job.step} to {path}: {e.strerror or e}",
+                rank=self.rank, path=str(path), errno=e.errno, step=job.step))
+
+    def _decide(self, job: DrainJob, attempt: int, shares: list[Uploaded], manifest: bytes | None, plan: Plan,
+                started: float, queued: float, roots: list[str]) -> tuple:
+        """Rank 0: commit if every rank uploaded; else whether to try again.  (status, error, again, Drained).
+        ``manifest``: rank 0's own upload of it, if it was the control uploader."""
+        failed = [(r, s.error) for r, s in enumerate(shares) if s.error is not None]
+        error: CheckpointError | None = None
+        if plan.control is None:  # no retry finds them: they are on no root this job has
+            with self._cond:
+                self._replaced.pop(job.index, None)
+            return "error", IncompleteStepError(
+                f"drain of step {job.step} (save {job.save_id}) to {self.where}: no local root holds the step's "
+                f"control files ({MANIFEST}, {DCP_METADATA}) named by its local marker; looked in "
+                f"{', '.join(roots)}. No durable marker was written; the step stays local (a node that held them "
+                "was replaced?)", step=job.step, save_id=job.save_id, files=[MANIFEST, DCP_METADATA]), False, None
+        if failed:
+            error = StorageError(
+                f"drain of step {job.step} (save {job.save_id}) to {self.where}: {len(failed)} rank(s) could not "
+                f"upload: " + "; ".join(e.message for _, e in failed[:4]) + ". No durable marker was written; the "
+                "durable root's previous step is intact. Check the named paths (space and access on the durable "
+                "root, or a local copy found damaged or missing): the next drain retries.", step=job.step,
+                ranks=[r for r, _ in failed],
+                path=failed[0][1].details.get("path"))
+        else:
+            evidence = Evidence.on_roots({name: who for share in shares for name, who in share.verified.items()}, roots)
+            try:
+                with self._io():
+                    marker = commit_durable(self.durable, job, manifest, self._resumed(), self.timeout, evidence)
+            except (CommitConflictError, IncompleteStepError) as e:  # retrying finds no other copy, nor another save
+                with self._cond:
+                    self._replaced.pop(job.index, None)
+                return "error", e, False, None
+            except (OSError, CheckpointError) as e:
+                committed = e.details.get("committed", False) if isinstance(e, CheckpointError) else False
+                if committed:  # only LATEST is missing (commit_durable says so)
+                    error = e
+                else:
+                    where = getattr(e, "filename", None) or self.durable.step_dir(job.step)
+                    reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+                    outcome = ("No durable marker was written" if committed is False else
+                               "Whether its durable marker was written is unknown")
+                    error = StorageError(f"drain of step {job.step}: global rank 0 could not commit it to {where}: "
+                                         f"{reason.rstrip('.')}. {outcome}; the next drain retries.", step=job.step,
+                                         rank=0, path=str(where))
+            else:
+                with self._cond:
+                    skipped = self._replaced.pop(job.index, [])
+                return "ok", None, False, Drained(
+                    job=job, marker=marker, seconds=time.perf_counter() - started,
+                    queued_seconds=queued,
+                    bytes=sum(s.bytes for s in shares), files=sum(s.files for s in shares), attempts=attempt,
+                    skipped=skipped)
+        again = attempt < DRAIN_ATTEMPTS  # the others then enter one more round (a newer step may take it)
+        with self._cond:
+            if again:
+                self._retry = (job, attempt + 1)
+            else:
+                self._replaced.pop(job.index, None)
+        return "error", error, again, None
+
+    def _share(self, mine: Any) -> Any:
+        """Rank 0's value on every rank, over the drain's own group."""
+        if self.world_size == 1 or self.group is None:
+            return mine
+        box = [mine]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _gathered(self, mine: Any) -> list[Any]:
+        if self.world_size == 1 or self.group is None:
+            return [mine]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return everyone

@@ -1,0 +1,197 @@
+"""Re-read a committed checkpoint end to end and check every recorded digest.
+
+Used by ``dcp-atomic verify``: an operator's answer to "is this checkpoint
+still good?" after a disk incident or before promoting it.  Every data file is
+read once, block by block, in parallel; each problem names the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..format.codec import Decoder
+from ..protocol.commit import read_committed
+from ..errors import CheckpointError
+from ..format.integrity import sha256_hex, verify_blocks
+from ..format.layout import DCP_METADATA, PARTIAL_SUFFIX, RunLayout
+from ..format.manifest import FileEntry, ItemExtent
+from ..dcp.read_checks import check_metadata, check_stored_items, decode_chunk, payload_proven
+from .._base.retry import Deadline
+from ..format.safe_pickle import load_dcp_metadata, safe_byte_item
+from ..stores.storage import Storage
+
+READ_CHUNK_BLOCKS = 16  # read up to 16 frames (64 MiB with 4 MiB blocks) per request
+
+
+@dataclass
+class AuditReport:
+    step: int
+    save_id: str | None
+    files: int
+    bytes: int
+    problems: list[str]
+    notes: list[str] = field(default_factory=list)  # not damage: e.g. a partial copy a tier restore kept
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float = 10.0,
+               progress: Callable[[int], None] | None = None, local: bool = False) -> AuditReport:
+    """Check every byte of ``step`` as a load would: digests, frames, and the P11 decoders (``.metadata`` and every
+    non-tensor item through the allow-list), so ``verify`` never passes a step a load refuses.  ``local``: the root
+    is a node's local root, where a tier restore may have kept a partial copy of a data file (:func:`partial_claims`);
+    anywhere else a partial note is itself a problem."""
+    try:
+        committed = read_committed(layout, step, Deadline(timeout))
+        committed.load_items(layout, None, Deadline(timeout))  # every rank's shard, each against its digest
+        committed.load_rank_records(layout, Deadline(timeout))  # ranks.json, against its digest
+    except CheckpointError as e:
+        return AuditReport(step, None, 0, 0, [str(e)])
+    manifest = committed.manifest
+    problems: list[str] = []
+    meta_path = layout.attempt_file(step, committed.save_id, DCP_METADATA)
+    chunks: dict = {}  # (key, chunk offset) -> the stored chunk, once .metadata and the manifest agree
+    try:
+        meta = layout.storage.read_file(meta_path)
+        if sha256_hex(meta) != manifest.dcp_metadata["sha256"]:
+            problems.append(f"{meta_path}: sha256 does not match the manifest")
+        else:
+            metadata = load_dcp_metadata(meta, where=meta_path, written_by=manifest.versions.get("torch"))
+            check_metadata(metadata, manifest.keys, meta_path)  # the checks a load makes, every item at once
+            infos = dict(metadata.storage_data or {})
+            _, chunks = check_stored_items(metadata, manifest, {i.relative_path for i in infos.values()}, infos,
+                                           meta_path)
+    except FileNotFoundError:
+        problems.append(f"{meta_path}: missing")
+    except CheckpointError as e:  # the allow-list refuses it, or this torch cannot read it: a load would fail
+        problems.append(f"{type(e).__name__}: {e.message}")
+    except (AttributeError, TypeError) as e:  # storage entries of the wrong shape: a load refuses them too
+        problems.append(f"{meta_path}: malformed DCP metadata ({type(e).__name__}: {e})")
+
+    def check(entry: FileEntry) -> list[str]:
+        path = layout.data_file(step, committed.save_id, entry.name, manifest.data_prefixes)
+        try:
+            actual = layout.storage.size(path)
+        except FileNotFoundError:
+            return [f"{path}: missing"]
+        found = [f"{path}: size {actual}, manifest says {entry.size}"] if actual != entry.size else []
+        decoder = Decoder()
+        checked = [(item, _check_item(layout.storage, path, item, decoder, progress)) for item in entry.items]
+        checked = [(item, problem or _decodable(layout.storage, path, item, chunks)) for item, problem in checked]
+        note = layout.attempt_file(step, committed.save_id, entry.name + PARTIAL_SUFFIX)
+        claims = partial_claims(layout.storage, note)
+        if claims is not None and not local:
+            return found + [f"{note}: a partial-copy note in a root that is not a node's local root (a restore "
+                            "writes them only there): a load reads this file whole here"] + [
+                problem for _, problem in checked if problem]
+        if claims is not None and claims != "stray":
+            unknown = sorted(claims - {(item.pos, item.length) for item in entry.items})
+            damaged = [problem for item, problem in checked if problem and (item.pos, item.length) in claims]
+            if unknown or damaged:
+                return found + damaged + [f"{note}: claims {length} bytes at offset {offset}, which are no item of "
+                                          f"{entry.name}" for offset, length in unknown[:5]]
+            notes.append(f"{path}: a partial copy a tier restore kept for this node's ranks ({len(claims)} of "
+                         f"{len(entry.items)} items here, each verified); the whole file is on another node's "
+                         "local root or in the durable root")
+            return found
+        stray = [f"{note}: a partial-copy note no tier restore wrote (it names no items as a restore does); the file "
+                 "is checked whole"]
+        return found + (stray if claims == "stray" else []) + [problem for _, problem in checked if problem]
+
+    notes: list[str] = []
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for found in pool.map(check, manifest.files):
+            problems.extend(found)
+    return AuditReport(step, committed.save_id, len(manifest.files), manifest.total_bytes, problems, sorted(notes))
+
+
+def partial_claims(storage: Storage, note: str) -> set[tuple[int, int]] | str | None:
+    """What a partial-copy note beside a data file claims: the (offset, length) of each item a tier restore kept
+    (:func:`~.local_tier.keep_extents` writes ``{"items": [[offset, length], ...]}``), ``"stray"`` for a note
+    that is not such a list naming at least one extent, None without a note."""
+    try:
+        data = storage.read_file(note)
+    except FileNotFoundError:
+        return None
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep, a number too long
+        return "stray"
+    claimed = raw.get("items") if isinstance(raw, dict) and set(raw) == {"items"} else None
+    if not isinstance(claimed, list) or not claimed or not all(
+            isinstance(c, list) and len(c) == 2 and all(type(v) is int and v >= 0 for v in c) for c in claimed):
+        return "stray"
+    return {(offset, length) for offset, length in claimed}
+
+
+def _decodable(storage: Storage, path: str, item: ItemExtent, chunks: dict) -> str | None:
+    """A non-tensor item through the same allow-list a load uses (P11), a ``torch.save`` tensor item through the
+    same decoder and dtype/shape check (:func:`~.read_checks.decode_chunk`): refused here means refused there."""
+    chunk = chunks.get((item.key, None if item.chunk_offset is None else tuple(item.chunk_offset)))
+    if item.codec != "none" or (item.kind == "tensor" and (item.format != "torch_save" or chunk is None)):
+        return None
+    try:
+        if item.kind == "bytes":
+            safe_byte_item(storage.read_range(path, item.pos, item.length), key=item.key, where=path)
+        elif not _payload_proven(storage, path, item, chunk):  # the load decodes it whole, so does this
+            decode_chunk(storage.read_range(path, item.pos, item.length), chunk, f"{path} item {item.key!r}",
+                         item.key)
+    except CheckpointError as e:
+        return f"{type(e).__name__}: {e.message}"
+    return None
+
+
+def _payload_proven(storage: Storage, path: str, item: ItemExtent, chunk) -> bool:
+    """Whether a load reads this ``torch.save`` item's payload in place (the reader's fast path, which decodes
+    nothing): a recorded payload offset the container's own zip records prove.  Reads its header and trailer."""
+    if item.payload is None:
+        return False
+    tail_start = item.payload + math.prod(chunk.sizes) * chunk.dtype.itemsize
+    if tail_start > item.length:
+        return False
+    head = storage.read_range(path, item.pos, item.payload)
+    tail = storage.read_range(path, item.pos + tail_start, item.length - tail_start)
+    return payload_proven(head, tail, item.payload, tail_start - item.payload)
+
+
+def _check_item(storage: Storage, path: str, item: ItemExtent, decoder: Decoder,
+                progress: Callable[[int], None] | None) -> str | None:
+    """Walk the item's frames as the reader does: each frame's digest, then its decoded length.
+
+    Frames are located by :meth:`ItemExtent.frame_offsets`, the reader's own
+    routine, and compressed frames are decoded, so ``verify`` cannot pass an
+    item the reader would refuse (or refuse one it reads).
+    """
+    what = f"{path} item {item.key!r}"
+    bounds = item.frame_offsets() if item.length else [0, 0]  # an empty item is one empty block
+    frames = len(bounds) - 1
+    if frames != len(item.checksums):
+        return f"{what}: {frames} stored frame(s) for {len(item.checksums)} recorded block digest(s)"
+    scratch = memoryview(bytearray(item.block_size if item.codec != "none" else 0))
+    for first in range(0, frames, READ_CHUNK_BLOCKS):
+        last = min(first + READ_CHUNK_BLOCKS, frames)
+        data = storage.read_range(path, item.pos + bounds[first], bounds[last] - bounds[first])
+        if len(data) != bounds[last] - bounds[first]:
+            return f"{what}: truncated at byte {item.pos + bounds[first] + len(data)}"
+        view = memoryview(data)
+        for i in range(first, last):
+            frame = view[bounds[i] - bounds[first] : bounds[i + 1] - bounds[first]]
+            try:
+                verify_blocks(frame, item.checksums, item.block_size, what=what, first_block=i)
+            except CheckpointError as e:
+                return e.message
+            if item.codec != "none":
+                logical = min(item.block_size, item.logical - i * item.block_size)
+                try:
+                    decoder.decode_into(frame, item.planes, scratch[:logical])
+                except ValueError as e:
+                    return f"{what}: frame {i} cannot be decoded to its {logical} logical bytes ({e})"
+        if progress:
+            progress(len(data))
+    return None
