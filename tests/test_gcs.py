@@ -109,12 +109,11 @@ def test_gs_roots_get_the_gcs_backend_with_an_atomic_create(gcs):
     path = storage.join(storage.root, "probe", MARKER)
     assert storage.create_exclusive(path, b"first") is True
     assert storage.create_exclusive(path, b"second") is False, "the generation precondition must refuse a 2nd create"
-    assert storage.read_file(path) == b"first"
-    storage.replace(path, b"third")  # over the generation just read
-    stale = open_storage(gcs.root, gcs.options)
-    stale._generations[path] = storage._generations.get(path) or "1"  # a generation that is gone now
+    data, generation = storage.read_versioned(path)
+    assert data == b"first" and generation
+    storage.replace_if_unchanged(path, b"third", generation)  # over the generation just read
     with pytest.raises(CommitConflictError, match="ifGenerationMatch"):
-        stale.replace(path, b"fourth")
+        storage.replace_if_unchanged(path, b"fourth", generation)  # that generation is gone now
     assert storage.read_file(path) == b"third"
 
 

@@ -243,14 +243,17 @@ def test_exists_is_detected_from_the_412_on_both_servers_and_if_match_guards_rep
     assert storage.create_exclusive(marker, b"first")
     assert not storage.create_exclusive(marker, b"second")  # moto: FileExistsError; SeaweedFS: OSError(EINVAL)
     assert [r.status for r in s3.proxy.requests("PUT", r"x/COMMITTED$")] == [200, 412]
-    assert storage.read_file(marker) == b"first"
-    storage.replace(marker, b"third")
+    data, version = storage.read_versioned(marker)
+    assert data == b"first" and version
+    storage.replace_if_unchanged(marker, b"third", version)
     assert "if-match" in s3.proxy.requests("PUT", r"x/COMMITTED$")[-1].conditions
     s3.put("x/COMMITTED", b"someone else")  # another job replaces it after we read it ...
-    storage.read_file(marker)
+    _, version = storage.read_versioned(marker)
     s3.put("x/COMMITTED", b"and again")
     with pytest.raises(CommitConflictError, match="changed while this save was replacing it"):
-        storage.replace(marker, b"ours")  # ... so our If-Match fails: no silent last-writer-wins
+        storage.replace_if_unchanged(marker, b"ours", version)  # ... our If-Match fails: no last-writer-wins
+    storage.replace(storage.join(storage.root, "x", "LATEST"), b"plain")  # any other file: one plain PUT
+    assert not s3.proxy.requests("PUT", r"x/LATEST$")[-1].conditions
     assert storage.read_file(marker) == b"and again"
     assert storage.read_range(marker, 4, 3) == b"aga" and storage.read_range(marker, 7, 100) == b"in"
     assert storage.read_range(marker, 50, 5) == b"" and storage.size(marker) == 9

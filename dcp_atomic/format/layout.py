@@ -16,13 +16,14 @@ from a manifest or marker can point outside the run directory.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
 import re
 import secrets
 import time
 
+from .._base.key_prefixes import DATA_PREFIX_PATTERN, MAX_DATA_PREFIXES, validate_data_prefixes  # noqa: F401
+from .._base.key_prefixes import data_prefix as _key_prefix
 from ..errors import ConfigurationError
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -30,8 +31,6 @@ SAVE_ID_PATTERN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
 STEP_DIR_PATTERN = re.compile(r"step_(\d{10,})")
 DATA_FILE_PATTERN = re.compile(r"__(\d+)_(\d+)\.distcp")
 CHECKPOINT_ID_STEP_PATTERN = re.compile(r"step[_-](\d+)")  # ours (step_N) and torchtitan's (step-N)
-DATA_PREFIX_PATTERN = re.compile(r"_d[0-9a-f]{2}")  # '_' never starts a run id: never listed as a run
-MAX_DATA_PREFIXES = 256  # two hex digits
 
 MARKER = "COMMITTED"
 LATEST = "LATEST"
@@ -150,18 +149,9 @@ def validate_data_file_name(name: str) -> str:
     return name
 
 
-def validate_data_prefixes(prefixes: int) -> int:
-    if isinstance(prefixes, bool) or not isinstance(prefixes, int) or not 0 <= prefixes <= MAX_DATA_PREFIXES:
-        raise ValueError(f"invalid data_prefixes {prefixes!r}: an integer from 0 (off) to {MAX_DATA_PREFIXES}")
-    return prefixes
-
-
 def data_prefix(save_id: str, name: str, prefixes: int) -> str:
-    """``_dXX`` for one data file: a hash of the save and the file name, so one save's files (every rank's, and
-    each rank's several) spread over all ``prefixes``, and the same ``prefixes`` names serve every save (S3 splits
-    a hot prefix once and keeps the split)."""
-    digest = hashlib.sha256(f"{save_id}/{name}".encode()).digest()
-    return f"_d{int.from_bytes(digest[:4], 'big') % validate_data_prefixes(prefixes):02x}"
+    """``_dXX`` for one data file, from its save and name (:mod:`.._base.key_prefixes`)."""
+    return _key_prefix(f"{save_id}/{name}", prefixes)
 
 
 class RunLayout:

@@ -340,13 +340,13 @@ def place_marker(layout: RunLayout, marker: Marker, manifest: Manifest, evidence
                     "for one job per run but cannot arbitrate two jobs committing one step", storage.describe())
     if not storage.create_exclusive(marker_path, marker.to_json()):
         # It exists on the server; this client may not see it yet (NFS negative-lookup cache): wait it out.
-        existing = read_marker(layout, step, Deadline(timeout))
+        existing, version = _read_marker(layout, step, Deadline(timeout))
         if existing.save_id == marker.save_id:
             log.info("%s: the marker of step %d already names save %s (an earlier attempt)", what, step,
                      marker.save_id)
             visible = existing
         elif overwrite or (resumed is not None and resumed.supersedes(existing)):
-            storage.replace(marker_path, marker.to_json())
+            storage.replace_if_unchanged(marker_path, marker.to_json(), version)  # not over another job's
             why = "re-saved" if overwrite else f"superseded ({resumed.describe()})"
             log.info("%s: step %d %s in %s: marker now names %s (was %s)", what, step, why, storage.describe(),
                      marker.save_id, existing.save_id)
@@ -447,8 +447,13 @@ def write_latest(layout: RunLayout, marker: Marker) -> None:
 
 
 def _read_marker_once(layout: RunLayout, step: int) -> Marker:
+    return _read_versioned_marker_once(layout, step)[0]
+
+
+def _read_versioned_marker_once(layout: RunLayout, step: int) -> tuple[Marker, str | None]:
     path = layout.marker(step)
-    return Marker.from_json(layout.storage.read_file(path), where=path)
+    data, version = layout.storage.read_versioned(path)
+    return Marker.from_json(data, where=path), version
 
 
 def _read_latest_once(layout: RunLayout) -> Latest:
@@ -464,9 +469,15 @@ def read_marker(layout: RunLayout, step: int, deadline: Deadline, *, missing_ok:
     With ``missing_ok`` a missing marker is not waited for (a scan of steps that
     may simply be uncommitted) and surfaces as ``FileNotFoundError``.
     """
+    return _read_marker(layout, step, deadline, missing_ok=missing_ok)[0]
+
+
+def _read_marker(layout: RunLayout, step: int, deadline: Deadline, *,
+                 missing_ok: bool = False) -> tuple[Marker, str | None]:
+    """:func:`read_marker`, with the version the store read it at (what a replace of it must still find)."""
     path = layout.marker(step)
     try:
-        marker = retry_until(lambda: _read_marker_once(layout, step), deadline=deadline,
+        marker, version = retry_until(lambda: _read_versioned_marker_once(layout, step), deadline=deadline,
                              retry_on=() if missing_ok else (FileNotFoundError,), reread_on=(CorruptCheckpointError,))
     except FileNotFoundError:
         if missing_ok:
@@ -482,7 +493,7 @@ def read_marker(layout: RunLayout, step: int, deadline: Deadline, *, missing_ok:
             f"{path}: marker belongs to run {marker.run_id!r} step {marker.step}, not {layout.run_id!r} step {step}",
             path=path,
         )
-    return marker
+    return marker, version
 
 
 def listed_steps(layout: RunLayout) -> list[int]:

@@ -33,13 +33,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import posixpath
 import re
 from typing import Any
 from urllib.parse import quote, unquote
 
 from ..errors import CommitConflictError, ConfigurationError, StorageError
-from ..format.layout import MARKER
 from .object_retry import ObjectRequests, RetryPolicy, chain, settle_write
 from .storage import FsspecStorage
 
@@ -142,7 +140,6 @@ class GCSStorage(FsspecStorage):
                 f"{url}: the installed gcsfs cannot create an object only if it is "
                 "absent (pipe_file has no mode='create'), so two jobs could both commit one step. Upgrade: "
                 "pip install -U 'gcsfs>=2025.2'", root=url)
-        self._generations: dict[str, str] = {}  # marker path -> generation last read (what replace must still find)
         self.requests = ObjectRequests(self.policy, GCSErrors(), lambda: self.endpoint)
         self._install_policy()
 
@@ -173,15 +170,10 @@ class GCSStorage(FsspecStorage):
     def _url(self, path: str) -> str:
         return f"gs://{path}"
 
-    def read_file(self, path: str) -> bytes:
-        """A marker is read together with its generation (one GET), for :meth:`replace`."""
-        if posixpath.basename(path) != MARKER:
-            return super().read_file(path)
+    def read_versioned(self, path: str) -> tuple[bytes, str | None]:
+        """The object and its generation, from one GET: what :meth:`replace_if_unchanged` must still find."""
         headers, data = self.fs.call("GET", self.fs.url(path))
-        generation = headers.get("X-Goog-Generation")
-        if generation:
-            self._generations[path] = generation
-        return data
+        return data, headers.get("X-Goog-Generation") or None
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         try:
@@ -199,11 +191,12 @@ class GCSStorage(FsspecStorage):
                      settle_s=max(SETTLE_S, self.policy.stall_timeout_s), create=create, store="GCS")
 
     def replace(self, path: str, data: bytes) -> None:
-        """Plain write, except for a commit marker: only over the generation last read (or none)."""
-        if posixpath.basename(path) != MARKER:
-            self.fs.pipe_file(path, data)
-            return
-        generation = self._generations.pop(path, None) or self._generation(path)
+        """One plain write."""
+        self.fs.pipe_file(path, data)
+
+    def replace_if_unchanged(self, path: str, data: bytes, version: str | None) -> None:
+        """Only over the generation ``version`` (the current one's when the caller has none)."""
+        generation = version or self._generation(path)
         try:
             try:
                 self._upload_if_generation(path, data, generation)

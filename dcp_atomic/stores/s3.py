@@ -80,7 +80,7 @@ import threading
 from typing import Any, Awaitable, TypeVar
 
 from ..errors import CommitConflictError, ConfigurationError, StorageError
-from ..format.layout import DATA_PREFIX_PATTERN, MARKER, validate_data_prefixes
+from .._base.key_prefixes import DATA_PREFIX_PATTERN, validate_data_prefixes
 from .object_retry import AdaptiveLimit, ObjectRequests, PreconditionFailed, RetryPolicy, chain, settle_write  # noqa: F401
 from .s3_multipart import DEFAULT_UPLOAD_LEASE_S, S3ObjectWriter, StaleUpload, abort_stale_uploads  # noqa: F401
 from .s3_probe import (AUTH_CODES, CHECKSUM_MODE, UNSAFE_SINGLE_WRITER, data_prefix_advice, require_conditional_writes,
@@ -317,7 +317,6 @@ class S3Storage(FsspecStorage):
             self.fs._session_is_owned = False  # s3fs must not close it with this filesystem
         if self.unsafe_single_writer:
             self.exclusive_create_is_atomic = False
-        self._etags: dict[str, str] = {}  # marker path -> ETag of the version last read (for If-Match)
         self._part_slots = threading.BoundedSemaphore(self.max_concurrency)  # parts buffered: bounds memory
         self.requests = ObjectRequests(self.policy, S3Errors(self), lambda: self.endpoint)  # budget, deadlines, limit
         self._window = threading.local()  # per reader thread: path, start, data, eof of its read-ahead
@@ -420,10 +419,11 @@ class S3Storage(FsspecStorage):
         stream.commit()
 
     def read_file(self, path: str) -> bytes:
-        data, etag = self._run(self._get(path))
-        if posixpath.basename(path) == MARKER and etag:
-            self._etags[path] = etag  # the version an overwrite=True replace must still find
-        return data
+        return self._run(self._get(path))[0]
+
+    def read_versioned(self, path: str) -> tuple[bytes, str | None]:
+        """The object and its ETag, from one GET: the version :meth:`replace_if_unchanged` must still find."""
+        return self._run(self._get(path))
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         if length <= 0:
@@ -542,21 +542,20 @@ class S3Storage(FsspecStorage):
                          store=f"the store at {self.endpoint}")
 
     def replace(self, path: str, data: bytes) -> None:
-        """Plain PUT, except for a commit marker: ``If-Match`` on the version last read.
+        """One plain PUT."""
+        self.require_conditional_writes(path, if_match=False)
+        self._run(self._put(path, data))
 
-        The commit protocol replaces a marker only for ``overwrite=True`` after
-        reading it; if another job replaced (or removed) it in between, this
-        save must not silently win: :class:`CommitConflictError`.
-        """
-        marker = posixpath.basename(path) == MARKER
-        self.require_conditional_writes(path, if_match=marker)
-        if not marker:
-            self._run(self._put(path, data))
-            return
+    def replace_if_unchanged(self, path: str, data: bytes, version: str | None) -> None:
+        """``If-Match`` on the ETag ``version`` (a HEAD's when the caller has none; ``If-None-Match: *`` when the
+        object is gone).  The commit protocol replaces a marker so (``overwrite=True``, a superseded step) after
+        reading it; if another job replaced or removed it in between, this save must not silently win:
+        :class:`CommitConflictError`."""
+        self.require_conditional_writes(path, if_match=True)
         if self.unsafe_single_writer:
             self._put_settled(path, data)
             return
-        etag = self._etags.get(path) or self._head_etag(path)
+        etag = version or self._head_etag(path)
         try:
             if etag is None:
                 self._put_settled(path, data, IfNoneMatch="*")
@@ -573,7 +572,6 @@ class S3Storage(FsspecStorage):
                 "want to replace it.",
                 path=self._url(path),
             ) from None
-        self._etags.pop(path, None)
 
     def _current(self, path: str) -> bytes | None:
         try:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import StorageError
-from ..format.layout import DATA_PREFIX_PATTERN
+from .._base.key_prefixes import DATA_PREFIX_PATTERN
 
 log = logging.getLogger("dcp_atomic.s3_multipart")  # the name users filter on
 

@@ -115,7 +115,18 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def replace(self, path: str, data: bytes) -> None:
-        """Publish ``data`` over an existing ``path`` (rename-over, or a conditional PUT)."""
+        """Publish ``data`` over ``path``, whatever is there (rename-over, or one PUT)."""
+
+    def read_versioned(self, path: str) -> tuple[bytes, str | None]:
+        """The whole file and the version it was read at, for :meth:`replace_if_unchanged` (None where the store
+        keeps no versions: POSIX, plain fsspec)."""
+        return self.read_file(path), None
+
+    def replace_if_unchanged(self, path: str, data: bytes, version: str | None) -> None:
+        """Publish ``data`` over ``path`` only if it is still the version :meth:`read_versioned` returned, else
+        :class:`CommitConflictError`: no silent last-writer-wins where the store can tell (object stores).  A store
+        without versions replaces (one job per run is what it can offer; the commit warns of it)."""
+        self.replace(path, data)
 
     def sync_dir(self, path: str) -> None:
         """Make directory entries durable (the default: backends without directories need nothing)."""
