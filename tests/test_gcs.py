@@ -166,14 +166,14 @@ def test_overwrite_on_gs_replaces_by_generation_and_a_concurrent_replace_conflic
     _assert_job_state(_load(gcs, 4)[1], 3, 4)
 
     writer = AtomicStorageWriter(gcs.root, RUN, 4, overwrite=True, timeout=10, storage_options=gcs.options)
-    replace, other = writer.storage.replace, {}
+    replace, other = writer.storage.replace_if_unchanged, {}  # the commit's replace of a marker it read
 
-    def another_job_replaces_it_first(path, data):
+    def another_job_replaces_it_first(path, data, version):
         if path.endswith(MARKER) and not other:
             other["save_id"] = _save(gcs, 4, seed=5, overwrite=True).save_id
-        return replace(path, data)
+        return replace(path, data, version)
 
-    writer.storage.replace = another_job_replaces_it_first
+    writer.storage.replace_if_unchanged = another_job_replaces_it_first
     with pytest.raises(CheckpointException) as info:
         dcp.save(_job_state(6, 4), storage_writer=writer)
     assert any(isinstance(e, CommitConflictError) for e in _inner(info.value)), _inner(info.value)
