@@ -14,6 +14,8 @@ import shutil
 
 import pytest
 
+from dcp_atomic import failpoints
+
 from tests.harness import assert_all_ok
 from tests.test_tiers import RUN, _exact, _manager, _node_env, _run, _state
 from tests.test_manager import _fsdp_app, _full, _train_step
@@ -42,7 +44,7 @@ def _save_with_a_refusing_store(ctx, step, ranks_per_node=2, options=None):
     def refuses(rank, _step):
         raise OSError(13, "Permission denied (injected: the durable store refuses writes)")
 
-    drain.hooks["before_upload"] = refuses
+    failpoints.arm("drain.before_upload", refuses)
     model, optim = _fsdp_app(ctx.world_size, 0)
     _train_step(model, optim, step)
     failed = None
@@ -59,7 +61,7 @@ def _save_with_a_refusing_store(ctx, step, ranks_per_node=2, options=None):
         failed = failed or type(e).__name__
         durable = []
     finally:
-        drain.hooks.clear()
+        failpoints.disarm_all()
     return {"full": _full(model), "failed": failed, "durable": durable}
 
 

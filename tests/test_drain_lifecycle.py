@@ -21,6 +21,8 @@ import time
 import pytest
 import torch
 
+from dcp_atomic import failpoints
+
 from tests.harness import assert_all_ok
 from tests.test_drain_completeness import _one_node_each
 from tests.test_manager import _fsdp_app, _train_step
@@ -38,7 +40,7 @@ def _frozen_drain(ctx, signal_dir):
         while not os.path.exists(os.path.join(signal_dir, "frozen")):
             time.sleep(0.05)
 
-    drain.hooks["before_upload"] = uploading
+    failpoints.arm("drain.before_upload", uploading)
     model, optim = _fsdp_app(ctx.world_size, 0)
     _train_step(model, optim, 1)
     manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
@@ -88,7 +90,7 @@ def test_a_frozen_durable_store_fails_wait_and_close_after_the_stall_deadline(no
 EXIT_SCRIPT = textwrap.dedent('''
     import logging, os, sys, time
     import torch, torch.distributed as dist
-    from dcp_atomic import CheckpointManager, drain
+    from dcp_atomic import CheckpointManager, drain, failpoints
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     dist.init_process_group("gloo")
@@ -100,7 +102,7 @@ EXIT_SCRIPT = textwrap.dedent('''
         if mode == "refused":
             raise OSError(13, "Permission denied (injected: the durable store refuses writes)")
 
-    drain.hooks["before_upload"] = slow_or_refused
+    failpoints.arm("drain.before_upload", slow_or_refused)
     manager = CheckpointManager(os.path.join(base, "durable"), "run1", local_root=os.path.join(base, f"node{rank}"),
                                 replicas=1, failure_domain=f"node{rank}", timeout=30)
     manager.save(7, {"w": torch.arange(16.0) * 7})

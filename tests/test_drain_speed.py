@@ -18,6 +18,7 @@ from dcp_atomic.errors import CorruptCheckpointError
 from dcp_atomic.integrity import block_digest
 from dcp_atomic.manifest import FileEntry, ItemExtent
 from dcp_atomic.storage import LocalStorage
+from dcp_atomic import failpoints
 from tests.harness import assert_all_ok, run_world
 from tests.test_tiers import RUN, _exact, _manager, _node_env, _state
 
@@ -121,7 +122,7 @@ def _drain_two_files_per_rank(ctx):
                 f.seek(0)
                 f.write(bytes([first[0] ^ 0xFF]))
 
-    drain.hooks["before_upload"] = damage
+    failpoints.arm("drain.before_upload", damage)
     model, optim = _fsdp_app(ctx.world_size, 0)
     failures, drained = [], []
     with _manager(ctx, thread_count=2, keep_local=2, on_failed=failures.append, on_drained=drained.append) as manager:

@@ -16,6 +16,8 @@ import shutil
 import pytest
 import torch
 
+from dcp_atomic import failpoints
+
 from tests.harness import assert_all_ok, run_world
 from tests.test_lightning import _module_class, _same, _weights
 
@@ -147,11 +149,11 @@ def _every_file_exact_and_no_unnamed_step(ctx):
     pl, Module = _tracked_module()
     dirpath = os.path.join(ctx.root, "ckpts")
     # a slow durable root: each drain outlasts the saves behind it, which the drain queue would skip (module doc)
-    drain.hooks["before_upload"] = lambda rank, step: time.sleep(1.5)
+    failpoints.arm("drain.before_upload", lambda rank, step: time.sleep(1.5))
     try:
         saved = _fit_top_k_and_last(pl, Module, ctx, dirpath, 8)
     finally:
-        drain.hooks.pop("before_upload", None)
+        failpoints.disarm("drain.before_upload")
     after_fit = _tier_steps(ctx, dirpath)  # fit returned: drains waited for, unnamed steps retired
     files = sorted(n for n in os.listdir(dirpath) if n.endswith(".ckpt"))
     exact, served = {}, {}
@@ -261,12 +263,12 @@ def _rollback(ctx):
     trainer.fit(rolled, ckpt_path=os.path.join(dirpath, "epoch=0-step=2.ckpt"))
     new = dict(Module.saved)
     manual = os.path.join(dirpath, "manual.pt")
-    drain.hooks["before_upload"] = lambda rank, step: time.sleep(1.0)  # a slow durable root
+    failpoints.arm("drain.before_upload", lambda rank, step: time.sleep(1.0))  # a slow durable root
     try:
         trainer.save_checkpoint(manual)  # after fit: returns once its drain has committed
         manual_durable = _tier_steps(ctx, dirpath)["durable"]
     finally:
-        drain.hooks.pop("before_upload", None)
+        failpoints.disarm("drain.before_upload")
     files = sorted(n for n in os.listdir(dirpath) if n.endswith(".ckpt"))
     resumed = _resume(pl, Module, ctx, "last", 7)
     old_6 = _resume(pl, Module, ctx, os.path.join(dirpath, "epoch=0-step=6.ckpt"), 7)
@@ -304,7 +306,7 @@ def _drain_fails_then_next_job_drains_it(ctx):
     def full_disk(rank, step):
         raise OSError(28, "No space left on device (injected)")
 
-    drain.hooks["before_marker"] = full_disk
+    failpoints.arm("drain.before_marker", full_disk)
     drain.RETRY_BACKOFF = 0.1
     first = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
     try:
@@ -313,7 +315,7 @@ def _drain_fails_then_next_job_drains_it(ctx):
     except Exception as e:  # noqa: BLE001 - the test reads it: the end of fit waits for the drain
         failed = type(e).__name__
     finally:
-        drain.hooks.pop("before_marker", None)
+        failpoints.disarm("drain.before_marker")
     after_failure = _tier_steps(ctx, dirpath)
     second = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
     _trainer(pl, ctx, 4, [second]).fit(Module(seed=0, data_seed=1), ckpt_path=os.path.join(dirpath,

@@ -17,6 +17,7 @@ import torch
 
 from dcp_atomic.errors import ConfigurationError
 from dcp_atomic.placement import place_replicas
+from dcp_atomic import failpoints
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok, run_world
 from tests.test_manager import _AppState, _fsdp_app, _full, _train_step
@@ -411,7 +412,7 @@ def _hold_the_first_drain(ctx):
 
     release, seen = threading.Event(), {}
     if ctx.rank == 0:
-        drain.hooks["before_upload"] = lambda rank, step: step == 10 and release.wait(timeout=90)
+        failpoints.arm("drain.before_upload", lambda rank, step: step == 10 and release.wait(timeout=90))
     lines = _Lines("dcp_atomic.drain")
     model, optim = _fsdp_app(ctx.world_size, 0)
     drained, saved = [], {}
@@ -500,7 +501,7 @@ def _drain_then_die_before_the_marker(ctx):
     from dcp_atomic import drain
 
     if ctx.rank == 0:
-        drain.hooks["before_marker"] = lambda rank, step: step == 20 and os.kill(os.getpid(), signal.SIGKILL)
+        failpoints.arm("drain.before_marker", lambda rank, step: step == 20 and os.kill(os.getpid(), signal.SIGKILL))
     model, optim = _fsdp_app(ctx.world_size, 0)
     with _manager(ctx) as manager:
         _train_step(model, optim, 10)
@@ -550,7 +551,7 @@ def _save_10_then_die_in_20(ctx, drain_kill):
     from dcp_atomic import drain
 
     if drain_kill is not None and ctx.rank == drain_kill[1]:
-        drain.hooks[drain_kill[0]] = lambda rank, step: step == 20 and os.kill(os.getpid(), signal.SIGKILL)
+        failpoints.arm(f"drain.{drain_kill[0]}", lambda rank, step: step == 20 and os.kill(os.getpid(), signal.SIGKILL))
     model, optim = _fsdp_app(ctx.world_size, 0)
     with _manager(ctx, timeout=5) as manager:  # the survivors of a kill give up after 5 s
         for step in (10, 20):
@@ -685,7 +686,7 @@ def _drain_of_step_1_fails(ctx):
     def full_disk(rank, step):
         raise OSError(28, "No space left on device (injected)")
 
-    drain.hooks["before_marker"] = full_disk
+    failpoints.arm("drain.before_marker", full_disk)
     drain.RETRY_BACKOFF = 0.1
     with _manager(ctx, keep_local=2) as manager:
         manager.save(1, _flat(1), durable=True)
@@ -734,11 +735,11 @@ def _rollback_past_an_undrained_step(ctx):
     with _one_rank_manager(ctx, keep_local=3) as manager:
         manager.save(1, _flat(1), durable=True)
         manager.wait()
-        drain.hooks["before_upload"] = lambda rank, step: (_ for _ in ()).throw(OSError(5, "injected"))
+        failpoints.arm("drain.before_upload", lambda rank, step: (_ for _ in ()).throw(OSError(5, "injected")))
         manager.save(3, _flat(3), durable=True)  # the branch about to be abandoned; its drain fails
         with pytest.raises(Exception):
             manager.wait()
-        drain.hooks.clear()
+        failpoints.disarm_all()
         manager.load(_flat(-1), step=1)  # roll back
         manager.save(2, _flat(20), durable=False)  # the new branch, local only
         manager.wait()
@@ -761,7 +762,7 @@ def _a_drain_that_always_fails(ctx):
         uploads.append(step)
         raise OSError(5, "injected, for good")
 
-    drain.hooks["before_upload"] = broken
+    failpoints.arm("drain.before_upload", broken)
     with _one_rank_manager(ctx, keep_local=1) as manager:
         manager.save(1, _flat(1), durable=True)
         with pytest.raises(Exception):
@@ -772,7 +773,7 @@ def _a_drain_that_always_fails(ctx):
             with contextlib.suppress(Exception):
                 manager.wait()
             per_save.append((len(uploads), manager.steps(tier="local")))
-        drain.hooks.clear()
+        failpoints.disarm_all()
         return per_save
 
 

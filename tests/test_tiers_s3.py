@@ -14,6 +14,7 @@ import os
 import re
 
 from dcp_atomic.drain import DRAIN_ATTEMPTS
+from dcp_atomic import failpoints
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok
 from tests.test_manager import _fsdp_app, _full, _train_step
@@ -140,7 +141,7 @@ def _train_through_a_storm(ctx, options):
         if len(calls) == 2:
             held["released"] = trained.wait(timeout=60)
 
-    drain.hooks["before_upload"] = before_upload
+    failpoints.arm("drain.before_upload", before_upload)
     model, optim = _fsdp_app(ctx.world_size, 0)
     drained, failures, saved = [], [], {}
     with _manager(ctx, storage_options=options, on_drained=drained.append, on_failed=failures.append) as manager:

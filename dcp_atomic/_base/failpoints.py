@@ -22,6 +22,7 @@ import errno
 import os
 import signal
 import time
+from typing import Callable
 
 ENV_VAR = "DCP_ATOMIC_FAILPOINTS"
 
@@ -41,10 +42,12 @@ POINTS = frozenset(
         "replicate.send",  # local tier: every rank, its files read back, before sending them to its holders
         "replicate.receive",  # local tier: a holder, one rank's replica verified and kept, not yet reported
         "local.before_marker",  # local tier: a root's leader (local commit, tier restore), before its root's marker
+        "drain.before_upload",  # the drain thread of every rank, before it uploads its files (given the step)
+        "drain.before_marker",  # the drain's rank 0, control files checked, before the durable marker (the step)
     }
 )
 
-_armed: dict[tuple[str, int | None], tuple[str, int | None]] = {}  # (name, rank) -> (action, on hit N)
+_armed: dict[tuple[str, int | None], tuple] = {}  # (name, rank) -> (action or function, on hit N)
 _hits: dict[str, int] = {}
 
 
@@ -60,9 +63,21 @@ def _parse(spec: str) -> dict[tuple[str, int | None], tuple[str, int | None]]:
     return armed
 
 
-def arm(name: str, action: str = "raise", rank: int | None = None) -> None:
-    """Arm one point in this process (tests only)."""
+def arm(name: str, action: "str | Callable[[int | None, int | None], object]" = "raise",
+        rank: int | None = None) -> None:
+    """Arm one point in this process (tests only).  ``action`` may also be a function, called as
+    ``action(rank, step)`` where the point is hit (a test's own fault: block, damage, refuse, kill at one step)."""
+    if callable(action):
+        if name not in POINTS:
+            raise ValueError(f"unknown failpoint {name!r}; known: {sorted(POINTS)}")
+        _armed[(name, rank)] = (action, None)
+        return
     _armed.update(_parse(f"{name}{'' if rank is None else f'@{rank}'}={action}"))
+
+
+def disarm(name: str) -> None:
+    for key in [key for key in _armed if key[0] == name]:
+        del _armed[key]
 
 
 def disarm_all() -> None:
@@ -70,7 +85,7 @@ def disarm_all() -> None:
     _hits.clear()
 
 
-def hit(name: str, rank: int | None = None) -> str | None:
+def hit(name: str, rank: int | None = None, step: int | None = None) -> str | None:
     """Run the action armed for ``name`` (and this rank), if any; ``flip`` is returned to the caller."""
     if not _armed:
         return None
@@ -80,6 +95,9 @@ def hit(name: str, rank: int | None = None) -> str | None:
     action, nth = armed
     _hits[name] = _hits.get(name, 0) + 1
     if nth is not None and _hits[name] != nth:
+        return None
+    if callable(action):
+        action(rank, step)
         return None
     if action == "flip":
         return action

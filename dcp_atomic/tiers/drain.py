@@ -78,9 +78,6 @@ COPY_CHUNK = 8 << 20  # bytes of a data file a drain thread reads, checks and up
 DRAIN_ATTEMPTS = 3  # per step; a newer step waiting supersedes the retries
 RETRY_BACKOFF = 1.0  # seconds before the second attempt, doubled after each
 
-# Tests only: called as hook(rank, step) on the drain thread before this rank uploads ("before_upload") and on
-# rank 0 before the marker ("before_marker").  Empty in production.
-hooks: dict[str, Callable[[int, int], None]] = {}
 
 
 @dataclass(frozen=True)
@@ -432,8 +429,7 @@ def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | No
     storage.sync_dir(attempt)
     storage.sync_dir(durable.step_dir(job.step))
     failpoints.hit("commit.after_manifest", 0)  # the committer's phases, as a save's (commit.publish)
-    if "before_marker" in hooks:
-        hooks["before_marker"](0, job.step)
+    failpoints.hit("drain.before_marker", 0, job.step)
     marker = Marker(run_id=durable.run_id, step=job.step, save_id=job.save_id, manifest=f"{job.save_id}/{MANIFEST}",
                     manifest_sha256=job.manifest_sha256, committed_at=now(), library_version=__version__,
                     sequence=job.sequence)
@@ -725,8 +721,7 @@ class Drainer:
 
     def _upload(self, job: DrainJob, sources: list[int], control: bool) -> Uploaded:
         try:
-            if "before_upload" in hooks:
-                hooks["before_upload"](self.rank, job.step)
+            failpoints.hit("drain.before_upload", self.rank, job.step)
             with self._io():
                 return upload_ranks(self.local, self.durable, job, sources, self.rank, self.threads,
                                     progress=self._progressed, control=control)
