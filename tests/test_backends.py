@@ -20,7 +20,7 @@ BACKEND_MODULES = {"storage", "s3", "gcs"}  # the primitives and the backends bu
 
 def _imported_modules(module: str) -> set[str]:
     """Every dcp_atomic module ``module`` imports, at module level or inside a function."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    tree = ast.parse((PACKAGE / "stores" / f"{module}.py").read_text())
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 1:

@@ -70,7 +70,7 @@ def test_the_documented_schema_is_the_dataclasses_schema():
     for prefix, cls in [("Save", stats.SaveStats), ("Per rank", stats.RankSaveStats), ("Load", stats.LoadStats),
                         ("Failure", stats.FailureStats), ("Drain", stats.DrainStats)]:
         hints = typing.get_type_hints(cls)
-        declared = {f.name: str(hints[f.name]).replace("typing.", "").replace("dcp_atomic.stats.", "")
+        declared = {f.name: str(hints[f.name]).replace("typing.", "").replace("dcp_atomic._base.stats.", "")
                     for f in dataclasses.fields(cls)}
         declared = {name: re.sub(r"<class '(\w+)'>", r"\1", kind) for name, kind in declared.items()}
         assert declared == _table(prefix), (prefix, declared)
