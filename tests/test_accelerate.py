@@ -322,3 +322,28 @@ def test_what_accelerate_users_do_saves_and_loads_what_they_meant_or_is_refused(
     assert "already holds committed steps [0, 1]; call AcceleratorCheckpoint.load() first" in got["no_load"]
     assert "1 save/load-state pre-hook(s)" in got["hooks"] and "register_for_checkpointing" in got["hooks"]
     assert got["steps"] == [0, 1]  # nothing written by the refused calls
+
+
+def _on_s3(ctx):
+    from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
+
+    options = ctx.extra["options"]
+    job = _job()
+    with AcceleratorCheckpoint(job[0], ctx.extra["root"], "exp", keep_last=1, storage_options=options) as checkpoint:
+        assert checkpoint.load() is None
+        for step in (1, 2):
+            _train_step(*job)
+            checkpoint.save(step)
+        want = _snapshot(job[0], job[1], job[2], job[4], job[5])
+    job = _job(seed=5)
+    with AcceleratorCheckpoint(job[0], ctx.extra["root"], "exp", keep_last=1, storage_options=options) as checkpoint:
+        step, steps = checkpoint.load(), checkpoint.manager.steps()
+    return step, steps, want, _snapshot(job[0], job[1], job[2], job[4], job[5])
+
+
+def test_an_s3_root_works_through_it_as_through_the_manager(s3_seaweedfs, tmp_path):
+    extra = {"root": s3_seaweedfs.root, "options": s3_seaweedfs.options()}
+    [(step, steps, want, got)] = assert_all_ok(run_world(_on_s3, 1, str(tmp_path), no_process_group=True,
+                                                         extra=extra, timeout=120))
+    assert (step, steps) == (2, [2])  # keep_last=1 on the object store
+    _assert_same(got, want, "loaded back from S3")
