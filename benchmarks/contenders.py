@@ -77,7 +77,7 @@ class Contenders:
 
     def __init__(self, rank: int, state: dict, target: dict, parallelism, atomic_threads: int | None,
                  stock_threads: int | str = 1) -> None:
-        from dcp_atomic.identity import default_thread_count
+        from dcp_atomic.dcp.identity import default_thread_count
 
         self.rank, self.state, self.target = rank, state, target
         self.parallelism = parallelism

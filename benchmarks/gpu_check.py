@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter  # noqa: E402
-from dcp_atomic.identity import default_thread_count  # noqa: E402
+from dcp_atomic.dcp.identity import default_thread_count  # noqa: E402
 
 
 def make_state(gb: float, device: str) -> dict:

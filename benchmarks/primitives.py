@@ -22,7 +22,7 @@ import xxhash
 import zstandard
 
 from benchmarks.compression import minilm_weights
-from dcp_atomic.codec import _default_params, tensor_bytes, to_planes
+from dcp_atomic.format.codec import _default_params, tensor_bytes, to_planes
 
 BLOCK = 4 << 20
 

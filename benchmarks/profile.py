@@ -33,18 +33,18 @@ PHASES = [
     ("torch.distributed.checkpoint.default_planner", "DefaultSavePlanner", "create_global_plan"),
     ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner", "create_local_plan"),
     ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner", "create_global_plan"),
-    ("dcp_atomic.reshard", None, "summarize_state_dict"),
-    ("dcp_atomic.writer", None, "check_save"),
-    ("dcp_atomic.writer", "AtomicStorageWriter", "prepare_local_plan"),
-    ("dcp_atomic.writer", "AtomicStorageWriter", "prepare_global_plan"),
-    ("dcp_atomic.writer", "AtomicStorageWriter", "write_data"),
-    ("dcp_atomic.writer", "AtomicStorageWriter", "_publish_shard"),
-    ("dcp_atomic.writer", "AtomicStorageWriter", "finish"),
-    ("dcp_atomic.planners", "AtomicLoadPlanner", "create_local_plan"),
-    ("dcp_atomic.reader", "AtomicStorageReader", "read_metadata"),
-    ("dcp_atomic.reader", "AtomicStorageReader", "prepare_local_plan"),
-    ("dcp_atomic.reader", "AtomicStorageReader", "prepare_global_plan"),
-    ("dcp_atomic.reader", "AtomicStorageReader", "read_data"),
+    ("dcp_atomic.dcp.reshard", None, "summarize_state_dict"),
+    ("dcp_atomic.dcp.writer", None, "check_save"),
+    ("dcp_atomic.dcp.writer", "AtomicStorageWriter", "prepare_local_plan"),
+    ("dcp_atomic.dcp.writer", "AtomicStorageWriter", "prepare_global_plan"),
+    ("dcp_atomic.dcp.writer", "AtomicStorageWriter", "write_data"),
+    ("dcp_atomic.dcp.writer", "AtomicStorageWriter", "_publish_shard"),
+    ("dcp_atomic.dcp.writer", "AtomicStorageWriter", "finish"),
+    ("dcp_atomic.dcp.planners", "AtomicLoadPlanner", "create_local_plan"),
+    ("dcp_atomic.dcp.reader", "AtomicStorageReader", "read_metadata"),
+    ("dcp_atomic.dcp.reader", "AtomicStorageReader", "prepare_local_plan"),
+    ("dcp_atomic.dcp.reader", "AtomicStorageReader", "prepare_global_plan"),
+    ("dcp_atomic.dcp.reader", "AtomicStorageReader", "read_data"),
     ("torch.distributed.checkpoint.filesystem", "_FileSystemWriter", "write_data"),
     ("torch.distributed.checkpoint.filesystem", "_FileSystemWriter", "finish"),
     ("torch.distributed.checkpoint.filesystem", "FileSystemReader", "read_metadata"),
@@ -76,8 +76,8 @@ def _install() -> None:
 
         setattr(owner, name, functools.wraps(original)(timed))
         if class_name is None:  # the modules that imported the function by name call it through their own global
-            for user in ("torch.distributed", "torch.distributed.distributed_c10d", "dcp_atomic.writer",
-                         "dcp_atomic.planners"):
+            for user in ("torch.distributed", "torch.distributed.distributed_c10d", "dcp_atomic.dcp.writer",
+                         "dcp_atomic.dcp.planners"):
                 module_of_user = sys.modules.get(user)
                 if module_of_user is not None and getattr(module_of_user, name, None) is original:
                     setattr(module_of_user, name, getattr(owner, name))

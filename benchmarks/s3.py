@@ -177,7 +177,7 @@ def contenders(bucket: str, options: dict, threads: int, data_prefixes: int | No
 def run(args: argparse.Namespace) -> dict:
     import boto3
 
-    from dcp_atomic.identity import default_thread_count
+    from dcp_atomic.dcp.identity import default_thread_count
 
     quiet_warnings()
     threads = args.threads or default_thread_count()  # one process: the library's default here is its default

@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWr
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_atomic import AtomicStorageWriter
-from dcp_atomic import writer as writer_module
-from dcp_atomic.commit import read_committed
-from dcp_atomic.manifest import FileEntry, ItemExtent, ManifestShard, ShardRef
-from dcp_atomic.retry import Deadline
-from dcp_atomic.writer import _STATS_FQN, _RankStats
+from dcp_atomic.dcp import writer as writer_module
+from dcp_atomic.protocol.commit import read_committed
+from dcp_atomic.format.manifest import FileEntry, ItemExtent, ManifestShard, ShardRef
+from dcp_atomic._base.retry import Deadline
+from dcp_atomic.dcp.writer import _STATS_FQN, _RankStats
 
 PROPS = TensorProperties(dtype=torch.float32)
 

@@ -307,7 +307,7 @@ def _rank(ctx, plan: dict, progress: Progress) -> dict | None:
 
     quiet_warnings()
     me = _Rank(ctx, plan, progress)
-    from dcp_atomic.identity import default_thread_count
+    from dcp_atomic.dcp.identity import default_thread_count
 
     threads = gather(default_thread_count())
     rounds = ([] if plan["no_warmup"] else [("warm-up", False)]) + \

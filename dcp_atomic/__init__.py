@@ -8,6 +8,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 from .protocol.catalog import latest_step, list_steps, resume_point
 from .protocol.commit import ResumePoint
@@ -65,7 +66,11 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.import_module(f"{__name__}.{_MOVED[name]}.{name}")
 
     def exec_module(self, module) -> None:
-        pass
+        """The module ran already, at its new path; what is left is telling the importer where that is (once per
+        process: the old name stays in ``sys.modules``)."""
+        old = f"{__name__}.{module.__name__.rpartition('.')[2]}"
+        warnings.warn(f"{old} moved to {module.__name__}; the old path goes in the next minor release",
+                      DeprecationWarning, stacklevel=2)
 
 
 sys.meta_path.insert(0, _MovedModules())

@@ -113,7 +113,7 @@ def _rank_main(fn, rank, world_size, port, env, root, extra, pg_timeout, hard_ti
     import torch
     import torch.distributed as dist
 
-    from dcp_atomic import failpoints
+    from dcp_atomic._base import failpoints
 
     torch.set_num_threads(1)
     failpoints.load_from_env()

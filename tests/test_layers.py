@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import dcp_atomic
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +22,13 @@ def test_every_old_module_path_is_the_moved_module_itself():
     from dcp_atomic import drain, failpoints  # the form the tests and users write
 
     assert drain.__name__ == "dcp_atomic.tiers.drain" and failpoints.__name__ == "dcp_atomic._base.failpoints"
+
+
+def test_an_old_module_path_says_where_the_module_went():
+    sys.modules.pop("dcp_atomic.retention", None)  # the first import under the old name is the one that tells
+    with pytest.warns(DeprecationWarning, match=r"dcp_atomic\.retention moved to dcp_atomic\.protocol\.retention"):
+        import dcp_atomic.retention  # noqa: F401
+    assert sys.modules["dcp_atomic.retention"] is sys.modules["dcp_atomic.protocol.retention"]
 
 
 def test_the_import_contract_holds_and_at_most_a_handful_of_modules_stay_at_the_top():
