@@ -347,3 +347,39 @@ def test_an_s3_root_works_through_it_as_through_the_manager(s3_seaweedfs, tmp_pa
                                                          extra=extra, timeout=120))
     assert (step, steps) == (2, [2])  # keep_last=1 on the object store
     _assert_same(got, want, "loaded back from S3")
+
+
+class Stamped:
+    """A registered object holding a type torch's weights-only load refuses."""
+
+    def state_dict(self):
+        import datetime
+
+        return {"at": datetime.datetime(2026, 12, 3)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _unloadable(ctx):
+    from accelerate import Accelerator
+
+    from dcp_atomic.errors import UnsafeItemError
+    from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    accelerator.register_for_checkpointing(Stamped())
+    with AcceleratorCheckpoint(accelerator, ctx.root, "exp") as checkpoint:
+        try:
+            checkpoint.save(1)
+            refused = None
+        except UnsafeItemError as e:
+            refused = str(e)
+        return refused, checkpoint.manager.steps()
+
+
+def test_registered_state_the_load_would_refuse_is_refused_at_save_not_at_resume(tmp_path):
+    [(refused, steps)] = assert_all_ok(run_world(_unloadable, 1, str(tmp_path), no_process_group=True, timeout=120))
+    assert refused and "'custom'" in refused and "datetime" in refused and "add_safe_globals" in refused, refused
+    assert steps == []  # nothing committed that the resume could not read
