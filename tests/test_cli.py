@@ -98,7 +98,7 @@ def test_export_writes_one_loadable_unsharded_file(root, tmp_path):
 
 _NO_TORCH_PROBE = """
 import contextlib, io, json, sys
-from dcp_atomic.cli import main
+from dcp_atomic.tools.cli import main
 out = io.StringIO()
 try:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

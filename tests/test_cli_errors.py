@@ -33,7 +33,7 @@ class Refuse:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 
 sys.meta_path.insert(0, Refuse())
-from dcp_atomic.cli import main
+from dcp_atomic.tools.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

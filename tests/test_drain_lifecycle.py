@@ -90,7 +90,9 @@ def test_a_frozen_durable_store_fails_wait_and_close_after_the_stall_deadline(no
 EXIT_SCRIPT = textwrap.dedent('''
     import logging, os, sys, time
     import torch, torch.distributed as dist
-    from dcp_atomic import CheckpointManager, drain, failpoints
+    from dcp_atomic import CheckpointManager
+    from dcp_atomic._base import failpoints
+    from dcp_atomic.tiers import drain
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     dist.init_process_group("gloo")

@@ -181,7 +181,7 @@ def test_safetensors_export_refuses_bad_options_by_name(saved, tmp_path, capsys)
 
 _PEAK_SCRIPT = """
 import json, sys
-import torch, dcp_atomic.cli, dcp_atomic.export, dcp_atomic.reader
+import torch, dcp_atomic.tools.cli, dcp_atomic.tools.export, dcp_atomic.dcp.reader
 
 def high_water_mark():
     for line in open("/proc/self/status"):
@@ -189,7 +189,7 @@ def high_water_mark():
             return int(line.split()[1]) * 1024
 
 before = high_water_mark()
-code = dcp_atomic.cli.main(sys.argv[1:])
+code = dcp_atomic.tools.cli.main(sys.argv[1:])
 print(json.dumps({"code": code, "growth": high_water_mark() - before}))
 """
 
@@ -295,7 +295,7 @@ def test_kill_matrix_an_import_killed_in_its_commit_leaves_the_previous_step_and
 
     stock, root = saved["stock"], str(tmp_path / "root")
     assert main(["import", stock, root, "run", "4"]) == 0
-    killed = subprocess.run([sys.executable, "-c", "import sys; from dcp_atomic.cli import main; "
+    killed = subprocess.run([sys.executable, "-c", "import sys; from dcp_atomic.tools.cli import main; "
                              "sys.exit(main(sys.argv[1:]))", "import", stock, root, "run", "5"],
                             env={**os.environ, "DCP_ATOMIC_FAILPOINTS": f"{point}=kill"}, capture_output=True,
                             timeout=240)
