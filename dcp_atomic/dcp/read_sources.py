@@ -16,7 +16,6 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..errors import CorruptCheckpointError
-from ..format.integrity import verify_blocks
 from ..format.manifest import ItemExtent
 from .._base.stats import ReadStats
 from ..stores.storage import RangeReader
@@ -107,16 +106,6 @@ class Counted:
 
     def readinto_range(self, offset: int, buffer: memoryview) -> int:
         return self._count(self.source.readinto_range(offset, buffer))
-
-
-def verify_stored(data: memoryview, extent: ItemExtent, what: str) -> None:
-    """Every block of one stored item (compressed items: every frame) against its recorded digest."""
-    if extent.format == "raw" and extent.codec != "none":
-        bounds = extent.frame_offsets()
-        for i in range(len(bounds) - 1):
-            verify_blocks(data[bounds[i]:bounds[i + 1]], extent.checksums, extent.block_size, what=what, first_block=i)
-    else:
-        verify_blocks(data, extent.checksums, extent.block_size, what=what)
 
 
 def holds_bytes(target: torch.Tensor, dtype: torch.dtype) -> bool:

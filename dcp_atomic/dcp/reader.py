@@ -52,7 +52,8 @@ from ..protocol.commit import Committed
 from ..errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
 from ..exchange.read_once import PastTheGather, PeerLost, SharePlan
 from .identity import default_thread_count
-from ..format.integrity import sha256_hex, verify_blocks, verify_segments
+from ..format.blocks import check_block, verify_blocks_from, verify_item
+from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, checked_checkpoint_id, no_location_error, validate_step
 from ..format.manifest import ItemExtent
 from ..format.parallelism import Parallelism
@@ -529,7 +530,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
                 path=path,
             )
         if self.verify:
-            verify_blocks(data, extent.checksums, extent.block_size, what=what)
+            verify_item(extent, data, what, path=path)
         self._deliver(item, data, planner, planner_lock, what)
 
     def _read_raw(self, source: RangeReader, item: ReadItem, extent: ItemExtent, planner: LoadPlanner,
@@ -590,19 +591,20 @@ class AtomicStorageReader(SharedReads, StorageReader):
                     path=path,
                 )
             if self.verify:
-                verify_blocks(target, extent.checksums, size, what=what, first_block=inside[0])
+                verify_blocks_from(extent, inside[0], target, what, path=path)
             edges = [i for i in (first, last) if i not in inside]
         else:
             edges = list(range(first, last + 1))
-        bounds = extent.frame_offsets()
+        blocks = extent.blocks()
         decoder = self._decoder()
         for i in sorted(set(edges)):
-            frame = source.read_range(extent.pos + bounds[i], bounds[i + 1] - bounds[i])
-            if len(frame) != bounds[i + 1] - bounds[i]:
+            frame_lo, frame_hi = blocks[i]
+            frame = source.read_range(extent.pos + frame_lo, frame_hi - frame_lo)
+            if len(frame) != frame_hi - frame_lo:
                 raise CorruptCheckpointError(f"{what}: file is truncated (frame {i} at offset "
-                                             f"{extent.pos + bounds[i]} is short)", path=path)
+                                             f"{extent.pos + frame_lo} is short)", path=path)
             if self.verify:
-                verify_blocks(frame, extent.checksums, size, what=what, first_block=i)
+                check_block(extent, i, frame, what, path=path)
             block_lo, block_hi = i * size, min((i + 1) * size, extent.logical)
             want_lo, want_hi = max(lo, block_lo), min(hi, block_hi)
             try:
@@ -665,7 +667,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
                 f"{what}: file is truncated (item of {extent.length} bytes at offset {extent.pos})", path=source.path
             )
         if self.verify:
-            verify_segments([head, payload, tail], extent.checksums, extent.block_size, what=what)
+            verify_item(extent, [head, payload, tail], what, path=source.path)
         if not direct:
             target.copy_(host)
         with planner_lock:

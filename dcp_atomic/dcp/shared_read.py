@@ -27,7 +27,8 @@ from ..errors import CorruptCheckpointError
 from ..exchange.read_once import Need, PeerError, PeerLink, SharePlan, plan_exchange, round_layout
 from ..format.manifest import ItemExtent
 from .read_checks import item_id
-from .read_sources import Window, item_runs, verify_stored
+from ..format.blocks import verify_item
+from .read_sources import Window, item_runs
 
 log = logging.getLogger("dcp_atomic.reader")
 
@@ -165,7 +166,7 @@ class SharedReads:
                                 f"{source.path} item {extent.key!r}: file is truncated (item of {extent.length} "
                                 f"bytes at offset {extent.pos})", path=source.path, key=extent.key)
                         if self.verify:  # before it is sent: a peer must never be blamed for bad storage
-                            verify_stored(target, extent, f"{source.path} item {extent.key!r}")
+                            verify_item(extent, target, f"{source.path} item {extent.key!r}", path=source.path)
 
         self._in_parallel([lambda name=name, entries=entries: fetch_file(name, entries)
                            for name, entries in sorted(per_file.items())])

@@ -16,7 +16,6 @@ from typing import IO
 
 import xxhash
 
-from ..errors import CorruptCheckpointError
 
 BLOCK_SIZE = 4 << 20
 ALGORITHM = "xxh3_64"
@@ -121,55 +120,3 @@ class HashingWriter:
 
     def tell(self) -> int:
         return self.position
-
-
-def verify_segments(segments: list, digests: list[str], block_size: int, *, what: str) -> None:
-    """Check one item's bytes given as consecutive pieces (header, payload read in place, trailer).
-
-    Blocks straddle piece boundaries, so each block is hashed as a stream over
-    whatever pieces it covers; no piece is copied.
-    """
-    views = [memoryview(s).cast("B") for s in segments]
-    total = sum(len(v) for v in views)
-    count = max(1, -(-total // block_size))
-    if count != len(digests):
-        raise CorruptCheckpointError(f"{what}: {total} bytes do not match {len(digests)} recorded blocks", what=what)
-    hasher = xxhash.xxh3_64()
-    block, filled = 0, 0
-    for view in views:
-        while view:
-            take = min(block_size - filled, len(view))
-            hasher.update(view[:take])
-            filled += take
-            view = view[take:]
-            if filled == block_size:
-                _compare(hasher.hexdigest(), digests[block], block, block_size, what)
-                hasher.reset()
-                block, filled = block + 1, 0
-    if filled or total == 0:
-        _compare(hasher.hexdigest(), digests[block], block, block_size, what)
-
-
-def _compare(actual: str, expected: str, block: int, block_size: int, what: str) -> None:
-    if actual != expected:
-        raise CorruptCheckpointError(
-            f"{what}: checksum mismatch in block {block} (bytes {block * block_size}..): expected {ALGORITHM} "
-            f"{expected}, got {actual}; the file was modified or damaged after it was written — restore it or "
-            "load another step",
-            what=what,
-            block=block,
-        )
-
-
-def verify_blocks(data, digests: list[str], block_size: int, *, what: str, first_block: int = 0) -> None:
-    """Check ``data`` (starting at block ``first_block`` of an item) against recorded digests."""
-    view = memoryview(data).cast("B")
-    count = max(1, -(-len(view) // block_size))
-    if first_block + count > len(digests):
-        raise CorruptCheckpointError(
-            f"{what}: {len(view)} bytes span more blocks than the {len(digests)} recorded",
-            what=what,
-        )
-    for i in range(count):
-        actual = block_digest(view[i * block_size : (i + 1) * block_size])
-        _compare(actual, digests[first_block + i], first_block + i, block_size, what)

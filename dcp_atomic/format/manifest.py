@@ -62,13 +62,26 @@ class ItemExtent:
     def logical(self) -> int:
         return self.length if self.logical_length is None else self.logical_length
 
-    def frame_offsets(self) -> list[int]:
-        """Stored offset (item-relative) of each frame, plus the end."""
-        sizes = self.frames or [min(self.block_size, self.length - i) for i in range(0, self.length, self.block_size)]
-        offsets = [0]
+    def blocks(self) -> list[tuple[int, int]]:
+        """``(start, end)``, item-relative, of every stored block: one per digest, in order.
+
+        The one definition every reader of stored bytes uses (:mod:`.blocks`): a compressed item's blocks are its
+        frames, an uncompressed item's are ``block_size`` cuts of its bytes, an empty item is one empty block.
+        Refused (typed) when the count disagrees with the digests, so no consumer can pair a block with another
+        block's digest.
+        """
+        if self.frames is not None:
+            sizes = self.frames
+        else:
+            sizes = [min(self.block_size, self.length - i) for i in range(0, self.length, self.block_size)] or [0]
+        bounds, start = [], 0
         for size in sizes:
-            offsets.append(offsets[-1] + size)
-        return offsets
+            bounds.append((start, start + size))
+            start += size
+        if len(bounds) != len(self.checksums) or start != self.length:
+            raise CorruptCheckpointError(f"item {self.key!r}: {len(bounds)} stored block(s) of {start} bytes for "
+                                         f"{len(self.checksums)} digest(s) and {self.length} bytes", key=self.key)
+        return bounds
 
 
 @dataclass
@@ -426,6 +439,10 @@ def _parse_extent(raw: dict, file_size: int) -> ItemExtent:
         raise ValueError(f"frames of {item.key!r} do not add up to its stored length")
     if item.codec == "none" and item.logical != item.length:
         raise ValueError(f"uncompressed item {item.key!r} with differing stored and logical lengths")
+    if item.codec == "none" and item.frames is not None:
+        raise ValueError(f"uncompressed item {item.key!r} with frame sizes (only compressed items have frames)")
+    if item.format == "torch_save" and item.codec != "none":
+        raise ValueError(f"torch_save item {item.key!r} with codec {item.codec!r} (only raw items are compressed)")
     if item.codec == "zstd" and (item.logical_length is None or item.frames is None):
         raise ValueError(f"compressed item {item.key!r} lacks its logical length or frame sizes")
     if item.codec == "zstd" and (item.logical % item.planes or item.block_size % item.planes):

@@ -64,10 +64,11 @@ from ..protocol.commit import Evidence, ResumePoint, place_marker, write_latest
 from ..errors import (CheckpointError, CommitConflictError, CorruptCheckpointError, DrainStalledError,
                      IncompleteStepError, StorageError)
 from ..dcp.identity import default_thread_count
-from ..format.integrity import block_digest, sha256_hex
+from ..format.blocks import check_block, file_blocks
+from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, RunLayout
-from .local_tier import check_shard, read_manifest, stored_blocks
-from ..format.manifest import RANKS_FILE, FileEntry, Latest, Manifest, Marker, now, shard_name
+from .local_tier import check_shard, read_manifest
+from ..format.manifest import RANKS_FILE, FileEntry, ItemExtent, Latest, Manifest, Marker, now, shard_name
 from ..stores.storage import Storage
 from ..version import __version__
 
@@ -293,20 +294,19 @@ class _Stopped(Exception):
 
 @dataclass(frozen=True)
 class _Block:
-    """One digest of a data file: its bytes ``[start, end)`` of the file."""
+    """One block of a data file (:func:`~.blocks.file_blocks`), placed in the file: bytes ``[start, end)``."""
 
     start: int
     end: int
-    digest: str
-    what: str
+    item: ItemExtent
     index: int
-    item_start: int
+    what: str
 
 
 def _blocks(entry: FileEntry, where: str) -> list[_Block]:
-    """Every block (or frame) digest of ``entry``, in file order; the checks of ``check_stored_file``."""
-    blocks = [_Block(item.pos + lo, item.pos + hi, item.checksums[index], what, index, item.pos)
-              for item, what, index, lo, hi in stored_blocks(entry, where)]
+    """Every block (or frame) of ``entry``, in file order."""
+    blocks = [_Block(item.pos + lo, item.pos + hi, item, index, what)
+              for item, what, index, lo, hi in file_blocks(entry, where)]
     blocks.sort(key=lambda b: (b.start, b.end))
     return blocks
 
@@ -348,12 +348,11 @@ def _copy_verified(entry: FileEntry, source: str, storage: Storage, target: str,
                     block = blocks[next_block]
                     data = (view[block.start - position:block.end - position] if block.start >= position
                             else os.pread(fd, block.end - block.start, block.start))  # items overlapping: rare
-                    if block_digest(data) != block.digest:
-                        raise CorruptCheckpointError(
-                            f"{block.what}: block {block.index} (bytes {block.start - block.item_start}.."
-                            f"{block.end - block.item_start} of the item) does not match its digest; the local file "
-                            "was damaged after it was written, so this step cannot be drained (a later one can)",
-                            path=source, block=block.index)
+                    try:
+                        check_block(block.item, block.index, data, block.what, path=source)
+                    except CorruptCheckpointError as e:
+                        raise CorruptCheckpointError(f"{e.message}; this step cannot be drained (a later one can)",
+                                                     **e.details) from None
                     next_block += 1
                 stream.write(view)
                 written(position, end - position)

@@ -41,7 +41,8 @@ from .._base import failpoints
 from ..protocol.commit import Evidence, commit_order, listed_steps, record_local_marker, require_complete, write_rank_records
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
 from .file_transfer import Part, Received, Spooled, discard, keep, transfer
-from ..format.integrity import block_digest, sha256_hex, verify_segments
+from ..format.blocks import check_block, file_blocks, verify_item
+from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, PARTIAL_SUFFIX, RunLayout
 from ..format.manifest import RANKS_FILE, FileEntry, ItemExtent, Manifest, ManifestShard, Marker, now, shard_name
 from .placement import Placement, place_replicas
@@ -244,30 +245,12 @@ def check_shard(manifest: Manifest, rank: int, data: bytes, where: str) -> Manif
 
 
 def check_file(entry: FileEntry, data: bytes, where: str) -> None:
-    """Every item of a data file against the block (or frame) digests its shard recorded at write time."""
+    """Every item of a data file held in memory against the digests its shard recorded at write time."""
     if len(data) != entry.size:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes, the shard records {entry.size}", path=where)
     view = memoryview(data)
     for item in entry.items:
-        check_item(item, view[item.pos:item.pos + item.length], where)
-
-
-def check_item(item: ItemExtent, stored, where: str) -> None:
-    """One stored item's bytes against its block (or frame) digests: what a partial copy (:func:`keep_extents`)
-    holds of a file is checked item by item."""
-    what = f"{where} item {item.key!r}"
-    if len(stored) != item.length:
-        raise CorruptCheckpointError(f"{what}: {len(stored)} bytes, the shard records {item.length}", path=where)
-    if item.frames is None:
-        verify_segments([stored], item.checksums, item.block_size, what=what)
-        return
-    offsets = item.frame_offsets()
-    if len(offsets) - 1 != len(item.checksums):
-        raise CorruptCheckpointError(f"{what}: {len(offsets) - 1} frames, {len(item.checksums)} digests", path=where)
-    for block, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
-        if block_digest(stored[lo:hi]) != item.checksums[block]:
-            raise CorruptCheckpointError(f"{what}: frame {block} does not match its digest; damaged after it "
-                                         "was written", path=where, block=block)
+        verify_item(item, view[item.pos:item.pos + item.length], f"{where} item {item.key!r}", path=where)
 
 
 def check_stored_file(entry: FileEntry, path: str, where: str) -> None:
@@ -277,25 +260,8 @@ def check_stored_file(entry: FileEntry, path: str, where: str) -> None:
     if size != entry.size:
         raise CorruptCheckpointError(f"{where}: {size} bytes, the shard records {entry.size}", path=where)
     with open(path, "rb", buffering=0) as f:
-        for item, what, block, lo, hi in stored_blocks(entry, where):
-            data = os.pread(f.fileno(), hi - lo, item.pos + lo)
-            if len(data) != hi - lo or block_digest(data) != item.checksums[block]:
-                raise CorruptCheckpointError(f"{what}: block {block} (bytes {lo}..{hi} of the item) does not match "
-                                             "its digest; the file was damaged after it was written", path=where,
-                                             block=block)
-
-
-def stored_blocks(entry: FileEntry, where: str):
-    """(item, its name for errors, block index, start, end within the item) of every stored block (or frame) of
-    ``entry``, item by item; an item whose frame count disagrees with its digests is refused before any read."""
-    for item in entry.items:
-        what = f"{where} item {item.key!r}"
-        offsets = item.frame_offsets() if item.length else [0, 0]  # an empty raw item has one digest: of b""
-        if len(offsets) - 1 != len(item.checksums):
-            raise CorruptCheckpointError(f"{what}: {len(offsets) - 1} blocks, {len(item.checksums)} digests",
-                                         path=where)
-        for block, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
-            yield item, what, block, lo, hi
+        for item, what, block, lo, hi in file_blocks(entry, where):
+            check_block(item, block, os.pread(f.fileno(), hi - lo, item.pos + lo), what, path=where)
 
 
 def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int, verify: bool = True) -> list[Part]:
@@ -507,7 +473,7 @@ def _intact_items(entry: FileEntry, path: str) -> list[tuple[int, int]]:
     with contextlib.suppress(OSError), open(path, "rb", buffering=0) as f:
         for item in entry.items:
             with contextlib.suppress(CheckpointError):
-                check_item(item, os.pread(f.fileno(), item.length, item.pos), path)
+                verify_item(item, os.pread(f.fileno(), item.length, item.pos), f"{path} item {item.key!r}", path=path)
                 intact.append((item.pos, item.length))
     return intact
 

@@ -47,7 +47,8 @@ from .file_transfer import Part, Received, Spooled, discard, keep, transfer
 from .._base.gc_pause import gc_paused
 from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, MARKER, RunLayout
-from .local_tier import (Held, Topology, check_file, check_item, check_shard, check_stored_file, gather_failures,
+from ..format.blocks import verify_item
+from .local_tier import (Held, Topology, check_file, check_shard, check_stored_file, gather_failures,
                          keep_extents, partial_note, spool_dir, write_control)
 from ..format.manifest import RANKS_FILE, Manifest, ManifestShard, Marker, shard_name
 
@@ -456,7 +457,7 @@ def _keep(topology: Topology, layout: RunLayout, manifest: Manifest, fetches: li
                 raise CorruptCheckpointError(f"{where}: no item at offset {offset} ({length} bytes) in the shard, "
                                              "or it did not arrive; the step's .metadata and shards disagree",
                                              rank=f.rank, path=target)
-            check_item(item, data, where)
+            verify_item(item, data, f"{where} item {item.key!r}", path=target)
             pieces[offset] = data
         keep_extents(layout, manifest, entry, pieces, spool_dir(layout))
     for f in fetches:

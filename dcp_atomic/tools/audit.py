@@ -16,7 +16,8 @@ from typing import Callable
 from ..format.codec import Decoder
 from ..protocol.commit import read_committed
 from ..errors import CheckpointError
-from ..format.integrity import sha256_hex, verify_blocks
+from ..format.blocks import check_block
+from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, PARTIAL_SUFFIX, RunLayout
 from ..format.manifest import FileEntry, ItemExtent
 from ..dcp.read_checks import check_metadata, check_stored_items, decode_chunk, payload_proven
@@ -164,26 +165,27 @@ def _check_item(storage: Storage, path: str, item: ItemExtent, decoder: Decoder,
                 progress: Callable[[int], None] | None) -> str | None:
     """Walk the item's frames as the reader does: each frame's digest, then its decoded length.
 
-    Frames are located by :meth:`ItemExtent.frame_offsets`, the reader's own
-    routine, and compressed frames are decoded, so ``verify`` cannot pass an
+    Blocks are located and checked by :mod:`~.format.blocks`, as every reader
+    does, and compressed frames are decoded, so ``verify`` cannot pass an
     item the reader would refuse (or refuse one it reads).
     """
     what = f"{path} item {item.key!r}"
-    bounds = item.frame_offsets() if item.length else [0, 0]  # an empty item is one empty block
-    frames = len(bounds) - 1
-    if frames != len(item.checksums):
-        return f"{what}: {frames} stored frame(s) for {len(item.checksums)} recorded block digest(s)"
+    try:
+        blocks = item.blocks()
+    except CheckpointError as e:
+        return f"{path} {e.message}"
     scratch = memoryview(bytearray(item.block_size if item.codec != "none" else 0))
-    for first in range(0, frames, READ_CHUNK_BLOCKS):
-        last = min(first + READ_CHUNK_BLOCKS, frames)
-        data = storage.read_range(path, item.pos + bounds[first], bounds[last] - bounds[first])
-        if len(data) != bounds[last] - bounds[first]:
-            return f"{what}: truncated at byte {item.pos + bounds[first] + len(data)}"
+    for first in range(0, len(blocks), READ_CHUNK_BLOCKS):
+        last = min(first + READ_CHUNK_BLOCKS, len(blocks))
+        start, end = blocks[first][0], blocks[last - 1][1]
+        data = storage.read_range(path, item.pos + start, end - start)
+        if len(data) != end - start:
+            return f"{what}: truncated at byte {item.pos + start + len(data)}"
         view = memoryview(data)
         for i in range(first, last):
-            frame = view[bounds[i] - bounds[first] : bounds[i + 1] - bounds[first]]
+            frame = view[blocks[i][0] - start : blocks[i][1] - start]
             try:
-                verify_blocks(frame, item.checksums, item.block_size, what=what, first_block=i)
+                check_block(item, i, frame, what, path=path)
             except CheckpointError as e:
                 return e.message
             if item.codec != "none":
