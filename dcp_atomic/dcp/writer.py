@@ -52,11 +52,11 @@ from .._base import failpoints
 from ..protocol.catalog import DEFAULT_TIMEOUT
 from ..format.codec import Encoder, Staging, host_blocks, plane_width, tensor_bytes
 from ..format.container import find_payload
-from ..errors import CheckpointError, CommitConflictError, ConfigurationError, RankConsistencyError, StorageError
+from ..errors import CheckpointError, ConfigurationError, RankConsistencyError, StorageError
 from .identity import check_identities, default_thread_count, local_identity
 from .._base.gc_pause import STORAGE, hook, leave
 from ..format.integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
-from ..format.layout import ATTEMPT, checked_checkpoint_id, data_file_name, new_save_id, no_location_error, validate_step
+from ..format.layout import checked_checkpoint_id, data_file_name, new_save_id, no_location_error, validate_step
 from ..protocol.location import is_checkpoint_id, open_location, retarget
 from ..format.manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, check_user_metadata, now
 from ..format.parallelism import Parallelism
@@ -337,12 +337,9 @@ class AtomicStorageWriter(StorageWriter):
         self._series = _Series(first, ranks, self._keys, named=named is not None)  # remembered in write_data
         save_id = self._planned_save_id = _series_save_id(first, number)
         attempt = self.layout.attempt_dir(self.step, save_id)
-        claim = {"save_id": save_id, "step": self.step, "host": socket.gethostname(), "pid": os.getpid(),
-                 "started_at": self._started_at, "world_size": len(plans), "library_version": __version__}
-        try:
-            self.storage.makedirs(attempt)
-            self.storage.check_commit_support(attempt, overwrite=replacing)  # refuse now, not after all the data
-            self.storage.publish(self.storage.join(attempt, ATTEMPT), _json(claim))
+        try:  # refuses a store the commit cannot work on now, not after all the data
+            commit.claim_attempt(self.layout, self.step, save_id, started_at=self._started_at, overwrite=replacing,
+                                 world_size=len(plans))
         except OSError as e:
             raise _storage_error(e, self.rank, e.filename or attempt, phase="creating the attempt") from e
         prefixes = 0 if self.stock_readable else getattr(self.storage, "data_prefixes", 0)  # stock: data by .metadata

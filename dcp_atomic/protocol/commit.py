@@ -1,21 +1,22 @@
 """The commit protocol: how a finished attempt becomes the visible checkpoint.
 
-P1-P3 of the design, in order, executed by global rank 0 alone inside DCP's
-``finish()`` (P2: no other process ever renames, replaces or deletes):
+P1-P3 of the design, in order, executed by global rank 0 alone (P2: no other process ever renames, replaces or
+deletes).  One sequence for every committer: a save (inside DCP's ``finish()``), an import, the drain's durable
+commit (:mod:`.drain`); the local tier runs steps 0-2 and records its markers with :func:`record_local_marker`
+under the same completeness rule.  What differs between them is a :class:`CommitPolicy`, never a restated step:
 
-1. every rank has written and fsynced its data files into its own
-   ``<step>/<save_id>/`` attempt directory (nothing there is visible yet);
-2. DCP's ``.metadata`` is published atomically, then ``manifest.json`` (files,
-   sizes, identities, layout, and the sha256 of each rank's ``manifest.<rank>.json``
-   shard of items and block checksums, which every rank published beside its data)
-   by atomic rename / single PUT, and the attempt and step directories are fsynced;
-3. the marker ``COMMITTED`` — naming the attempt and the manifest's sha256,
-   sealed with its own checksum — is created *exclusively* (``link()`` of a
-   written temp file on POSIX, put-if-absent on object stores), or, for an
-   ``overwrite=True`` re-save, put over the old marker by rename once the new
-   attempt is complete, or for a save superseding a step of a branch the job abandoned
-   by resuming from an earlier step (P14, :class:`ResumePoint`); :func:`place_marker`, which the drain's
-   durable commit (:mod:`.drain`) uses too;
+0. :func:`claim_attempt`: the attempt directory ``<step>/<save_id>/`` and its ``ATTEMPT`` claim, before any data
+   (``gc``'s lease judges an uncommitted attempt by it);
+1. every rank writes and fsyncs its data files and its ``manifest.<rank>.json`` shard of items and block
+   checksums into the attempt (nothing there is visible yet);
+2. :func:`publish_control`: DCP's ``.metadata``, then ``manifest.json`` (files, sizes, identities, layout, and the
+   sha256 of each rank's shard), each published atomically, then the attempt and step directories fsynced;
+3. :func:`commit_step`: the marker ``COMMITTED`` (naming the attempt and the manifest's sha256, sealed with its
+   own checksum), through :func:`place_marker`, which first refuses it unless every file the manifest names was
+   verified (:func:`require_complete`), then creates it *exclusively* (``link()`` of a written temp file on POSIX,
+   put-if-absent on object stores), or replaces the old one for an ``overwrite=True`` re-save or a save
+   superseding a step of a branch the job abandoned (P14, :class:`ResumePoint`); then the claim must still be
+   there, else the marker is withdrawn;
 4. ``LATEST`` is replaced.  It is only a hint: a crash before this step leaves
    the step committed, and ``latest_step`` repairs it.
 
@@ -35,7 +36,10 @@ re-read and is then reported (P9).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -242,38 +246,107 @@ def write_rank_records(layout: RunLayout, manifest: Manifest) -> None:
     manifest.ranks_file = {"name": RANKS_FILE, "size": len(data), "sha256": sha256_hex(data)}
 
 
-def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overwrite: bool, timeout: float,
-            rank: int = 0, resumed: ResumePoint | None = None, evidence: Evidence | None = None) -> Marker:
-    """Run steps 2-4 above; returns the marker that is now visible (writing the shards of a manifest built
-    with its items inline first, see :func:`write_shards`).  An existing marker is replaced with ``overwrite``,
-    or when ``resumed`` says it belongs to the branch this job abandoned (judged on the marker read now, so a
-    step another job committed since the writer's own check is still refused)."""
+def claim_attempt(layout: RunLayout, step: int, save_id: str, *, started_at: float, overwrite: bool = False,
+                  **details) -> None:
+    """Step 0 of every committer into a root (a save, an import, the drain): the attempt directory and its
+    ``ATTEMPT`` claim, before any data.  ``gc`` and ``rm`` judge an uncommitted attempt by its claim's age (the
+    lease), and :func:`commit_step` checks after the marker that the claim is still there: an attempt without one
+    could be collected while it is written.  Refuses a store the commit cannot work on before any data is sent."""
     storage = layout.storage
-    step, save_id = manifest.step, manifest.save_id
     attempt = layout.attempt_dir(step, save_id)
+    claim = {"save_id": save_id, "step": step, "host": socket.gethostname(), "pid": os.getpid(),
+             "started_at": started_at, "library_version": __version__, **details}
+    storage.makedirs(attempt)
+    storage.check_commit_support(attempt, overwrite=overwrite)
+    storage.publish(storage.join(attempt, ATTEMPT), json.dumps(claim, indent=1, sort_keys=True).encode())
+
+
+def publish_control(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, rank: int = 0) -> bytes:
+    """Step 2, for a root's marker to name (a save's, the local tier's): the shards of a manifest built with its
+    items inline (:func:`write_shards`), ``ranks.json``, ``.metadata``, then ``manifest.json``, and the attempt and
+    step directories synced.  Returns the manifest's bytes (the marker names their digest)."""
+    storage = layout.storage
+    attempt = layout.attempt_dir(manifest.step, manifest.save_id)
     write_shards(layout, manifest)
     write_rank_records(layout, manifest)
     failpoints.hit("commit.before_metadata", rank)
     storage.publish(storage.join(attempt, DCP_METADATA), dcp_metadata)
     failpoints.hit("commit.after_metadata", rank)
-
     manifest.written_at = now()
     manifest_bytes = manifest.to_json()
     storage.publish(storage.join(attempt, MANIFEST), manifest_bytes)
     storage.sync_dir(attempt)
-    storage.sync_dir(layout.step_dir(step))
+    storage.sync_dir(layout.step_dir(manifest.step))
     failpoints.hit("commit.after_manifest", rank)
+    return manifest_bytes
 
-    marker = Marker(
-        run_id=layout.run_id,
-        step=step,
-        save_id=save_id,
-        manifest=f"{save_id}/{MANIFEST}",
-        manifest_sha256=sha256_hex(manifest_bytes),
-        committed_at=now(),
-        library_version=__version__,
-        sequence=next_sequence(layout),
-    )
+
+@dataclass(frozen=True)
+class CommitPolicy:
+    """What differs between the durable committers (a save, an import, the drain); the sequence does not.
+
+    ``what`` starts their log lines and errors ("commit", "drain of step 7"); ``conflict_message(existing)`` says
+    what stays where when another save holds the step; ``latest_if_newest``: ``LATEST`` moves only when this
+    commit's sequence is the newest (the drain commits a step with its local sequence, which a later direct save
+    may have passed: ``LATEST`` never moves back)."""
+
+    what: str
+    conflict_message: Callable[[Marker], str]
+    overwrite: bool = False
+    resumed: ResumePoint | None = None
+    latest_if_newest: bool = False
+    rank: int = 0
+
+
+def commit_step(layout: RunLayout, marker: Marker, manifest: Manifest, evidence: Evidence, policy: CommitPolicy,
+                *, timeout: float) -> Marker:
+    """Steps 3-4 for every durable committer: the marker (:func:`place_marker`: completeness, then created
+    exclusively), the attempt's claim still there (:func:`_refuse_removed_under`), then ``LATEST``.  Returns the
+    marker now visible.  A failure after the marker is a :class:`StorageError` with ``committed=True``: the step
+    is committed, only ``LATEST`` lags (``latest_step()`` repairs it; a retry accepts the marker it placed)."""
+    marker = place_marker(layout, marker, manifest, evidence, overwrite=policy.overwrite, resumed=policy.resumed,
+                          timeout=timeout, conflict_message=policy.conflict_message, what=policy.what)
+    _refuse_removed_under(layout, marker)
+    if marker.sequence is not None:
+        _last_sequence[layout.run_dir] = max(marker.sequence, _last_sequence.get(layout.run_dir, 0))
+    failpoints.hit("commit.after_marker", policy.rank)
+    try:
+        newest = _latest_sequence(layout) if policy.latest_if_newest else None
+        if newest is not None and (marker.sequence or 0) < newest:
+            log.warning("%s: step %d (sequence %s) is committed to %s, but LATEST stays on a newer commit (sequence "
+                        "%d)", policy.what, marker.step, marker.sequence, layout.storage.describe(), newest)
+            return marker
+        write_latest(layout, marker)
+    except (OSError, CheckpointError) as e:
+        reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+        raise StorageError(
+            f"{policy.what}: step {marker.step} is committed to the durable root ({layout.marker(marker.step)}), but "
+            f"global rank 0 could not update {layout.latest()}: {reason.rstrip('.')}. Until LATEST is written, readers that ask for the "
+            "latest step by LATEST get an older one (latest_step() repairs it).", step=marker.step, rank=policy.rank,
+            path=layout.latest(), committed=True) from e
+    failpoints.hit("commit.after_latest", policy.rank)
+    return marker
+
+
+def _latest_sequence(layout: RunLayout) -> int | None:
+    """The sequence ``LATEST`` names, or None (missing, or written before sequences, or damaged: replaced)."""
+    try:
+        return _read_latest_once(layout).sequence
+    except (FileNotFoundError, CorruptCheckpointError):
+        return None
+
+
+def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overwrite: bool, timeout: float,
+            rank: int = 0, resumed: ResumePoint | None = None, evidence: Evidence | None = None) -> Marker:
+    """A save's or an import's commit, steps 2-4: :func:`publish_control`, then :func:`commit_step`.  An existing
+    marker is replaced with ``overwrite``, or when ``resumed`` says it belongs to the branch this job abandoned
+    (judged on the marker read now, so a step another job committed since the writer's own check is still
+    refused)."""
+    step, save_id = manifest.step, manifest.save_id
+    manifest_bytes = publish_control(layout, manifest, dcp_metadata, rank=rank)
+    marker = Marker(run_id=layout.run_id, step=step, save_id=save_id, manifest=f"{save_id}/{MANIFEST}",
+                    manifest_sha256=sha256_hex(manifest_bytes), committed_at=now(), library_version=__version__,
+                    sequence=next_sequence(layout))
 
     def conflict(existing: Marker) -> str:
         return (f"step {step} of run {layout.run_id!r} was committed by save {existing.save_id} while save "
@@ -281,14 +354,8 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
                 f"Use another run_id or step, or AtomicStorageWriter(overwrite=True) to replace it deliberately"
                 + (f" ({resumed.describe()}; this commit is newer than that)." if resumed is not None else "."))
 
-    marker = place_marker(layout, marker, manifest, evidence or Evidence.written(manifest), overwrite=overwrite,
-                          resumed=resumed, timeout=timeout, conflict_message=conflict, what="commit")
-    _refuse_removed_under(layout, marker)
-    _last_sequence[layout.run_dir] = marker.sequence
-    failpoints.hit("commit.after_marker", rank)
-    write_latest(layout, marker)
-    failpoints.hit("commit.after_latest", rank)
-    return marker
+    policy = CommitPolicy(what="commit", conflict_message=conflict, overwrite=overwrite, resumed=resumed, rank=rank)
+    return commit_step(layout, marker, manifest, evidence or Evidence.written(manifest), policy, timeout=timeout)
 
 
 def _refuse_removed_under(layout: RunLayout, marker: Marker) -> None:

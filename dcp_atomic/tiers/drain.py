@@ -18,7 +18,7 @@ steps go: ``durable=`` per save, else the manager's ``durable_every`` policy.  O
    final fsync).  The stored bytes travel, never re-serialised, never staged from device memory again, never a whole
    file in memory, and never a byte whose block was not checked (a damaged block stops the file before it; gc
    collects the partial attempt);
-3. every rank reports what it uploaded; rank 0 alone commits, through :func:`~.commit.place_marker` as a save does,
+3. every rank reports what it uploaded; rank 0 alone commits, through :func:`~.commit.commit_step` as a save does,
    which refuses the marker unless those reports cover every file the manifest names
    (:func:`~.commit.require_complete`: a step no root covers stays local, the error naming the files):
    the control files uploaded (``ranks.json``, ``.metadata``, the local manifest verbatim: its digest is the local
@@ -60,7 +60,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .._base import failpoints
-from ..protocol.commit import Evidence, ResumePoint, place_marker, write_latest
+from ..protocol.commit import CommitPolicy, Evidence, ResumePoint, claim_attempt, commit_step
 from ..errors import (CheckpointError, CommitConflictError, CorruptCheckpointError, DrainStalledError,
                      IncompleteStepError, StorageError)
 from ..dcp.identity import default_thread_count
@@ -68,7 +68,7 @@ from ..format.blocks import check_block, file_blocks
 from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, RunLayout
 from .local_tier import check_shard, read_manifest
-from ..format.manifest import RANKS_FILE, FileEntry, ItemExtent, Latest, Manifest, Marker, now, shard_name
+from ..format.manifest import RANKS_FILE, FileEntry, ItemExtent, Manifest, Marker, now, shard_name
 from ..stores.storage import Storage
 from ..version import __version__
 
@@ -440,33 +440,26 @@ def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | No
 
     # An earlier attempt of this drain may have placed the marker and then failed on LATEST: then the marker it
     # placed is accepted, and LATEST is written now.
+    policy = CommitPolicy(what=f"drain of step {job.step}", conflict_message=conflict, resumed=resumed,
+                          latest_if_newest=True)
     try:
-        marker = place_marker(durable, marker, manifest, evidence, overwrite=False, resumed=resumed,
-                              timeout=timeout, conflict_message=conflict, what=f"drain of step {job.step}")
+        return commit_step(durable, marker, manifest, evidence, policy, timeout=timeout)
     except (CommitConflictError, IncompleteStepError):
         raise
-    except (OSError, CheckpointError) as e:  # before or after the marker's create: say which, if we can tell
-        reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
-        where = getattr(e, "filename", None) or durable.marker(job.step)
-        raise StorageError(reason, step=job.step, rank=0, path=str(where),
-                           committed=None if _holds_marker_of(durable, job) else False) from e
-    failpoints.hit("commit.after_marker", 0)
-    try:
-        newest = _latest_sequence(durable)
-        if newest is not None and (marker.sequence or 0) < newest:
-            log.warning("drain: step %d (sequence %s) is committed to the durable root, but LATEST stays on a newer "
-                        "commit (sequence %d)", job.step, marker.sequence, newest)
-            return marker
-        write_latest(durable, marker)
-        failpoints.hit("commit.after_latest", 0)
+    except StorageError as e:
+        if "committed" in e.details:  # the committer said which side of the marker it failed on
+            raise
+        raise _commit_failed(durable, job, e) from e
     except (OSError, CheckpointError) as e:
-        reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
-        raise StorageError(
-            f"drain of step {job.step}: the step is committed to the durable root ({durable.marker(job.step)}), but "
-            f"global rank 0 could not update {durable.latest()}: {reason.rstrip('.')}. Until LATEST is written, "
-            "readers that ask for the latest step by LATEST get an older one; the drain tries again.",
-            step=job.step, rank=0, path=durable.latest(), committed=True) from e
-    return marker
+        raise _commit_failed(durable, job, e) from e
+
+
+def _commit_failed(durable: RunLayout, job: DrainJob, e: Exception) -> StorageError:
+    """Before or after the marker's create: say which, if we can tell."""
+    reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+    where = getattr(e, "filename", None) or durable.marker(job.step)
+    return StorageError(reason, step=job.step, rank=0, path=str(where),
+                        committed=None if _holds_marker_of(durable, job) else False)
 
 
 def _local_manifest_bytes(local: RunLayout, job: DrainJob) -> tuple[bytes, Manifest]:
@@ -492,14 +485,6 @@ def _holds_marker_of(durable: RunLayout, job: DrainJob) -> bool:
     except (OSError, CheckpointError):
         return False
     return marker.save_id == job.save_id
-
-
-def _latest_sequence(durable: RunLayout) -> int | None:
-    try:
-        latest = Latest.from_json(durable.storage.read_file(durable.latest()), where=durable.latest())
-    except (FileNotFoundError, CorruptCheckpointError):
-        return None
-    return latest.sequence
 
 
 # -- the background thread -----------------------------------------------------------------------------------
@@ -690,8 +675,10 @@ class Drainer:
             queued = time.monotonic() - self._queued_at.get(job.index, time.monotonic())
             self._queued_at = {i: t for i, t in self._queued_at.items() if i > job.index}
         holdings = self._gathered((held_ranks(self.local, job), self.here))  # any world drains any step
+        refused = self._claim(job) if self.rank == 0 else None  # before the plan: no rank uploads before the claim
         plan: Plan = self._share(plan_uploads([held for held, _ in holdings]) if self.rank == 0 else None)
-        mine = self._upload(job, plan.sources.get(self.rank, []), control=plan.control == self.rank)
+        mine = (Uploaded(error=refused) if refused is not None
+                else self._upload(job, plan.sources.get(self.rank, []), control=plan.control == self.rank))
         shares = self._gathered(dataclasses.replace(mine, manifest=None))
         outcome: Any = None
         if self.rank == 0:
@@ -717,6 +704,21 @@ class Drainer:
         else:
             log.error("drain of step %d to %s failed: %s", job.step, self.where, error)
             self._failed(job, error, time.perf_counter() - started)
+
+    def _claim(self, job: DrainJob) -> CheckpointError | None:
+        """Rank 0: the durable attempt's claim, as every committer writes before any data (gc's lease judges the
+        attempt by it, the commit checks it is still there).  Its time is now: an old step drained late is in
+        flight from now on."""
+        try:
+            with self._io():
+                claim_attempt(self.durable, job.step, job.save_id, started_at=now(), drained_from=self.here)
+            return None
+        except CheckpointError as e:
+            return e
+        except OSError as e:
+            path = e.filename or self.durable.attempt_dir(job.step, job.save_id)
+            return StorageError(f"rank 0 could not start the durable attempt of step {job.step} at {path}: "
+                                f"{e.strerror or e}", rank=0, path=str(path), errno=e.errno, step=job.step)
 
     def _upload(self, job: DrainJob, sources: list[int], control: bool) -> Uploaded:
         try:

@@ -38,13 +38,14 @@ from typing import Any
 import torch.distributed as dist
 
 from .._base import failpoints
-from ..protocol.commit import Evidence, commit_order, listed_steps, record_local_marker, require_complete, write_rank_records
+from ..protocol.commit import (Evidence, commit_order, listed_steps, publish_control, record_local_marker,
+                               require_complete)
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
 from .file_transfer import Part, Received, Spooled, discard, keep, transfer
 from ..format.blocks import check_block, file_blocks, verify_item
 from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, PARTIAL_SUFFIX, RunLayout
-from ..format.manifest import RANKS_FILE, FileEntry, ItemExtent, Manifest, ManifestShard, Marker, now, shard_name
+from ..format.manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, now, shard_name
 from .placement import Placement, place_replicas
 from ..stores.storage import LocalStorage
 from ..version import __version__
@@ -165,14 +166,8 @@ class LocalWriter(WatchedWriter):
                 rank = record["rank"]
                 record["failure_domain"] = self.topology.domains[rank]
                 record["replicas_on"] = [self.topology.domains[h] for h in self.topology.placement.holders[rank]]
-        write_rank_records(layout, manifest)
+        data = publish_control(layout, manifest, metadata_bytes, rank=self.rank)  # the durable commit's step 2
         ranks = storage.read_file(storage.join(attempt, RANKS_FILE)) if manifest.ranks_file else None
-        storage.publish(storage.join(attempt, DCP_METADATA), metadata_bytes)
-        manifest.written_at = now()
-        data = manifest.to_json()
-        storage.publish(storage.join(attempt, MANIFEST), data)
-        storage.sync_dir(attempt)
-        failpoints.hit("commit.after_manifest", self.rank)  # as in the durable commit: everything but the marker
         self.staged = Staged(manifest=data, metadata=metadata_bytes, ranks=ranks)
         return None
 

@@ -16,7 +16,6 @@ is only ever read.
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import socket
@@ -31,7 +30,7 @@ from ..format.container import LOCAL_HEADER, LOCAL_SIGNATURE, PREFIX_CAPTURE, fi
 from ..errors import (CheckpointNotFoundError, CommitConflictError, ConfigurationError, CorruptCheckpointError,
                      StorageError)
 from ..format.integrity import BLOCK_SIZE, BlockHasher, sha256_hex
-from ..format.layout import ATTEMPT, DATA_FILE_PATTERN, DCP_METADATA, RunLayout, new_save_id, validate_step
+from ..format.layout import DATA_FILE_PATTERN, DCP_METADATA, RunLayout, new_save_id, validate_step
 from ..format.manifest import FileEntry, ItemExtent, Manifest, Marker, now
 from .._base.retry import Deadline
 from ..format.safe_pickle import load_dcp_metadata
@@ -64,11 +63,7 @@ def import_stock(source: str | os.PathLike, root: str | os.PathLike, run_id: str
     started = now()
     save_id = new_save_id()
     attempt = layout.attempt_dir(step, save_id)
-    storage.makedirs(attempt)
-    storage.check_commit_support(attempt)
-    claim = {"save_id": save_id, "step": step, "host": socket.gethostname(), "pid": os.getpid(),
-             "started_at": started, "imported_from": source, "library_version": __version__}
-    storage.publish(storage.join(attempt, ATTEMPT), json.dumps(claim, indent=1, sort_keys=True).encode())
+    commit.claim_attempt(layout, step, save_id, started_at=started, imported_from=source)
     entries = []
     for name, items in files.items():
         path = storage.join(attempt, name)
