@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CorruptCheckpointError
-from tests.test_trust_fuzz import RUN, Sealed, seal
+from tests.helpers.sealed import RUN, Sealed, seal
 
 
 def _committed(root: str) -> Sealed:

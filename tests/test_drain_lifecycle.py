@@ -24,9 +24,9 @@ import torch
 from dcp_atomic import failpoints
 
 from tests.harness import assert_all_ok
-from tests.test_drain_completeness import _one_node_each
-from tests.test_manager import _fsdp_app, _train_step
-from tests.test_tiers import RUN, _run, _state
+from tests.helpers.drain import _one_node_each
+from tests.helpers.fsdp_app import _fsdp_app, _train_step
+from tests.helpers.tiers import RUN, _run, _state
 from tests.fault_fixtures import nfs_clients_ctx
 
 STALL = 6.0  # the manager's timeout: its stall deadline

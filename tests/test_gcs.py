@@ -32,7 +32,7 @@ from dcp_atomic.gcs import GCSStorage  # noqa: E402
 from dcp_atomic.layout import MARKER  # noqa: E402
 from tests.harness import assert_all_ok, run_world  # noqa: E402
 from tests.s3_servers import _die_with_parent, _free_ports, _wait_http  # noqa: E402
-from tests.test_s3 import RUN, _inner, _job_state, _load_steps, _racing_job, _save_steps  # noqa: E402
+from tests.helpers.s3_jobs import RUN, _inner, _job_state, _load_steps, _racing_job, _save_steps  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

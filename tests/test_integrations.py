@@ -9,26 +9,7 @@ import torch
 
 from dcp_atomic import list_steps
 from tests.harness import assert_all_ok, run_world
-
-
-def _sharded_model(seed: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _train_step(model, optim, seed: int) -> None:
-    torch.manual_seed(seed)
-    model(torch.randn(4, 8)).sum().backward()
-    optim.step()
-    optim.zero_grad()
+from tests.helpers.integrations import _sharded_model, _Stateful, _train_step
 
 
 def _full(model, optim):
@@ -36,19 +17,6 @@ def _full(model, optim):
     moments = {f"{p}.{k}": optim.state[param][k].full_tensor().clone()
                for p, param in model.named_parameters() for k in ("exp_avg", "exp_avg_sq")}
     return weights, moments
-
-
-class _Stateful:
-    """torchtitan's containers reduced to what its checkpointer calls: state_dict / load_state_dict."""
-
-    def __init__(self, get, put):
-        self.get, self.put = get, put
-
-    def state_dict(self):
-        return self.get()
-
-    def load_state_dict(self, state):
-        self.put(state)
 
 
 def _torchtitan_manager(ctx, model, optim, train_state, mode, **config):
@@ -141,7 +109,7 @@ def test_torchtitan_config_accepts_keep_latest_k_1_and_builds_our_manager():
 def _lightning_rank(ctx):
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from tests.test_lightning import _module_class, _same, _trainer, _weights
+    from tests.helpers.lightning import _module_class, _same, _trainer, _weights
 
     pl, Module = _module_class("pytorch_lightning")
     dirpath = os.path.join(ctx.root, "ckpts")

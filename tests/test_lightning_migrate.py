@@ -12,7 +12,7 @@ import os
 import pytest
 
 from tests.harness import assert_all_ok, run_world
-from tests.test_lightning import _module_class, _same, _trainer, _weights
+from tests.helpers.lightning import _module_class, _same, _trainer, _weights
 
 
 def _full_state(module) -> dict:

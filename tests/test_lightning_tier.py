@@ -19,7 +19,7 @@ import torch
 from dcp_atomic import failpoints
 
 from tests.harness import assert_all_ok, run_world
-from tests.test_lightning import _module_class, _same, _weights
+from tests.helpers.lightning import _module_class, _same, _weights
 
 PACKAGE = "pytorch_lightning"
 

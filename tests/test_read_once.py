@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_atomic.exchange import Need, plan_exchange
 from tests.harness import assert_all_ok, run_world
+from tests.helpers.read_once import _blank, _state, _survivors_barrier
 
 RUN = "exp"
 pytestmark = pytest.mark.timeout(240)
@@ -26,34 +27,6 @@ FORMATS = {1: {}, 2: {"compression": "zstd"}, 3: {"stock_readable": True}}  # st
 
 
 # -- rank functions ----------------------------------------------------------------------------
-
-
-def _state(rank: int, step: int) -> dict:
-    """Replicated plain tensors (one over a 4 MiB block), an object, HSDP DTensors, and one per-rank key."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-    g = torch.Generator().manual_seed(step)
-    return {
-        "embed": torch.randn(1_100_000, generator=g),  # 4.4 MB: several blocks / frames
-        "norm": torch.randn(64, generator=g).to(torch.bfloat16),
-        "empty": torch.empty(0, 3),
-        "hsdp": distribute_tensor(torch.randn(64, 33, generator=g), mesh, [Replicate(), Shard(0)]),
-        "extra": {"step": step, "schedule": [0.1, 0.01]},
-        # many replicated items of odd sizes: each rank receives several items from each of several senders
-        "layers": {f"w{i}": torch.randn(100 + 37 * i, generator=g) for i in range(12)},
-        f"own{rank}": torch.full((5,), float(rank)),
-    }
-
-
-def _blank(rank: int) -> dict:
-    state = _state(rank, 0)
-    for value in state.values():
-        if isinstance(value, torch.Tensor):
-            (value.to_local() if hasattr(value, "to_local") else value).fill_(-7)
-    state["extra"] = {"step": -1, "schedule": [0.0, 0.0]}
-    return state
 
 
 def _check(rank: int, step: int, got: dict) -> list[str]:
@@ -181,14 +154,6 @@ def _load_with_faults(ctx):
     return flipped, shared, killed, seconds
 
 
-def _survivors_barrier(ctx, parties, timeout=60.0):
-    open(os.path.join(ctx.root, f".done.{ctx.rank}"), "w").close()
-    deadline = time.monotonic() + timeout
-    while not all(os.path.exists(os.path.join(ctx.root, f".done.{p}")) for p in parties):
-        assert time.monotonic() < deadline, "a survivor never finished"
-        time.sleep(0.05)
-
-
 def test_a_peer_that_damages_what_it_sends_is_named_and_a_killed_peer_fails_every_rank_in_bound(root):
     outcomes = run_world(_load_with_faults, 4, root, timeout=150, wait_for=[0, 1, 3])
     survivors = [o for o in outcomes if o.rank != 2]
@@ -238,7 +203,7 @@ def _reshard_shared(ctx):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from dcp_atomic import AtomicLoadPlanner, AtomicStorageReader
-    from tests.test_reshard import _build, _full, _save_layout
+    from tests.helpers.reshard import _build, _full, _save_layout
 
     saved = _save_layout(ctx, {"dp": 2, "tp": 2}, 1, 3)
     model = _build({"tp": 4}, seed=999)

@@ -62,7 +62,7 @@ def test_rollback_after_a_crash_between_marker_and_latest_supersedes_the_orphane
 
 
 def _lightning_module():
-    from tests.test_lightning import _module_class
+    from tests.helpers.lightning import _module_class
 
     return _module_class("pytorch_lightning")
 
@@ -72,7 +72,7 @@ def _resave_non_ckpt_name(ctx):
     from dcp_atomic import list_steps
     from dcp_atomic.integrations.lightning import _pointer
     from dcp_atomic.layout import parse_checkpoint_id
-    from tests.test_lightning import _resumed_weights, _same, _trainer, _weights
+    from tests.helpers.lightning import _resumed_weights, _same, _trainer, _weights
 
     pl, Module = _lightning_module()
     final = os.path.join(ctx.root, "models", "final.pt")
@@ -104,7 +104,7 @@ def _load_from_checkpoint_on_rank_zero(ctx):
     import torch.distributed as dist
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from tests.test_lightning import _same, _trainer, _weights
+    from tests.helpers.lightning import _same, _trainer, _weights
 
     pl, Module = _lightning_module()
     dirpath = os.path.join(ctx.root, "ckpts")

@@ -178,7 +178,7 @@ def test_a_resealed_shard_that_disagrees_is_refused_naming_it(root, edit):
 def _reseal_marker(root: str, attempt: str) -> None:
     import hashlib
 
-    from tests.test_trust_fuzz import seal
+    from tests.helpers.sealed import seal
 
     marker_path = os.path.join(os.path.dirname(attempt), "COMMITTED")
     marker = json.load(open(marker_path))

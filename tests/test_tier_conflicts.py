@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 
 from tests.harness import assert_all_ok
-from tests.test_manager import _fsdp_app, _full, _train_step
-from tests.test_tiers import RUN, _exact, _run, _state
+from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
+from tests.helpers.tiers import RUN, _exact, _run, _state
 
 
 def _job(ctx, steps, seed, local, durable=None):

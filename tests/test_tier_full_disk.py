@@ -15,8 +15,8 @@ import shutil
 
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok
-from tests.test_manager import _fsdp_app, _full, _train_step
-from tests.test_tiers import RUN, _exact, _manager, _run, _state
+from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
+from tests.helpers.tiers import RUN, _exact, _manager, _run, _state
 
 
 def _saves(ctx, steps, fail_at=None):

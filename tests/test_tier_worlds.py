@@ -27,9 +27,9 @@ import torch
 from dcp_atomic.placement import place_replicas
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import Outcome, assert_all_ok, run_world
-from tests.test_manager import _AppState, _fsdp_app, _full, _train_step
-from tests.test_tier_integrations import _data_files, _local_steps, _titan
-from tests.test_tiers import _exact, _flip_byte
+from tests.helpers.fsdp_app import _AppState, _fsdp_app, _full, _train_step
+from tests.helpers.tier_integrations import _data_files, _local_steps, _titan
+from tests.helpers.tiers import _exact, _flip_byte
 
 WORLD = 6
 NODES = "ABC"

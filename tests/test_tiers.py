@@ -20,10 +20,8 @@ from dcp_atomic.placement import place_replicas
 from dcp_atomic import failpoints
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok, run_world
-from tests.test_manager import _AppState, _fsdp_app, _full, _train_step
-
-RUN = "exp"
-WORLD = 4
+from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
+from tests.helpers.tiers import _exact, _flip_byte, _Lines, _manager, _node_env, _run, RUN, _state, WORLD
 
 
 # -- placement (pure) ----------------------------------------------------------------------------------------
@@ -78,31 +76,6 @@ def test_fewer_domains_than_replicas_plus_one_is_refused_naming_them():
 # -- worlds ----------------------------------------------------------------------------------------------------
 
 
-def _node_env(rank: int) -> dict[str, str]:
-    node = rank // 2
-    return {"DCP_ATOMIC_FAILURE_DOMAIN": "nodeAB"[4 + node], "LOCAL_RANK": str(rank % 2),
-            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node)}
-
-
-def _run(fn, root, nodes, *args, world=WORLD, rank_env=_node_env, pg_timeout=30):
-    return run_world(fn, world, root, args=args, rank_env=rank_env, extra={"nodes": nodes}, timeout=120,
-                     pg_timeout=pg_timeout)
-
-
-def _manager(ctx, **kwargs):
-    from dcp_atomic import CheckpointManager, file_transfer
-
-    file_transfer.CHUNK_BYTES = 64 << 10  # every replica and restore transfer crosses chunk boundaries
-    local_root = kwargs.pop("local_root", ctx.extra["nodes"][ctx.rank // 2])
-    kwargs.setdefault("timeout", 20)
-    kwargs.setdefault("durable_every", None)  # these tests drive the local tier; drains are asked for by durable=
-    return CheckpointManager(ctx.root, RUN, local_root=local_root, replicas=1, **kwargs)
-
-
-def _state(model, optim, step):
-    return {"app": _AppState(model, optim), "progress": {"step": step}}
-
-
 def _train_and_save(ctx, steps, asynchronous_last=False, keep_local=2):
     """Train, saving each step in ``steps`` to the local tier; returns the full weights at each saved step."""
     model, optim = _fsdp_app(ctx.world_size, 0)
@@ -129,12 +102,6 @@ def _restore(ctx, expect_step=None, step=None):
     assert expect_step is None or loaded == expect_step, (loaded, expect_step)
     assert state["progress"]["step"] == loaded
     return {"step": loaded, "full": _full(model), "served": served, "stats": stats}
-
-
-def _exact(got, want):
-    assert got.keys() == want.keys()
-    for key in want:
-        assert torch.equal(got[key], want[key]), key
 
 
 def _data_files(node_root, step):
@@ -213,14 +180,6 @@ def test_every_local_root_gone_restores_the_newest_durable_step_and_says_so(root
         assert out["served"]["tier"] == "durable" and out["step"] == 5
         assert out["stats"][0]["tier"] == "durable" and out["stats"][0]["bytes_from_replicas"] == 0
         _exact(out["full"], saved[0]["saved"][5])
-
-
-def _flip_byte(path, offset=100):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_a_flipped_byte_in_a_local_primary_is_served_from_the_replica_never_wrong_values(root, nodes):
@@ -315,20 +274,6 @@ def _marker(root, step):
         return json.load(f)
 
 
-class _Lines:
-    """The log lines one logger emits in this rank (a handler, so the test reads what an operator reads)."""
-
-    def __init__(self, name):
-        import logging
-
-        self.lines = []
-        handler = logging.Handler()
-        handler.emit = lambda record: self.lines.append(record.getMessage())
-        logger = logging.getLogger(name)
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-
-
 def _save_with_policy(ctx):
     """Steps 10-40 with durable_every=2, then wait(): steps 20 and 40 are drained."""
     model, optim = _fsdp_app(ctx.world_size, 0)
@@ -394,7 +339,7 @@ def test_durable_every_2_drains_every_second_step_bit_exact_for_plain_readers(ro
     assert [s["step"] for s in stats] == [20, 40] and all(s["kind"] == "drain" and s["attempts"] == 1 for s in stats)
     assert stats[0]["files"] == WORLD and stats[0]["bytes"] > 0 and stats[0]["skipped_steps"] == []
     assert all(out["drained"] == [] for out in saved[1:])  # on_drained: rank 0 only
-    from tests.test_stats import _schema_problems, _table
+    from tests.helpers.stats import _schema_problems, _table
 
     assert _schema_problems(stats[0], _table("Drain")) == []  # as docs/statistics.md documents it
     loaded = assert_all_ok(_run(_load_durable, root, nodes, 20))

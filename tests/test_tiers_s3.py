@@ -17,8 +17,8 @@ from dcp_atomic.drain import DRAIN_ATTEMPTS
 from dcp_atomic import failpoints
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok
-from tests.test_manager import _fsdp_app, _full, _train_step
-from tests.test_tiers import RUN, WORLD, _exact, _Lines, _manager, _run, _state
+from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
+from tests.helpers.tiers import RUN, WORLD, _exact, _Lines, _manager, _run, _state
 
 S3_ATTEMPTS = 4  # dcp_atomic_max_attempts: one request's tries before the S3 layer gives up
 
@@ -414,7 +414,7 @@ def test_on_s3_a_resized_job_drains_the_old_worlds_step_whole_and_a_fresh_jobs_s
     """4 ranks -> 2 with step 10 undrained (the store refused its uploads): the world-2 job drains all four ranks'
     files to S3 (moto and SeaweedFS), the step loads exactly at world 4, and a fresh job's save of step 10 is refused
     at save and async_save, nothing written."""
-    from tests.test_drain_completeness import (_load_durable, _one_node_each, _resume_saving,
+    from tests.helpers.drain import (_load_durable, _one_node_each, _resume_saving,
                                                _save_with_a_refusing_store, _two_per_node_of)
 
     options = _options(s3)

@@ -34,30 +34,10 @@ from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointError
 from dcp_atomic import TorchVersionError
 from dcp_atomic.safe_pickle import load_dcp_metadata
 from tests.harness import assert_all_ok, run_world
+from tests.helpers.torch_versions import RUN, _assert_loaded, _state, _zeros
 
-RUN = "versions"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-
-
-def _state() -> dict:
-    generator = torch.Generator().manual_seed(7)
-    return {
-        "transposed": torch.randn(4, 8, generator=generator).t(),  # strides (1, 8): what 2.15 records
-        "bf16": torch.randn(33, generator=generator).to(torch.bfloat16),
-        "ints": torch.arange(7, dtype=torch.int32),
-        "meta": {"epoch": 3},
-    }
-
-
-def _zeros() -> dict:
-    return {k: (torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else {"epoch": -1})
-            for k, v in _state().items()}
-
-
-def _assert_loaded(target: dict) -> None:
-    for key, value in _state().items():
-        assert (torch.equal(target[key], value) if isinstance(value, torch.Tensor) else target[key] == value), key
 
 
 def _metadata_file(root, step=1) -> str:
@@ -217,7 +197,7 @@ def _other_python() -> str | None:
 _CROSS = textwrap.dedent("""
     import sys, torch, torch.distributed.checkpoint as dcp
     from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
-    from tests.test_torch_versions import RUN, _state, _zeros, _assert_loaded
+    from tests.helpers.torch_versions import RUN, _state, _zeros, _assert_loaded
     action, root, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if action == "save":
         dcp.save(_state(), storage_writer=AtomicStorageWriter(root, RUN, step), no_dist=True)

@@ -11,7 +11,7 @@ import torch
 
 from dcp_atomic import list_steps
 from tests.harness import assert_all_ok, run_world
-from tests.test_integrations import _sharded_model, _Stateful, _train_step
+from tests.helpers.integrations import _sharded_model, _Stateful, _train_step
 
 
 def _full(model, optim):

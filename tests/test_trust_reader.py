@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CorruptCheckpointError
 from tests.harness import assert_all_ok, run_world
-from tests.test_trust_fuzz import RUN, Sealed, typed
+from tests.helpers.sealed import RUN, Sealed, typed
 
 FORMATS = {"raw": {}, "stock_readable": {"stock_readable": True}, "zstd": {"compression": "zstd"}}
 

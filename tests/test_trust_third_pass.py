@@ -151,7 +151,7 @@ def test_a_metadata_dtype_that_differs_from_the_manifest_is_refused_naming_key_d
     import torch.distributed.checkpoint as dcp
 
     from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CorruptCheckpointError
-    from tests.test_trust_fuzz import Sealed
+    from tests.helpers.sealed import Sealed
 
     g = torch.Generator().manual_seed(5)
     state = {"weight": torch.randn(64, 3, generator=g), "ids": torch.arange(50, dtype=torch.int32),
@@ -185,7 +185,7 @@ def _plain_shared_load_with_a_killed_peer(ctx):
     import torch.distributed.checkpoint as dcp
 
     from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, failpoints
-    from tests.test_read_once import _blank, _state, _survivors_barrier
+    from tests.helpers.read_once import _blank, _state, _survivors_barrier
 
     dcp.save(_state(ctx.rank, 1), storage_writer=AtomicStorageWriter(ctx.root, RUN, 1, timeout=30))
     failpoints.arm("read.exchange_send", "kill", rank=2)
@@ -227,7 +227,7 @@ def _manager_load_with_rank1_killed(ctx, hook: str):
     import torch
 
     from dcp_atomic import CheckpointManager, reader
-    from tests.test_read_once import _survivors_barrier
+    from tests.helpers.read_once import _survivors_barrier
 
     manager = CheckpointManager(ctx.root, RUN, timeout=4)
     manager.save(1, {"x": torch.ones(8)})
