@@ -1,0 +1,152 @@
+"""What ``CheckpointManager`` asks of its storage tiers, and the one-tier answer.
+
+The manager runs every operation the same way and asks its tier policy, once per step of the operation, what the
+number of tiers changes: which writer a save builds, what happens after DCP returned, what a load restores from,
+what ``steps``/``retire``/``wait``/``close`` add.  :class:`DurableOnly` is ``root`` alone (every answer is "nothing
+more"); :class:`~.two_tier.TwoTier` is the local tier with its drain.  The manager picks one in ``__init__``, so no
+method of it asks which tiers it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, ContextManager
+
+from ..dcp.watched import WatchedWriter
+from ..dcp.writer import AtomicStorageWriter
+from ..errors import ConfigurationError
+from ..protocol.commit import ResumePoint
+
+NO_DRAIN = "queue_drain needs local_root (and, in a world, the manager's own groups)"
+
+
+class TierPolicy:
+    """The interface (every method is called on every rank alike unless it says otherwise)."""
+
+    #: True where DCP's own ``finish`` writes the commit marker: a save DCP reports as failed may have committed
+    #: anyway, and the manager settles it by reading the marker.
+    commits_in_dcp: bool
+    #: the effective ``durable_every`` (the manager's attribute of that name)
+    durable_every: int | None
+
+    # -- saving
+    def drain_decision(self, durable: bool | None) -> bool | None:
+        """Whether this save is also drained to the durable root (False: the save itself is durable, or kept
+        local; None: not by the policy, but ``close()`` drains it if it is the last).  Counts the save."""
+        raise NotImplementedError
+
+    def refuse_conflicts(self, step: int) -> None:
+        """Rank 0, before a save: raise if a tier other than the durable root holds a commit of ``step`` that this
+        save may not replace."""
+        raise NotImplementedError
+
+    def durable_may_hold(self, step: int) -> bool:
+        """Rank 0: whether the durable root's marker of ``step`` is worth reading for the conflict check."""
+        raise NotImplementedError
+
+    def writer(self, step: int, **options: Any) -> AtomicStorageWriter:
+        """The storage writer of a save (``options``: the writer keywords every tier shares)."""
+        raise NotImplementedError
+
+    def failed_attempt_removed(self, step: int, writer: AtomicStorageWriter) -> ContextManager[None]:
+        """Around a save's DCP call and :meth:`commit`: what a failure leaves behind is removed."""
+        raise NotImplementedError
+
+    def commit(self, step: int, writer: AtomicStorageWriter, group: Any, drain: bool | None) -> None:
+        """After DCP's save returned (``group``: the save's process group): a commit DCP did not make."""
+        raise NotImplementedError
+
+    # -- loading and listing
+    def restore(self, step: int | None, state_dict: dict[str, Any],
+                save_id: str | None) -> tuple[str, int, str, ResumePoint] | None:
+        """(root, step, save_id, resume point) to load from a tier other than the durable root, or None: load the
+        durable root's choice."""
+        raise NotImplementedError
+
+    def local_steps(self) -> set[int]:
+        """The steps committed outside the durable root (``steps(tier="local")``)."""
+        raise NotImplementedError
+
+    def retire(self, step: int) -> None:
+        """Remove this rank's share of ``step`` outside the durable root."""
+        raise NotImplementedError
+
+    def queue_drain(self, step: int) -> None:
+        raise NotImplementedError
+
+    # -- the work in the background
+    def wait(self) -> None:
+        """Wait for the background work (drains); raise its unreported failure."""
+        raise NotImplementedError
+
+    def drain_last_and_wait(self) -> None:
+        """``close()``, no save in flight: send the last step where it still has to go, and wait for it."""
+        raise NotImplementedError
+
+    def wait_at_exit(self) -> None:
+        """The interpreter exits and ``close()`` was never called: wait for the work in flight, start nothing."""
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        """Work runs in the background: the process groups must not be destroyed under it."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class DurableOnly(TierPolicy):
+    """One tier, ``root``: a save is durable when DCP's ``finish`` has committed it, and nothing runs after."""
+
+    commits_in_dcp = True
+    durable_every = None
+
+    def __init__(self, root: str | os.PathLike, run_id: str, storage_options: dict[str, Any] | None) -> None:
+        self.root, self.run_id, self.storage_options = root, run_id, storage_options
+
+    def drain_decision(self, durable: bool | None) -> bool | None:
+        return False  # the save itself is durable; ``durable`` is ignored
+
+    def refuse_conflicts(self, step: int) -> None:
+        pass
+
+    def durable_may_hold(self, step: int) -> bool:
+        return True
+
+    def writer(self, step: int, **options: Any) -> AtomicStorageWriter:
+        return WatchedWriter(self.root, self.run_id, step, storage_options=self.storage_options, **options)
+
+    def failed_attempt_removed(self, step: int, writer: AtomicStorageWriter) -> ContextManager[None]:
+        return contextlib.nullcontext()  # an uncommitted attempt is the lease's to collect (retention.py)
+
+    def commit(self, step: int, writer: AtomicStorageWriter, group: Any, drain: bool | None) -> None:
+        pass
+
+    def restore(self, step: int | None, state_dict: dict[str, Any],
+                save_id: str | None) -> tuple[str, int, str, ResumePoint] | None:
+        return None
+
+    def local_steps(self) -> set[int]:
+        return set()
+
+    def retire(self, step: int) -> None:
+        pass
+
+    def queue_drain(self, step: int) -> None:
+        raise ConfigurationError(NO_DRAIN)
+
+    def wait(self) -> None:
+        pass
+
+    def drain_last_and_wait(self) -> None:
+        pass
+
+    def wait_at_exit(self) -> None:
+        pass
+
+    def busy(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass

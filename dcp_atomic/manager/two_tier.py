@@ -1,0 +1,520 @@
+"""The manager's local tier (README "Two tiers"): saves to node-local roots with replicas, the background drain to
+the durable root, restores from whichever tier holds the newest complete step, and local retention.
+
+The rules live in :mod:`dcp_atomic.tiers` (what a local commit, a drain, a restore choice is); this module only
+schedules them for the manager: which step is queued for the drain, what local retention must keep, which tier a
+load reads.  :class:`TwoTier` uses its manager's rank agreement (``_on_rank0``, ``_translate``, ``_watch``), its
+settings and its callbacks, so both tiers report through one place.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import os
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from .._base.retry import Deadline
+from .._base.stats import DrainStats, FailureStats
+from ..dcp.writer import AtomicStorageWriter
+from ..errors import (CheckpointError, CheckpointNotFoundError, CommitConflictError, ConfigurationError,
+                      RankConsistencyError, StorageError)
+from ..exchange.collective import _first_line, _raise_typed
+from ..format.manifest import Marker
+from ..protocol.catalog import latest_step as scan_latest_step
+from ..protocol.commit import ResumePoint, commit_order, listed_steps, next_sequence, read_marker, refuse_committed
+from ..protocol.lineage import describe as describe_lineage, ensure_lineage, lineage_path
+from ..protocol.retention import retain_after_commit
+from ..tiers.drain import Drained, Drainer, DrainJob
+from ..tiers.local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, of_lineage, open_local,
+                                remove_failed_attempt, remove_local_step, retain_local, scan_root, sweep_spool)
+from ..tiers.placement import failure_domain as resolve_failure_domain
+from ..tiers.tier_restore import Durable, assemble, choose, not_found
+from .tiering import NO_DRAIN, TierPolicy
+
+if TYPE_CHECKING:
+    from . import CheckpointManager
+
+log = logging.getLogger("dcp_atomic.manager")  # the manager's logger: these were its messages, and stay so
+
+DEFAULT_DURABLE_EVERY = 1  # with a local tier: every save is also drained (in the background), as torchtitan's
+
+
+@dataclasses.dataclass(frozen=True)
+class TierOptions:
+    """The manager's keywords that only the local tier reads (checked by the manager)."""
+
+    local_root: str | os.PathLike
+    replicas: int
+    durable_every: int | None
+    durable_every_given: bool  # an explicit one is refused without a drain group; the default is dropped, warned
+    keep_local: int
+    failure_domain: str | None
+
+
+def _exit_without_close(manager: "weakref.ref[CheckpointManager]") -> None:
+    """atexit: a two-tier manager never closed must not lose its drain in flight silently."""
+    alive = manager()
+    if alive is not None:
+        try:
+            alive._exiting()
+        except Exception:  # noqa: BLE001 - at exit: log, never raise past the interpreter's shutdown
+            log.exception("dcp_atomic: the exit-time wait for a drain failed")
+
+
+class TwoTier(TierPolicy):
+    """The local tier and its drain for one manager; built by the manager's ``__init__`` on every rank alike."""
+
+    commits_in_dcp = False  # a local save has no marker until commit_local, after DCP returns
+
+    def __init__(self, manager: "CheckpointManager", options: TierOptions, own_groups: bool) -> None:
+        m = self._m = manager
+        self.local_root, self.keep_local = options.local_root, options.keep_local
+        self.durable_every = options.durable_every
+        self._saves = 0  # counts saves for durable_every (identical on every rank: SPMD)
+        self._last_undrained: tuple[int, Marker] | None = None  # the newest local save not queued for the drain
+        self.drainer: Drainer | None = None
+        self._durable_saves: set[str] = set()  # rank 0: save ids known to be in the durable root (see _undrained)
+        self._requeued: set[str] = set()  # save ids _undrained queued again: once per process, never in a loop
+        self._lineage: str | None = None  # the durable run's lineage (lineage.py): which local steps are this job's
+        self._durable_listed: set[int] | None = None  # rank 0: the durable root's steps (listed once)
+        self._sequence = 0  # the newest commit sequence this process knows of, both tiers (rank 0 decides)
+        self._sequence_known = False
+        drain_group = None
+        self.local = open_local(os.fspath(options.local_root), m.run_id)
+        try:
+            if m._distributed and own_groups:
+                # the drain thread's own group (drain.py): created on the main thread, on every rank alike; it waits
+                # for every rank's upload, so it gets the work's limit, not the liveness one
+                drain_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(m.timeout, m.work_timeout)))
+                m._owned_groups.append(drain_group)
+            self.topology = Topology.learn(m.rank, m.world_size, resolve_failure_domain(options.failure_domain),
+                                           os.fspath(options.local_root), options.replicas, m._group)
+            self._lineage = m._on_rank0(self._read_lineage, "read the run's lineage")
+        except BaseException:  # refused (too few domains...): nothing of this manager may outlive it
+            m._release()
+            raise
+        if not m._distributed or m.world_size == 1 or drain_group is not None:
+            self.drainer = Drainer(rank=m.rank, world_size=m.world_size, group=drain_group, local=self.local,
+                                   durable=m.layout, timeout=m.timeout, where=m.layout.storage.describe(),
+                                   resumed=lambda: m._resumed, committed=self._drained, failed=self._drain_failed,
+                                   threads=m.thread_count, stall=m.timeout)
+            atexit.register(_exit_without_close, weakref.ref(m))
+        if self.drainer is None:  # given process_group= in a world: no drain group
+            if options.durable_every_given and self.durable_every is not None:
+                m._release()
+                raise ConfigurationError(f"durable_every={self.durable_every} needs a process group of the drain's "
+                                         "own, which the manager cannot create when it is given process_group=; leave "
+                                         "process_group out, or save durable steps with a manager without local_root")
+            self.durable_every = None
+            if m.rank == 0:
+                log.warning("CheckpointManager(local_root=%r, process_group=...): the drain needs a process group of "
+                            "its own, so no step reaches the durable root %s; every step lives only on the nodes' "
+                            "local disks. Leave process_group out to keep durable copies.",
+                            os.fspath(options.local_root), m.layout.storage.describe())
+        elif self.durable_every is None and m.rank == 0:
+            log.warning("CheckpointManager(local_root=%r, durable_every=None): only saves with durable=True reach the "
+                        "durable root %s; every other step lives only on the nodes' local disks, which are usually "
+                        "wiped when the allocation ends. Leave durable_every at its default (%d: every save drains in "
+                        "the background) or set it to N to keep durable copies.", os.fspath(options.local_root),
+                        m.layout.storage.describe(), DEFAULT_DURABLE_EVERY)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def drain_decision(self, durable: bool | None) -> bool | None:
+        """``durable``, else every ``durable_every``-th local save.  None: not by the policy (``close()`` drains such
+        a step if it is the last, :meth:`_drain_last`)."""
+        self._saves += 1
+        wanted = durable if durable is not None else (
+            bool(self.durable_every) and self._saves % self.durable_every == 0) or None
+        if wanted and self.drainer is None:
+            raise ConfigurationError("draining to the durable root needs a process group of the drain's own, which "
+                                     "the manager cannot create when it is given process_group=; leave "
+                                     "process_group out, or save durable steps with a manager without local_root")
+        return wanted
+
+    def refuse_conflicts(self, step: int) -> None:
+        """The local root's commit of ``step``: another lineage's is never replaced, this job's by the commit rule."""
+        m, where = self._m, f"the local root {self.local_root}"
+        marker = m._committed_marker(self.local, step)
+        if marker is not None and of_lineage([marker], self._lineage, foreign=True):
+            step_dir = self.local.step_dir(step)
+            raise CommitConflictError(
+                f"step {step} of run {m.run_id!r} on {where} was saved for another durable root or "
+                f"experiment ({describe_lineage(marker.lineage)}; this job's: "
+                f"{describe_lineage(self._lineage)}, {lineage_path(m.layout)}): it is not this job's to replace, and "
+                f"nothing was written. Save another step, use another run_id, or, if nothing needs it, remove it on "
+                f"every node: rm -rf {step_dir}", step=step, committed=marker.save_id)
+        if marker is not None:
+            refuse_committed(marker, step, m.run_id, m._resumed, where)
+
+    def durable_may_hold(self, step: int) -> bool:
+        """The durable root is listed once per manager (saves must not wait for the durable store each time), and
+        its marker read only for a step that listing (or a drain of this manager since) names; an unreadable root
+        is warned about and counts as "not committed" (the drain's commit still refuses a conflict)."""
+        if self._durable_listed is None:
+            layout = self._m.layout
+            try:
+                self._durable_listed = set(listed_steps(layout))
+            except (OSError, CheckpointError) as e:
+                log.warning("could not list the steps of %s (%s); a save of a step committed there is refused "
+                            "only by its drain", layout.storage.describe(), e)
+                self._durable_listed = set()
+        return step in self._durable_listed
+
+    def writer(self, step: int, **options: Any) -> AtomicStorageWriter:
+        writer = LocalWriter(os.fspath(self.local_root), self._m.run_id, step, **options)
+        writer.topology = self.topology
+        return writer
+
+    @contextlib.contextmanager
+    def failed_attempt_removed(self, step: int, writer: AtomicStorageWriter):
+        """A local save that fails (ENOSPC on a node, a peer lost, a replica refused) leaves nothing on this rank's
+        local root: its attempt directory goes before the error is raised, on every rank (the ranks of a root remove
+        the same one; whoever is first), so a disk sized for ``keep_local + 1`` steps keeps saving.  Never a step
+        with a marker here: a commit that reached this root is not a failed attempt."""
+        try:
+            yield
+        except BaseException:
+            if writer.save_id is not None:
+                remove_failed_attempt(self.local, step, writer.save_id, self.topology.describe(self._m.rank))
+            raise
+
+    def commit(self, step: int, writer: AtomicStorageWriter, group: dist.ProcessGroup | None,
+               drain: bool | None) -> None:
+        """After DCP's save: replicas, rank 0's decision, the local markers, the drain's queue, then local
+        retention (which keeps what the drain still needs)."""
+        m = self._m
+        try:
+            drainer, undrained, protected = self.drainer, None, None
+            if drainer is not None:
+                protected = drainer.protected() if m.rank == 0 else None
+                if not drain:  # a drain of this step would supersede an older one's (drain.py, "Falling behind")
+                    undrained = self._undrained(protected, group)
+                    if undrained is not None:
+                        protected |= {undrained.step}
+            committed = commit_local(self.topology, self.local, writer, step, group, self._sequence_floor(),
+                                     protected, drain=bool(drain), lineage=self._lineage)
+            if drainer is not None and not drain:
+                undrained = self._gathered(undrained, group)[0]
+        except CheckpointError:
+            raise
+        except BaseException as e:
+            _raise_typed(m._translate(e, f"committing step {step} to the local tier"))
+        marker, protected = committed.marker, committed.kept
+        self._sequence = max(self._sequence, marker.sequence or 0)
+        writer.last_local_commit = committed
+        log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)%s", m.run_id, step,
+                 marker.sequence, len(self.topology.placement.holders[m.rank]),
+                 "; queued for the drain" if drain else "")
+        self._last_undrained = (step, marker) if drain is None else None  # an explicit durable=False is kept local
+        if drain:
+            self.drainer.submit(step, marker)
+        elif undrained is not None:
+            log.warning("run %r: step %d was saved for a durable copy that never committed (its drain failed or the "
+                        "job stopped first); it is kept on the local tier and queued for the drain again", m.run_id,
+                        undrained.step)
+            self.drainer.submit(undrained.step, undrained)
+            self._requeued.add(undrained.save_id)
+        if self.topology.is_leader:
+            try:
+                removed = retain_local(self.local, self.keep_local, protected=protected, lineage=self._lineage)
+                if removed:
+                    log.info("local tier %s: removed step(s) %s (keep_local=%d)", self.local_root, removed,
+                             self.keep_local)
+            except OSError as e:  # the step is committed; the next save retries
+                log.warning("local tier %s: retention failed (the next save retries it): %s", self.local_root, e)
+
+    def _sequence_floor(self) -> int:
+        """Rank 0: the newest commit sequence of either tier it knows; the durable root's ``LATEST`` is read once
+        per manager (P10 across tiers: a local commit never sorts below a durable one made before it)."""
+        if self._m.rank == 0 and not self._sequence_known:
+            try:
+                self._sequence = max(self._sequence, next_sequence(self._m.layout) - 1)
+            except (OSError, CheckpointError) as e:
+                log.warning("local tier: could not read the durable root's commit sequence (%s); local commits "
+                            "number from the local roots alone", e)
+            self._sequence_known = True
+        return self._sequence
+
+    def _undrained(self, queued: set[int] | None, group: dist.ProcessGroup | None) -> Marker | None:
+        """Every rank (a collective); rank 0 returns the newest local step saved for a durable copy
+        (:attr:`Marker.drain`) that has none and is not queued (its drain failed, or the job stopped before it) --
+        the newest durable-pending step, which local retention keeps and the drain takes again.  Each root reports
+        its own newest such step: global rank 0's node may have been replaced since (an empty disk), and the step's
+        files then sit on the other nodes alone.  An unreadable durable root counts as "none" (kept, retried)."""
+        m, mine = self._m, None
+        if self.topology.is_leader:
+            resumed = m._resumed
+            wanted = [mk for mk in of_lineage(local_markers(self.local), self._lineage)  # nor a rolled-back branch's
+                      if mk.drain and (resumed is None or not resumed.supersedes(mk))]
+            mine = wanted[-1] if wanted else None
+        reported = [mk for mk in self._gathered(mine, group) if mk is not None]
+        if m.rank != 0 or not reported:
+            return None
+        newest = max(reported, key=commit_order)
+        if newest.step in queued:
+            return None
+        if newest.save_id in self._durable_saves or newest.save_id in self._requeued:
+            return None  # drained, or queued again once already by this process (its failure was reported)
+        try:
+            durable = read_marker(m.layout, newest.step, Deadline(m.timeout), missing_ok=True)
+            if durable.save_id == newest.save_id:
+                self._durable_saves.add(newest.save_id)  # one durable read per drained step, not per save
+                return None
+        except (FileNotFoundError, CheckpointError, OSError):
+            pass
+        return newest
+
+    # -- the drain's outcomes (called on the drain thread) ----------------------------------
+
+    def _drained(self, drained: Drained) -> None:
+        """Rank 0: a step reached the durable root; durable retention, then ``on_drained``."""
+        m, job, marker = self._m, drained.job, drained.marker
+        self._durable_saves.add(job.save_id)
+        if self._durable_listed is not None:
+            self._durable_listed.add(job.step)
+        log.info("run %r step %d drained to %s (sequence %s, %.1f MiB in %.3fs, attempt %d%s)", m.run_id,
+                 job.step, m.layout.storage.describe(), marker.sequence, drained.bytes / 2**20, drained.seconds,
+                 drained.attempts, f"; skipped step(s) {drained.skipped}" if drained.skipped else "")
+        if m.keep_last is not None:
+            try:
+                retain_after_commit(m.layout, marker, m.keep_last, lease_seconds=m.lease_seconds)
+            except Exception as e:  # the drain is committed; the next one retries
+                log.warning("run %r: durable retention after draining step %d failed (the next drain retries it): "
+                            "%s", m.run_id, job.step, e)
+        m._deliver(m.on_drained, "on_drained", DrainStats(
+            run_id=m.run_id, step=job.step, save_id=job.save_id, sequence=marker.sequence,
+            world_size=m.world_size, seconds=drained.seconds, queued_seconds=drained.queued_seconds,
+            bytes=drained.bytes, files=drained.files, gb_per_s=drained.bytes / max(drained.seconds, 1e-9) / 1e9,
+            attempts=drained.attempts, skipped_steps=list(drained.skipped)))
+
+    def _drain_failed(self, job: DrainJob, error: CheckpointError, seconds: float) -> None:
+        """Every rank: a drain failed for good (``wait()`` raises it)."""
+        m = self._m
+        if m.on_failed is None:
+            return
+        try:
+            stats = FailureStats.from_error(error, operation="drain", run_id=m.run_id, step=job.step,
+                                            world_size=m.world_size, rank=m.rank, seconds=seconds)
+        except Exception:
+            log.exception("could not describe the failure of the drain of step %s for on_failed", job.step)
+            return
+        m._deliver(m.on_failed, "on_failed", stats)
+
+    # -- loading and listing --------------------------------------------------------------
+
+    def restore(self, step: int | None, state_dict: dict[str, Any],
+                save_id: str | None) -> tuple[str, int, str, ResumePoint] | None:
+        """Choose the step to restore (both tiers); for a local one, each rank receives into its root what its
+        load of ``state_dict`` reads there and the root lacks.  Returns (local root, step, save_id, resume point)
+        to load from the local root, or None to load the durable tier's choice."""
+        m, tier = self._m, self.topology
+        watch = m._watch("scanning the local tier")
+        mates = [r for r in range(m.world_size) if tier.leader(r) == tier.leader(m.rank)]
+        share = (mates.index(m.rank), len(mates))  # the ranks of a root verify it in parallel, a share each
+        if tier.is_leader:
+            swept = sweep_spool(self.local)
+            if swept:
+                log.info("local tier %s: removed %d file(s) an interrupted restore left: %s", self.local_root,
+                         len(swept), ", ".join(sorted(swept)[:4]))
+        held = watch.run("scan", lambda: scan_root(self.local, share=share, lineage=self._lineage))
+        foreign = ([mk.step for mk in of_lineage(local_markers(self.local), self._lineage, foreign=True)]
+                   if tier.is_leader else [])
+        gathered = self._gathered((step, held, foreign))
+        watch.finish()
+        if m.rank == 0:
+            self._report_foreign({rank: steps for rank, (_, _, steps) in enumerate(gathered) if steps})
+        gathered = [(request, held) for request, held, _ in gathered]
+        asked = {request for request, _ in gathered}
+        if len(asked) > 1:
+            raise RankConsistencyError(f"restoring run {m.run_id!r}: the ranks asked for different steps "
+                                       f"({sorted(asked, key=str)}), so none loads. Every rank must call load alike.")
+        reports = {leader: merge_held([held for rank, (_, held) in enumerate(gathered) if tier.leader(rank) == leader])
+                   for leader in tier.leaders}
+        outcome = None
+        if m.rank == 0:
+            declared = m.parallelism.to_dict() if m.parallelism is not None else None
+            try:
+                outcome = ("ok", choose(tier, reports, self._durable_candidate(step), m.world_size, declared, step,
+                                        save_id))
+            except CheckpointError as e:
+                outcome = ("error", e)
+            except Exception as e:  # the durable root's storage, say: every rank must hear of it
+                outcome = ("error", StorageError(f"global rank 0 could not choose the step to restore: "
+                                                 f"{_first_line(e)}", rank=0))
+        status, choice = self._gathered(outcome)[0]
+        if status == "error":
+            raise choice
+        newest = max([self._sequence, choice.sequence or 0]
+                     + [h.sequence or 0 for held in reports.values() for h in held])
+        self._sequence = newest  # a save after this restore numbers above everything seen (P10, P14)
+        for why in choice.skipped:
+            log.warning("restore of run %r: %s", m.run_id, why)
+        if choice.tier == "none":
+            raise not_found(m.run_id, choice, m.layout.storage.describe())
+        if choice.tier == "durable":
+            m.restored_from = {"tier": "durable", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": 0,
+                               "bytes_fetched": 0}
+            log.info("run %r: restoring step %d from the durable tier (%s)%s", m.run_id, choice.step,
+                     m.layout.storage.describe(), " because no newer local step is complete" if choice.skipped else "")
+            return None
+        try:
+            fetched, fetched_bytes = assemble(tier, self.local, choice, m._group, state_dict)
+        except CheckpointError:
+            raise
+        except BaseException as e:
+            _raise_typed(m._translate(e, f"assembling local step {choice.step}"))
+        m.restored_from = {"tier": "local", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": fetched,
+                           "bytes_fetched": fetched_bytes}
+        log.info("run %r: restoring step %d from the local tier (sequence %s; this rank received %d byte(s) of %d "
+                 "rank(s)' files it reads)", m.run_id, choice.step, choice.sequence, fetched_bytes, fetched)
+        return os.fspath(self.local_root), choice.step, choice.save_id, ResumePoint(step=choice.step, sequence=newest)
+
+    def _durable_candidate(self, step: int | None) -> Durable | None:
+        """Rank 0: the durable tier's newest commit (or ``step``'s), None when it has none."""
+        m = self._m
+        try:
+            asked = step is not None
+            if step is None:
+                step = scan_latest_step(m.root, m.run_id, m.storage_options, timeout=m.timeout, missing_root_ok=True)
+                if step is None:
+                    return None
+            elif not m.layout.storage.is_dir(m.layout.step_dir(step)):
+                return None
+            # A step asked for by number may hold only an attempt a failed or killed drain left, never marked: not
+            # waited for.  The step LATEST names has a marker: waited for (visibility lag on NFS).
+            marker = read_marker(m.layout, step, Deadline(m.timeout), missing_ok=asked)
+        except (CheckpointNotFoundError, FileNotFoundError):
+            return None
+        return Durable(step=step, save_id=marker.save_id, sequence=marker.sequence)
+
+    def _read_lineage(self) -> str | None:
+        """Rank 0: the durable run's lineage id, created by its first two-tier manager (:mod:`.lineage`).  A durable
+        root that cannot be written now (full, unreachable) must not stop local saves: None, loudly (this job's
+        local steps then carry no lineage: only a job that has none either takes them, never one of a lineage)."""
+        layout = self._m.layout
+        try:
+            return ensure_lineage(layout)
+        except OSError as e:
+            log.warning("local tier: could not read or create %s, which says which node-local steps belong to run "
+                        "%r (%s); this job's local steps record no lineage: a later job that reads the run's lineage "
+                        "will not restore them (they are named, not deleted), and this job takes only local steps "
+                        "that record none either", lineage_path(layout), self._m.run_id, e)
+            return None
+
+    def _report_foreign(self, foreign: dict[int, list[int]]) -> None:
+        """Rank 0: local steps another lineage left on the nodes (another experiment with this run id, another
+        durable root): named, never loaded, never deleted."""
+        m, tier = self._m, self.topology
+        for leader, steps in foreign.items():
+            root = f"{tier.hosts[leader]}:{os.path.join(tier.roots[leader], m.run_id)}"
+            log.warning(
+                "local tier %s holds step(s) %s of run %r saved for another durable root or experiment (this job's is "
+                "%s, %s): they are not loaded and not deleted. If nothing needs them, remove them on that node: "
+                "rm -rf %s", root, steps, m.run_id, describe_lineage(self._lineage), lineage_path(m.layout),
+                " ".join(os.path.join(tier.roots[leader], m.run_id, f"step_{s:010d}") for s in steps[:8]))
+
+    def local_steps(self) -> set[int]:
+        """Every root's leader lists its local commits of this lineage; every rank gets the union (a collective)."""
+        mine = of_lineage(local_markers(self.local), self._lineage) if self.topology.is_leader else []
+        found: set[int] = set()
+        for steps in self._gathered([mk.step for mk in mine]):
+            found |= set(steps)
+        return found
+
+    def retire(self, step: int) -> None:
+        if self.topology.is_leader:
+            remove_local_step(self.local, step)
+
+    def queue_drain(self, step: int) -> None:
+        """Global rank 0 reads the step's local marker and tells the others; every rank submits it."""
+        m = self._m
+        if self.drainer is None:
+            raise ConfigurationError(NO_DRAIN)
+        marker = None
+        if m.rank == 0:
+            try:
+                marker = Marker.from_json(self.local.storage.read_file(self.local.marker(step)),
+                                          where=self.local.marker(step))
+            except (OSError, CheckpointError) as e:
+                marker = f"{type(e).__name__}: {e}"
+        marker = self._gathered(marker)[0]
+        if isinstance(marker, Marker) and not of_lineage([marker], self._lineage):
+            raise CommitConflictError(f"step {step} on global rank 0's local root was saved for another durable root "
+                                      f"or experiment ({describe_lineage(marker.lineage)}; this job's: "
+                                      f"{describe_lineage(self._lineage)}): not drained", step=step)
+        if not isinstance(marker, Marker):
+            raise CheckpointNotFoundError(f"step {step} of run {m.run_id!r} cannot be drained: global rank 0 has "
+                                          f"no local marker of it ({marker})", step=step)
+        self.drainer.submit(step, marker)
+
+    def _gathered(self, mine: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+        m = self._m
+        if not m._distributed or m.world_size == 1:
+            return [mine]
+        everyone: list[Any] = [None] * m.world_size
+        try:
+            dist.all_gather_object(everyone, mine, group=group or m._group)
+        except BaseException as e:
+            _raise_typed(m._translate(e, "exchanging the local tier's state"))
+        return everyone
+
+    # -- the drain in the background --------------------------------------------------------
+
+    def wait(self) -> None:
+        if self.drainer is not None:
+            self.drainer.wait()
+
+    def drain_last_and_wait(self) -> None:
+        """The last durable step must not be lost to a closing job."""
+        if self.drainer is not None:
+            self._drain_last()
+            self.drainer.wait()
+
+    def _drain_last(self) -> None:
+        """Every rank alike (SPMD): queue the last local step for the drain if no save queued it (``durable_every``
+        N > 1), so a job's final state outlives its nodes; ``durable_every=None`` opted out (warned at construction)."""
+        last, self._last_undrained = self._last_undrained, None
+        if last is None or self.durable_every is None:
+            return
+        step, marker = last
+        m = self._m
+        if m.rank == 0:
+            log.info("run %r: closing; draining the last local step %d to %s", m.run_id, step,
+                     m.layout.storage.describe())
+        self.drainer.submit(step, marker)
+
+    def wait_at_exit(self) -> None:
+        """Wait for a drain in flight, bounded by the stall deadline, and say what became of it; nothing new is
+        started (the peers may be gone).  Every rank's exit waits alike, so the drain's collectives still meet."""
+        drainer, m = self.drainer, self._m
+        if drainer is None or not drainer.busy():
+            return
+        steps = sorted(drainer.protected())
+        where = m.layout.storage.describe()
+        log.warning("run %r: the process exits without close() while step(s) %s drain to %s; waiting for the drain "
+                    "(stall deadline %.0fs)", m.run_id, steps, where, m.timeout)
+        try:
+            drainer.wait()
+        except CheckpointError as e:
+            log.error("run %r: exiting without close(): step(s) %s did not reach %s (%s: %s). They stay on these "
+                      "nodes' local roots; the next job of this run on them drains the newest such step again (or "
+                      "a newer durable save supersedes it). Call close() before exiting to be told in time.",
+                      m.run_id, steps, where, type(e).__name__, e)
+        else:
+            log.warning("run %r: exiting without close(): step(s) %s drained to %s before exit", m.run_id,
+                        steps, where)
+
+    def busy(self) -> bool:
+        return self.drainer is not None and self.drainer.busy()
+
+    def close(self) -> None:
+        if self.drainer is not None:
+            self.drainer.close()
