@@ -141,8 +141,9 @@ def test_exit_without_close_names_a_failed_drain_and_what_the_next_job_does(tmp_
     assert code == 0, output
     assert "did not reach" in output and "Permission denied" in output, output
     assert "the next job of this run on them drains the newest such step again" in output, output
-    assert not glob.glob(str(tmp_path / "durable" / "run1" / "step_*"))
+    # nothing committed durably (the drain's claimed attempt, if any, is debris gc collects, as a crashed save's)
+    assert not glob.glob(str(tmp_path / "durable" / "run1" / "step_*" / "COMMITTED"))
     assert glob.glob(str(tmp_path / "node0" / "run1" / "step_0000000007"))
 
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -320,7 +320,7 @@ def commit_step(layout: RunLayout, marker: Marker, manifest: Manifest, evidence:
     except (OSError, CheckpointError) as e:
         reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
         raise StorageError(
-            f"{policy.what}: step {marker.step} is committed to the durable root ({layout.marker(marker.step)}), but "
+            f"{policy.what}: the step is committed to the durable root ({layout.marker(marker.step)}), but "
             f"global rank 0 could not update {layout.latest()}: {reason.rstrip('.')}. Until LATEST is written, readers that ask for the "
             "latest step by LATEST get an older one (latest_step() repairs it).", step=marker.step, rank=policy.rank,
             path=layout.latest(), committed=True) from e
