@@ -29,7 +29,7 @@ def _no_failpoints_leak():
 @pytest.fixture
 def nodes():
     """Two simulated nodes' local roots (the local tier), each its own tmpfs (a node's disk), unmounted afterwards;
-    ranks map to them with ``tests.test_tiers._node_env``."""
+    ranks map to them with ``tests.helpers.tiers._node_env``."""
     from tests.fault_fixtures import small_tmpfs_ctx
 
     with small_tmpfs_ctx(size_kib=65536) as a, small_tmpfs_ctx(size_kib=65536) as b:

@@ -3,6 +3,8 @@ failures never swallowed.  Real gloo worlds of two ranks, tiny state dicts."""
 
 from __future__ import annotations
 
+import pytest
+
 import concurrent.futures
 import os
 import subprocess
@@ -12,6 +14,8 @@ import torch
 
 from dcp_atomic import list_steps
 from tests.harness import assert_all_ok, run_world
+
+pytestmark = pytest.mark.slow
 
 RUN = "exp"
 
