@@ -1,4 +1,4 @@
-"""Findings of the outside review on the CLI and on safe decoding (issue 10, review items 8, 9, 10)."""
+"""The CLI on damaged steps and its output, and safe decoding (G13, G16): typed refusals, JSON, damaged markers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The CLI never shows a traceback (issue 19): a missing extra, missing credentials, a reader that closes the pipe.
+"""The CLI never shows a traceback: a missing extra, missing credentials, a reader that closes the pipe.
 
 Each case runs the real console script in a subprocess, the way an operator meets it, and checks what they see:
 one line on stderr, a valid JSON object on stdout with ``--json``, a non-zero exit status.  A missing extra is

@@ -1,4 +1,4 @@
-"""``dcp-atomic rm`` and the removal primitives under it (issue 19): nothing without ``--yes``, ``LATEST`` and the
+"""``dcp-atomic rm`` and the removal primitives under it (G9): nothing without ``--yes``, ``LATEST`` and the
 ``COMMITS`` journal telling the truth afterwards, and never a byte of another run, even one whose name starts with
 this run's name, on a local root and on an S3 root whose data lies under hashed prefixes."""
 

@@ -1,4 +1,4 @@
-"""Issue 10, items 5 (CLI), 9, 11, 12, 13, 15, 19: the CLI, verify, fingerprints, safe decoding, durable dirs."""
+"""The CLI (gc, ls, verify, export, exit codes), canonical fingerprints, safe decoding (G13), durable directories."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _reseal(root, step, edit_manifest):
     open(os.path.join(step_dir, "COMMITTED"), "wb").write(sealed)
 
 
-# -- item 5 (CLI part): gc names steps whose marker cannot be validated -----------------------------------------
+# -- gc names steps whose marker cannot be validated -----------------------------------------
 
 
 def test_gc_reports_unreadable_steps_and_exits_nonzero(root, capsys, monkeypatch):
@@ -75,7 +75,7 @@ def test_gc_reports_unreadable_steps_and_exits_nonzero(root, capsys, monkeypatch
 
 
 def test_gc_keeps_and_names_a_step_with_a_damaged_marker(root, capsys):
-    """End to end with retention.py's unreadable_steps (another helper's part of item 5)."""
+    """End to end with retention.py's unreadable_steps (G16)."""
     for step in (1, 2, 3):
         _save(root, step)
     step_dir, attempt, _ = _step_paths(root, 1)
@@ -85,7 +85,7 @@ def test_gc_keeps_and_names_a_step_with_a_damaged_marker(root, capsys):
     assert os.path.isdir(attempt), "the data of a step whose marker exists must never be deleted"
 
 
-# -- item 9: content fingerprints do not depend on the hash seed or insertion order ---------------------------------
+# -- content fingerprints do not depend on the hash seed or insertion order ---------------------------------
 
 
 def test_object_fingerprint_is_canonical_for_sets_and_strict_otherwise():
@@ -171,7 +171,7 @@ def test_equal_tensors_inside_an_object_save_and_different_ones_are_refused(root
     assert not os.path.exists(os.path.join(root, RUN, "step_0000000002", "COMMITTED"))
 
 
-# -- item 11: verify walks compressed frames the way the reader does ----------------------------------------------
+# -- verify walks compressed frames the way the reader does ----------------------------------------------
 
 
 def _zstd_state():
@@ -213,7 +213,7 @@ def test_verify_decodes_frames_so_it_cannot_pass_what_the_reader_refuses(root, c
     assert "'w'" in out and "cannot be decoded" in out
 
 
-# -- item 12: non-tensor items are decoded with an allow-list ------------------------------------------------------
+# -- G13: non-tensor items are decoded with an allow-list ------------------------------------------------------
 
 
 class _Exploit:
@@ -341,7 +341,7 @@ def test_tampered_object_item_is_refused_at_load_without_running_code(root):
     assert "'extra'" in str(info.value) and "posix.system" in str(info.value)
 
 
-# -- item 13: durable directories, honest backends --------------------------------------------------------------
+# -- durable directories, honest backends --------------------------------------------------------------
 
 
 def test_makedirs_fsyncs_the_parent_of_every_directory_it_creates(root, monkeypatch):
@@ -419,7 +419,7 @@ def test_save_onto_a_filesystem_without_hard_links_fails_before_any_data(fat_vol
     assert written == [], "no data may be written before the probe"
 
 
-# -- item 15: ls ROOT summarises each run ----------------------------------------------------------------------
+# -- ls ROOT summarises each run ----------------------------------------------------------------------
 
 
 def test_ls_root_shows_each_run_with_count_latest_size_and_age(root, capsys):
@@ -439,7 +439,7 @@ def test_ls_root_shows_each_run_with_count_latest_size_and_age(root, capsys):
     assert lines[RUN][1:3] == ["2", "2"] and lines["other"][1:3] == ["1", "5"] and lines["fresh"][1:3] == ["0", "-"]
 
 
-# -- item 19: CLI hygiene -----------------------------------------------------------------------------------------
+# -- CLI hygiene -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("keep", ["0", "-1"])

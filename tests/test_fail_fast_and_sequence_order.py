@@ -1,5 +1,5 @@
-"""Issue 10, items 3-6: corruption is reported at once, a fresh run fails fast (P9), gc never deletes a step
-whose marker it cannot validate, and commits are ordered by sequence number, not by clocks (P10)."""
+"""Corruption is reported at once, a fresh run fails fast (P9), gc never deletes a step
+whose marker it cannot validate, and commits are ordered by sequence number, not by clocks (P10, G15; G16 for gc)."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def _elapsed(fn):
         return e, time.monotonic() - started
 
 
-# -- item 3: corruption is reported at once ---------------------------------------------------------------------
+# -- G4: corruption is reported at once ---------------------------------------------------------------------
 
 
 def test_garbled_manifest_is_reported_at_once_not_after_the_timeout(root):
@@ -170,7 +170,7 @@ def test_a_manifest_not_visible_yet_is_still_waited_for(root):
     manifest.assert_waited(reads)
 
 
-# -- item 4: a fresh run fails fast -----------------------------------------------------------------------------
+# -- a fresh run fails fast -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("where", ["no-root", "empty-root", "empty-run-dir"])
@@ -211,7 +211,7 @@ def test_a_missing_latest_beside_a_step_directory_is_still_waited_for(root):
     latest.assert_waited(reads)
 
 
-# -- item 5: gc never deletes a step whose marker cannot be validated -----------------------------------------
+# -- G16: gc never deletes a step whose marker cannot be validated -----------------------------------------
 
 
 def _files_under(path) -> set[str]:
@@ -239,7 +239,7 @@ def test_gc_keeps_every_file_of_a_step_whose_marker_cannot_be_validated(root, sc
     assert "self-checksum" in reasons[1] and "schema_version 2" in reasons[2], reasons
 
 
-# -- item 6: order without clocks -------------------------------------------------------------------------------
+# -- G15: order without clocks -------------------------------------------------------------------------------
 
 
 def test_a_clock_ten_minutes_behind_does_not_move_latest_backwards(root, skewed_clock):

@@ -1,4 +1,4 @@
-"""The cyclic GC's pause spans a whole save or load, and never outlives it (issue 21; :mod:`dcp_atomic.gc_pause`).
+"""The cyclic GC's pause spans a whole save or load, and never outlives it (:mod:`dcp_atomic.gc_pause`).
 
 Real gloo worlds of 2 ranks: the collector is paused while DCP's collectives unpickle plans between our hooks,
 and it is on again after a successful save and load, after a save that fails between hooks (a peer raising in

@@ -192,7 +192,7 @@ def test_a_gcsfs_without_exclusive_create_is_refused(monkeypatch, gcs):
         open_storage(gcs.root, gcs.options)
 
 
-# -- the object-store policy on GCS: throttling, stalls, typed errors (issue 20 item 10) -----------------------
+# -- the object-store policy on GCS: throttling, stalls, typed errors (G7) ---------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""CheckpointManager trust items: slow is not dead (P8), committed saves never reported failed,
+"""CheckpointManager: slow is not dead (P8, G14), committed saves never reported failed,
 failures never swallowed.  Real gloo worlds of two ranks, tiny state dicts."""
 
 from __future__ import annotations

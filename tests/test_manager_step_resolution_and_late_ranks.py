@@ -1,4 +1,4 @@
-"""CheckpointManager defects an outside review found (issue 10, items 1-5 and 11): step resolution,
+"""CheckpointManager step resolution and late ranks (G5, G10, G14): step resolution,
 slow rank 0 before a resolve, Ctrl-C during wait(), ranks asking for different steps, a late caller,
 and store keys left behind.  Real gloo worlds of two ranks, tiny state dicts."""
 
@@ -38,7 +38,7 @@ def _outcome(call):
     return ("ok", value, time.monotonic() - started, None)
 
 
-# -- items 1, 4, 11: resolving the step to load; no store key per operation ----------------------------
+# -- resolving the step to load; no store key per operation ----------------------------
 
 
 def _operation_keys(store, manager) -> list[str]:
@@ -81,12 +81,12 @@ def test_load_resolution_errors_are_typed_prompt_and_agreed_and_operations_leave
     results = assert_all_ok(run_world(_resolve_job, 2, root, args=(timeout,), timeout=90))
     for rank, seen in enumerate(results):
         assert seen["ops"] == [3, 1, [1, 2, 3], 3], (rank, seen)
-        assert seen["keys_left"] == [], (rank, seen)  # item 11
-        kind, message, seconds, _ = seen["missing"]  # item 1: no directory -> not found at once, on every rank
+        assert seen["keys_left"] == [], (rank, seen)  # no store key per operation
+        kind, message, seconds, _ = seen["missing"]  # no directory -> not found at once, on every rank
         assert kind == "CheckpointNotFoundError" and "step 77" in message and seconds < timeout / 2, (rank, seen)
-        kind, message, _, _ = seen["uncommitted"]  # item 1: rank 0's wait for the marker is waited for
+        kind, message, _, _ = seen["uncommitted"]  # rank 0's wait for the marker is waited for
         assert kind == "CheckpointNotFoundError" and "step 5" in message, (rank, seen)
-        kind, message, _, _ = seen["mismatch"]  # item 4
+        kind, message, _, _ = seen["mismatch"]  # ranks asking for different steps
         assert kind == "RankConsistencyError" and "rank(s) 0: step 1" in message and "rank(s) 1: step 2" in message, \
             (rank, seen)
         assert seen["after"][:2] == ("ok", 3), (rank, seen)
@@ -107,7 +107,7 @@ def test_a_missing_step_is_not_found_at_once_in_one_process(root):
     manager.close()
 
 
-# -- item 2: rank 0 still busy after a save is waited for by the next resolve --------------------------
+# -- rank 0 still busy after a save is waited for by the next resolve --------------------------
 
 
 def _slow_bookkeeping_job(ctx, timeout):
@@ -135,7 +135,7 @@ def test_rank0_slower_than_timeout_after_a_save_does_not_fail_steps_load_or_late
     assert results == [[[1], 2, 3]] * 2
 
 
-# -- item 3: Ctrl-C during wait() keeps the save; close() waits for it and raises its failure ----------
+# -- Ctrl-C during wait() keeps the save; close() waits for it and raises its failure ----------
 
 
 def _interrupted(call) -> str:
@@ -186,7 +186,7 @@ def test_ctrl_c_during_wait_keeps_the_save_and_close_waits_for_it_and_raises_its
         assert seen["failing_steps"] == [1], (rank, seen)
 
 
-# -- item 5: a rank that enters a call more than timeout late knows it was the late one ----------------
+# -- a rank that enters a call more than timeout late knows it was the late one ----------------
 
 
 def _late_caller_job(ctx, timeout):

@@ -1,4 +1,4 @@
-"""Object stores say exactly what happened (issue 20, items 6-9 and 11), on moto behind the fault proxy.
+"""Object stores say exactly what happened (G7), on moto behind the fault proxy.
 
 Each test names the behaviour it proves and fails without it: a marker PUT
 cancelled unanswered and applied later is not reported "not committed"; the
@@ -46,7 +46,7 @@ def _marker_save_id(s3, step: int) -> str:
     return json.loads(s3.get(f"{RUN}/step_{step:010d}/COMMITTED"))["save_id"]
 
 
-# -- item 6: a marker PUT cancelled unanswered ---------------------------------------------------------
+# -- a marker PUT cancelled unanswered ---------------------------------------------------------
 
 
 def test_a_marker_put_cancelled_unanswered_and_applied_later_is_not_reported_uncommitted(s3_moto):
@@ -78,7 +78,7 @@ def test_a_marker_put_cancelled_unanswered_and_never_applied_is_reported_unknown
     assert errors[0].details["unanswered"] >= 1
 
 
-# -- item 7: the stall deadline, not s3fs's read timeout -----------------------------------------------
+# -- the stall deadline, not s3fs's read timeout -----------------------------------------------
 
 
 def test_the_stall_deadline_sets_the_clients_socket_timeouts(s3_moto):
@@ -113,7 +113,7 @@ def test_requests_that_keep_stalling_name_the_stall_knob(s3_moto):
     assert "dcp_atomic_stall_timeout_s (now 1)" in str(info.value) and "kept stalling" in str(info.value)
 
 
-# -- item 8: writes where the data goes ------------------------------------------------------------------
+# -- writes where the data goes ------------------------------------------------------------------
 
 
 def test_credentials_scoped_to_the_run_are_refused_before_any_data_naming_the_data_prefixes(s3_moto):
@@ -139,7 +139,7 @@ def test_a_refused_data_put_names_the_data_prefixes(s3_moto):
     assert errors and "hashed prefixes" in str(errors[0]) and "_d*" in str(errors[0]), _inner(info.value)
 
 
-# -- item 9: the budget starts when the request is sent ----------------------------------------------------
+# -- the budget starts when the request is sent ----------------------------------------------------
 
 
 def test_a_queued_request_gets_its_whole_budget_after_it_is_sent(s3_moto):
@@ -166,7 +166,7 @@ def test_a_queued_request_gets_its_whole_budget_after_it_is_sent(s3_moto):
     assert results == {"a.bin": b"a", "b.bin": b"b"}, results
 
 
-# -- item 11: a lost CreateMultipartUpload reply -----------------------------------------------------------
+# -- a lost CreateMultipartUpload reply -----------------------------------------------------------
 
 
 def test_a_lost_create_multipart_reply_leaves_no_orphan_upload(s3_moto):

@@ -1,10 +1,10 @@
-"""Issues 11 and 19: DCP's plan caching (``enable_plan_caching=True``) with dcp_atomic.
+"""DCP's plan caching (``enable_plan_caching=True``) with dcp_atomic.
 
 A cached plan is replayed by every rank without reaching the coordinator, so the save_id cannot ride in it:
 each save of a series derives its own from the series' first save_id and a count every rank advances in
 lockstep, and the coordinator refuses to commit unless every rank wrote the step and save_id it planned.
 
-Issue 19 (P14, one refused save never breaks the next): DCP's coordinator fills its plan caches before
+One refused save never breaks the next (P14): DCP's coordinator fills its plan caches before
 ``prepare_global_plan`` may refuse, while the ranks' caches advance only after it; and each planner class has its
 own DCP cache, so its own series.
 """

@@ -1,4 +1,4 @@
-"""Issue 13, read once: a stored item several ranks need is read from storage once and shared over the group.
+"""Read once: a stored item several ranks need is read from storage once and shared over the group.
 
 Real gloo worlds of 4: replicated plain tensors and objects, HSDP-like DTensors (``dp_replicate=2 x
 dp_shard=2``), every format; bytes read from storage counted by the reader and, on S3, at the server; a peer

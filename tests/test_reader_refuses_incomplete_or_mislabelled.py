@@ -1,4 +1,4 @@
-"""The reader's side of issue 10: no silent wrong values, no partial checkpoint loading as complete,
+"""The reader (G4): no silent wrong values, no partial checkpoint loading as complete,
 one open per data file, empty shards that load.
 
 Single-process checks run in this process (DCP without a process group); the

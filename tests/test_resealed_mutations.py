@@ -260,7 +260,7 @@ def test_the_reviewers_silent_cases_are_refused_or_exact(root, case):
         assert outcome == "refused" and key in detail, detail
 
 
-# -- the other sealed control files: per-rank shards, ranks.json, .metadata's dtypes (issue 20) ---------------
+# -- the other sealed control files: per-rank shards, ranks.json, .metadata's dtypes ---------------
 
 
 class _SealedFiles:

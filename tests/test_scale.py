@@ -1,4 +1,4 @@
-"""Issue 11, scale: metadata that does not grow with the world (P12).
+"""Scale: metadata that does not grow with the world (P12).
 
 Schema 2 keeps each rank's items in its own manifest shard; a loading rank
 reads the top manifest plus the shards of the files it reads; rank 0 commits

@@ -1,4 +1,4 @@
-"""Many small tensors: the per-item data path (issue 11).
+"""Many small tensors: the per-item data path.
 
 Round trips of 10k+ small tensors of mixed dtypes and shapes (empty ones too) in every format at world 1
 and 2, bit-exact; a damaged byte inside a run of consecutive items read together is caught and named;

@@ -1,4 +1,4 @@
-"""Issue 14, observability: every dict the manager's callbacks receive matches docs/statistics.md (names and
+"""Observability: every dict the manager's callbacks receive matches docs/statistics.md (names and
 types), for a save, an async save, a load and failed saves, in a real gloo world of two ranks; the
 TensorBoard example runs and writes event files."""
 

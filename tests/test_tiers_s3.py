@@ -389,7 +389,7 @@ def test_a_full_local_disk_fails_the_save_naming_rank_and_path_and_keeps_the_pre
         assert _durable_steps(s3) == []
 
 
-# -- e. issue 26's rules with the durable root on S3: any world drains a step whole, conflicts refused at save --------
+# -- e. the drain's rules with the durable root on S3: any world drains a step whole, conflicts refused at save --------
 
 
 def _fresh_save_of(ctx, options, step):

@@ -1,4 +1,4 @@
-"""``dcp-atomic verify`` never exits 0 on a step a load refuses (P11, P12; issue: verify tells the truth).
+"""``dcp-atomic verify`` never exits 0 on a step a load refuses (P11, P12: verify tells the truth).
 
 * A partial-copy note (``<file>.partial``) is honoured only with ``--local`` (a node's local root, where only a tier
   restore writes one), only when it names the items it holds, and only if those items verify; a note in a durable

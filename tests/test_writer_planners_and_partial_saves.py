@@ -1,4 +1,4 @@
-"""Writer-side trust (issue 10): what a planner resolves, partial saves, the real cause of a failed write.
+"""The writer: what a planner resolves, partial saves, the real cause of a failed write.
 
 * A planner whose ``resolve_data`` casts or reshapes loads exactly what stock DCP loads, in every format;
   one that changes the element count is refused by name before anything commits.
@@ -128,7 +128,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_casting_planner_loads_what_stock_dcp_loads(root, fmt):
-    """Needs the reader to decode the recorded stored dtype and cast (reader side of item 1)."""
+    """Needs the reader to decode the recorded stored dtype and cast (the reader's side of the casting planner)."""
     stock = tempfile.mkdtemp(dir=root)
     dcp.save(_state(), storage_writer=FileSystemWriter(stock), planner=_CastingPlanner())
     expected = _zeros(_state())
