@@ -20,7 +20,7 @@ from dcp_atomic.manifest import FileEntry, ItemExtent
 from dcp_atomic.storage import LocalStorage
 from dcp_atomic import failpoints
 from tests.harness import assert_all_ok, run_world
-from tests.test_tiers import RUN, _exact, _manager, _node_env, _state
+from tests.helpers.tiers import RUN, _exact, _manager, _node_env, _state
 
 PIECE = 2500  # COPY_CHUNK in these tests: not a multiple of the blocks, so pieces must stop where a block starts
 
@@ -101,7 +101,7 @@ def _drain_two_files_per_rank(ctx):
     import torch.distributed as dist
 
     from dcp_atomic import CheckpointManager
-    from tests.test_manager import _fsdp_app, _full, _train_step
+    from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
 
     drain.DRAIN_ATTEMPTS = 1
     drain.default_thread_count = lambda: 2

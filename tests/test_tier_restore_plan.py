@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.harness import assert_all_ok
-from tests.test_tiers import RUN, WORLD, _flip_byte, _manager, _run
+from tests.helpers.tiers import RUN, WORLD, _flip_byte, _manager, _run
 
 ROWS, COLS = 256, 64  # "w": 64 rows of 64 fp32 per rank, 16 KiB
 
