@@ -133,6 +133,7 @@ def _assert_same(got, want, where):
         assert got == want, where
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("sampler", ["seedable", "default"])
 def test_a_job_killed_inside_a_save_resumes_the_last_commit_exactly_on_two_ranks_and_on_one(tmp_path, sampler):
@@ -187,6 +188,7 @@ def _refusals(ctx):
     return messages, steps
 
 
+@pytest.mark.slow
 def test_a_save_that_would_hold_no_model_weights_is_refused_with_the_fix(tmp_path):
     [(messages, steps)] = assert_all_ok(run_world(_refusals, 1, str(tmp_path), no_process_group=True, timeout=120))
     assert len(messages) == 2, messages
@@ -212,6 +214,7 @@ def _two_tiers(ctx):
     return step, tier, durable_steps, want, _snapshot(job[0], job[1], job[2], job[4], job[5])
 
 
+@pytest.mark.slow
 def test_the_local_tier_works_through_it_as_through_the_manager(tmp_path):
     [(step, tier, durable_steps, want, got)] = assert_all_ok(
         run_world(_two_tiers, 1, str(tmp_path), no_process_group=True, timeout=120))
@@ -243,6 +246,7 @@ def _other_objects(ctx):
     return errors
 
 
+@pytest.mark.slow
 def test_a_load_into_an_accelerator_holding_other_objects_is_refused_naming_them(tmp_path):
     """Fewer objects than saved: refused naming both sets; more: DCP's plan names the key the checkpoint lacks."""
     [errors] = assert_all_ok(run_world(_other_objects, 1, str(tmp_path), no_process_group=True, timeout=120))
@@ -313,6 +317,7 @@ def _what_users_do(ctx):
     return got
 
 
+@pytest.mark.slow
 def test_what_accelerate_users_do_saves_and_loads_what_they_meant_or_is_refused(tmp_path):
     [got] = assert_all_ok(run_world(_what_users_do, 1, str(tmp_path), no_process_group=True, timeout=120))
     assert got["fresh_load"] is None
@@ -341,6 +346,7 @@ def _on_s3(ctx):
     return step, steps, want, _snapshot(job[0], job[1], job[2], job[4], job[5])
 
 
+@pytest.mark.slow
 def test_an_s3_root_works_through_it_as_through_the_manager(s3_seaweedfs, tmp_path):
     extra = {"root": s3_seaweedfs.root, "options": s3_seaweedfs.options()}
     [(step, steps, want, got)] = assert_all_ok(run_world(_on_s3, 1, str(tmp_path), no_process_group=True,

@@ -2,7 +2,7 @@
 
 These check that the benchmarks work end to end (bit-exact round trips included), not how fast anything is.  Each
 smoke runs as a user runs it, ``bash scripts/bench.sh SCENARIO --smoke``, on a checkout without tests/ whose venv
-refuses pytest and the test suite (issue 30: the benchmarks once imported tests.harness and failed on a fresh clone).
+refuses pytest and the test suite (the benchmarks once imported tests.harness and failed on a fresh clone).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import sysconfig
 import pytest
 
 from benchmarks import bench
+
+pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = ("pytest", "_pytest", "tests")  # what no benchmark may import
@@ -227,7 +229,6 @@ def test_two_tiers_smoke(checkout, root):
         ("restore from replicas >= 2x faster than from S3", True),
         ("drain no slower than a direct s3 save", True),
         ("drain no slower than a direct disk save", True)]
-
 
 
 def test_bench_sh_installs_what_each_scenario_needs(tmp_path):

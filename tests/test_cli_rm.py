@@ -132,6 +132,7 @@ def test_rm_of_a_run_leaves_a_run_whose_name_it_prefixes_untouched(root, capsys)
     assert main(["ls", root, RUN]) == 1  # gone
 
 
+@pytest.mark.slow
 def test_rm_on_s3_removes_hashed_prefix_data_and_never_a_sibling_run(s3_moto):
     s3 = s3_moto
     options = s3.options()

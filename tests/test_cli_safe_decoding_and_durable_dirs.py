@@ -138,6 +138,7 @@ def _save_equal_sets_then_different_ones(ctx):
     return {"pickle": hashlib.sha256(pickle.dumps(equal)).hexdigest(), "refused": refused}
 
 
+@pytest.mark.slow
 def test_equal_sets_ordered_differently_per_rank_save_and_different_ones_are_refused(root):
     first, second = assert_all_ok(run_world(_save_equal_sets_then_different_ones, 2, root, timeout=120))
     assert first["pickle"] != second["pickle"], "precondition: the ranks' pickles of the set differ"

@@ -19,6 +19,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_atomic import AtomicStorageReader, latest_step, list_steps
 
+pytestmark = pytest.mark.slow
+
 RUN = "demo"  # dcp_atomic.demo.RUN_ID
 
 

@@ -70,6 +70,7 @@ def test_a_step_no_root_covers_stays_local_and_the_error_names_the_file_and_its_
     assert not glob.glob(os.path.join(root, RUN, "step_0000000010", "COMMITTED"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("restore", [True, False], ids=["restored", "saved-without-loading"])
 def test_a_node_wiped_before_its_drain_the_restarted_job_drains_the_step_from_the_surviving_copies(root, nodes,
                                                                                                  restore):
@@ -216,6 +217,7 @@ def _stranger_saves(ctx, durable_root):
         return {"refused": refused, "durable": manager.steps(tier="durable")}
 
 
+@pytest.mark.slow
 def test_a_new_experiment_reusing_a_run_id_starts_fresh_and_is_told_of_the_other_ones_local_steps(root, nodes):
     """Two experiments, one run id, two durable roots, the same nodes: the owner restores its local-only step
     exactly; the stranger (an empty durable root) starts fresh, warned of the foreign step by root, run and step,
@@ -253,6 +255,7 @@ def _strip_lineage(node_root, step):
         f.write(marker.to_json())
 
 
+@pytest.mark.slow
 def test_local_steps_that_record_no_lineage_are_no_lineages_own(root, nodes):
     """A local step whose marker records no lineage (an earlier version's, or a job's that could not reach its
     run's LINEAGE) is no experiment's: a new experiment with an empty durable root starts fresh, told of it by

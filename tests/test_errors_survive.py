@@ -8,6 +8,7 @@ import multiprocessing
 import pickle
 import time
 
+import pytest
 import torch
 
 from tests.harness import assert_all_ok, run_world
@@ -19,6 +20,7 @@ def _echo(queue_in, queue_out):
     queue_out.put(queue_in.get())
 
 
+@pytest.mark.slow
 def test_peer_lost_pickles_copies_and_crosses_a_process_queue_like_every_other_error():
     from dcp_atomic.exchange import PeerLost
 

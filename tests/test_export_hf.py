@@ -1,4 +1,4 @@
-"""The safetensors export loads in Hugging Face ``transformers`` as the model it was saved from (issue 19).
+"""The safetensors export loads in Hugging Face ``transformers`` as the model it was saved from (G17).
 
 A tiny random Llama is saved the way a training job saves it (``{"model": model.state_dict()}`` through the
 manager, so every stored key carries a ``model.`` prefix), exported with ``--strip-prefix`` (and ``--tie`` when
@@ -25,6 +25,8 @@ from dcp_atomic.cli import main
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' (transformers is a test extra)")
 from safetensors import safe_open  # noqa: E402 - after the skip: both come with the test extra
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN, STEP = "llama", 20

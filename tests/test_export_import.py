@@ -202,6 +202,7 @@ def _peak_growth(*argv: str) -> int:
     return result["growth"]
 
 
+@pytest.mark.slow
 def test_safetensors_export_streams_one_tensor_at_a_time(root, tmp_path):
     """~200 MB in 20 tensors of 10 MB, 20 MB shards: peak growth stays far below the model (torch format: above)."""
     tensor_bytes, count, shard = 10 * 2**20, 20, 20 * 10**6
@@ -281,6 +282,7 @@ def test_import_copies_commits_and_round_trips_bit_exact(saved, tmp_path, capsys
     assert main(["verify", root, "imported", "5"]) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["commit.after_manifest", "commit.after_marker", "commit.after_latest"])
 def test_kill_matrix_an_import_killed_in_its_commit_leaves_the_previous_step_and_a_collectable_attempt(saved, tmp_path,
                                                                                                        point):

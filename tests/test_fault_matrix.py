@@ -43,6 +43,8 @@ from dcp_atomic import AtomicStorageReader, CheckpointNotFoundError, latest_step
 from tests.fault_fixtures import debris, failpoint_env, gc_all_debris, nfs_clients_ctx, small_tmpfs_ctx
 from tests.harness import run_world
 
+pytestmark = pytest.mark.slow
+
 RUN = "exp"
 WORK_TIMEOUT = 8.0  # the manager's work limit: a rank alive but stuck longer is named
 TIMEOUT = 3.0  # the manager's timeout: its gloo groups and every library wait

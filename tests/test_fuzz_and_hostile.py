@@ -33,6 +33,8 @@ import torch
 from tests import manifest_view
 from tests.harness import assert_all_ok, run_world
 
+pytestmark = pytest.mark.slow
+
 RUN = "exp"
 OUR_ERRORS = ("CheckpointNotFoundError", "CommitConflictError", "CorruptCheckpointError", "RankConsistencyError",
               "ReshardError", "StorageError", "ConfigurationError", "RankFailureError", "CheckpointError")

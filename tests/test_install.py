@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH = "torch==2.13.0"  # "your build": the one this machine holds (a bare `torch` would download a CUDA build)
 

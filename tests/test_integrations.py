@@ -82,6 +82,7 @@ def _torchtitan_rank(ctx, mode):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_torchtitan_checkpointer_saves_resumes_and_keeps_latest_k(root, mode):
     results = assert_all_ok(run_world(_torchtitan_rank, 2, root, args=(mode,), timeout=180))
@@ -130,6 +131,7 @@ def _lightning_rank(ctx):
             "global_step": resumed.global_step, "code_ran": os.path.exists(canary)}
 
 
+@pytest.mark.slow
 def test_lightning_trainer_saves_resumes_and_removes_through_the_library(root):
     results = assert_all_ok(run_world(_lightning_rank, 2, root, timeout=240))
     for out in results:
@@ -238,6 +240,7 @@ def _lightning_failing_pointer_rank(ctx):
     return {"error": None}
 
 
+@pytest.mark.slow
 def test_lightning_pointer_failure_on_rank_0_fails_every_rank_at_once(root):
     results = assert_all_ok(run_world(_lightning_failing_pointer_rank, 2, root, timeout=120))
     for out in results:

@@ -14,6 +14,8 @@ import torch
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.lightning import _module_class, _resumed_weights, _same, _trainer, _weights
 
+pytestmark = pytest.mark.slow
+
 
 def _two_runs_one_dirpath(ctx, package):
     pl, Module = _module_class(package)

@@ -3,9 +3,9 @@ suffix keeps the state it now names, and ``load_from_checkpoint`` on rank 0 alon
 
 from __future__ import annotations
 
-import pytest
-
 import os
+
+import pytest
 
 from tests.harness import assert_all_ok, run_world
 

@@ -14,6 +14,8 @@ import pytest
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.lightning import _module_class, _same, _trainer, _weights
 
+pytestmark = pytest.mark.slow
+
 
 def _full_state(module) -> dict:
     """The module's and its optimizer's unsharded state (every rank takes part: FSDP gathers)."""

@@ -1,4 +1,4 @@
-"""Lightning's local tier (issue 18): ``AtomicModelParallelStrategy(local_root=...)`` under a real ``pl.Trainer``.
+"""Lightning's local tier: ``AtomicModelParallelStrategy(local_root=...)`` under a real ``pl.Trainer``.
 
 A world of 2 ranks as 2 failure domains (``DCP_ATOMIC_FAILURE_DOMAIN`` node0/node1), each rank's ``local_root`` its
 own tmpfs (a node's disk), the durable root (``dirpath``) on disk.  A *replaced node* is its local root emptied
@@ -20,6 +20,8 @@ from dcp_atomic import failpoints
 
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.lightning import _module_class, _same, _weights
+
+pytestmark = pytest.mark.slow
 
 PACKAGE = "pytorch_lightning"
 

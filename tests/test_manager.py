@@ -6,6 +6,7 @@ import json
 import os
 import time
 
+import pytest
 import torch
 
 from dcp_atomic import list_steps
@@ -134,6 +135,7 @@ def _async_save_then_die(ctx):
     return {"error": None}
 
 
+@pytest.mark.slow
 def test_async_save_racing_a_killed_rank_fails_typed_and_latest_stays_on_the_commit(root):
     outcomes = run_world(_async_save_then_die, 2, root,
                          rank_env=lambda r: {"DCP_ATOMIC_FAILPOINTS": "write.mid_data@1#2=kill"} if r == 1 else {},
@@ -160,6 +162,7 @@ def _save_with_frozen_peer(ctx):
     return {"silent": None}
 
 
+@pytest.mark.slow
 def test_frozen_rank_surfaces_as_typed_error_naming_it(root):
     outcomes = run_world(_save_with_frozen_peer, 2, root,
                          rank_env=lambda r: {"DCP_ATOMIC_FAILPOINTS": "write.before_data@1=stop"} if r == 1 else {},

@@ -3,13 +3,12 @@ failures never swallowed.  Real gloo worlds of two ranks, tiny state dicts."""
 
 from __future__ import annotations
 
-import pytest
-
 import concurrent.futures
 import os
 import subprocess
 import time
 
+import pytest
 import torch
 
 from dcp_atomic import list_steps

@@ -15,6 +15,8 @@ import torch
 from dcp_atomic import ConfigurationError, Parallelism
 from tests.harness import assert_all_ok, run_world
 
+pytestmark = pytest.mark.slow
+
 RUN = "mesh"
 
 

@@ -91,6 +91,7 @@ def test_replicas_read_each_stored_byte_once_in_every_format_and_load_exact(root
         assert all(wrong == [] and stats["rounds"] == 0 for wrong, stats in (r[step][None] for r in results))
 
 
+@pytest.mark.slow
 def test_replicas_read_each_object_once_at_a_real_s3_server(s3_moto):
     """Counted at the server: GET bytes during the shared load are the stored bytes, once."""
     s3 = s3_moto
@@ -289,6 +290,7 @@ def test_schedule_balances_senders_bounds_rounds_and_leaves_disjoint_reads_alone
         assert sorted(got) == sorted(i for i in needs if i[0] == "k"), rank
 
 
+@pytest.mark.slow
 def test_schedule_for_a_thousand_ranks_is_one_message_per_peer_per_round():
     """1,024 replicas of 1,000 small items: every rank reads ~1 item and each pair exchanges at most one message
     per round (items with one receiver set are packed back to back)."""

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(HERE, "README.md")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)

@@ -222,6 +222,7 @@ def _fuzz(root: str, seed: int, rounds: int) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 def test_one_field_mutations_of_a_resealed_manifest_never_load_wrong_values(root):
     started = time.monotonic()
     results = _fuzz(root, seed=20261130, rounds=2)
@@ -590,6 +591,7 @@ def _verify_ok(root: str) -> bool:
         return cli.main(["--timeout", "0.05", "verify", root, RUN, "1"]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_field_mutations_of_every_ranks_shard_of_worlds_2_and_3_never_load_wrong_values(root, world):
     """A step saved by a real gloo world of 2 or 3 ranks (each rank its own keys), loaded whole in one process:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from dcp_atomic import list_steps
@@ -38,6 +39,7 @@ def _manifest(root, step) -> dict:
     return json.load(open(os.path.join(step_dir, save_id, "manifest.json")))
 
 
+@pytest.mark.slow
 def test_tp2_to_tp1_needs_consent_then_loads_exact_and_back(root):
     saved = assert_all_ok(run_world(_save_layout, 2, root, args=({"tp": 2}, 1, 1)))[0]
     manifest = _manifest(root, 1)

@@ -201,6 +201,7 @@ def test_multipart_writes_bounded_concurrency_ranged_reads_and_abandoned_uploads
 # -- the core protocol cases on S3 ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_round_trip_at_world_2_over_consecutive_saves_with_no_rank_listing(s3):
     extra = {"storage_options": s3.options()}
     ids = assert_all_ok(run_world(_save_steps, 2, s3.root, args=([1, 2, 3], [3]), extra=extra))
@@ -283,6 +284,7 @@ def test_crashed_overwrite_leaves_the_old_version_and_missing_steps_are_not_foun
     assert latest_step(s3.root, "nothing-here", s3.options()) is None
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_upload_leaves_previous_step_and_gc_aborts_its_upload(s3):
     extra = {"storage_options": s3.options()}
     assert_all_ok(run_world(_save_steps, 2, s3.root, args=([1],), extra=extra))
@@ -306,6 +308,7 @@ def test_rank_killed_mid_upload_leaves_previous_step_and_gc_aborts_its_upload(s3
     assert [seen[0][0] for seen in loaded] == [1, 1]
 
 
+@pytest.mark.slow
 def test_rank0_crash_between_manifest_and_marker_leaves_nothing_visible(s3):
     extra = {"storage_options": s3.options()}
     assert_all_ok(run_world(_save_steps, 2, s3.root, args=([1],), extra=extra))

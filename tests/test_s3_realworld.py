@@ -1,4 +1,4 @@
-"""S3 where users run it (issue 12): throttling storms, stalls, https stores with their own checksum rules,
+"""S3 where users run it (G7): throttling storms, stalls, https stores with their own checksum rules,
 honest probes, process-based async saves, ambiguous marker writes, and gc on stores without prefix filters.
 
 Everything runs against the real servers of tests/s3_servers.py (moto, SeaweedFS), faults from the proxy.
@@ -25,7 +25,7 @@ from dcp_atomic.backends import open_storage
 from tests.harness import assert_all_ok, run_world
 
 RUN = "exp"
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def _state(seed: int, big: bool = False) -> dict:

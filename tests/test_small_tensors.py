@@ -69,6 +69,7 @@ def _round_trip_every_format(ctx, count: int) -> int:
     return len(original)
 
 
+@pytest.mark.slow
 def test_ten_thousand_small_tensors_round_trip_bit_exact_world_1(root):
     assert assert_all_ok(run_world(_round_trip_every_format, 1, root, args=(10_000,), timeout=240)) == [10_000]
 

@@ -30,6 +30,8 @@ from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointNotFo
 from tests.fault_fixtures import nfs_clients_ctx, watched_reads
 from tests.harness import assert_all_ok, run_world
 
+pytestmark = pytest.mark.slow
+
 RUN = "exp"
 
 

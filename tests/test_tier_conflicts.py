@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.harness import assert_all_ok
 from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
 from tests.helpers.tiers import RUN, _exact, _run, _state
@@ -79,6 +81,7 @@ def _restore(ctx, nodes):
     return loaded
 
 
+@pytest.mark.slow
 def test_a_restore_takes_the_newer_durable_commit_of_a_step_over_the_local_copy(root, nodes):
     local_only = assert_all_ok(_run(_job, root, nodes, [3], 0, nodes, False))  # local only: durable root empty
     durable = assert_all_ok(_run(_job, root, nodes, [3], 5, None))  # another job commits step 3 to the durable root

@@ -1,4 +1,4 @@
-"""The local tier turned on from the frameworks' own entry points (issue 18, "Integrations").
+"""The local tier turned on from the frameworks' own entry points (torchtitan, Lightning, plain loops).
 
 torchtitan: its ``CheckpointManager`` built from ``AtomicCheckpointManager.Config(local_root=...)``, driven as its
 Trainer drives it (``load(step=load_step)``, ``save(step)`` every interval, the async modes, ``close()``), in a world
@@ -18,6 +18,8 @@ import torch
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.tier_integrations import FOLDER, _data_files, _local_steps, _node_root, _titan
 from tests.helpers.tiers import _node_env
+
+pytestmark = pytest.mark.slow
 
 WORLD = 4
 

@@ -422,6 +422,7 @@ def _drain_into_a_full_disk(ctx, ballast):
     return {"raised": raised, "failures": failures, "drained": [s["step"] for s in drained], "full": full}
 
 
+@pytest.mark.slow
 def test_a_drain_into_a_full_durable_root_is_reported_and_a_later_drain_succeeds(nodes):
     with small_tmpfs_ctx(size_kib=1024) as durable:
         durable.fill_bytes(leave=0)  # fill the durable root: a real ENOSPC for the uploads
@@ -526,6 +527,7 @@ KILLS = {  # cell -> (failpoint spec on the killed rank, drain hook, the killed 
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", sorted(KILLS))
 def test_kill_matrix_a_restart_loads_the_newest_local_commit_exactly_and_gc_collects_the_rest(root, nodes, cell):
     from dcp_atomic.commit import scan_markers
@@ -575,6 +577,7 @@ def _restore_killed(ctx):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+@pytest.mark.slow
 def test_kill_matrix_a_restore_killed_before_its_marker_leaves_no_marker_and_the_next_restore_is_exact(root, nodes):
     """The tier restore's commit goes through the one local-marker record (commit.record_local_marker) and its kill
     point: node B's leader, killed as it is about to record the restored step, leaves node B without a marker

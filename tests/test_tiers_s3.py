@@ -13,6 +13,8 @@ import json
 import os
 import re
 
+import pytest
+
 from dcp_atomic.drain import DRAIN_ATTEMPTS
 from dcp_atomic import failpoints
 from tests.fault_fixtures import small_tmpfs_ctx
@@ -157,6 +159,7 @@ def _train_through_a_storm(ctx, options):
             "durable_while_training": durable_while_training, "durable_after": durable_after}
 
 
+@pytest.mark.slow
 def test_a_slowdown_storm_on_the_drain_never_blocks_local_saves_and_the_retry_commits(s3_moto, nodes):
     s3, options = s3_moto, _options(s3_moto)
     _storm(s3, 10, S3_ATTEMPTS, stall_s=0.2)  # each rank's first drain attempt fails, the second goes through
@@ -206,6 +209,7 @@ def _storm_outlasts_the_drain(ctx, options):
     return {"saved": saved, "drained": [s["step"] for s in drained], "failures": failures, "raised": raised}
 
 
+@pytest.mark.slow
 def test_a_storm_longer_than_the_retries_fails_the_drain_naming_step_and_key_and_the_next_drain_commits(s3_moto,
                                                                                                          nodes):
     s3, options = s3_moto, _options(s3_moto)
@@ -250,6 +254,7 @@ def _latest_refused_once(ctx, options):
             "retried": [line for line in lines.lines if "retrying" in line]}
 
 
+@pytest.mark.slow
 def test_a_storm_between_the_durable_marker_and_latest_is_retried_and_latest_names_the_drained_step(s3_moto, nodes):
     s3, options = s3_moto, _options(s3_moto)
     s3.proxy.fail("PUT", rf"/{RUN}/LATEST$", status=503, code="SlowDown", times=S3_ATTEMPTS,
@@ -294,6 +299,7 @@ def _save_while_the_drain_is_stuck(ctx, options):
     return {**seen, "drained": [(s["step"], s["skipped_steps"]) for s in drained]}
 
 
+@pytest.mark.slow
 def test_local_retention_keeps_the_step_stuck_in_the_drain_and_the_newest_waiting_one(s3_moto, nodes):
     s3, options = s3_moto, _options(s3_moto)
     s3.proxy.fail("PUT", _data_key(10, 0), status=None, stall_s=HOLD_S, times=1)

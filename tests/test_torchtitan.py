@@ -7,11 +7,14 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
 import torch
 
 from dcp_atomic import list_steps
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.integrations import _sharded_model, _Stateful, _train_step
+
+pytestmark = pytest.mark.slow
 
 
 def _full(model, optim):
