@@ -74,6 +74,7 @@ def test_ten_thousand_small_tensors_round_trip_bit_exact_world_1(root):
     assert assert_all_ok(run_world(_round_trip_every_format, 1, root, args=(10_000,), timeout=240)) == [10_000]
 
 
+@pytest.mark.slow
 def test_ten_thousand_small_tensors_round_trip_bit_exact_world_2(root):
     assert assert_all_ok(run_world(_round_trip_every_format, 2, root, args=(5_000,), timeout=240)) == [5_000] * 2
 

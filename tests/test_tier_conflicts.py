@@ -57,6 +57,7 @@ def _fresh_saves(ctx, local, new_step):
     return seen
 
 
+@pytest.mark.slow
 def test_a_fresh_jobs_save_of_a_committed_step_is_refused_at_save_and_async_save_in_both_tiers(root, nodes):
     assert_all_ok(_run(_job, root, nodes, [1, 2], 0, nodes))  # two tiers, drained by default: durable [1, 2]
     for local, new_step in (("b", 3), (None, 4)):  # a fresh two-tier job on other local roots; a one-tier one

@@ -9,6 +9,8 @@ the failed attempt before the save raises; saves 5 and 6 commit and step 6 resto
 
 from __future__ import annotations
 
+import pytest
+
 import glob
 import os
 import shutil
@@ -56,6 +58,7 @@ def _step_bytes(node, step):
     return total
 
 
+@pytest.mark.slow
 def test_a_failed_local_save_is_removed_from_every_node_and_a_tight_disk_keeps_saving(root, nodes):
     with small_tmpfs_ctx(size_kib=65536) as disk_b:
         roots = [nodes[0], disk_b.path]

@@ -109,6 +109,7 @@ def _data_files(node_root, step):
                                                                       "__*_*.distcp")))
 
 
+@pytest.mark.slow
 def test_local_round_trip_is_exact_replicated_on_both_nodes_and_keeps_keep_local(root, nodes):
     saved = assert_all_ok(_run(_train_and_save, root, nodes, [10, 20, 30], True))
     assert all(out["listed"] == {"local": [20, 30], "durable": [], None: [20, 30]} for out in saved)
@@ -135,6 +136,7 @@ def test_local_round_trip_is_exact_replicated_on_both_nodes_and_keeps_keep_local
     assert all(out["stats"] == [] for out in saved[1:])  # on_saved is rank 0's
 
 
+@pytest.mark.slow
 def test_a_replaced_node_is_restored_exactly_from_the_replicas(root, nodes):
     saved = assert_all_ok(_run(_train_and_save, root, nodes, [10, 20]))
     shutil.rmtree(os.path.join(nodes[1], RUN))  # node B replaced: its local disk comes back empty
@@ -464,6 +466,7 @@ def _drain_then_die_before_the_marker(ctx):
         manager.wait()
 
 
+@pytest.mark.slow
 def test_a_kill_before_the_durable_marker_leaves_the_previous_durable_step(root, nodes):
     outcomes = _run(_drain_then_die_before_the_marker, root, nodes)
     assert outcomes[0].killed and not any(out.ok for out in outcomes), outcomes

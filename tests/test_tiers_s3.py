@@ -92,6 +92,7 @@ def _drain_one(ctx, options):
     return {"saved": saved, "drained": drained, "listed": listed}
 
 
+@pytest.mark.slow
 def test_a_step_drained_to_s3_loads_bit_exactly_for_plain_readers_with_its_local_sequence(s3, nodes, capsys):
     options = _options(s3)  # on moto and on SeaweedFS
     outcomes = assert_all_ok(_run(_drain_one, s3.root, nodes, options))
@@ -416,6 +417,7 @@ def _fresh_save_of(ctx, options, step):
     return seen
 
 
+@pytest.mark.slow
 def test_on_s3_a_resized_job_drains_the_old_worlds_step_whole_and_a_fresh_jobs_save_of_it_is_refused(s3, nodes):
     """4 ranks -> 2 with step 10 undrained (the store refused its uploads): the world-2 job drains all four ranks'
     files to S3 (moto and SeaweedFS), the step loads exactly at world 4, and a fresh job's save of step 10 is refused
