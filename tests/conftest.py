@@ -34,18 +34,3 @@ def nodes():
 
     with small_tmpfs_ctx(size_kib=65536) as a, small_tmpfs_ctx(size_kib=65536) as b:
         yield [a.path, b.path]
-
-
-# The slow marker (pyproject.toml) sits on each slow test; these are in files other work owns right now, so they are
-# marked here instead, by file and test name.
-_SLOW_ELSEWHERE = {
-    "test_formats.py::test_resharding_reads_and_verifies_only_the_frames_each_rank_needs",
-    "test_tier_restore_plan.py::test_after_a_partial_restore_losing_the_other_node_falls_back_to_durable_and_the_next_save_heals",
-    "test_tier_restore_plan.py::test_a_source_copy_damaged_after_the_scan_is_refused_by_the_receiver_then_passed_over",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in _SLOW_ELSEWHERE:
-            item.add_marker(pytest.mark.slow)

@@ -153,6 +153,7 @@ def _load_rows_sharded(ctx):
     return target["table"].to_local()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["raw", "zstd"])
 def test_resharding_reads_and_verifies_only_the_frames_each_rank_needs(root, mode):
     full = assert_all_ok(run_world(_save_rows, 1, root, args=(MODES[mode],)))[0]

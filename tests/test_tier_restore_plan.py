@@ -224,6 +224,7 @@ def test_a_flipped_byte_in_a_primary_is_received_by_the_rank_that_reads_it_from_
     assert [out["served"]["bytes_fetched"] for out in restored] == [size["__0_0.distcp"] + shard[0], 0, 0, 0]
 
 
+@pytest.mark.slow
 def test_a_source_copy_damaged_after_the_scan_is_refused_by_the_receiver_then_passed_over(root, nodes):
     assert_all_ok(_run(_save, root, nodes, [10]))
     shutil.rmtree(os.path.join(nodes[1], RUN))
@@ -252,6 +253,7 @@ def test_a_source_file_gone_after_the_scan_fails_every_rank_typed_and_in_bounded
         assert "restoring local step 10" in out.error and "__3_0.distcp" in out.error, out.error
 
 
+@pytest.mark.slow
 def test_after_a_partial_restore_losing_the_other_node_falls_back_to_durable_and_the_next_save_heals(root, nodes):
     saved = assert_all_ok(_run(_save, root, nodes, [10, 20], False, (10,)))
     shutil.rmtree(os.path.join(nodes[1], RUN))
