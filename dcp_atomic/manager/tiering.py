@@ -9,6 +9,7 @@ method of it asks which tiers it has.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 from typing import Any, ContextManager
@@ -21,8 +22,9 @@ from ..protocol.commit import ResumePoint
 NO_DRAIN = "queue_drain needs local_root (and, in a world, the manager's own groups)"
 
 
-class TierPolicy:
-    """The interface (every method is called on every rank alike unless it says otherwise)."""
+class TierPolicy(abc.ABC):
+    """The interface (every method is called on every rank alike unless it says otherwise); abstract, so a policy
+    that forgets one fails when it is built, not with one tier's answer."""
 
     #: True where DCP's own ``finish`` writes the commit marker: a save DCP reports as failed may have committed
     #: anyway, and the manager settles it by reading the marker.
@@ -31,69 +33,71 @@ class TierPolicy:
     durable_every: int | None
 
     # -- saving
+    @abc.abstractmethod
     def drain_decision(self, durable: bool | None) -> bool | None:
         """Whether this save is also drained to the durable root (False: the save itself is durable, or kept
         local; None: not by the policy, but ``close()`` drains it if it is the last).  Counts the save."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def refuse_conflicts(self, step: int) -> None:
         """Rank 0, before a save: raise if a tier other than the durable root holds a commit of ``step`` that this
         save may not replace."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def durable_may_hold(self, step: int) -> bool:
         """Rank 0: whether the durable root's marker of ``step`` is worth reading for the conflict check."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def writer(self, step: int, **options: Any) -> AtomicStorageWriter:
         """The storage writer of a save (``options``: the writer keywords every tier shares)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def failed_attempt_removed(self, step: int, writer: AtomicStorageWriter) -> ContextManager[None]:
         """Around a save's DCP call and :meth:`commit`: what a failure leaves behind is removed."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def commit(self, step: int, writer: AtomicStorageWriter, group: Any, drain: bool | None) -> None:
         """After DCP's save returned (``group``: the save's process group): a commit DCP did not make."""
-        raise NotImplementedError
 
     # -- loading and listing
+    @abc.abstractmethod
     def restore(self, step: int | None, state_dict: dict[str, Any],
                 save_id: str | None) -> tuple[str, int, str, ResumePoint] | None:
         """(root, step, save_id, resume point) to load from a tier other than the durable root, or None: load the
         durable root's choice."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def local_steps(self) -> set[int]:
         """The steps committed outside the durable root (``steps(tier="local")``)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def retire(self, step: int) -> None:
         """Remove this rank's share of ``step`` outside the durable root."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def queue_drain(self, step: int) -> None:
-        raise NotImplementedError
+        """Queue ``step`` for a drain to the durable root."""
 
     # -- the work in the background
+    @abc.abstractmethod
     def wait(self) -> None:
         """Wait for the background work (drains); raise its unreported failure."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def drain_last_and_wait(self) -> None:
         """``close()``, no save in flight: send the last step where it still has to go, and wait for it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def wait_at_exit(self) -> None:
         """The interpreter exits and ``close()`` was never called: wait for the work in flight, start nothing."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def busy(self) -> bool:
         """Work runs in the background: the process groups must not be destroyed under it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Stop the background work and release what the policy holds."""
 
 
 class DurableOnly(TierPolicy):
@@ -109,7 +113,7 @@ class DurableOnly(TierPolicy):
         return False  # the save itself is durable; ``durable`` is ignored
 
     def refuse_conflicts(self, step: int) -> None:
-        pass
+        """No tier but the durable root: the writer's own check of the marker is the whole check."""
 
     def durable_may_hold(self, step: int) -> bool:
         return True
@@ -121,7 +125,7 @@ class DurableOnly(TierPolicy):
         return contextlib.nullcontext()  # an uncommitted attempt is the lease's to collect (retention.py)
 
     def commit(self, step: int, writer: AtomicStorageWriter, group: Any, drain: bool | None) -> None:
-        pass
+        """DCP's ``finish`` has committed the step: nothing is left to do."""
 
     def restore(self, step: int | None, state_dict: dict[str, Any],
                 save_id: str | None) -> tuple[str, int, str, ResumePoint] | None:
@@ -131,22 +135,22 @@ class DurableOnly(TierPolicy):
         return set()
 
     def retire(self, step: int) -> None:
-        pass
+        """Nothing outside the durable root to remove."""
 
     def queue_drain(self, step: int) -> None:
         raise ConfigurationError(NO_DRAIN)
 
     def wait(self) -> None:
-        pass
+        """No background work with one tier."""
 
     def drain_last_and_wait(self) -> None:
-        pass
+        """Every save is already durable."""
 
     def wait_at_exit(self) -> None:
-        pass
+        """No background work with one tier."""
 
     def busy(self) -> bool:
         return False
 
     def close(self) -> None:
-        pass
+        """Holds nothing to release."""
