@@ -44,10 +44,10 @@ _MOVED = {
     **dict.fromkeys(("codec", "container", "integrity", "layout", "manifest", "parallelism", "safe_pickle"), "format"),
     **dict.fromkeys(("backends", "gcs", "object_retry", "s3", "s3_multipart", "s3_probe", "storage"), "stores"),
     **dict.fromkeys(("catalog", "commit", "lineage", "location", "retention"), "protocol"),
-    **dict.fromkeys(("collective", "liveness"), "exchange"),
+    **dict.fromkeys(("collective", "file_transfer", "liveness"), "exchange"),
     **dict.fromkeys(("identity", "planners", "read_checks", "read_sources", "reader", "reshard", "shared_read",
                      "watched", "writer"), "dcp"),
-    **dict.fromkeys(("drain", "file_transfer", "local_tier", "placement", "tier_restore"), "tiers"),
+    **dict.fromkeys(("drain", "local_tier", "placement", "tier_restore"), "tiers"),
     **dict.fromkeys(("audit", "cli", "demo", "export", "importer"), "tools"),
 }
 

@@ -167,5 +167,48 @@ def test_a_peer_killed_mid_stream_fails_the_survivor_within_the_group_timeout_an
     assert outcomes[0].killed
     assert outcomes[1].ok, outcomes[1].error
     survivor = outcomes[1].value
-    assert "error" in survivor, survivor  # the survivor raised (the group's error), never returned a partial file
+    # the survivor raised the transport's typed error naming the dead peer, never returned a partial file
+    assert survivor["error"].startswith("PeerLost: "), survivor
+    assert "Silent rank(s): 0 (" in survivor["error"], survivor
     assert survivor["spool"] == []  # its partly written spool file went with the failure
+
+
+def _ring_with_a_frozen_rank(ctx):
+    """World 3: each rank streams a 6-chunk file to the next; rank 2 freezes (SIGSTOP) inside its third round."""
+    import time
+
+    import torch.distributed as dist
+
+    from dcp_atomic import file_transfer
+    from dcp_atomic.file_transfer import Part, transfer
+
+    file_transfer.CHUNK_BYTES = CHUNK
+    mine = os.path.join(ctx.root, f"rank{ctx.rank}")
+    os.makedirs(mine, exist_ok=True)
+    [path] = _files(mine, ctx.rank, [6 * CHUNK])
+    spool = os.path.join(mine, ".incoming")
+    source = (ctx.rank - 1) % 3
+    started = time.monotonic()
+    try:
+        transfer({(ctx.rank + 1) % 3: [Part("file", 6 * CHUNK, path=path)]}, {source: f"rank {source}"},
+                 dist.group.WORLD, spool, what="the ring test", timeout=4, exchange_id="ring")
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "silent": getattr(e, "details", {}).get("silent"),
+                "seconds": time.monotonic() - started, "spool": sorted(os.listdir(spool))}
+    return {"error": None}
+
+
+def test_a_peer_frozen_mid_stream_is_named_by_every_rank_within_the_transfer_timeout_not_the_groups(root):
+    """Rank 2 stops answering in its third chunk round.  Rank 0 (receiving from it) and rank 1 (receiving from rank 0,
+    which stalls behind it) both raise PeerLost naming rank 2 only: rank 0 checked in alive, so rank 1's failed
+    connection to it is a symptom.  Within the transfer's 4 s timeout, not the group's 300 s; no spool file left."""
+    outcomes = run_world(_ring_with_a_frozen_rank, 3, root, timeout=120, pg_timeout=300, wait_for=[0, 1],
+                         rank_env=lambda rank: {"DCP_ATOMIC_FAILPOINTS": "transfer.round@2#3=stop" if rank == 2
+                                                else None})
+    for rank in (0, 1):
+        assert outcomes[rank].ok, outcomes[rank].error
+        out = outcomes[rank].value
+        assert out["error"] is not None and out["error"].startswith("PeerLost: PeerLost: the ring test: "), out
+        assert out["silent"] == "2", out
+        assert out["seconds"] < 60, out
+        assert out["spool"] == [], out

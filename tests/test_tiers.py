@@ -21,6 +21,7 @@ from dcp_atomic import failpoints
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
+from tests.helpers.read_once import _survivors_barrier
 from tests.helpers.tiers import _exact, _flip_byte, _Lines, _manager, _node_env, _run, RUN, _state, WORLD
 
 
@@ -599,6 +600,95 @@ def test_kill_matrix_a_restore_killed_before_its_marker_leaves_no_marker_and_the
         assert out["served"]["tier"] == "local"
         _exact(out["full"], saved[0]["saved"][20])
     assert os.path.exists(os.path.join(nodes[1], RUN, f"step_{20:010d}", "COMMITTED"))
+
+
+# -- a peer lost while files move between ranks: the transport's typed error, never gloo's -----------------------
+
+
+def _lost(ctx, victim, error, started):
+    """What a survivor raised, once every survivor has (global rank 0 hosts the rendezvous store: it must outlive
+    the others' verdicts, as a job's store does)."""
+    import time
+
+    seconds = time.monotonic() - started
+    _survivors_barrier(ctx, [r for r in range(ctx.world_size) if r != victim])
+    return {"error": type(error).__name__, "silent": getattr(error, "details", {}).get("silent"),
+            "message": str(error), "seconds": seconds}
+
+
+def _save_then_lose_rank3_mid_replication(ctx):
+    """Step 1 local-committed; in step 2, rank 3 is SIGKILLed as it is about to post the first chunk round of its
+    replica streams (indexes exchanged, peers waiting for its bytes).  No ``close()``: a job whose peer died exits
+    (and its heartbeat keeps answering for the others' verdicts)."""
+    import time
+
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    manager = _manager(ctx, timeout=5)
+    _train_step(model, optim, 1)
+    manager.save(1, _state(model, optim, 1))
+    full = _full(model)  # a collective: every rank gathers
+    if ctx.rank == 1:
+        torch.save(full, os.path.join(ctx.root, "expected1.pt"))
+    if ctx.rank == 3:
+        failpoints.arm("transfer.round", "kill")
+    _train_step(model, optim, 2)
+    started = time.monotonic()
+    try:
+        manager.save(2, _state(model, optim, 2))
+    except Exception as e:
+        return _lost(ctx, 3, e, started)
+    return {"error": None}
+
+
+def _assert_named(outcomes, victim):
+    """Every survivor raised a RankFailureError naming only ``victim``, within seconds; the ranks that exchanged
+    with it raised the transport's own PeerLost."""
+    survivors = [o.value for o in outcomes if o.rank != victim]
+    assert outcomes[victim].killed and all(o.ok for o in outcomes if o.rank != victim), outcomes
+    for out in survivors:
+        assert out["error"] in ("PeerLost", "RankFailureError"), out
+        assert out["silent"] == str(victim), out
+        assert out["seconds"] < 60, out
+    assert any(out["error"] == "PeerLost" for out in survivors), survivors
+
+
+@pytest.mark.slow
+def test_a_peer_lost_mid_replication_is_named_typed_and_the_previous_local_step_restores_exactly(root, nodes):
+    outcomes = _run(_save_then_lose_rank3_mid_replication, root, nodes, pg_timeout=5)
+    _assert_named(outcomes, 3)
+    assert not any(os.path.exists(os.path.join(node, RUN, f"step_{2:010d}", "COMMITTED")) for node in nodes)
+    for out in assert_all_ok(_run(_restore, root, nodes, 1)):
+        assert out["served"]["tier"] == "local"
+        _exact(out["full"], torch.load(os.path.join(root, "expected1.pt")))
+
+
+def _restore_losing_a_sender(ctx):
+    import time
+
+    model, optim = _fsdp_app(ctx.world_size, 42)
+    manager = _manager(ctx)  # no close() after the failure, as above
+    started = time.monotonic()
+    try:
+        manager.load(_state(model, optim, -1))
+    except Exception as e:
+        return _lost(ctx, 1, e, started)
+    return {"error": None}
+
+
+@pytest.mark.slow
+def test_a_sender_lost_mid_restore_is_named_typed_and_the_next_restore_is_exact(root, nodes):
+    """Node B replaced: node A's ranks stream it the step; rank 1 is SIGKILLed as it is about to post its first chunk round."""
+    saved = assert_all_ok(_run(_train_and_save, root, nodes, [10, 20]))
+    shutil.rmtree(os.path.join(nodes[1], RUN))
+
+    def env(rank):
+        return {**_node_env(rank), "DCP_ATOMIC_FAILPOINTS": "transfer.round@1#1=kill" if rank == 1 else None}
+
+    _assert_named(_run(_restore_losing_a_sender, root, nodes, rank_env=env, pg_timeout=5), 1)
+    assert not os.path.exists(os.path.join(nodes[1], RUN, f"step_{20:010d}", "COMMITTED"))
+    for out in assert_all_ok(_run(_restore, root, nodes, 20)):
+        assert out["served"]["tier"] == "local"
+        _exact(out["full"], saved[0]["saved"][20])
 
 
 def _drain_with_an_unreadable_latest(ctx):

@@ -39,6 +39,7 @@ POINTS = frozenset(
         "commit.after_latest",  # everything done
         "read.before_data",  # every rank, before reading shard bytes
         "read.exchange_send",  # every rank, a round's items read, before sending them to peers
+        "transfer.round",  # every rank moving files to or from a peer (replicas, restores), before each chunk round is posted
         "replicate.send",  # local tier: every rank, its files read back, before sending them to its holders
         "replicate.receive",  # local tier: a holder, one rank's replica verified and kept, not yet reported
         "local.before_marker",  # local tier: a root's leader (local commit, tier restore), before its root's marker

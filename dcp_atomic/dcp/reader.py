@@ -50,7 +50,8 @@ from ..protocol.catalog import DEFAULT_TIMEOUT, resolve
 from ..format.codec import Decoder, narrow_tensor_by_index, tensor_bytes
 from ..protocol.commit import Committed
 from ..errors import ConfigurationError, CorruptCheckpointError, RankConsistencyError
-from ..exchange.read_once import PastTheGather, PeerLost, SharePlan
+from ..exchange.read_once import SharePlan
+from ..exchange.transport import PastTheGather, PeerLost
 from .identity import default_thread_count
 from ..format.blocks import check_block, verify_blocks_from, verify_item
 from ..format.integrity import sha256_hex

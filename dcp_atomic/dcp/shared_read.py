@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from .._base import failpoints
 from ..format.codec import tensor_bytes
 from ..errors import CorruptCheckpointError
-from ..exchange.read_once import Need, PeerError, PeerLink, SharePlan, plan_exchange, round_layout
+from ..exchange.read_once import Need, SharePlan, plan_exchange, round_layout
+from ..exchange.transport import PeerError, PeerLink
 from ..format.manifest import ItemExtent
 from .read_checks import item_id
 from ..format.blocks import verify_item
@@ -71,7 +72,7 @@ class SharedReads:
         try:
             return self._exchange_rounds(link, share, items, planner, planner_lock, what)
         except PeerError as e:
-            raise link.lost(e, what) from None
+            raise link.lost(e, what, "nothing was loaded on this rank. Restart the job and load again.") from None
 
     def _exchange_rounds(self, link: PeerLink, share: SharePlan, items: list[ReadItem], planner: LoadPlanner,
                          planner_lock: threading.Lock, what: str) -> bool:

@@ -200,7 +200,7 @@ class TwoTier(TierPolicy):
                     if undrained is not None:
                         protected |= {undrained.step}
             committed = commit_local(self.topology, self.local, writer, step, group, self._sequence_floor(),
-                                     protected, drain=bool(drain), lineage=self._lineage)
+                                     protected, drain=bool(drain), lineage=self._lineage, timeout=m.timeout)
             if drainer is not None and not drain:
                 undrained = self._gathered(undrained, group)[0]
         except CheckpointError:
@@ -366,7 +366,7 @@ class TwoTier(TierPolicy):
                      m.layout.storage.describe(), " because no newer local step is complete" if choice.skipped else "")
             return None
         try:
-            fetched, fetched_bytes = assemble(tier, self.local, choice, m._group, state_dict)
+            fetched, fetched_bytes = assemble(tier, self.local, choice, m._group, state_dict, timeout=m.timeout)
         except CheckpointError:
             raise
         except BaseException as e:

@@ -21,7 +21,7 @@ Local markers are rank 0's records, so a root's marker is replaced, not created 
 
 Stored bytes travel, never tensors: what a holder keeps is what the primary's disk keeps, so the drain and a
 restore copy files without re-serialising, and each side verifies the same digests.  They travel in chunks
-(:mod:`.file_transfer`): memory per peer is one chunk, whatever a rank's share of the step.
+(:mod:`..exchange.file_transfer`): memory per peer is one chunk, whatever a rank's share of the step.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from .._base import failpoints
 from ..protocol.commit import (Evidence, commit_order, listed_steps, publish_control, record_local_marker,
                                require_complete)
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
-from .file_transfer import Part, Received, Spooled, discard, keep, transfer
+from ..exchange.file_transfer import Part, Received, Spooled, discard, transfer
+from ..exchange.transport import PeerLost
 from ..format.blocks import check_block, file_blocks, verify_item
 from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, PARTIAL_SUFFIX, RunLayout
@@ -276,6 +277,23 @@ def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int, verify: bo
     return parts
 
 
+def check_received(entry: FileEntry, part: Received, where: str) -> None:
+    """A file as it arrived from a peer, against its block digests: spooled on disk, or in memory."""
+    if isinstance(part, Spooled):
+        check_stored_file(entry, part.path, where)
+    else:
+        check_file(entry, part, where)
+
+
+def keep(part: Received, storage: LocalStorage, path: str) -> None:
+    """Put a verified part at ``path`` in ``storage`` (the receiving root): publish bytes, rename a spool file."""
+    if isinstance(part, bytes):
+        storage.publish(path, part)
+        return
+    os.replace(part.path, path)
+    storage.sync_dir(os.path.dirname(path))
+
+
 def write_rank_files(layout: RunLayout, manifest: Manifest, rank: int, parts: dict[str, Received], sender: str) -> None:
     """Verify another rank's shard and files as received, then keep them (a damaged copy here is replaced)."""
     storage, step, save_id = layout.storage, manifest.step, manifest.save_id
@@ -285,11 +303,7 @@ def write_rank_files(layout: RunLayout, manifest: Manifest, rank: int, parts: di
     for entry in shard.files:
         if entry.name not in parts:
             raise CorruptCheckpointError(f"{where}: {entry.name} is missing from the transfer", rank=rank)
-        part = parts[entry.name]
-        if isinstance(part, Spooled):
-            check_stored_file(entry, part.path, f"{where}: {entry.name}")
-        else:
-            check_file(entry, part, f"{where}: {entry.name}")
+        check_received(entry, parts[entry.name], f"{where}: {entry.name}")
     storage.makedirs(layout.attempt_dir(step, save_id))
     for entry in shard.files:
         keep(parts[entry.name], storage, layout.data_file(step, save_id, entry.name, manifest.data_prefixes))
@@ -539,7 +553,7 @@ class LocalCommit:
 
 def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, step: int, group,
                  sequence_floor: int, protected: set[int] | None = None, drain: bool = False,
-                 *, lineage: str | None) -> LocalCommit:
+                 *, lineage: str | None, timeout: float) -> LocalCommit:
     """Run steps 2-4 (module doc) on every rank after ``dcp.save`` returned.
 
     ``sequence_floor``: the newest commit sequence rank 0 knows of (both tiers); the marker gets the next one
@@ -547,7 +561,8 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     needs; handed out with the marker, so every root keeps the same ones (only rank 0 knows which step the drain
     takes next).  ``drain``: the marker records that the step is to be drained (:attr:`Marker.drain`).  Raises the
     same typed error on every rank when any rank's replicas could not be written or
-    verified: then no root has a marker of this step.
+    verified: then no root has a marker of this step.  A peer lost while replicas move raises
+    :class:`.transport.PeerLost` (naming it, within ``timeout``) on the ranks that exchanged with it, at once.
     """
     started = time.perf_counter()
     rank, world = topology.rank, len(topology.domains)
@@ -573,7 +588,12 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     try:
         received = transfer({holder: own for holder in placement.holders[rank]},
                             {source: topology.describe(source) for source in placement.held_by(rank)}, group,
-                            spool_dir(layout))
+                            spool_dir(layout), what=f"replicating step {step}", timeout=timeout,
+                            exchange_id=f"replicate/{manifest.save_id}",
+                            consequence=f"step {step} is not committed to the local tier, and the previous local "
+                                        "step is intact. Restart the job: it resumes from the latest committed step.")
+    except PeerLost:
+        raise  # the group is broken: the reports' gather below would only wait out its timeout, untyped
     except (OSError, CheckpointError) as e:
         failure = failure or f"{topology.describe(rank)} could not exchange replicas: {e}"
     here = topology.describe(rank)

@@ -43,13 +43,14 @@ import torch.distributed as dist
 
 from ..protocol.commit import Evidence, record_local_marker
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from .file_transfer import Part, Received, Spooled, discard, keep, transfer
+from ..exchange.file_transfer import Part, Received, discard, transfer
+from ..exchange.transport import PeerLost
 from .._base.gc_pause import gc_paused
 from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, MARKER, RunLayout
 from ..format.blocks import verify_item
-from .local_tier import (Held, Topology, check_file, check_shard, check_stored_file, gather_failures,
-                         keep_extents, partial_note, spool_dir, write_control)
+from .local_tier import (Held, Topology, check_received, check_shard, gather_failures, keep, keep_extents,
+                         partial_note, spool_dir, write_control)
 from ..format.manifest import RANKS_FILE, Manifest, ManifestShard, Marker, shard_name
 
 log = logging.getLogger("dcp_atomic.tier_restore")  # the name users filter on
@@ -229,11 +230,14 @@ def plan_fetches(topology: Topology, choice: Choice, needs: list[dict[str, list[
 
 
 def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
-             state_dict: dict[str, Any] | None) -> tuple[int, int]:
+             state_dict: dict[str, Any] | None, *, timeout: float) -> tuple[int, int]:
     """Step 3 on every rank; returns how many ranks' files (whole or in part) this rank received, and the stored
-    bytes it received (control files included).  Raises the same typed error on every rank on failure."""
+    bytes it received (control files included).  Raises the same typed error on every rank on failure; a peer
+    lost while files move raises :class:`.transport.PeerLost` (naming it, within ``timeout``) on the ranks that
+    exchanged with it, at once, without another collective on the broken group."""
     rank, world = topology.rank, len(topology.domains)
     where = f"restoring local step {choice.step} (save {choice.save_id})"
+    moving = _Moving(where, timeout, f"restore/{choice.save_id}")
 
     def settle(failure: str | None) -> None:
         failed = gather_failures(failure, world, group)
@@ -244,7 +248,9 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
 
     control_bytes, failure = 0, None
     try:
-        control_bytes = _share_control(topology, layout, choice, group)
+        control_bytes = _share_control(topology, layout, choice, group, moving)
+    except PeerLost:
+        raise
     except (OSError, CheckpointError) as e:
         failure = f"{topology.describe(rank)} could not copy the step's control files: {e}"
     settle(failure)
@@ -292,11 +298,13 @@ def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
         outgoing = {f.target: [] for f in sending}  # an empty index: the target reports what is missing
     try:
         mine = [f for f in fetches if f.target == rank]
-        received = transfer(outgoing, {s: topology.describe(s) for s in sorted({f.source for f in mine})}, group,
-                            spool_dir(layout))
+        received = moving.transfer(outgoing, {s: topology.describe(s) for s in sorted({f.source for f in mine})},
+                                   group, spool_dir(layout))
         got_bytes = sum(len(p) if isinstance(p, bytes) else p.size for parts in received.values()
                         for p in parts.values())
         _keep(topology, layout, manifest, mine, received)
+    except PeerLost:
+        raise
     except (OSError, CheckpointError) as e:
         failure = failure or f"{topology.describe(rank)} could not receive the files it reads: {e}"
     finally:
@@ -323,7 +331,22 @@ def _evidence(topology: Topology, choice: Choice) -> Evidence:
     return Evidence.on_roots(verified, [topology.describe(leader) for leader in topology.leaders])
 
 
-def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group) -> int:
+@dataclass(frozen=True)
+class _Moving:
+    """What a restore's transfers tell the transport: its name, timeout and blame keys (one per transfer)."""
+
+    where: str
+    timeout: float
+    exchange_id: str
+
+    def transfer(self, outgoing: dict[int, list[Part]], incoming: dict[int, str], group, spool: str):
+        return transfer(outgoing, incoming, group, spool, what=self.where, timeout=self.timeout,
+                        exchange_id=self.exchange_id,
+                        consequence="nothing was loaded and no root got a marker of this step. Restart the job: "
+                                    "the restore is retried, or the step is loaded from the durable tier.")
+
+
+def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group, moving: _Moving) -> int:
     """The marker, manifest, ``.metadata`` and ``ranks.json`` from one holding root's leader to each leader that
     lacks them, checked against the chosen marker's manifest digest; returns the bytes this rank received."""
     rank = topology.rank
@@ -341,7 +364,7 @@ def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group)
             unread, parts = e, []
         outgoing = {target: parts for target in choice.lacking}
     incoming = {choice.control_from: topology.describe(choice.control_from)} if rank in choice.lacking else {}
-    received = transfer(outgoing, incoming, group, spool_dir(layout))
+    received = moving.transfer(outgoing, incoming, group, spool_dir(layout))
     if unread is not None:
         raise unread
     if not incoming:
@@ -441,10 +464,7 @@ def _keep(topology: Topology, layout: RunLayout, manifest: Manifest, fetches: li
             part = parts.get(f.name)
             if part is None:
                 raise CorruptCheckpointError(f"{where}: missing from the transfer", rank=f.rank)
-            if isinstance(part, Spooled):
-                check_stored_file(entry, part.path, where)
-            else:
-                check_file(entry, part, where)
+            check_received(entry, part, where)
             keep(part, storage, target)
             storage.remove(partial_note(layout, manifest, f.name))  # a whole copy replaced a partial one
             continue

@@ -6,7 +6,7 @@ concatenation of the parts the sender sends it, cut into chunks of at most :data
 each chunk from its file as it goes, the receiver appends it to a spool file in the receiving root.  Small parts
 (manifest shards, control files) travel inline and arrive as bytes.  Memory per peer is two chunks (below),
 whatever the step's size.  Nothing is trusted on the way: a receiver verifies a spooled file against the block
-digests, one block at a time (:func:`.local_tier.check_stored_file`), before :func:`keep` moves it into place.
+digests, one block at a time (:func:`.local_tier.check_stored_file`), before the tier moves it into place.
 
 Order: every pair first exchanges its index (names, sizes); round ``k`` then carries chunk ``k`` of every stream,
 every send and receive of a round posted before any is waited for, so no order can deadlock (gloo pairs the
@@ -15,12 +15,17 @@ round ``k - 1`` brought and reads the chunks round ``k + 1`` sends (gloo moves t
 disk and the network overlap instead of taking turns, for two buffers per stream on each side instead of one.
 A read or write that fails mid-stream does not stop the stream (the peer still waits for its bytes): zeros go
 out in place of what could not be read, the receiver drops what it cannot write, and the first error is raised
-once every round is done.  A dead peer surfaces as the group's error within its timeout.
+once every round is done.
+
+Every message goes over the one transport (:class:`.transport.PeerLink`): a peer that dies or freezes mid-stream
+is a :class:`.transport.PeerLost` naming it, raised within ``timeout``, with this rank's spool files removed.  The
+caller must raise it rather than run another collective on the broken group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -29,8 +34,9 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
+from .._base import failpoints
 from ..errors import CorruptCheckpointError
-from ..stores.storage import Storage
+from .transport import PeerError, PeerLink
 
 CHUNK_BYTES = 16 << 20  # the most one message holds; a stream holds two per side (on the wire, on disk): 32 MiB
 _TAG = 0x7E18  # point-to-point tags (lengths, payloads, chunks)
@@ -62,15 +68,6 @@ class Spooled:
 Received = Union[bytes, Spooled]
 
 
-def keep(part: Received, storage: Storage, path: str) -> None:
-    """Put a verified part at ``path`` in ``storage`` (the receiving root): publish bytes, rename a spool file."""
-    if isinstance(part, bytes):
-        storage.publish(path, part)
-        return
-    os.replace(part.path, path)
-    storage.sync_dir(os.path.dirname(path))
-
-
 def discard(received: dict[int, dict[str, Received]]) -> None:
     """Remove the spool files nobody kept (a transfer that failed verification, or a step not committed)."""
     for parts in received.values():
@@ -80,34 +77,37 @@ def discard(received: dict[int, dict[str, Received]]) -> None:
                     os.unlink(part.path)
 
 
-def exchange(outgoing: dict[int, bytes], incoming: list[int], group) -> dict[int, bytes]:
+_SERIAL = itertools.count()  # transfers in this process: with the caller's name, one exchange id on every rank
+
+
+def exchange(link: PeerLink, outgoing: dict[int, bytes], incoming: list[int], what: str) -> dict[int, bytes]:
     """One small message to each ``outgoing`` rank and from each ``incoming`` rank; lengths first, so a receiver
     sizes its buffer exactly.  For indexes and control data: files go through :func:`transfer`."""
     sizes = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
-    works = [dist.irecv(t, src=src, group=group, tag=_TAG) for src, t in sizes.items()]
-    works += [dist.isend(torch.tensor([len(data)], dtype=torch.int64), dst=dst, group=group, tag=_TAG)
-              for dst, data in outgoing.items()]
-    for work in works:
-        work.wait()
+    link.start([(dst, torch.tensor([len(data)], dtype=torch.int64), _TAG) for dst, data in outgoing.items()],
+               [(src, t, _TAG) for src, t in sizes.items()], what).wait()
     buffers = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes.items()}
-    works = [dist.irecv(b, src=src, group=group, tag=_TAG + 1) for src, b in buffers.items() if b.numel()]
-    works += [dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst, group=group, tag=_TAG + 1)
-              for dst, data in outgoing.items() if data]
-    for work in works:
-        work.wait()
+    link.start([(dst, torch.frombuffer(bytearray(data), dtype=torch.uint8), _TAG + 1)
+                for dst, data in outgoing.items() if data],
+               [(src, b, _TAG + 1) for src, b in buffers.items() if b.numel()], what).wait()
     return {src: b.numpy().tobytes() for src, b in buffers.items()}
 
 
-def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, spool_dir: str,
-             ) -> dict[int, dict[str, Received]]:
+def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, spool_dir: str, *,
+             what: str = "moving files between ranks", timeout: float = 60.0, exchange_id: str = "files",
+             consequence: str = "nothing this rank received was kept.") -> dict[int, dict[str, Received]]:
     """Send ``outgoing[dst]``'s parts to each ``dst``; receive every part each rank in ``incoming`` sends
     (``incoming[src]`` names the sender in errors).  Files arrive spooled under ``spool_dir``, inline parts as
-    bytes.  Every rank involved must call it with matching arguments."""
+    bytes.  Every rank involved must call it with matching arguments (``exchange_id`` too: it names the blame
+    keys of a lost peer, :meth:`.transport.PeerLink.lost`).  A peer lost on the way raises
+    :class:`.transport.PeerLost` (``what`` and ``consequence`` are its message); any other failure, the first
+    ``OSError`` or :class:`CorruptCheckpointError`, once every stream is done."""
     if not dist.is_initialized():  # one process without a process group: there is no peer to move anything to
         if outgoing or incoming:
             raise ValueError("transfer between ranks without an initialised process group")
         return {}
-    me = dist.get_rank(group) if group is not None else dist.get_rank()
+    link = PeerLink(group, timeout, f"{exchange_id}/{next(_SERIAL)}")
+    me = link.rank
     setup: OSError | None = None
     try:  # a failure here must not skip the exchange: the peers would wait for it until the group times out
         os.makedirs(spool_dir, exist_ok=True)
@@ -118,16 +118,19 @@ def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, s
     except OSError as e:
         e.filename = e.filename or spool_dir
         setup = e
-    indexes = exchange({dst: json.dumps([[p.name, p.size, p.path is not None] for p in parts]).encode()
-                        for dst, parts in outgoing.items()}, list(incoming), group)
-    senders = {dst: _Sender(parts) for dst, parts in outgoing.items()}
-    receivers = {src: _Receiver(indexes[src], spool_dir, f"r{me}-from{src}", incoming[src], setup)
-                 for src in incoming}
+    receivers: dict[int, _Receiver] = {}
     try:
-        _stream(senders, receivers, group)
-    except BaseException:
+        indexes = exchange(link, {dst: json.dumps([[p.name, p.size, p.path is not None] for p in parts]).encode()
+                                  for dst, parts in outgoing.items()}, list(incoming), what)
+        senders = {dst: _Sender(parts) for dst, parts in outgoing.items()}
+        receivers = {src: _Receiver(indexes[src], spool_dir, f"r{me}-from{src}", incoming[src], setup)
+                     for src in incoming}
+        _stream(link, senders, receivers, what)
+    except BaseException as e:
         for r in receivers.values():
             r.close(discard=True)
+        if isinstance(e, PeerError):
+            raise link.lost(e, what, consequence) from None
         raise
     received = {src: r.close() for src, r in receivers.items()}
     error = next((e for e in [setup, *(s.error for s in senders.values()), *(r.error for r in receivers.values())]
@@ -138,7 +141,7 @@ def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, s
     return received
 
 
-def _stream(senders: dict[int, "_Sender"], receivers: dict[int, "_Receiver"], group) -> None:
+def _stream(link: PeerLink, senders: dict[int, "_Sender"], receivers: dict[int, "_Receiver"], what: str) -> None:
     """The rounds (module doc): round ``k`` on the wire while round ``k - 1``'s chunks are written and round
     ``k + 1``'s are read, each into the stream's other buffer."""
     arrived: list[tuple[_Receiver, torch.Tensor]] = []
@@ -148,13 +151,13 @@ def _stream(senders: dict[int, "_Sender"], receivers: dict[int, "_Receiver"], gr
         chunks = {dst: chunk for dst, chunk in outgoing.items() if chunk is not None}
         if not buffers and not chunks:
             break
-        works = [dist.irecv(b, src=src, group=group, tag=_TAG + 2) for src, b in buffers.items()]
-        works += [dist.isend(chunk, dst=dst, group=group, tag=_TAG + 2) for dst, chunk in chunks.items()]
+        failpoints.hit("transfer.round", link.rank)
+        pending = link.start([(dst, chunk, _TAG + 2) for dst, chunk in chunks.items()],
+                             [(src, b, _TAG + 2) for src, b in buffers.items()], what)
         for receiver, buffer in arrived:
             receiver.feed(memoryview(buffer.numpy()))
         outgoing = {dst: s.next_chunk() for dst, s in senders.items()}
-        for work in works:
-            work.wait()
+        pending.wait()
         arrived = [(receivers[src], buffer) for src, buffer in buffers.items()]
     for receiver, buffer in arrived:
         receiver.feed(memoryview(buffer.numpy()))
