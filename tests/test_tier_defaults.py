@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from tests.harness import assert_all_ok
 from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
 from tests.helpers.tiers import RUN, _exact, _run, _state
@@ -68,11 +70,13 @@ def test_the_defaults_drain_every_save_so_the_job_outlives_its_nodes(root, nodes
     _check(root, nodes, saved, [1, 2, 3, 4, 5])
 
 
+@pytest.mark.slow
 def test_durable_every_n_drains_its_multiples_and_close_drains_the_last_step(root, nodes):
     saved = assert_all_ok(_run(_new_user, root, nodes, [1, 2, 3, 4, 5], {"durable_every": 3}))
     _check(root, nodes, saved, [3, 5])
 
 
+@pytest.mark.slow
 def test_durable_every_none_is_warned_at_construction_and_an_explicit_local_save_stays_local(root, nodes):
     saved = assert_all_ok(_run(_new_user, root, nodes, [1, 2], {"durable_every": None}))
     assert len(saved[0]["warned"]) == 1 and "only saves with durable=True" in saved[0]["warned"][0]

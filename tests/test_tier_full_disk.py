@@ -95,6 +95,7 @@ def _killed(ctx):
         manager.save(2, _state(model, optim, 2))
 
 
+@pytest.mark.slow
 def test_gc_local_root_collects_what_a_killed_job_left_and_keeps_the_local_steps(root, nodes):
     import contextlib
     import io

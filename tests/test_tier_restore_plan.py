@@ -116,6 +116,7 @@ def _exact_locals(got, want):
             assert got[key] == want[key], key
 
 
+@pytest.mark.slow
 def test_each_rank_of_a_replaced_node_receives_only_its_own_files_about_half_the_step(root, nodes):
     saved = assert_all_ok(_run(_save, root, nodes, [10]))
     shutil.rmtree(os.path.join(nodes[1], RUN))  # node B replaced
@@ -147,6 +148,7 @@ def test_each_rank_of_a_replaced_node_receives_only_its_own_files_about_half_the
     assert cli.main(["show", root, RUN, "10", "--local-root", nodes[1], "--json"]) == 0
 
 
+@pytest.mark.slow
 def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_once_per_root(root, nodes):
     saved = assert_all_ok(_run(_save, root, nodes, [10], True))
     _, manifest = _manifest(nodes[0], 10)
@@ -211,6 +213,7 @@ def _entries(node_root, manifest):
         manifest, rank, open(os.path.join(attempt, shard_name(rank)), "rb").read(), attempt).files]
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_in_a_primary_is_received_by_the_rank_that_reads_it_from_the_replica(root, nodes):
     saved = assert_all_ok(_run(_save, root, nodes, [10]))
     _flip_byte(os.path.join(_attempt(nodes[0], 10), "__0_0.distcp"))
@@ -241,6 +244,7 @@ def test_a_source_copy_damaged_after_the_scan_is_refused_by_the_receiver_then_pa
         assert "rank 2 (__2_0.distcp)" in out.error and "does not match its digest" in out.error, out.error
 
 
+@pytest.mark.slow
 def test_a_source_file_gone_after_the_scan_fails_every_rank_typed_and_in_bounded_time(root, nodes):
     assert_all_ok(_run(_save, root, nodes, [10]))
     shutil.rmtree(os.path.join(nodes[1], RUN))
@@ -283,6 +287,7 @@ def _restore_then_save(ctx):
     return {"first": first["served"], "saved": _locals(state)}
 
 
+@pytest.mark.slow
 def test_the_next_save_after_a_partial_restore_is_replicated_whole(root, nodes):
     assert_all_ok(_run(_save, root, nodes, [10]))
     shutil.rmtree(os.path.join(nodes[1], RUN))
@@ -297,6 +302,7 @@ def test_the_next_save_after_a_partial_restore_is_replicated_whole(root, nodes):
         _exact_locals(out["local"], outs[rank]["saved"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("missing", ["metadata"])
 def test_a_root_whose_control_file_is_damaged_gets_it_again(root, nodes, missing):
     saved = assert_all_ok(_run(_save, root, nodes, [10]))

@@ -348,6 +348,7 @@ def test_torchtitan_with_two_replicas_restores_a_replaced_node_at_load_step(worl
 # -- uneven domains: 3 + 2 + 1 ranks ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_uneven_domains_one_replica_each_rank_holds_one_copy_and_a_lost_node_is_restored(world):
     holders = place_replicas(UNEVEN, 1).holders
     assert [len(place_replicas(UNEVEN, 1).held_by(r)) for r in range(WORLD)] == [1] * WORLD  # spread evenly

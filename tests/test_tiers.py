@@ -173,6 +173,7 @@ def _save_durable_then_local(ctx):
     return {"saved": saved, "listed": listed}
 
 
+@pytest.mark.slow
 def test_every_local_root_gone_restores_the_newest_durable_step_and_says_so(root, nodes):
     saved = assert_all_ok(_run(_save_durable_then_local, root, nodes))
     assert saved[0]["listed"] == {"local": [10, 20], "durable": [5], None: [5, 10, 20]}
@@ -185,6 +186,7 @@ def test_every_local_root_gone_restores_the_newest_durable_step_and_says_so(root
         _exact(out["full"], saved[0]["saved"][5])
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_in_a_local_primary_is_served_from_the_replica_never_wrong_values(root, nodes):
     saved = assert_all_ok(_run(_train_and_save, root, nodes, [10, 20]))
     [primary] = glob.glob(os.path.join(nodes[0], RUN, f"step_{20:010d}", "*", "__0_0.distcp"))
@@ -197,6 +199,7 @@ def test_a_flipped_byte_in_a_local_primary_is_served_from_the_replica_never_wron
     assert restored[2]["served"]["ranks_fetched"] == 0
 
 
+@pytest.mark.slow
 def test_no_copy_left_is_a_typed_error_naming_the_rank_and_file(root, nodes):
     assert_all_ok(_run(_train_and_save, root, nodes, [10]))
     for node_root in nodes:  # rank 2's files lost on both nodes, nothing durable
@@ -208,6 +211,7 @@ def test_no_copy_left_is_a_typed_error_naming_the_rank_and_file(root, nodes):
         assert "rank 2 (__2_0.distcp)" in out.error and "local step 10" in out.error, out.error
 
 
+@pytest.mark.slow
 def test_an_incomplete_newest_local_step_falls_back_to_the_older_complete_one(root, nodes):
     saved = assert_all_ok(_run(_train_and_save, root, nodes, [10, 20]))
     for node_root in nodes:
@@ -247,6 +251,7 @@ def _save_then_die(ctx):
         manager.save(20, _state(model, optim, 20))
 
 
+@pytest.mark.slow
 def test_a_kill_before_the_local_commit_leaves_the_previous_local_step(root, nodes):
     def env(rank):
         return {**_node_env(rank), "DCP_ATOMIC_FAILPOINTS": "commit.after_manifest@0#2=kill" if rank == 0 else None}
@@ -308,6 +313,7 @@ def _load_durable(ctx, step):
     return {"plain": plain, "latest": latest, "full": _full(model)}
 
 
+@pytest.mark.slow
 def test_durable_every_2_drains_every_second_step_bit_exact_for_plain_readers(root, nodes, capsys):
     saved = assert_all_ok(_run(_save_with_policy, root, nodes))
     assert _durable_markers(root) == [20, 40]
@@ -378,6 +384,7 @@ def _hold_the_first_drain(ctx):
     return {"saved": saved, "on_disk": on_disk, "lines": lines.lines, "drained": drained, **seen}
 
 
+@pytest.mark.slow
 def test_saves_return_while_a_drain_is_held_the_queue_keeps_the_newest_and_retention_keeps_the_drained(root, nodes):
     outcomes = assert_all_ok(_run(_hold_the_first_drain, root, nodes))
     for out in outcomes:

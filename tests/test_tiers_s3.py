@@ -375,6 +375,7 @@ def _fill(ballast_dir):
             pass
 
 
+@pytest.mark.slow
 def test_a_full_local_disk_fails_the_save_naming_rank_and_path_and_keeps_the_previous_step(s3_moto):
     s3, options = s3_moto, _options(s3_moto)
     with small_tmpfs_ctx(size_kib=2048) as a, small_tmpfs_ctx(size_kib=65536) as b:
