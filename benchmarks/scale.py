@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_atomic import AtomicStorageWriter
 from dcp_atomic.dcp import writer as writer_module
+from dcp_atomic.dcp import plan_cache
 from dcp_atomic.protocol.commit import read_committed
 from dcp_atomic.format.manifest import FileEntry, ItemExtent, ManifestShard, ShardRef
 from dcp_atomic._base.retry import Deadline
@@ -152,8 +153,8 @@ def cell(world: int, items: int, *, caching: bool = False, repeats: int = 3) -> 
         dcp_cached_plan = None
         if caching:  # the first save of the series, as rank 0 runs it (its data writes left out)
             assigned = writer.prepare_global_plan(global_plans)
-            writer_module._advance_series(assigned[0].storage_data, True)
-            writer_module._remember_series(planner, writer._series)
+            plan_cache.advance(assigned[0].storage_data.save_id, assigned[0].storage_data.number, True)
+            plan_cache.remember(planner, writer._series)
             cached = [writer.prepare_local_plan(SavePlan([], usable=False)) for _ in plans]
         stock_results = _stock_results(plans)
         runs = []
@@ -169,7 +170,7 @@ def cell(world: int, items: int, *, caching: bool = False, repeats: int = 3) -> 
             _, ours_plan = _timed(lambda: writer.prepare_global_plan(global_plans))
             ours_results = _ours_results(stock_results, writer._planned_save_id, writer.step)
             if caching:
-                writer_module._advance_series(assigned[0].storage_data, True)  # as rank 0's write_data does
+                plan_cache.advance(assigned[0].storage_data.save_id, assigned[0].storage_data.number, True)  # as rank 0's write_data does
             os.makedirs(stock.path)
             stock_finish, stock_pickle = _finish(stock, torch_filesystem, metadata, stock_results)
             ours_finish, ours_pickle = _finish(writer, writer_module, metadata, ours_results)
@@ -187,7 +188,7 @@ def cell(world: int, items: int, *, caching: bool = False, repeats: int = 3) -> 
         return {**row, **_loading_rank(writer, items)}
     finally:
         _clear_dcp_plan_cache()
-        writer_module._cached_series.clear()
+        plan_cache.forget_all()
         shutil.rmtree(root, ignore_errors=True)
 
 

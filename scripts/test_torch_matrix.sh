@@ -48,7 +48,7 @@ status=0
 start=$SECONDS
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
-for file in test_torch_versions test_mesh_names test_single_process test_formats test_reshard test_checkpoint_id \
+for file in test_torch_versions test_internals test_mesh_names test_single_process test_formats test_reshard test_checkpoint_id \
             test_worlds test_manager test_tiers test_tier_worlds; do  # the two tiers: world 4 as 2 nodes, world 6 as 3
     echo "== torch $TORCH_VERSION: tests/$file.py"
     rc=0

@@ -87,7 +87,8 @@ def _cached_series(ctx):
     whose content check still runs on a cached save."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from dcp_atomic import AtomicSavePlanner, writer as writer_module
+    from dcp_atomic import AtomicSavePlanner
+    from dcp_atomic.dcp import plan_cache
 
     global_plans = []  # DCP's dedup + global plan runs only when a plan is not cached
     build = DefaultSavePlanner._create_global_plan
@@ -109,7 +110,7 @@ def _cached_series(ctx):
     out["loads"][7] = _loads_bit_exact(ctx, 7, 7)
 
     if ctx.rank == 1:  # as if this rank had missed a save of the series
-        writer_module._series_counts[next(reversed(writer_module._series_counts))] -= 1
+        plan_cache._counts[next(reversed(plan_cache._counts))] -= 1
     out["behind"] = _refused(lambda: _save(ctx, 8, 8, caching()))
 
     def atomic():

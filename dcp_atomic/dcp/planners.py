@@ -29,6 +29,7 @@ from typing import Iterable
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
+from .._base import internals
 from .._base.gc_pause import PLANNER, hook
 from .reshard import LoadContext, SaveReport, infer_parallelism, summarize_state_dict
 
@@ -58,7 +59,7 @@ class AtomicSavePlanner(DefaultSavePlanner):
         # DCP holds a changed local plan as pending until finish_plan caches it.  A save refused while planning
         # never gets there; reused for the next save, whose plan matches the cache, this planner would then cache
         # the refused plan as if it had been written, and a later save with that plan would replay another one.
-        self.__dict__.pop("_pending_local_plan", None)
+        internals.forget_pending_local_plan(self)
         with hook(PLANNER):
             return self._create_local_plan()
 
@@ -69,7 +70,7 @@ class AtomicSavePlanner(DefaultSavePlanner):
             parallelism=infer_parallelism(self.state_dict),
             divergence=self.divergence,
             layout_dependent=self.layout_dependent,
-            plan_cache=self._cached_plans_key if self._enable_plan_caching else None,
+            plan_cache=internals.plan_cache_key(self) if internals.caches_plans(self) else None,
         )
         return dataclasses.replace(plan, storage_data=report)
 
@@ -78,7 +79,7 @@ class AtomicSavePlanner(DefaultSavePlanner):
         this time (identity, content summary): pass that on, so the writer checks every save."""
         with hook(PLANNER):
             plans, metadata = super().create_global_plan(all_plans)
-            if self._enable_plan_caching:
+            if internals.caches_plans(self):
                 plans = [dataclasses.replace(plan, storage_data=local.storage_data)
                          for plan, local in zip(plans, all_plans)]
             return plans, metadata

@@ -41,18 +41,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.futures import Future
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from .._base import arguments
+from .._base import arguments, internals
 from ..protocol import commit
 from .._base import failpoints
 from ..protocol.catalog import DEFAULT_TIMEOUT
 from ..format.codec import Encoder, Staging, host_blocks, plane_width, tensor_bytes
 from ..format.container import find_payload
 from ..errors import CheckpointError, ConfigurationError, RankConsistencyError, StorageError
+from . import plan_cache
 from .identity import check_identities, default_thread_count, local_identity
 from .._base.gc_pause import STORAGE, hook, leave
 from ..format.integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
@@ -85,7 +85,7 @@ class _AssignedPlanData:
     """What the coordinator hands each rank: the attempt it writes into.
 
     DCP's plan caching replays this object on every later save of the series: ``save_id`` is the series' first
-    save_id and ``number`` the save it was assigned for; each save derives its own id (:func:`_advance_series`).
+    save_id and ``number`` the save it was assigned for; each save derives its own id (:func:`.plan_cache.advance`).
     """
 
     save_id: str
@@ -132,29 +132,8 @@ class _RankStats:
     casts: dict[str, set[str]] = field(default_factory=dict)
 
 
-@dataclass
-class _Series:
-    """Saves sharing one DCP-cached plan, as the coordinator knows them: a cached plan (``usable=False``)
-    reaches it without items, and without what the rank's writer added unless the planner passes it on
-    (AtomicSavePlanner does), so each rank's last full report stands in."""
-
-    first_save_id: str
-    plans: list[_LocalPlanData]
-    keys: dict[str, dict[str, Any]]
-    named: bool = False  # its planner names its DCP cache in every report (AtomicSavePlanner), so replays find it
-
-
 _MANIFEST_STATS = ("rank", "bytes", "items", "write_seconds", "fsync_seconds", "threads")  # per rank
-_series_lock = threading.Lock()
-_series_counts: dict[str, int] = {}  # series (first save_id) -> number of the last save of it this process wrote
-_MAX_SERIES = 64  # a series ends when every rank's plan changes; a process has one live series per planner class
-# Coordinator: per DCP plan-cache key, the series whose plans every rank has cached.  DCP keys its caches by the
-# planner's class name (``_cached_plans_key``), so two planner classes (full and model-only saves) replay two
-# series, and two state dicts saved through one class share one (DCP re-plans when the structure changes).  Set in
-# write_data only: a save gets there after every rank's DCP cache advanced (finish_plan), never after a refusal.
-_cached_series: dict[str, _Series] = {}
-# What DCP's coordinator caches in create_global_plan, before prepare_global_plan may refuse the save.
-_DCP_COORDINATOR_CACHES = ("_cached_all_plans", "_cached_global_plan", "_cached_metadata")
+
 
 class AtomicStorageWriter(StorageWriter):
     """Write one DCP checkpoint as an immutable attempt, committed by global rank 0 alone.
@@ -273,9 +252,9 @@ class AtomicStorageWriter(StorageWriter):
         self.last_marker = None
         self._identities = []
         self._started_at = now()
-        self._series: _Series | None = None  # coordinator: the series this save belongs to (prepare_global_plan)
+        self._series: plan_cache.Series | None = None  # coordinator: the series this save belongs to (prepare_global_plan)
         self._planned_save_id: str | None = None
-        self._dcp_caches_before = _dcp_coordinator_caches() if is_coordinator else None
+        self._dcp_caches_before = internals.coordinator_plan_caches() if is_coordinator else None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         with hook(STORAGE):
@@ -304,15 +283,16 @@ class AtomicStorageWriter(StorageWriter):
                 return self._plan(plans)
         except BaseException:
             if self._dcp_caches_before is not None:
-                _restore_dcp_coordinator_caches(self._dcp_caches_before)
+                internals.restore_coordinator_plan_caches(self._dcp_caches_before)
             raise
 
     def _plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         replayed = not all(plan.usable for plan in plans)  # those ranks replay their cached plan: same series
         cached = [position for position, plan in enumerate(plans) if not plan.usable
                   or isinstance(plan.storage_data, _LocalPlanData) and plan.storage_data.items is None]
-        named = _named_plan_cache(plans)
-        known = _replayed_series(named) if cached else None
+        named = plan_cache.named_cache(plan.storage_data.report for plan in plans
+                                       if isinstance(plan.storage_data, _LocalPlanData))
+        known = plan_cache.replayed(named) if cached else None
         if cached and (known is None or len(known.plans) != len(plans)):
             raise ConfigurationError(
                 f"rank {cached[0]} sent a DCP plan cached by a save this coordinator did not plan with dcp_atomic "
@@ -329,13 +309,11 @@ class AtomicStorageWriter(StorageWriter):
             self._keys = check_save([plan.items for plan in ranks], [plan.report for plan in ranks])
         replacing = self.overwrite or self._refuse_committed_step()
         if replayed:
-            with _series_lock:
-                number = _series_counts.get(known.first_save_id, 0) + 1
-            first = known.first_save_id
+            first, number = known.first_save_id, plan_cache.next_number(known)
         else:
             first, number = new_save_id(), 1
-        self._series = _Series(first, ranks, self._keys, named=named is not None)  # remembered in write_data
-        save_id = self._planned_save_id = _series_save_id(first, number)
+        self._series = plan_cache.Series(first, ranks, self._keys, named=named is not None)  # remembered in write_data
+        save_id = self._planned_save_id = plan_cache.save_id_of(first, number)
         attempt = self.layout.attempt_dir(self.step, save_id)
         try:  # refuses a store the commit cannot work on now, not after all the data
             commit.claim_attempt(self.layout, self.step, save_id, started_at=self._started_at, overwrite=replacing,
@@ -349,7 +327,7 @@ class AtomicStorageWriter(StorageWriter):
             for i, plan in enumerate(plans)
         ]
 
-    def _rank_plan(self, position: int, plan: SavePlan, series: _Series | None) -> _LocalPlanData:
+    def _rank_plan(self, position: int, plan: SavePlan, series: plan_cache.Series | None) -> _LocalPlanData:
         """What rank ``position`` reported, completed from its last full report where its plan was cached."""
         data = plan.storage_data
         if isinstance(data, _LocalPlanData) and data.items is not None:
@@ -376,13 +354,13 @@ class AtomicStorageWriter(StorageWriter):
                 "plan cached by a save through another storage writer?): save once with "
                 "DefaultSavePlanner(enable_plan_caching=False), or restart the job"
             )
-        caching = getattr(planner, "_enable_plan_caching", False)
-        number = _advance_series(assigned, caching)  # first: every rank counts every save, even one that fails
+        caching = internals.caches_plans(planner)
+        number = plan_cache.advance(assigned.save_id, assigned.number, caching)  # first: every rank counts every save, even one that fails
         if number == assigned.number and assigned.step != self.step:  # a replayed plan's step is stale: see finish
             raise ConfigurationError(f"rank {self.rank} writer is for step {self.step}, coordinator chose {assigned.step}")
         if caching and self._series is not None:  # the coordinator: ranks now cache this series
-            _remember_series(planner, self._series)
-        assigned = dataclasses.replace(assigned, save_id=_series_save_id(assigned.save_id, number), step=self.step)
+            plan_cache.remember(planner, self._series)
+        assigned = dataclasses.replace(assigned, save_id=plan_cache.save_id_of(assigned.save_id, number), step=self.step)
         self.save_id = assigned.save_id
         self.data_prefixes = assigned.data_prefixes
         self.rank = assigned.rank
@@ -390,7 +368,7 @@ class AtomicStorageWriter(StorageWriter):
         stats.shard = self._publish_shard(assigned, results, stats)
         stats.step, stats.save_id = assigned.step, assigned.save_id
         results = [  # the coordinator needs only what DCP's .metadata records
-            WriteResult(r.index, r.size_in_bytes, _StorageInfo(r.storage_data.relative_path, r.storage_data.offset,
+            WriteResult(r.index, r.size_in_bytes, internals.StorageInfo(r.storage_data.relative_path, r.storage_data.offset,
                                                                r.storage_data.length))
             for r in results
         ]
@@ -821,78 +799,6 @@ def _planned_bytes(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
     return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
-
-
-def _series_save_id(first: str, number: int) -> str:
-    """The save_id of save ``number`` of the series that ``first`` began: every rank derives the same one.
-    Its time part stays the series' start (the ATTEMPT claim records when each save started)."""
-    if number == 1:
-        return first
-    return first[:17] + sha256_hex(f"{first}/{number}".encode())[:8]
-
-
-def _advance_series(assigned: _AssignedPlanData, caching: bool) -> int:
-    """The number of this save in its series.  A plan fresh from the coordinator names it; a cached plan that
-    DCP replays names an earlier one, so every rank counts the saves of each series it caches, in lockstep
-    (every rank runs ``write_data`` once per save that got past planning)."""
-    if not caching:
-        return assigned.number
-    with _series_lock:
-        number = max(assigned.number, _series_counts.pop(assigned.save_id, 0) + 1)
-        _series_counts[assigned.save_id] = number  # most recent last
-        while len(_series_counts) > _MAX_SERIES:
-            del _series_counts[next(iter(_series_counts))]
-    return number
-
-
-def _named_plan_cache(plans: list[SavePlan]) -> str | None:
-    """The DCP cache key the planner's reports name (AtomicSavePlanner's); DCP's own planners name none."""
-    for plan in plans:
-        data = plan.storage_data
-        if isinstance(data, _LocalPlanData) and data.report is not None and data.report.plan_cache is not None:
-            return data.report.plan_cache
-    return None
-
-
-def _replayed_series(named: str | None) -> _Series | None:
-    """The series that ranks replaying their cached plans continue: the one of the cache their planner names, or
-    else the one series of a planner that names none (several such cannot be told apart)."""
-    with _series_lock:
-        if named is not None:
-            return _cached_series.get(named)
-        unnamed = sorted(key for key, series in _cached_series.items() if not series.named)
-        if len(unnamed) <= 1:
-            return _cached_series[unnamed[0]] if unnamed else None
-    raise ConfigurationError(
-        f"ranks replay a DCP plan cached by one of the planners {', '.join(unnamed)}, and nothing in it says which: "
-        "with enable_plan_caching=True in several planner classes of one process, make each an AtomicSavePlanner "
-        "(or a subclass), whose reports name the cache they replay, or turn caching off in all but one. Nothing "
-        "was written.",
-        planners=unnamed,
-    )
-
-
-def _remember_series(planner: SavePlanner, series: _Series) -> None:
-    """Coordinator, once every rank has cached the plans of ``series``: replays through this planner's cache
-    continue it (DCP keys its caches by ``_cached_plans_key``, the planner's class name)."""
-    with _series_lock:
-        _cached_series[getattr(planner, "_cached_plans_key", type(planner).__name__)] = series
-
-
-def _dcp_coordinator_caches() -> dict[str, dict]:
-    return {name: dict(getattr(SavePlanner, name)) for name in _DCP_COORDINATOR_CACHES}
-
-
-def _restore_dcp_coordinator_caches(before: dict[str, dict]) -> None:
-    """Put back, entry by entry, what :func:`_dcp_coordinator_caches` copied (DCP replaces an entry, never
-    mutates one), leaving the dicts DCP holds in place."""
-    for name, entries in before.items():
-        cache = getattr(SavePlanner, name)
-        for key in cache.keys() - entries.keys():
-            del cache[key]
-        for key, value in entries.items():
-            if cache.get(key) is not value:
-                cache[key] = value
 
 
 def _refuse_diverged_attempts(step: int, save_id: str, stats: list[_RankStats]) -> None:

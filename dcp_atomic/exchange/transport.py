@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RankFailureError, shorten
+from .._base import internals
 
 
 class PeerError(Exception):
@@ -141,7 +142,7 @@ class PeerLink:
         seen: dict[int, str] = {}
 
         def check_in() -> None:
-            store = dist.distributed_c10d._get_default_store()
+            store = internals.default_store()
             store.set(f"{prefix}/{self.rank}", "" if error.peer is None else str(error.peer))
             deadline = time.monotonic() + self.timeout.total_seconds()
             while True:

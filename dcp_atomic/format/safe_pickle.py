@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, TensorProperties
+from torch.distributed.checkpoint.metadata import TensorProperties
 
+from .._base.internals import MEM_FORMAT_ENCODING
 from ..errors import CheckpointError, CorruptCheckpointError, TorchVersionError, UnsafeItemError
 
 
@@ -41,9 +42,9 @@ class _UnknownState(Exception):
 
 
 _MEMORY_FORMATS = {
-    _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
-    _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: torch.channels_last,
-    _MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: torch.preserve_format,
+    MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
+    MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: torch.channels_last,
+    MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: torch.preserve_format,
 }
 
 

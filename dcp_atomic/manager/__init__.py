@@ -62,6 +62,7 @@ from ..dcp.planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..protocol.retention import DEFAULT_LEASE_SECONDS, remove_step, retain_after_commit
 from .._base.retry import Deadline
 from .._base.stats import FailureStats, LoadStats, SaveStats
+from .._base import internals
 from ..dcp.watched import WatchedReader, WatchedSavePlanner
 from ..dcp.writer import AtomicStorageWriter
 from .tiering import DurableOnly, TierPolicy
@@ -235,7 +236,7 @@ class CheckpointManager(RankAgreement):
         self._instance = CheckpointManager._instances
         self._heartbeat: Heartbeat | None = None
         if self._distributed and self.world_size > 1:
-            self._heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(),
+            self._heartbeat = Heartbeat(internals.default_store(),
                                         f"dcp_atomic/{run_id}/{self._instance}", dist.get_rank(),
                                         dist.get_process_group_ranks(self._group), timeout)
         self.local_root, self.keep_local = local_root, keep_local

@@ -31,7 +31,6 @@ resumable uploads, visible only once complete.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import re
 from typing import Any
@@ -40,6 +39,7 @@ from urllib.parse import quote, unquote
 from ..errors import CommitConflictError, ConfigurationError, StorageError
 from .object_retry import ObjectRequests, RetryPolicy, chain, settle_write
 from .storage import FsspecStorage
+from .._base import internals
 
 #: a multipart/related upload (metadata, then the bytes): the one request that carries ifGenerationMatch
 _BOUNDARY = "==dcp-atomic=="
@@ -135,7 +135,7 @@ class GCSStorage(FsspecStorage):
         self.policy = RetryPolicy.pop_from(options)
         # No shared instance and no listing cache: a reused filesystem would carry another save's state.
         super().__init__(url, {"skip_instance_cache": True, "use_listings_cache": False, **options})
-        if "mode" not in inspect.signature(self.fs._pipe_file).parameters:
+        if not internals.gcs_creates_exclusively(self.fs):
             raise ConfigurationError(
                 f"{url}: the installed gcsfs cannot create an object only if it is "
                 "absent (pipe_file has no mode='create'), so two jobs could both commit one step. Upgrade: "
@@ -145,27 +145,22 @@ class GCSStorage(FsspecStorage):
 
     @property
     def endpoint(self) -> str:
-        return getattr(self.fs, "_endpoint", None) or getattr(self.fs, "_location", None) or "gcs"
+        return internals.gcs_location(self.fs) or "gcs"
 
     def __reduce__(self):
         """Pickle to URL + options (DCP's process-based async executor): the copy builds its own client and policy."""
         return (type(self), self._init_args)
 
     def _install_policy(self) -> None:
-        """Route every request of this filesystem through our policy instead of gcsfs's retry loop.
+        """Route every request of this filesystem through our policy instead of gcsfs's retry loop: each makes one
+        attempt, which :class:`ObjectRequests` repeats, bounds and reports."""
 
-        ``_request`` is gcsfs's one HTTP function (every read, write, listing and upload chunk calls it); its
-        undecorated form makes exactly one attempt, which :class:`ObjectRequests` repeats, bounds and reports.
-        """
-        fs, once = self.fs, type(self.fs)._request.__wrapped__
-
-        async def request(method, path, *args, **kwargs):
+        async def route(once, method, path, *args, **kwargs):
             data = kwargs.get("data")
             nbytes = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
-            return await self.requests.run(method, _object_url(path, args, kwargs),
-                                           lambda: once(fs, method, path, *args, **kwargs), nbytes)
+            return await self.requests.run(method, _object_url(path, args, kwargs), once, nbytes)
 
-        fs._request = request
+        internals.gcs_route_requests(self.fs, route)
 
     def _url(self, path: str) -> str:
         return f"gs://{path}"
@@ -232,7 +227,7 @@ class GCSStorage(FsspecStorage):
         head = (f"--{_BOUNDARY}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{json.dumps({'name': key})}"
                 f"\r\n--{_BOUNDARY}\r\nContent-Type: application/octet-stream\r\n\r\n")
         body = head.encode() + data + f"\r\n--{_BOUNDARY}--".encode()
-        self.fs.call("POST", f"{self.fs._location}/upload/storage/v1/b/{quote(bucket)}/o", uploadType="multipart",
+        self.fs.call("POST", f"{internals.gcs_location(self.fs)}/upload/storage/v1/b/{quote(bucket)}/o", uploadType="multipart",
                      headers={"Content-Type": f'multipart/related; boundary="{_BOUNDARY}"'}, data=body,
                      json_out=True, ifGenerationMatch=generation)
         self.fs.invalidate_cache(path)

@@ -86,6 +86,7 @@ from .s3_multipart import DEFAULT_UPLOAD_LEASE_S, S3ObjectWriter, StaleUpload, a
 from .s3_probe import (AUTH_CODES, CHECKSUM_MODE, UNSAFE_SINGLE_WRITER, data_prefix_advice, require_conditional_writes,
                        require_data_writes)
 from .storage import FsspecStorage
+from .._base import internals
 
 log = logging.getLogger("dcp_atomic.s3")  # the name users filter on
 
@@ -313,8 +314,7 @@ class S3Storage(FsspecStorage):
         super().__init__(url, options)
         self.fs.retries = 1
         if self.fs.session is None:  # botocore's model loading costs ~50 ms per fresh session: share one
-            self.fs.session = _shared_session(self.fs.kwargs)
-            self.fs._session_is_owned = False  # s3fs must not close it with this filesystem
+            internals.share_s3_session(self.fs, _shared_session(self.fs.kwargs))
         if self.unsafe_single_writer:
             self.exclusive_create_is_atomic = False
         self._part_slots = threading.BoundedSemaphore(self.max_concurrency)  # parts buffered: bounds memory
@@ -350,7 +350,7 @@ class S3Storage(FsspecStorage):
 
     async def _call(self, what: str, path: str, method: str, **kwargs: Any) -> dict:
         body = kwargs.get("Body")
-        return await self.requests.run(what, self._url(path), lambda: self.fs._call_s3(method, **kwargs),
+        return await self.requests.run(what, self._url(path), lambda: internals.s3_call(self.fs, method, **kwargs),
                                        len(body) if body is not None else 0)
 
     async def _put(self, path: str, data: bytes, **conditions: str) -> dict:
@@ -362,7 +362,7 @@ class S3Storage(FsspecStorage):
         extra = {} if offset is None else {"Range": f"bytes={offset}-{offset + length - 1}"}
 
         async def once() -> tuple[bytes, str | None]:
-            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+            response = await internals.s3_call(self.fs, "get_object", Bucket=bucket, Key=key, **extra)
             try:
                 return await response["Body"].read(), response.get("ETag")
             finally:

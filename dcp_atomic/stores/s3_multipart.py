@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from ..errors import StorageError
 from .._base.key_prefixes import DATA_PREFIX_PATTERN
+from .._base import internals
 
 log = logging.getLogger("dcp_atomic.s3_multipart")  # the name users filter on
 
@@ -127,7 +128,7 @@ class S3ObjectWriter:
         async def once() -> dict:
             nonlocal sent
             sent += 1
-            return await storage.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            return await internals.s3_call(storage.fs, "create_multipart_upload", Bucket=self.bucket, Key=self.key)
 
         upload_id = storage._run(storage.requests.run("create multipart upload", storage._url(self.path), once))[
             "UploadId"]

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .._base import internals
 from ..format.codec import tensor_bytes
 from ..errors import CheckpointError, ConfigurationError
 from ..stores.storage import LocalStorage, _temp_name, _unlink_quietly
@@ -361,7 +362,6 @@ def export_torch(root: str, run_id: str, step: int, out: str, *, timeout: float 
         raise ConfigurationError(f"{out} already exists; nothing was written: choose another path, or pass --force "
                                  "(force=True) to replace it", path=out)
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     from ..dcp.reader import AtomicStorageReader
 
@@ -369,7 +369,7 @@ def export_torch(root: str, run_id: str, step: int, out: str, *, timeout: float 
     reader = AtomicStorageReader(root, run_id, step, timeout=timeout, storage_options=storage_options)
     reader.resolve()
     try:
-        state = _load_state_dict_from_keys(storage_reader=reader)
+        state = internals.load_state_dict_from_keys(storage_reader=reader)
     except CheckpointException as e:  # DCP wraps each rank's failure as (exception, traceback)
         raise _first_cause(e) from None
     _publish_stream(out, lambda f: torch.save(state, f))
