@@ -1,6 +1,6 @@
-"""A tier restore moves only what each rank reads (P13, issue 18 "Restore").
+"""A tier restore moves only what each rank reads (P13, docs/guarantees.md).
 
-World 4 as 2 simulated nodes (``tests.test_tiers``' helpers: each node's ``local_root`` its own tmpfs, node B
+World 4 as 2 simulated nodes (``tests.helpers.tiers``: each node's ``local_root`` its own tmpfs, node B
 replaced by emptying its root).  After the choice each rank plans its own load and receives into its root, itself,
 the files (or, of another rank's file, the items) it reads that its root lacks; the bytes are checked by the
 receiver.  What each rank received is asserted against the step's manifest, file by file.
