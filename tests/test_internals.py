@@ -115,7 +115,9 @@ def test_a_whole_step_loads_without_a_template_through_load_state_dict_from_keys
 def _store_roundtrip(ctx):
     store = internals.default_store()
     store.set(f"internals/{ctx.rank}", str(ctx.rank))
-    return sorted(store.get(f"internals/{r}").decode() for r in range(ctx.world_size))  # get waits for the key
+    seen = sorted(store.get(f"internals/{r}").decode() for r in range(ctx.world_size))  # get waits for the key
+    torch.distributed.barrier()  # the store lives in rank 0's process: it must outlive rank 1's reads
+    return seen
 
 
 def test_the_default_store_is_the_groups_rendezvous_store(tmp_path):
