@@ -61,20 +61,21 @@ _verified_lock = threading.Lock()
 _verified: set[tuple] = set()  # (path's file_version) of base files this process verified whole
 
 
-def refuse_unsupported(storage: Any, *, compression: str | None, stock_readable: bool) -> None:
-    """``AtomicStorageWriter(reuse=True)``'s refusals, at construction."""
+def refuse_unsupported(storage: Any, *, compression: str | None, stock_readable: bool,
+                       who: str = "AtomicStorageWriter") -> None:
+    """``reuse=True``'s refusals, at construction (the writer's, and the manager's before it builds anything)."""
     if not getattr(storage, "hard_links", False):
         raise ConfigurationError(
-            f"AtomicStorageWriter(reuse=True) on {storage.describe()}: phase 1 of reuse links files (POSIX hard "
+            f"{who}(reuse=True) on {storage.describe()}: phase 1 of reuse links files (POSIX hard "
             "links); object stores (S3, GCS) and fsspec filesystems are not supported yet. Use reuse=False there, "
             "or a local disk / NFS root.", root=storage.describe())
     if compression is not None:
         raise ConfigurationError(
-            f"AtomicStorageWriter(reuse=True, compression={compression!r}): reuse does not support compressed "
+            f"{who}(reuse=True, compression={compression!r}): reuse does not support compressed "
             "saves yet. Use compression=None with reuse=True, or reuse=False.")
     if stock_readable:
         raise ConfigurationError(
-            "AtomicStorageWriter(reuse=True, stock_readable=True): reuse does not support torch.save containers "
+            f"{who}(reuse=True, stock_readable=True): reuse does not support torch.save containers "
             "yet. Use stock_readable=False with reuse=True, or reuse=False.")
 
 

@@ -215,7 +215,8 @@ class CheckpointManager(RankAgreement):
         self.layout = RunLayout(open_storage(root, storage_options), run_id)
         self.reuse = reuse
         if reuse:  # the writer's own refusals (object stores, compression), before any process group is made
-            refuse_unsupported(self.layout.storage, compression=compression, stock_readable=False)
+            refuse_unsupported(self.layout.storage, compression=compression, stock_readable=False,
+                               who="CheckpointManager")
         self.parallelism = parallelism
         self.keep_last = keep_last
         self.compression = compression
