@@ -289,3 +289,64 @@ def test_d_reuse_with_dcp_plan_caching_is_refused(tmp_path):
     assert "ConfigurationError" in repr(raised.value) or type(raised.value).__name__ == "ConfigurationError"
     assert "reuse=True" in str(raised.value) and "enable_plan_caching" in str(raised.value)
     assert not glob.glob(os.path.join(str(tmp_path), RUN, "step_*", "*", "*.distcp"))  # nothing was written
+
+
+# -- one process: a failed link falls back to a write; show and verify ---------------------------------------------
+
+
+def _save_one(root, step, base):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    writer = AtomicStorageWriter(root, RUN, step, reuse=True)
+    dcp.save({"base": base, "adapter": torch.full((4, 4), float(step))}, storage_writer=writer)
+    return writer.last_stats
+
+
+def _load_one(root, step):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader
+
+    out = {"base": torch.zeros(ROWS, COLS), "adapter": torch.zeros(4, 4)}
+    dcp.load(out, storage_reader=AtomicStorageReader(root, RUN, step))
+    return out
+
+
+def test_a_link_that_fails_falls_back_to_writing_the_file(tmp_path, monkeypatch, caplog):
+    import errno
+
+    from dcp_atomic.stores.storage import LocalStorage
+
+    root, base = str(tmp_path), _frozen()
+    _save_one(root, 1, base)
+    _save_one(root, 2, base)
+
+    def cross_device(self, source, target):
+        raise OSError(errno.EXDEV, "Invalid cross-device link", target)
+
+    monkeypatch.setattr(LocalStorage, "link", cross_device)
+    with caplog.at_level(logging.INFO, logger="dcp_atomic.writer"):
+        stats = _save_one(root, 3, base)
+    assert stats["bytes_reused"] == 0 and stats["bytes_written"] == stats["bytes"]
+    assert any("could not link __0_stable.distcp" in r.getMessage() for r in caplog.records)
+    assert _inode(_stable(root, 3, 0)) != _inode(_stable(root, 2, 0))  # written, so the next save can link it
+    monkeypatch.undo()
+    assert _save_one(root, 4, base)["bytes_reused"] == ROWS * COLS * 4
+    for step in (3, 4):
+        loaded = _load_one(root, step)
+        assert torch.equal(loaded["base"], base) and torch.equal(loaded["adapter"], torch.full((4, 4), float(step)))
+
+
+def test_show_prints_written_and_reused_bytes_and_verify_passes_a_linked_step(tmp_path, capsys):
+    from dcp_atomic.cli import main
+
+    root, base = str(tmp_path), _frozen()
+    for step in (1, 2, 3):
+        stats = _save_one(root, step, base)
+    assert main(["show", root, RUN, "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"{stats['bytes_written']} bytes written, {ROWS * COLS * 4} bytes linked" in out, out
+    assert "MiB reused" in out
+    assert main(["verify", root, RUN, "3"]) == 0
