@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._base.retry import Deadline
-from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError
+from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
 from ..format.blocks import check_block, file_blocks
 from ..format.codec import Encoder
 from ..format.integrity import block_digest
@@ -270,7 +270,12 @@ def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
     except (CorruptCheckpointError, OSError) as e:
         log.warning("reuse: rank %d: the base's %s (step %d) does not match its digests, so it is not reused: "
                     "writing it instead. Every step linking it is damaged: %s", write.rank, entry.name, base.step, e)
-        storage.remove(target)
+        try:
+            storage.remove(target)
+        except OSError as gone:
+            raise StorageError(f"rank {write.rank} could not remove {target}, linked from a damaged base file: "
+                               f"{gone.strerror or gone}. Nothing was committed; remove the attempt (dcp-atomic gc) "
+                               "and retry the save", rank=write.rank, path=target, errno=gone.errno) from gone
         return False
     return True
 

@@ -600,10 +600,10 @@ class _RankWrite:
             raise _storage_error(e, self.rank, e.filename or self.attempt) from e
         started = time.monotonic()
         results: list[WriteResult] = []
+        self.progress = Progress(f"saving step {self.writer.step}", sum(_planned_bytes(i) for i in items), self.rank)
         rest, stable = self._reuse(items, results) if self.base is not None else (items, [])
         buckets = [b for b in _split_by_size(rest, self.writer.thread_count) if b] or ([] if stable or results else [[]])
         files = [(data_file_name(self.rank, k), bucket) for k, bucket in enumerate(buckets)] + stable
-        self.progress = Progress(f"saving step {self.writer.step}", sum(_planned_bytes(i) for i in items), self.rank)
         with ThreadPoolExecutor(max_workers=max(1, len(files)), thread_name_prefix=f"dcp-atomic-w{self.rank}") as pool:
             futures = [pool.submit(self._write_file, name, bucket) for name, bucket in files]
             errors = []
@@ -643,6 +643,8 @@ class _RankWrite:
             self.stats.files[outcome.linked_file.name] = outcome.linked_file.size
             self.stats.bytes += outcome.linked_file.size
             self.stats.bytes_reused += outcome.linked_file.size
+            linked = {id(item) for item in items} - {id(item) for item in outcome.others}
+            self.progress.add(sum(_planned_bytes(item) for item in items if id(item) in linked))
         return outcome.others, [(stable_file_name(self.rank), outcome.stable)] if outcome.stable else []
 
     def _write_file(self, name: str, bucket: list[WriteItem]) -> list[WriteResult]:
