@@ -350,3 +350,37 @@ def test_show_prints_written_and_reused_bytes_and_verify_passes_a_linked_step(tm
     assert f"{stats['bytes_written']} bytes written, {ROWS * COLS * 4} bytes linked" in out, out
     assert "MiB reused" in out
     assert main(["verify", root, RUN, "3"]) == 0
+
+
+def test_content_decides_never_requires_grad(tmp_path):
+    """A parameter that requires grad but did not change is linked; a tensor that does not require grad but changed
+    is written."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    root = str(tmp_path)
+    trained = torch.nn.Parameter(_frozen())  # requires_grad=True, never updated
+    for step in (1, 2, 3):
+        frozen = torch.full((ROWS, COLS), float(step))  # requires_grad=False, different every step
+        writer = AtomicStorageWriter(root, RUN, step, reuse=True)
+        dcp.save({"trained": trained, "frozen": frozen}, storage_writer=writer)
+    assert writer.last_stats["bytes_reused"] == ROWS * COLS * 4  # "trained" alone
+    assert writer.last_stats["bytes_written"] >= ROWS * COLS * 4  # "frozen" written
+    shard = json.load(open(os.path.join(_attempt(root, 3), "manifest.0.json")))
+    placed = {item["key"]: f["name"] for f in shard["files"] for item in f["items"]}
+    assert placed == {"trained": "__0_stable.distcp", "frozen": "__0_0.distcp"}
+
+
+def test_a_base_saved_without_reuse_means_one_full_save(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    root, base = str(tmp_path), _frozen()
+    dcp.save({"base": base, "adapter": torch.zeros(4, 4)}, storage_writer=AtomicStorageWriter(root, RUN, 1))
+    assert _save_one(root, 2, base)["bytes_reused"] == 0  # step 1 records no chunk sizes: nothing to compare
+    assert not os.path.exists(_stable(root, 2, 0))
+    assert _save_one(root, 3, base)["bytes_reused"] == 0  # the stable file is written
+    assert _save_one(root, 4, base)["bytes_reused"] == ROWS * COLS * 4  # and linked
+    assert torch.equal(_load_one(root, 4)["base"], base)
