@@ -72,7 +72,7 @@ def _attempt(root, step):
 
 
 def _stable(root, step, rank):
-    return os.path.join(_attempt(root, step), f"__{rank}_stable.distcp")
+    return os.path.join(_attempt(root, step), f"__{rank}_s0.distcp")
 
 
 def _inode(path):
@@ -240,7 +240,7 @@ def _without_reuse(ctx):
 
 def test_e_without_reuse_no_stable_file_and_every_byte_written(tmp_path):
     assert_all_ok(run_world(_without_reuse, 2, str(tmp_path)))
-    assert not glob.glob(os.path.join(str(tmp_path), RUN, "step_*", "*", "*stable*"))
+    assert not glob.glob(os.path.join(str(tmp_path), RUN, "step_*", "*", "__*_s*.distcp"))
     for step in (1, 2):
         names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(_attempt(str(tmp_path), step), "*.distcp")))
         assert names and all(n.split("_")[-1].split(".")[0].isdigit() for n in names), names
@@ -330,7 +330,7 @@ def test_a_link_that_fails_falls_back_to_writing_the_file(tmp_path, monkeypatch,
     with caplog.at_level(logging.INFO, logger="dcp_atomic.writer"):
         stats = _save_one(root, 3, base)
     assert stats["bytes_reused"] == 0 and stats["bytes_written"] == stats["bytes"]
-    assert any("could not link __0_stable.distcp" in r.getMessage() for r in caplog.records)
+    assert any("could not link __0_s0.distcp" in r.getMessage() for r in caplog.records)
     assert _inode(_stable(root, 3, 0)) != _inode(_stable(root, 2, 0))  # written, so the next save can link it
     monkeypatch.undo()
     assert _save_one(root, 4, base)["bytes_reused"] == ROWS * COLS * 4
@@ -369,7 +369,7 @@ def test_content_decides_never_requires_grad(tmp_path):
     assert writer.last_stats["bytes_written"] >= ROWS * COLS * 4  # "frozen" written
     shard = json.load(open(os.path.join(_attempt(root, 3), "manifest.0.json")))
     placed = {item["key"]: f["name"] for f in shard["files"] for item in f["items"]}
-    assert placed == {"trained": "__0_stable.distcp", "frozen": "__0_0.distcp"}
+    assert placed == {"trained": "__0_s0.distcp", "frozen": "__0_0.distcp"}
 
 
 def test_a_base_saved_without_reuse_means_one_full_save(tmp_path):
@@ -384,3 +384,37 @@ def test_a_base_saved_without_reuse_means_one_full_save(tmp_path):
     assert _save_one(root, 3, base)["bytes_reused"] == 0  # the stable file is written
     assert _save_one(root, 4, base)["bytes_reused"] == ROWS * COLS * 4  # and linked
     assert torch.equal(_load_one(root, 4)["base"], base)
+
+
+def test_one_changed_item_costs_only_its_stable_file(tmp_path, monkeypatch):
+    """Stable files are capped (``STABLE_FILE_BYTES``): a change to one frozen tensor leaves the other stable files
+    linked; the changed tensor is written, and once it stops changing it gets a stable file of its own."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+    from dcp_atomic.dcp import reuse
+
+    monkeypatch.setattr(reuse, "STABLE_FILE_BYTES", ROWS * COLS * 4 + 1)  # one tensor per stable file
+    root = str(tmp_path)
+    tensors = {name: torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(i))
+               for i, name in enumerate("abc")}
+    files = {}
+    for step in range(1, 6):
+        if step == 3:
+            tensors["b"][7, 7] += 1.0  # from step 3 on, b has one changed element
+        writer = AtomicStorageWriter(root, RUN, step, reuse=True)
+        dcp.save({**tensors, "adapter": torch.full((4, 4), float(step))}, storage_writer=writer)
+        shard = json.load(open(os.path.join(_attempt(root, step), "manifest.0.json")))
+        files[step] = ({item["key"]: f["name"] for f in shard["files"] for item in f["items"]},
+                       writer.last_stats["bytes_reused"])
+        out = {name: torch.zeros(ROWS, COLS) for name in "abc"} | {"adapter": torch.zeros(4, 4)}
+        dcp.load(out, storage_reader=AtomicStorageReader(root, RUN, step))
+        assert all(torch.equal(out[name], tensors[name]) for name in "abc"), step
+    inode = lambda step, name: os.stat(os.path.join(_attempt(root, step), name)).st_ino  # noqa: E731
+    tensor = ROWS * COLS * 4
+    assert files[2] == ({"a": "__0_s0.distcp", "b": "__0_s1.distcp", "c": "__0_s2.distcp", "adapter": "__0_0.distcp"}, 0)
+    assert files[3][1] == 2 * tensor and files[3][0]["b"] == "__0_0.distcp"  # b changed: written, a and c linked
+    assert inode(3, "__0_s0.distcp") == inode(2, "__0_s0.distcp") and inode(3, "__0_s2.distcp") == inode(2, "__0_s2.distcp")
+    assert files[4][1] == 2 * tensor and files[4][0]["b"] == "__0_s1.distcp"  # b unchanged since 3: its own file
+    assert inode(4, "__0_s1.distcp") != inode(2, "__0_s1.distcp")
+    assert files[5][1] == 3 * tensor and inode(5, "__0_s1.distcp") == inode(4, "__0_s1.distcp")

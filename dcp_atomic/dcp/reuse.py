@@ -9,13 +9,13 @@
   (:class:`_Probe`), so its digests are those of exactly the bytes a write would store; it is unchanged only if
   every field of its record (format, codec, lengths, block digests) equals the base's.  Declarations
   (``requires_grad``, "frozen") never decide.
-* **Physically per file**: the unchanged items go into the rank's stable file (``layout.stable_file_name``), in
-  canonical order (key, chunk offset).  When that file would hold exactly what the base's stable file holds (the same
-  items, order, offsets and digests), the base's file is ``link()``ed into the new attempt under the same name, once
-  re-verified against its block digests (:mod:`..format.blocks`, once per process and file version), and its extents
-  become this save's: no data byte is written.  Otherwise the stable file is written, so that the next save can link
-  it.  A link that fails (another filesystem, no hard links, the base removed meanwhile) or a damaged base file means
-  the stable file is written, logged.
+* **Physically per file**: the unchanged items live in the rank's stable files (``layout.stable_file_name``), in
+  canonical order (key, chunk offset), at most ``STABLE_FILE_BYTES`` each.  A stable file of the base whose every item
+  is unchanged (same records, so the same bytes at the same offsets) is ``link()``ed into the new attempt under the
+  same name, once re-verified against its block digests (:mod:`..format.blocks`, once per process and file version),
+  and its extents become this save's: no data byte of it is written.  The other unchanged items are written into new
+  stable files, so that the next save can link them.  A link that fails (another filesystem, no hard links, the base
+  removed meanwhile) or a damaged base file means its items are written, logged.
 
 Every step stays whole: a hard link is a second name for one inode, so retiring or deleting any step, the base
 included, leaves the others' bytes in place; readers, ``verify``, retention and ``gc`` need nothing new.
@@ -27,6 +27,7 @@ Refused (typed, before anything is written): roots without hard links (object st
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,7 @@ from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError
 from ..format.blocks import check_block, file_blocks
 from ..format.codec import Encoder
 from ..format.integrity import block_digest
-from ..format.layout import RunLayout, stable_file_name
+from ..format.layout import STABLE_FILE_PATTERN, RunLayout, stable_file_name
 from ..format.manifest import FileEntry, ItemExtent, ManifestShard
 from ..protocol.catalog import most_recent, resolve, scan_markers
 from ..protocol.commit import read_committed, read_shard
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("dcp_atomic.writer")  # the writer's: what users filter on
 
+STABLE_FILE_BYTES = 1 << 30  # a stable file's size cap: one changed item costs the rewrite of at most this much
 BASE_WAIT_SECONDS = 10.0  # how long a rank waits for the base's control files before it saves in full
 # The fields of an item's record that must equal the base's for the item to count as unchanged (its place, pos and
 # relative_path, is the file's concern: see _same_file).
@@ -171,45 +173,63 @@ class _Probe:
 
 @dataclass
 class Outcome:
-    """What reuse decided for one rank's save: the items left to the ordinary files, the stable file's items to
-    write (empty when linked or none), and the results of the linked items."""
+    """What reuse decided for one rank's save: the items left to the ordinary files, the stable files to write
+    (name, items in canonical order), and the base's stable files linked with their items' results."""
 
     others: list[WriteItem]
-    stable: list[WriteItem]
+    stable: list[tuple[str, list[WriteItem]]]
     linked: list[WriteResult]
-    linked_file: FileEntry | None = None
+    linked_files: list[FileEntry]
 
 
 def plan_rank(write: "_RankWrite", items: list[WriteItem], base: Base) -> Outcome:
-    """Split this rank's items by content against ``base`` and link the stable file where it is unchanged."""
+    """Split this rank's items by content against ``base``; link each stable file of the base whose every item is
+    unchanged; put the other unchanged items into new stable files (at most ``STABLE_FILE_BYTES`` each)."""
     writer = write.writer
-    name = stable_file_name(write.rank)
     base_items = base.items()
     candidates = [(item, base_items[ident][1]) for item in items
                   if item.type != WriteItemType.BYTE_IO and (ident := _identity(item)) in base_items
                   and _may_match(item, base_items[ident][1])]
     with ThreadPoolExecutor(max_workers=max(1, min(writer.thread_count, len(candidates))),
                             thread_name_prefix=f"dcp-atomic-r{write.rank}") as pool:
-        probed = list(pool.map(lambda pair: _probe(write, name, pair[0], pair[1], base), candidates))
-    unchanged = sorted(((item, written) for (item, _), written in zip(candidates, probed) if written is not None),
-                       key=lambda pair: _identity(pair[0]))
-    kept = {id(item) for item, _ in unchanged}
+        probed = list(pool.map(lambda pair: _probe(write, pair[0], pair[1], base), candidates))
+    unchanged = {_identity(item): (item, written) for (item, _), written in zip(candidates, probed)
+                 if written is not None}
+    kept = {id(item) for item, _ in unchanged.values()}
     others = [item for item in items if id(item) not in kept]
-    if not unchanged:
-        log.info("reuse: rank %d: no item unchanged since step %d; no stable file", write.rank, base.step)
-        return Outcome(others, [], [])
-    entry = base.file(name)
-    if entry is not None and _same_file(unchanged, entry) and _link_verified(write, base, entry):
-        linked = [WriteResult(index=item.index, size_in_bytes=extent.length,
-                              storage_data=dataclasses.replace(written, relative_path=name, offset=extent.pos))
-                  for (item, written), extent in zip(unchanged, sorted(entry.items, key=lambda i: i.pos))]
-        log.info("reuse: rank %d linked %s from step %d (%d items, %d bytes not written)", write.rank, name,
-                 base.step, len(linked), entry.size)
-        return Outcome(others, [], linked, entry)
-    if entry is None or not _same_file(unchanged, entry):
-        log.info("reuse: rank %d writes %s (%d items unchanged since step %d; the base's stable file %s)", write.rank,
-                 name, len(unchanged), base.step, "holds other items" if entry is not None else "does not exist")
-    return Outcome(others, [item for item, _ in unchanged], [])
+    linked: list[WriteResult] = []
+    linked_files: list[FileEntry] = []
+    for entry in sorted((f for f in base.shard.files if STABLE_FILE_PATTERN.fullmatch(f.name)), key=lambda f: f.name):
+        extents = sorted(entry.items, key=lambda i: i.pos)
+        pairs = [unchanged.get((e.key, tuple(e.chunk_offset or ()))) for e in extents]
+        if not pairs or None in pairs or not _same_file(pairs, entry) or not _link_verified(write, base, entry):
+            continue
+        linked += [WriteResult(index=item.index, size_in_bytes=extent.length,
+                               storage_data=dataclasses.replace(written, relative_path=entry.name, offset=extent.pos))
+                   for (item, written), extent in zip(pairs, extents)]
+        linked_files.append(entry)
+        for item, _ in pairs:
+            del unchanged[_identity(item)]
+    stable = _new_stable_files(write.rank, sorted(unchanged.items()), {f.name for f in linked_files})
+    log.info("reuse: rank %d: %d of %d items unchanged since step %d; %d stable file(s) linked (%d bytes not "
+             "written), %d written", write.rank, len(kept), len(items), base.step, len(linked_files),
+             sum(f.size for f in linked_files), len(stable))
+    return Outcome(others, stable, linked, linked_files)
+
+
+def _new_stable_files(rank: int, unchanged: list, taken: set[str]) -> list[tuple[str, list[WriteItem]]]:
+    """The unchanged items no linked file holds, in canonical order, cut into files of at most
+    ``STABLE_FILE_BYTES`` (one item larger than that is a file of its own), under names the linked files leave."""
+    groups: list[list[WriteItem]] = []
+    size = 0
+    for _, (item, written) in unchanged:
+        if not groups or size + written.length > STABLE_FILE_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += written.length
+    names = (name for j in itertools.count() if (name := stable_file_name(rank, j)) not in taken)
+    return [(next(names), group) for group in groups]
 
 
 def _identity(item: WriteItem) -> tuple:
@@ -223,10 +243,10 @@ def _may_match(item: WriteItem, extent: ItemExtent) -> bool:
             and extent.chunk_sizes == list(sizes))
 
 
-def _probe(write: "_RankWrite", name: str, item: WriteItem, extent: ItemExtent, base: Base):
+def _probe(write: "_RankWrite", item: WriteItem, extent: ItemExtent, base: Base):
     """The item's record as a write would make it, or None where its bytes or record differ from the base's."""
     try:
-        written = write._write_item(_Probe(extent.checksums), name, item, Encoder("none")).storage_data
+        written = write._write_item(_Probe(extent.checksums), "", item, Encoder("none")).storage_data
     except _Changed:
         return None
     stored = written.dtype or str(item.tensor_data.properties.dtype)
@@ -238,8 +258,9 @@ def _probe(write: "_RankWrite", name: str, item: WriteItem, extent: ItemExtent, 
 
 
 def _same_file(unchanged: list, entry: FileEntry) -> bool:
-    """The stable file this save would write is byte for byte the base's: the same items in the same order at the
-    same offsets with the same records, tiling the file."""
+    """The stable file this save would write for these items (``(item, record)`` in canonical order) is byte for
+    byte the base's ``entry``: the same items in the same order at the same offsets with the same records, tiling
+    the file."""
     base = sorted(entry.items, key=lambda i: i.pos)
     if len(base) != len(unchanged):
         return False

@@ -57,8 +57,7 @@ from . import reuse as _reuse
 from .identity import check_identities, default_thread_count, local_identity
 from .._base.gc_pause import STORAGE, hook, leave
 from ..format.integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
-from ..format.layout import (checked_checkpoint_id, data_file_name, new_save_id, no_location_error, stable_file_name,
-                             validate_step)
+from ..format.layout import checked_checkpoint_id, data_file_name, new_save_id, no_location_error, validate_step
 from ..protocol.location import is_checkpoint_id, open_location, retarget
 from ..format.manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, check_user_metadata, now
 from ..format.parallelism import Parallelism
@@ -189,8 +188,8 @@ class AtomicStorageWriter(StorageWriter):
         timeout: seconds any wait of this writer may take.
         storage_options: fsspec options (e.g. an S3 endpoint).
         reuse: store only what changed since the run's latest committed step below this one (P15, phase 1,
-            :mod:`.reuse`): each rank's unchanged items (compared by their block digests) go into one stable
-            file, hard-linked from that step when it holds exactly them. POSIX roots only; refused with
+            :mod:`.reuse`): each rank's unchanged items (compared by their block digests) go into stable files,
+            each hard-linked from that step when it holds exactly them. POSIX roots only; refused with
             compression, ``stock_readable`` and DCP plan caching. Default off (README, "Reuse").
     """
 
@@ -638,14 +637,14 @@ class _RankWrite:
         """Reuse (:mod:`.reuse`): (the items for the ordinary files, [(the stable file, its items)] to write or []);
         a stable file linked from the base adds its items' results to ``results`` instead."""
         outcome = _reuse.plan_rank(self, items, self.base)
-        if outcome.linked_file is not None:
-            results.extend(outcome.linked)
-            self.stats.files[outcome.linked_file.name] = outcome.linked_file.size
-            self.stats.bytes += outcome.linked_file.size
-            self.stats.bytes_reused += outcome.linked_file.size
-            linked = {id(item) for item in items} - {id(item) for item in outcome.others}
-            self.progress.add(sum(_planned_bytes(item) for item in items if id(item) in linked))
-        return outcome.others, [(stable_file_name(self.rank), outcome.stable)] if outcome.stable else []
+        results.extend(outcome.linked)
+        for entry in outcome.linked_files:
+            self.stats.files[entry.name] = entry.size
+            self.stats.bytes += entry.size
+            self.stats.bytes_reused += entry.size
+        written = {id(item) for item in outcome.others} | {id(item) for _, group in outcome.stable for item in group}
+        self.progress.add(sum(_planned_bytes(item) for item in items if id(item) not in written))  # the linked ones
+        return outcome.others, outcome.stable
 
     def _write_file(self, name: str, bucket: list[WriteItem]) -> list[WriteResult]:
         storage = self.writer.storage

@@ -30,7 +30,7 @@ RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SAVE_ID_PATTERN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
 STEP_DIR_PATTERN = re.compile(r"step_(\d{10,})")
 DATA_FILE_PATTERN = re.compile(r"__(\d+)_(\d+)\.distcp")
-STABLE_FILE_PATTERN = re.compile(r"__(\d+)_stable\.distcp")  # reuse (P15): a rank's items unchanged since the base
+STABLE_FILE_PATTERN = re.compile(r"__(\d+)_s(\d+)\.distcp")  # reuse (P15): a rank's items unchanged since the base
 CHECKPOINT_ID_STEP_PATTERN = re.compile(r"step[_-](\d+)")  # ours (step_N) and torchtitan's (step-N)
 
 MARKER = "COMMITTED"
@@ -143,16 +143,16 @@ def data_file_name(rank: int, k: int) -> str:
     return f"__{rank}_{k}.distcp"
 
 
-def stable_file_name(rank: int) -> str:
-    """With reuse (P15): the rank's items unchanged since the base step, in canonical order, in one file that the
+def stable_file_name(rank: int, j: int = 0) -> str:
+    """With reuse (P15): the rank's ``j``-th file of items unchanged since the base step, in canonical order, that the
     next save can hard-link whole (:mod:`dcp_atomic.dcp.reuse`)."""
-    return f"__{rank}_stable.distcp"
+    return f"__{rank}_s{j}.distcp"
 
 
 def validate_data_file_name(name: str) -> str:
     """Refuse anything a hostile manifest or .metadata could use to escape the attempt dir."""
     if not isinstance(name, str) or not (DATA_FILE_PATTERN.fullmatch(name) or STABLE_FILE_PATTERN.fullmatch(name)):
-        raise ValueError(f"invalid data file name {name!r}: expected __<rank>_<k>.distcp or __<rank>_stable.distcp")
+        raise ValueError(f"invalid data file name {name!r}: expected __<rank>_<k>.distcp or __<rank>_s<j>.distcp")
     return name
 
 
