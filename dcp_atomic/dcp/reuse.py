@@ -95,7 +95,7 @@ def choose_base(layout: RunLayout, step: int, timeout: float) -> tuple[int, str]
     one (a re-save, a rollback) or cannot be read, the markers (one process, this one) of the steps below."""
     try:
         try:
-            committed = resolve(layout, None, Deadline(min(timeout, 1.0)))
+            committed = resolve(layout, None, Deadline(0.0))  # no waiting: the scan below answers when in doubt
             if committed.step < step:
                 return committed.step, committed.save_id
         except CheckpointError:
@@ -122,9 +122,6 @@ class Base:
 
     def items(self) -> dict[tuple, tuple[str, ItemExtent]]:
         return {(i.key, tuple(i.chunk_offset or ())): (f.name, i) for f in self.shard.files for i in f.items}
-
-    def file(self, name: str) -> FileEntry | None:
-        return next((f for f in self.shard.files if f.name == name), None)
 
 
 def load_base(layout: RunLayout, rank: int, step: int, save_id: str, timeout: float) -> Base | None:
