@@ -421,3 +421,20 @@ def test_one_changed_item_costs_only_its_stable_file(tmp_path, monkeypatch):
     assert files[4][1] == 2 * tensor and files[4][0]["b"] == "__0_s1.distcp"  # b unchanged since 3: its own file
     assert inode(4, "__0_s1.distcp") != inode(2, "__0_s1.distcp")
     assert files[5][1] == 3 * tensor and inode(5, "__0_s1.distcp") == inode(4, "__0_s1.distcp")
+
+
+def test_resaving_the_latest_step_takes_the_step_below_as_its_base(tmp_path):
+    """LATEST names the step being saved again (overwrite=True): the base is the latest committed step below it."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    root, base = str(tmp_path), _frozen()
+    for step in (1, 2, 3):
+        _save_one(root, step, base)
+    writer = AtomicStorageWriter(root, RUN, 3, reuse=True, overwrite=True)
+    dcp.save({"base": base, "adapter": torch.full((4, 4), 9.0)}, storage_writer=writer)
+    assert writer.last_stats["bytes_reused"] == ROWS * COLS * 4
+    assert _inode(_stable(root, 3, 0)) == _inode(_stable(root, 2, 0))
+    loaded = _load_one(root, 3)
+    assert torch.equal(loaded["base"], base) and torch.equal(loaded["adapter"], torch.full((4, 4), 9.0))
