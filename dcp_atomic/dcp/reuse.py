@@ -307,8 +307,12 @@ def _verify_once(storage: Any, path: str, entry: FileEntry, where: str) -> None:
     with storage.open_reader(path) as reader:
         if reader.size() != entry.size:
             raise CorruptCheckpointError(f"{where}: {reader.size()} bytes, the shard records {entry.size}", path=path)
+        buffer = memoryview(bytearray(max((item.block_size for item in entry.items), default=0)))
         for item, what, index, lo, hi in file_blocks(entry, where):
-            check_block(item, index, reader.read_range(item.pos + lo, hi - lo), what, path=path)
+            if hi - lo > len(buffer):  # a frame larger than its block (not written by phase 1, which stores raw)
+                buffer = memoryview(bytearray(hi - lo))
+            got = reader.readinto_range(item.pos + lo, buffer[:hi - lo])  # one buffer for every block
+            check_block(item, index, buffer[:got], what, path=path)
     if version is not None:
         with _verified_lock:
             _verified.add(version)
