@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("dcp_atomic.writer")  # the writer's: what users filter on
 
+STATS = ("bytes_written", "bytes_reused")  # the writer's per-rank statistics of reuse, recorded in the manifest
 STABLE_FILE_BYTES = 1 << 30  # a stable file's size cap: one changed item costs the rewrite of at most this much
 BASE_WAIT_SECONDS = 10.0  # how long a rank waits for the base's control files before it saves in full
 # The fields of an item's record that must equal the base's for the item to count as unchanged (its place, pos and

@@ -150,8 +150,7 @@ class _Series:
     named: bool = False  # its planner names its DCP cache in every report (AtomicSavePlanner), so replays find it
 
 
-_MANIFEST_STATS = ("rank", "bytes", "bytes_written", "bytes_reused", "items", "write_seconds", "fsync_seconds",
-                   "threads")  # per rank
+_MANIFEST_STATS = ("rank", "bytes", "items", "write_seconds", "fsync_seconds", "threads")  # per rank
 _series_lock = threading.Lock()
 _series_counts: dict[str, int] = {}  # series (first save_id) -> number of the last save of it this process wrote
 _MAX_SERIES = 64  # a series ends when every rank's plan changes; a process has one live series per planner class
@@ -547,7 +546,8 @@ class AtomicStorageWriter(StorageWriter):
             versions={"dcp_atomic": __version__, "torch": torch.__version__},
             started_at=self._started_at,
             written_at=now(),
-            stats=[{k: getattr(s, k) for k in _MANIFEST_STATS} for s in sorted(stats, key=lambda s: s.rank)],
+            stats=[{k: getattr(s, k) for k in _MANIFEST_STATS + _reuse.STATS}
+                   for s in sorted(stats, key=lambda s: s.rank)],
             keys=self._keys,
             data_prefixes=self.data_prefixes,
             shards=sorted((s.shard for s in stats), key=lambda ref: ref.rank),
