@@ -438,3 +438,31 @@ def test_resaving_the_latest_step_takes_the_step_below_as_its_base(tmp_path):
     assert _inode(_stable(root, 3, 0)) == _inode(_stable(root, 2, 0))
     loaded = _load_one(root, 3)
     assert torch.equal(loaded["base"], base) and torch.equal(loaded["adapter"], torch.full((4, 4), 9.0))
+
+
+def _two_saves_at_world_two(ctx):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    mesh = _mesh(ctx.world_size)
+    for step in (1, 2):
+        dcp.save(_state(mesh, step), storage_writer=AtomicStorageWriter(ctx.root, RUN, step, reuse=True))
+    return True
+
+
+def test_a_base_of_another_world_size_is_not_reused(tmp_path):
+    """Saved by a world of two, saved again by one process: rank 0's chunk of "base" has the same offset and other
+    sizes, so nothing of the base is linked, and the step loads exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+
+    root = str(tmp_path)
+    assert_all_ok(run_world(_two_saves_at_world_two, 2, root))
+    writer = AtomicStorageWriter(root, RUN, 3, reuse=True)
+    dcp.save({"base": _frozen(), "adapter": torch.full((8, 16), 3.0), "step": 3}, storage_writer=writer)
+    assert writer.last_stats["bytes_reused"] == 0 and not os.path.exists(_stable(root, 3, 0))
+    out = {"base": torch.zeros(ROWS, COLS), "adapter": torch.zeros(8, 16), "step": -1}
+    dcp.load(out, storage_reader=AtomicStorageReader(root, RUN, 3))
+    assert torch.equal(out["base"], _frozen()) and out["step"] == 3
