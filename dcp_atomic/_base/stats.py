@@ -36,14 +36,19 @@ class RankSaveStats(_Stats):
     write_seconds: float
     fsync_seconds: float
     threads: int
+    bytes_written: int = 0
+    bytes_reused: int = 0
 
     @classmethod
     def from_manifest(cls, record: dict[str, Any]) -> "RankSaveStats":
-        """From a manifest ``stats`` record, where ``files`` maps each file name to its size."""
+        """From a manifest ``stats`` record, where ``files`` maps each file name to its size (records written before
+        reuse existed lack ``bytes_written`` / ``bytes_reused``: every byte was written)."""
         return cls(rank=int(record["rank"]), host=str(record.get("host", "")), bytes=int(record["bytes"]),
                    files=len(record.get("files", {})), items=int(record["items"]),
                    write_seconds=float(record["write_seconds"]), fsync_seconds=float(record["fsync_seconds"]),
-                   threads=int(record.get("threads", 1)))
+                   threads=int(record.get("threads", 1)),
+                   bytes_written=int(record.get("bytes_written", record["bytes"])),
+                   bytes_reused=int(record.get("bytes_reused", 0)))
 
 
 @dataclass
@@ -68,6 +73,8 @@ class SaveStats(_Stats):
     tier: str = "durable"
     local_commit_seconds: float | None = None
     replica_bytes: int | None = None
+    bytes_written: int | None = None
+    bytes_reused: int | None = None
     schema_version: int = SCHEMA_VERSION
     kind: str = "save"
 
@@ -77,6 +84,7 @@ class SaveStats(_Stats):
         figures = writer_stats or {}
         nbytes = figures.get("bytes")
         return cls(commit_seconds=figures.get("commit_seconds"), bytes=nbytes, files=figures.get("files"),
+                   bytes_written=figures.get("bytes_written", nbytes), bytes_reused=figures.get("bytes_reused"),
                    gb_per_s=_rate(nbytes, known["seconds"]),
                    ranks=sorted((RankSaveStats.from_manifest(r) for r in figures.get("ranks", [])),
                                 key=lambda r: r.rank), **known)

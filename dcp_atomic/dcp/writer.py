@@ -53,6 +53,7 @@ from ..format.codec import Encoder, Staging, host_blocks, plane_width, tensor_by
 from ..format.container import find_payload
 from ..errors import CheckpointError, ConfigurationError, RankConsistencyError, StorageError
 from . import plan_cache
+from . import reuse as _reuse
 from .identity import check_identities, default_thread_count, local_identity
 from .._base.gc_pause import STORAGE, hook, leave
 from ..format.integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
@@ -93,6 +94,8 @@ class _AssignedPlanData:
     step: int
     data_prefixes: int = 0  # where every rank puts its data (layout.data_prefix): one choice, recorded in the manifest
     number: int = 1
+    base_step: int | None = None  # reuse (P15): the committed step each rank compares its items against
+    base_save_id: str | None = None
 
 
 @dataclass
@@ -112,6 +115,7 @@ class _WrittenItem:
     logical_length: int | None = None
     frames: list[int] | None = None
     dtype: str | None = None  # the dtype stored, when the planner resolved another than it planned
+    chunk_sizes: list[int] | None = None  # with reuse: the chunk's sizes (ItemExtent.chunk_sizes)
 
 
 @dataclass
@@ -119,7 +123,9 @@ class _RankStats:
     rank: int
     host: str
     files: dict[str, int] = field(default_factory=dict)  # name -> size
-    bytes: int = 0
+    bytes: int = 0  # the data files of this rank in this step: bytes_written + bytes_reused
+    bytes_written: int = 0  # by this save
+    bytes_reused: int = 0  # linked from the base step (reuse, P15), not written
     items: int = 0
     write_seconds: float = 0.0
     fsync_seconds: float = 0.0
@@ -159,6 +165,10 @@ class AtomicStorageWriter(StorageWriter):
             the faster format (see README, "Formats and compression", for the measurements).
         timeout: seconds any wait of this writer may take.
         storage_options: fsspec options (e.g. an S3 endpoint).
+        reuse: store only what changed since the run's latest committed step below this one (P15, phase 1,
+            :mod:`.reuse`): each rank's unchanged items (compared by their block digests) go into stable files,
+            each hard-linked from that step when it holds exactly them. POSIX roots only; refused with
+            compression, ``stock_readable`` and DCP plan caching. Default off (README, "Reuse").
     """
 
     def __init__(
@@ -178,6 +188,7 @@ class AtomicStorageWriter(StorageWriter):
         timeout: float = DEFAULT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
         block_size: int = BLOCK_SIZE,
+        reuse: bool = False,
     ) -> None:
         super().__init__()
         if compression not in (None, "zstd"):
@@ -194,9 +205,12 @@ class AtomicStorageWriter(StorageWriter):
         overwrite = arguments.flag("AtomicStorageWriter(overwrite=...)", overwrite)
         stock_readable = arguments.flag("AtomicStorageWriter(stock_readable=...)", stock_readable)
         block_size = arguments.count("AtomicStorageWriter(block_size=...)", block_size, optional=False)
+        self.reuse = arguments.flag("AtomicStorageWriter(reuse=...)", reuse)
         self.storage_options = storage_options
         self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
         self.storage, self.layout = open_location(root, run_id, storage_options)
+        if self.reuse:
+            _reuse.refuse_unsupported(self.storage, compression=compression, stock_readable=stock_readable)
         self.step = None if step is None else validate_step(step)
         self.parallelism = parallelism
         self.compression = compression
@@ -321,9 +335,12 @@ class AtomicStorageWriter(StorageWriter):
         except OSError as e:
             raise _storage_error(e, self.rank, e.filename or attempt, phase="creating the attempt") from e
         prefixes = 0 if self.stock_readable else getattr(self.storage, "data_prefixes", 0)  # stock: data by .metadata
+        base_step, base_save_id = (_reuse.choose_base(self.layout, self.step, self.timeout) if self.reuse else None) \
+            or (None, None)
         return [
             dataclasses.replace(plan, storage_data=_AssignedPlanData(save_id=first, rank=i, step=self.step,
-                                                                     data_prefixes=prefixes, number=number))
+                                                                     data_prefixes=prefixes, number=number,
+                                                                     base_step=base_step, base_save_id=base_save_id))
             for i, plan in enumerate(plans)
         ]
 
@@ -355,7 +372,10 @@ class AtomicStorageWriter(StorageWriter):
                 "DefaultSavePlanner(enable_plan_caching=False), or restart the job"
             )
         caching = internals.caches_plans(planner)
-        number = plan_cache.advance(assigned.save_id, assigned.number, caching)  # first: every rank counts every save, even one that fails
+        # first: every rank counts every save, even one that fails
+        number = plan_cache.advance(assigned.save_id, assigned.number, caching)
+        if caching and self.reuse:
+            raise _reuse.refuse_plan_caching(self.rank)
         if number == assigned.number and assigned.step != self.step:  # a replayed plan's step is stale: see finish
             raise ConfigurationError(f"rank {self.rank} writer is for step {self.step}, coordinator chose {assigned.step}")
         if caching and self._series is not None:  # the coordinator: ranks now cache this series
@@ -368,8 +388,8 @@ class AtomicStorageWriter(StorageWriter):
         stats.shard = self._publish_shard(assigned, results, stats)
         stats.step, stats.save_id = assigned.step, assigned.save_id
         results = [  # the coordinator needs only what DCP's .metadata records
-            WriteResult(r.index, r.size_in_bytes, internals.StorageInfo(r.storage_data.relative_path, r.storage_data.offset,
-                                                               r.storage_data.length))
+            WriteResult(r.index, r.size_in_bytes, internals.StorageInfo(r.storage_data.relative_path,
+                                                                        r.storage_data.offset, r.storage_data.length))
             for r in results
         ]
         stats_result = WriteResult(index=MetadataIndex(f"{_STATS_FQN}/{self.rank}"), size_in_bytes=0, storage_data=stats)
@@ -407,6 +427,8 @@ class AtomicStorageWriter(StorageWriter):
         except OSError as e:
             raise _storage_error(e, self.rank, e.filename or attempt, phase="committing") from e
         self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
+                           "bytes_written": sum(s.bytes_written for s in stats),
+                           "bytes_reused": sum(s.bytes_reused for s in stats),
                            "commit_seconds": time.monotonic() - started,
                            "ranks": [{**m, "host": s.host, "files": s.files} for m, s in
                                      zip(manifest.stats, sorted(stats, key=lambda s: s.rank))]}
@@ -473,6 +495,7 @@ class AtomicStorageWriter(StorageWriter):
                 format=written.format, pos=written.offset, length=written.length, checksums=written.checksums,
                 block_size=written.block_size, payload=written.payload, codec=written.codec, planes=written.planes,
                 logical_length=written.logical_length, frames=written.frames, dtype=written.dtype,
+                chunk_sizes=written.chunk_sizes,
             ))
         for entry in files.values():
             entry.items.sort(key=lambda i: i.pos)
@@ -502,7 +525,8 @@ class AtomicStorageWriter(StorageWriter):
             versions={"dcp_atomic": __version__, "torch": torch.__version__},
             started_at=self._started_at,
             written_at=now(),
-            stats=[{k: getattr(s, k) for k in _MANIFEST_STATS} for s in sorted(stats, key=lambda s: s.rank)],
+            stats=[{k: getattr(s, k) for k in _MANIFEST_STATS + _reuse.STATS}
+                   for s in sorted(stats, key=lambda s: s.rank)],
             keys=self._keys,
             data_prefixes=self.data_prefixes,
             shards=sorted((s.shard for s in stats), key=lambda ref: ref.rank),
@@ -540,6 +564,10 @@ class _RankWrite:
         self._failed = threading.Event()
         self._stored: dict[str, set[str]] = {}  # key -> the dtypes this rank stored its chunks of it as
         self._cast: set[str] = set()  # keys of which the planner cast a chunk
+        self.base = None  # reuse: this rank's view of the base step (reuse.load_base), read in run()
+        if writer.reuse and assigned.base_step is not None:
+            self.base = _reuse.load_base(writer.layout, self.rank, assigned.base_step, assigned.base_save_id,
+                                         writer.timeout)
 
     def run(self, items: list[WriteItem]) -> tuple[list[WriteResult], _RankStats]:
         storage = self.writer.storage
@@ -548,12 +576,14 @@ class _RankWrite:
             storage.makedirs(self.attempt)
         except OSError as e:
             raise _storage_error(e, self.rank, e.filename or self.attempt) from e
-        buckets = [b for b in _split_by_size(items, self.writer.thread_count) if b] or [[]]
-        self.progress = Progress(f"saving step {self.writer.step}", sum(_planned_bytes(i) for i in items), self.rank)
         started = time.monotonic()
         results: list[WriteResult] = []
-        with ThreadPoolExecutor(max_workers=len(buckets), thread_name_prefix=f"dcp-atomic-w{self.rank}") as pool:
-            futures = [pool.submit(self._write_file, k, bucket) for k, bucket in enumerate(buckets)]
+        self.progress = Progress(f"saving step {self.writer.step}", sum(_planned_bytes(i) for i in items), self.rank)
+        rest, stable = self._reuse(items, results) if self.base is not None else (items, [])
+        buckets = [b for b in _split_by_size(rest, self.writer.thread_count) if b] or ([] if stable or results else [[]])
+        files = [(data_file_name(self.rank, k), bucket) for k, bucket in enumerate(buckets)] + stable
+        with ThreadPoolExecutor(max_workers=max(1, len(files)), thread_name_prefix=f"dcp-atomic-w{self.rank}") as pool:
+            futures = [pool.submit(self._write_file, name, bucket) for name, bucket in files]
             errors = []
             for f in futures:
                 try:
@@ -582,9 +612,21 @@ class _RankWrite:
         first.add_note(also.strip(" ()"))
         return first
 
-    def _write_file(self, k: int, bucket: list[WriteItem]) -> list[WriteResult]:
+    def _reuse(self, items: list[WriteItem], results: list[WriteResult]):
+        """Reuse (:mod:`.reuse`): (the items for the ordinary files, [(the stable file, its items)] to write or []);
+        a stable file linked from the base adds its items' results to ``results`` instead."""
+        outcome = _reuse.plan_rank(self, items, self.base)
+        results.extend(outcome.linked)
+        for entry in outcome.linked_files:
+            self.stats.files[entry.name] = entry.size
+            self.stats.bytes += entry.size
+            self.stats.bytes_reused += entry.size
+        written = {id(item) for item in outcome.others} | {id(item) for _, group in outcome.stable for item in group}
+        self.progress.add(sum(_planned_bytes(item) for item in items if id(item) not in written))  # the linked ones
+        return outcome.others, outcome.stable
+
+    def _write_file(self, name: str, bucket: list[WriteItem]) -> list[WriteResult]:
         storage = self.writer.storage
-        name = data_file_name(self.rank, k)
         path = self.writer.layout.data_file(self.writer.step, self.writer.save_id, name, self.writer.data_prefixes)
         encoder = Encoder(self.writer.compression or "none", self.writer.compression_level)
         results = []
@@ -613,6 +655,7 @@ class _RankWrite:
                 self.stats.fsync_seconds += time.monotonic() - fsync_started
                 self.stats.files[name] = out.position
                 self.stats.bytes += out.position
+                self.stats.bytes_written += out.position
         except _Aborted:
             raise
         except OSError as e:
@@ -645,6 +688,8 @@ class _RankWrite:
                 written = _WrittenItem(name, start, length, "tensor", "torch_save", checksums, block_size, payload)
             else:
                 written = self._write_raw_tensor(out, name, tensor, encoder)
+            if self.writer.reuse:
+                written.chunk_sizes = list(item.tensor_data.chunk.sizes)
             with self._lock:
                 self._stored.setdefault(item.index.fqn, set()).add(str(tensor.dtype))
             if tensor.dtype != item.tensor_data.properties.dtype:

@@ -6,6 +6,9 @@ The layout is part of the contract (operators and tools rely on it)::
     <root>/<run_id>/step_0000001000/COMMITTED
     <root>/<run_id>/step_0000001000/<save_id>/{ATTEMPT, __<rank>_<k>.distcp, .metadata, manifest.json}
 
+With reuse (P15), a rank's items unchanged since the base step are in ``__<rank>_s<j>.distcp`` (stable files, maybe
+hard links to the base's).
+
 With hashed data prefixes (object stores, ``data_prefixes = P > 0`` in the manifest),
 data objects alone move to ``<root>/_dXX/<run_id>/step_.../<save_id>/__<rank>_<k>.distcp``
 (see :func:`data_prefix`); everything else keeps its place.
@@ -30,6 +33,7 @@ RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SAVE_ID_PATTERN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
 STEP_DIR_PATTERN = re.compile(r"step_(\d{10,})")
 DATA_FILE_PATTERN = re.compile(r"__(\d+)_(\d+)\.distcp")
+STABLE_FILE_PATTERN = re.compile(r"__(\d+)_s(\d+)\.distcp")  # reuse (P15): a rank's items unchanged since the base
 CHECKPOINT_ID_STEP_PATTERN = re.compile(r"step[_-](\d+)")  # ours (step_N) and torchtitan's (step-N)
 
 MARKER = "COMMITTED"
@@ -142,10 +146,16 @@ def data_file_name(rank: int, k: int) -> str:
     return f"__{rank}_{k}.distcp"
 
 
+def stable_file_name(rank: int, j: int = 0) -> str:
+    """With reuse (P15): the rank's ``j``-th file of items unchanged since the base step, in canonical order, that the
+    next save can hard-link whole (:mod:`dcp_atomic.dcp.reuse`)."""
+    return f"__{rank}_s{j}.distcp"
+
+
 def validate_data_file_name(name: str) -> str:
     """Refuse anything a hostile manifest or .metadata could use to escape the attempt dir."""
-    if not isinstance(name, str) or not DATA_FILE_PATTERN.fullmatch(name):
-        raise ValueError(f"invalid data file name {name!r}: expected __<rank>_<k>.distcp")
+    if not isinstance(name, str) or not (DATA_FILE_PATTERN.fullmatch(name) or STABLE_FILE_PATTERN.fullmatch(name)):
+        raise ValueError(f"invalid data file name {name!r}: expected __<rank>_<k>.distcp or __<rank>_s<j>.distcp")
     return name
 
 

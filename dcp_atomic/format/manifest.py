@@ -57,6 +57,9 @@ class ItemExtent:
     logical_length: int | None = None  # raw items: tensor bytes before compression
     frames: list[int] | None = None  # raw+zstd items: stored length of each block's frame
     dtype: str | None = None  # element dtype actually stored, when a planner resolved another than .metadata's
+    # written with reuse on (P15): the chunk's sizes, part of the identity the next save compares (older readers
+    # ignore the field); None: not recorded
+    chunk_sizes: list[int] | None = None
 
     @property
     def logical(self) -> int:
@@ -148,7 +151,7 @@ class ManifestShard:
 
 
 _EXTENT_DEFAULTS = {"payload": None, "codec": "none", "planes": 1, "logical_length": None, "frames": None,
-                    "dtype": None}
+                    "dtype": None, "chunk_sizes": None}
 _DIGEST_HEX = 16  # xxh3-64 block digests, fixed width
 
 
@@ -164,6 +167,8 @@ def _encode_extent(item: ItemExtent) -> dict:
         row["chunk_offset"] = list(item.chunk_offset)
     if item.frames is not None:
         row["frames"] = list(item.frames)
+    if item.chunk_sizes is not None:
+        row["chunk_sizes"] = list(item.chunk_sizes)
     return row
 
 
@@ -420,11 +425,14 @@ def _parse_extent(raw: dict, file_size: int) -> ItemExtent:
         logical_length=None if raw.get("logical_length") is None else _nonneg(raw["logical_length"]),
         frames=None if raw.get("frames") is None else [_nonneg(x) for x in _list(raw["frames"])],
         dtype=None if raw.get("dtype") is None else _str(raw["dtype"]),
+        chunk_sizes=None if raw.get("chunk_sizes") is None else [_nonneg(x) for x in _list(raw["chunk_sizes"])],
     )
     if item.kind not in ("tensor", "bytes") or item.format not in ("torch_save", "raw"):
         raise ValueError(f"unknown item kind/format {item.kind}/{item.format}")
     if (item.kind == "tensor") != (item.chunk_offset is not None) or (item.kind == "bytes" and item.dtype is not None):
         raise ValueError(f"{item.kind} item {item.key!r} with chunk offset {item.chunk_offset} / dtype {item.dtype}")
+    if item.chunk_sizes is not None and (item.kind != "tensor" or len(item.chunk_sizes) != len(item.chunk_offset)):
+        raise ValueError(f"chunk sizes {item.chunk_sizes} of {item.key!r} do not match its chunk offset")
     if item.dtype is not None and not _DTYPE_NAME.fullmatch(item.dtype):
         raise ValueError(f"stored dtype {item.dtype!r} of {item.key!r} is not a torch dtype name")
     if item.block_size <= 0 or item.pos + item.length > file_size:

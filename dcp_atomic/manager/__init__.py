@@ -64,6 +64,7 @@ from .._base.retry import Deadline
 from .._base.stats import FailureStats, LoadStats, SaveStats
 from .._base import internals
 from ..dcp.watched import WatchedReader, WatchedSavePlanner
+from ..dcp.reuse import refuse_unsupported
 from ..dcp.writer import AtomicStorageWriter
 from .tiering import DurableOnly, TierPolicy
 from .two_tier import DEFAULT_DURABLE_EVERY, TierOptions, TwoTier
@@ -155,6 +156,9 @@ class CheckpointManager(RankAgreement):
         on_drained: callback receiving a drain's statistics (``stats.DrainStats``; rank 0, once the step
             is committed to ``root``).  A failed drain goes to ``on_failed`` (operation ``"drain"``) on
             every rank and is raised once by ``wait()`` / ``close()``.
+        reuse: each save stores only what changed since the run's latest committed step below it; what did not
+            is hard-linked from that step (``AtomicStorageWriter(reuse=True)``, README "Reuse"). POSIX roots only;
+            refused with ``local_root`` and ``compression``. Default off.
     """
 
     _instances = 0
@@ -184,6 +188,7 @@ class CheckpointManager(RankAgreement):
         keep_local: int = 2,
         failure_domain: str | None = None,
         on_drained: StatsCallback | None = None,
+        reuse: bool = False,
     ) -> None:
         keep_last = arguments.count("CheckpointManager(keep_last=...)", keep_last)
         keep_local = arguments.count("CheckpointManager(keep_local=...)", keep_local, optional=False)
@@ -193,6 +198,12 @@ class CheckpointManager(RankAgreement):
         lease_seconds = arguments.seconds("CheckpointManager(lease_seconds=...)", lease_seconds)
         allow_divergence = arguments.flag("CheckpointManager(allow_divergence=...)", allow_divergence)
         share_reads = arguments.flag("CheckpointManager(share_reads=...)", share_reads, optional=True)
+        reuse = arguments.flag("CheckpointManager(reuse=...)", reuse)
+        if reuse and local_root is not None:
+            raise ConfigurationError(
+                "CheckpointManager(reuse=True, local_root=...): reuse does not support the local tier yet (its "
+                "replicas, restores and drain copy files that phase 1 would link). Use reuse=True without "
+                "local_root, or reuse=False.", local_root=os.fspath(local_root))
         defaulted = isinstance(durable_every, _Unset)
         if defaulted:  # durable copies whenever there is a local tier
             durable_every = DEFAULT_DURABLE_EVERY if local_root is not None else None
@@ -203,6 +214,10 @@ class CheckpointManager(RankAgreement):
         self.root, self.run_id = root, run_id
         self.storage_options = storage_options
         self.layout = RunLayout(open_storage(root, storage_options), run_id)
+        self.reuse = reuse
+        if reuse:  # the writer's own refusals (object stores, compression), before any process group is made
+            refuse_unsupported(self.layout.storage, compression=compression, stock_readable=False,
+                               who="CheckpointManager")
         self.parallelism = parallelism
         self.keep_last = keep_last
         self.compression = compression
@@ -573,7 +588,7 @@ class CheckpointManager(RankAgreement):
         validate_step(step)
         return self._tier.writer(step, parallelism=self.parallelism, metadata=metadata, compression=self.compression,
                                  thread_count=self.thread_count, resumed_from=self._resumed, timeout=self.timeout,
-                                 watch=watch)
+                                 watch=watch, **({"reuse": True} if self.reuse else {}))
 
     def _save_planner(self, watch: OpWatch) -> AtomicSavePlanner:
         return WatchedSavePlanner(watch, divergence=self.divergence)

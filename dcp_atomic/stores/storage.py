@@ -53,6 +53,8 @@ class Storage(abc.ABC):
     root: str
     #: True where create_exclusive is a real put-if-absent shared by all clients.
     exclusive_create_is_atomic: bool = True
+    #: True where :meth:`link` makes a second name for an existing file (reuse, P15, phase 1: POSIX only).
+    hard_links: bool = False
 
     @abc.abstractmethod
     def join(self, *parts: str) -> str:
@@ -130,6 +132,17 @@ class Storage(abc.ABC):
 
     def sync_dir(self, path: str) -> None:
         """Make directory entries durable (the default: backends without directories need nothing)."""
+
+    def link(self, source: str, target: str) -> None:
+        """A new name ``target`` for the existing file ``source`` (same bytes, no copy), durable when this returns;
+        ``OSError`` if it cannot be made (no hard links, another filesystem, ``source`` gone).  Only where
+        ``hard_links`` is True."""
+        raise OSError(errno.ENOTSUP, f"{type(self).__name__} has no hard links", target)
+
+    def file_version(self, path: str) -> tuple | None:
+        """What changes whenever the file's bytes are rewritten through the filesystem (POSIX: device, inode, size,
+        mtime), for "verified once per process"; None where unknown."""
+        return None
 
     def check_commit_support(self, directory: str, *, overwrite: bool = False) -> None:
         """Refuse, before any data is written, a store the commit cannot work on (default: nothing to probe).
@@ -211,6 +224,8 @@ class _LocalRangeReader(RangeReader):
 
 class LocalStorage(Storage):
     """POSIX files: local disks and NFS mounts."""
+
+    hard_links = True
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -339,6 +354,14 @@ class LocalStorage(Storage):
             _unlink_quietly(tmp)
         self.sync_dir(os.path.dirname(path))
         return True
+
+    def link(self, source: str, target: str) -> None:
+        os.link(source, target)
+        self.sync_dir(os.path.dirname(target))
+
+    def file_version(self, path: str) -> tuple | None:
+        st = os.stat(path)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def sync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -406,10 +406,18 @@ def cmd_show(args) -> int:
         print(f"user metadata: {json.dumps(user_metadata, sort_keys=True)}")
     hosts = sorted({r.get("host") for r in manifest.ranks})
     print(f"hosts: {', '.join(hosts)}")
+    reused = [s for s in manifest.stats if s.get("bytes_reused")]
+    if reused:
+        written = sum(s.get("bytes_written", s["bytes"]) for s in manifest.stats)
+        print(f"reuse: {written} bytes written, {sum(s['bytes_reused'] for s in reused)} bytes linked from an earlier "
+              "step (bytes_written, bytes_reused)")
     for s in manifest.stats:
         secs = s["write_seconds"]
+        link = (f", {s.get('bytes_written', s['bytes']) / 2**20:.1f} MiB written, "
+                f"{s['bytes_reused'] / 2**20:.1f} MiB reused") if s.get("bytes_reused") else ""
         print(f"  rank {s['rank']}: {s['bytes'] / 2**20:.1f} MiB in {secs:.2f}s "
-              f"({s['bytes'] / max(secs, 1e-9) / 1e9:.2f} GB/s), fsync {s['fsync_seconds']:.2f}s, {s['items']} items")
+              f"({s['bytes'] / max(secs, 1e-9) / 1e9:.2f} GB/s), fsync {s['fsync_seconds']:.2f}s, {s['items']} items"
+              f"{link}")
     keys: dict[str, list[int]] = {}
     for entry in manifest.files:
         for item in entry.items:

@@ -1,0 +1,468 @@
+"""Reuse (P15, phase 1) on real gloo worlds of two: unchanged items hard-linked from the base step, decided by their
+block digests; every step loads on its own after its base is retired or deleted; damaged or changed bytes are never
+linked; what reuse does not support is refused by name."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.harness import assert_all_ok, run_world
+
+RUN = "exp"
+ROWS, COLS = 256, 1024  # the frozen base: 1 MiB of float32, a 512 KiB chunk per rank
+
+
+class _Messages(logging.Handler):
+    """The writer's log lines on this rank."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        logging.getLogger("dcp_atomic.writer").addHandler(self)
+        logging.getLogger("dcp_atomic.writer").setLevel(logging.INFO)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _mesh(world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+
+
+def _frozen(changed_element: bool = False) -> torch.Tensor:
+    base = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0))
+    if changed_element:
+        base[3, 5] += 1.0  # in rank 0's chunk (rows 0..127)
+    return base
+
+
+def _state(mesh, step: int, changed_element: bool = False) -> dict:
+    """A frozen base (sharded), an adapter that changes every step (sharded) and a counter (bytes)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    adapter = torch.full((8, 16), float(step)) + torch.arange(16.0)
+    return {"base": distribute_tensor(_frozen(changed_element), mesh, [Shard(0)]),
+            "adapter": distribute_tensor(adapter, mesh, [Shard(0)]), "step": step}
+
+
+def _empty(mesh) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return {"base": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]),
+            "adapter": distribute_tensor(torch.zeros(8, 16), mesh, [Shard(0)]), "step": -1}
+
+
+def _full(state) -> dict:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+
+
+def _attempt(root, step):
+    step_dir = os.path.join(root, RUN, f"step_{step:010d}")
+    with open(os.path.join(step_dir, "COMMITTED")) as f:
+        return os.path.join(step_dir, json.load(f)["save_id"])
+
+
+def _stable(root, step, rank):
+    return os.path.join(_attempt(root, step), f"__{rank}_s0.distcp")
+
+
+def _inode(path):
+    return os.stat(path).st_ino if os.path.exists(path) else None
+
+
+def _rank_stats(root, step):
+    """Per-rank statistics as the step's manifest records them (ranks.json or inline)."""
+    attempt = _attempt(root, step)
+    manifest = json.load(open(os.path.join(attempt, "manifest.json")))
+    stats = manifest["stats"]
+    if manifest.get("ranks_file"):
+        stats = json.load(open(os.path.join(attempt, "ranks.json")))["stats"]
+    return {s["rank"]: s for s in stats}
+
+
+# -- (a) a frozen base through CheckpointManager, keep_last=2 --------------------------------------------------------
+
+
+def _frozen_base_through_the_manager(ctx):
+    import torch.distributed as dist
+
+    from dcp_atomic import CheckpointManager
+
+    mesh = _mesh(ctx.world_size)
+    saved = []
+    manager = CheckpointManager(ctx.root, RUN, keep_last=2, reuse=True, timeout=30, on_saved=saved.append)
+    inodes = {}
+    for step in (1, 2, 3, 4):
+        if step == 4:  # the background write of async_save links as the synchronous save does
+            manager.async_save(step, _state(mesh, step)).result()
+        else:
+            manager.save(step, _state(mesh, step))
+        inodes[step] = _inode(_stable(ctx.root, step, ctx.rank))
+    expected = _full(_state(mesh, 4))
+    loaded = _empty(mesh)
+    assert manager.load(loaded) == 4
+    after_retention = _full(loaded)
+    dist.barrier()
+    if ctx.rank == 0:  # the base of step 4, deleted by hand
+        shutil.rmtree(os.path.join(ctx.root, RUN, f"step_{3:010d}"))
+    dist.barrier()
+    loaded = _empty(mesh)
+    assert manager.load(loaded) == 4
+    after_rm = _full(loaded)
+    manager.close()
+    exact = all(torch.equal(after_retention[k], expected[k]) and torch.equal(after_rm[k], expected[k])
+                for k in ("base", "adapter"))
+    return {"inodes": inodes, "exact": exact, "steps": sorted(os.listdir(os.path.join(ctx.root, RUN))),
+            "saved": [{k: s[k] for k in ("step", "bytes", "bytes_written", "bytes_reused")}
+                      | {"ranks": [(r["rank"], r["bytes_written"], r["bytes_reused"]) for r in s["ranks"]]}
+                      for s in saved]}
+
+
+def test_a_frozen_base_is_linked_and_the_newest_step_loads_after_its_base_is_gone(tmp_path):
+    values = assert_all_ok(run_world(_frozen_base_through_the_manager, 2, str(tmp_path), timeout=120))
+    for rank, value in enumerate(values):
+        assert value["exact"], f"rank {rank} loaded other bytes"
+        inodes = value["inodes"]
+        assert inodes[1] is None  # no base: nothing to compare with, a full save without a stable file
+        assert inodes[2] is not None  # the base's items unchanged since step 1: written into the stable file
+        assert inodes[3] == inodes[2] and inodes[4] == inodes[2], f"rank {rank}: stable file not linked: {inodes}"
+    assert [s for s in values[0]["steps"] if s.startswith("step_")] == [f"step_{4:010d}"]  # 1, 2 retired; 3 rm'd
+    saved = {s["step"]: s for s in values[0]["saved"]}
+    chunk = ROWS * COLS * 4 // 2
+    assert saved[2]["bytes_reused"] == 0
+    for step in (3, 4):
+        assert saved[step]["bytes_reused"] >= 2 * chunk
+        assert saved[step]["bytes_written"] < 4096  # the adapter and the counter
+        assert saved[step]["bytes"] == saved[step]["bytes_written"] + saved[step]["bytes_reused"]
+        for rank, written, reused in saved[step]["ranks"]:
+            assert reused >= chunk and written < 4096, (step, rank, written, reused)
+
+
+# -- (b) a "frozen" tensor with one changed element; (c) a damaged base file -------------------------------------------
+
+
+def _changed_element_and_damaged_base(ctx):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter, CheckpointManager
+
+    mesh = _mesh(ctx.world_size)
+    messages = _Messages()
+
+    def save(step, **state_args):
+        dcp.save(_state(mesh, step, **state_args), storage_writer=AtomicStorageWriter(ctx.root, RUN, step, reuse=True))
+
+    def load(step):
+        loaded = _empty(mesh)
+        manager = CheckpointManager(ctx.root, RUN, timeout=30)
+        try:
+            manager.load(loaded, step=step)
+            return _full(loaded)
+        finally:
+            manager.close()
+
+    save(1)
+    save(2)  # writes the stable files
+    save(3, changed_element=True)  # rank 0's chunk of "base" changed: not linked; rank 1's is
+    loaded, expected = load(3), _full(_state(mesh, 3, changed_element=True))
+    changed = {"inodes": [_inode(_stable(ctx.root, s, ctx.rank)) for s in (2, 3)],
+               "stats": _rank_stats(ctx.root, 3)[ctx.rank],
+               "exact": all(torch.equal(loaded[k], expected[k]) for k in ("base", "adapter"))}
+    # (c): step 4 saves the changed base (stable file written on rank 0), step 5 links it; damage step 5's copy
+    save(4, changed_element=True)
+    save(5, changed_element=True)
+    linked = _inode(_stable(ctx.root, 5, ctx.rank)) == _inode(_stable(ctx.root, 4, ctx.rank))
+    dist.barrier()
+    if ctx.rank == 0:
+        with open(_stable(ctx.root, 5, 0), "r+b") as f:
+            f.seek(1000)
+            byte = f.read(1)
+            f.seek(1000)
+            f.write(bytes([byte[0] ^ 0x01]))
+    dist.barrier()
+    del messages.lines[:]
+    save(6, changed_element=True)
+    damaged = {"linked_before": linked, "log": list(messages.lines),
+               "inodes": [_inode(_stable(ctx.root, s, ctx.rank)) for s in (5, 6)],
+               "stats": _rank_stats(ctx.root, 6)[ctx.rank]}
+    loaded, expected = load(6), _full(_state(mesh, 6, changed_element=True))
+    damaged["exact"] = all(torch.equal(loaded[k], expected[k]) for k in ("base", "adapter"))
+    try:
+        load(5)
+        damaged["old_step"] = None
+    except Exception as e:  # every rank fails the load; rank 0 read the damaged block
+        damaged["old_step"] = type(e).__name__
+    return {"changed": changed, "damaged": damaged}
+
+
+def test_b_changed_element_is_stored_and_c_a_damaged_base_is_not_linked(tmp_path):
+    values = assert_all_ok(run_world(_changed_element_and_damaged_base, 2, str(tmp_path), timeout=150))
+    chunk = ROWS * COLS * 4 // 2
+    # (b) rank 0's chunk changed in one element: stored, not linked, and it loads as its new value
+    zero, one = values[0]["changed"], values[1]["changed"]
+    assert zero["exact"] and one["exact"]
+    assert zero["inodes"][1] != zero["inodes"][0]
+    assert zero["stats"]["bytes_reused"] == 0 and zero["stats"]["bytes_written"] >= chunk
+    assert one["inodes"][1] == one["inodes"][0] and one["stats"]["bytes_reused"] >= chunk  # unchanged: linked
+    # (c) rank 0's base stable file damaged: step 6 does not link it (a full write, logged), loads exactly; the
+    # damaged step fails typed
+    zero, one = values[0]["damaged"], values[1]["damaged"]
+    assert zero["linked_before"] and one["linked_before"]
+    assert zero["inodes"][1] != zero["inodes"][0]
+    assert zero["stats"]["bytes_reused"] == 0 and zero["stats"]["bytes_written"] >= chunk
+    assert any("does not match its digests" in line for line in zero["log"]), zero["log"]
+    assert one["inodes"][1] == one["inodes"][0] and one["stats"]["bytes_reused"] >= chunk
+    assert zero["exact"] and one["exact"]
+    assert zero["old_step"] == "CorruptCheckpointError", zero["old_step"]
+    assert one["old_step"] is not None
+
+
+# -- (e) reuse=False writes as before ------------------------------------------------------------------------------
+
+
+def _without_reuse(ctx):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    mesh = _mesh(ctx.world_size)
+    for step in (1, 2):
+        dcp.save(_state(mesh, step), storage_writer=AtomicStorageWriter(ctx.root, RUN, step))
+    return True
+
+
+def test_e_without_reuse_no_stable_file_and_every_byte_written(tmp_path):
+    assert_all_ok(run_world(_without_reuse, 2, str(tmp_path)))
+    assert not glob.glob(os.path.join(str(tmp_path), RUN, "step_*", "*", "__*_s*.distcp"))
+    for step in (1, 2):
+        names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(_attempt(str(tmp_path), step), "*.distcp")))
+        assert names and all(n.split("_")[-1].split(".")[0].isdigit() for n in names), names
+        shards = [json.load(open(p)) for p in glob.glob(os.path.join(_attempt(str(tmp_path), step), "manifest.*.json"))]
+        assert all("chunk_sizes" not in item for shard in shards for f in shard["files"] for item in f["items"])
+        for stats in _rank_stats(str(tmp_path), step).values():
+            assert stats["bytes_reused"] == 0 and stats["bytes_written"] == stats["bytes"]
+
+
+# -- (d) refusals --------------------------------------------------------------------------------------------------
+
+
+def test_d_reuse_on_an_object_store_is_refused(tmp_path):
+    from dcp_atomic import AtomicStorageWriter, CheckpointManager, ConfigurationError
+
+    for root in ("s3://bucket/checkpoints", "memory://checkpoints"):
+        with pytest.raises(ConfigurationError, match=r"reuse=True.*(object stores|not supported yet)"):
+            AtomicStorageWriter(root, RUN, 1, reuse=True,
+                                storage_options={"endpoint_url": "http://127.0.0.1:9"} if root.startswith("s3") else None)
+    with pytest.raises(ConfigurationError, match="reuse"):
+        CheckpointManager("memory://checkpoints", RUN, reuse=True)
+
+
+def test_d_reuse_with_the_local_tier_compression_or_stock_readable_is_refused(tmp_path):
+    from dcp_atomic import AtomicStorageWriter, CheckpointManager, ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"reuse=True, local_root"):
+        CheckpointManager(str(tmp_path / "durable"), RUN, reuse=True, local_root=str(tmp_path / "local"))
+    with pytest.raises(ConfigurationError, match=r"reuse=True, compression"):
+        AtomicStorageWriter(str(tmp_path), RUN, 1, reuse=True, compression="zstd")
+    with pytest.raises(ConfigurationError, match=r"reuse=True, compression"):
+        CheckpointManager(str(tmp_path), RUN, reuse=True, compression="zstd")
+    with pytest.raises(ConfigurationError, match=r"reuse=True, stock_readable"):
+        AtomicStorageWriter(str(tmp_path), RUN, 1, reuse=True, stock_readable=True)
+
+
+def test_d_reuse_with_dcp_plan_caching_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from dcp_atomic import AtomicStorageWriter
+
+    writer = AtomicStorageWriter(str(tmp_path), RUN, 1, reuse=True)
+    with pytest.raises(BaseException) as raised:
+        dcp.save({"w": torch.ones(4)}, storage_writer=writer, planner=DefaultSavePlanner(enable_plan_caching=True))
+    assert "ConfigurationError" in repr(raised.value) or type(raised.value).__name__ == "ConfigurationError"
+    assert "reuse=True" in str(raised.value) and "enable_plan_caching" in str(raised.value)
+    assert not glob.glob(os.path.join(str(tmp_path), RUN, "step_*", "*", "*.distcp"))  # nothing was written
+
+
+# -- one process: a failed link falls back to a write; show and verify ---------------------------------------------
+
+
+def _save_one(root, step, base):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    writer = AtomicStorageWriter(root, RUN, step, reuse=True)
+    dcp.save({"base": base, "adapter": torch.full((4, 4), float(step))}, storage_writer=writer)
+    return writer.last_stats
+
+
+def _load_one(root, step):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader
+
+    out = {"base": torch.zeros(ROWS, COLS), "adapter": torch.zeros(4, 4)}
+    dcp.load(out, storage_reader=AtomicStorageReader(root, RUN, step))
+    return out
+
+
+def test_a_link_that_fails_falls_back_to_writing_the_file(tmp_path, monkeypatch, caplog):
+    import errno
+
+    from dcp_atomic.stores.storage import LocalStorage
+
+    root, base = str(tmp_path), _frozen()
+    _save_one(root, 1, base)
+    _save_one(root, 2, base)
+
+    def cross_device(self, source, target):
+        raise OSError(errno.EXDEV, "Invalid cross-device link", target)
+
+    monkeypatch.setattr(LocalStorage, "link", cross_device)
+    with caplog.at_level(logging.INFO, logger="dcp_atomic.writer"):
+        stats = _save_one(root, 3, base)
+    assert stats["bytes_reused"] == 0 and stats["bytes_written"] == stats["bytes"]
+    assert any("could not link __0_s0.distcp" in r.getMessage() for r in caplog.records)
+    assert _inode(_stable(root, 3, 0)) != _inode(_stable(root, 2, 0))  # written, so the next save can link it
+    monkeypatch.undo()
+    assert _save_one(root, 4, base)["bytes_reused"] == ROWS * COLS * 4
+    for step in (3, 4):
+        loaded = _load_one(root, step)
+        assert torch.equal(loaded["base"], base) and torch.equal(loaded["adapter"], torch.full((4, 4), float(step)))
+
+
+def test_show_prints_written_and_reused_bytes_and_verify_passes_a_linked_step(tmp_path, capsys):
+    from dcp_atomic.cli import main
+
+    root, base = str(tmp_path), _frozen()
+    for step in (1, 2, 3):
+        stats = _save_one(root, step, base)
+    assert main(["show", root, RUN, "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"{stats['bytes_written']} bytes written, {ROWS * COLS * 4} bytes linked" in out, out
+    assert "MiB reused" in out
+    assert main(["verify", root, RUN, "3"]) == 0
+
+
+def test_content_decides_never_requires_grad(tmp_path):
+    """A parameter that requires grad but did not change is linked; a tensor that does not require grad but changed
+    is written."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    root = str(tmp_path)
+    trained = torch.nn.Parameter(_frozen())  # requires_grad=True, never updated
+    for step in (1, 2, 3):
+        frozen = torch.full((ROWS, COLS), float(step))  # requires_grad=False, different every step
+        writer = AtomicStorageWriter(root, RUN, step, reuse=True)
+        dcp.save({"trained": trained, "frozen": frozen}, storage_writer=writer)
+    assert writer.last_stats["bytes_reused"] == ROWS * COLS * 4  # "trained" alone
+    assert writer.last_stats["bytes_written"] >= ROWS * COLS * 4  # "frozen" written
+    shard = json.load(open(os.path.join(_attempt(root, 3), "manifest.0.json")))
+    placed = {item["key"]: f["name"] for f in shard["files"] for item in f["items"]}
+    assert placed == {"trained": "__0_s0.distcp", "frozen": "__0_0.distcp"}
+
+
+def test_a_base_saved_without_reuse_means_one_full_save(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    root, base = str(tmp_path), _frozen()
+    dcp.save({"base": base, "adapter": torch.zeros(4, 4)}, storage_writer=AtomicStorageWriter(root, RUN, 1))
+    assert _save_one(root, 2, base)["bytes_reused"] == 0  # step 1 records no chunk sizes: nothing to compare
+    assert not os.path.exists(_stable(root, 2, 0))
+    assert _save_one(root, 3, base)["bytes_reused"] == 0  # the stable file is written
+    assert _save_one(root, 4, base)["bytes_reused"] == ROWS * COLS * 4  # and linked
+    assert torch.equal(_load_one(root, 4)["base"], base)
+
+
+def test_one_changed_item_costs_only_its_stable_file(tmp_path, monkeypatch):
+    """Stable files are capped (``STABLE_FILE_BYTES``): a change to one frozen tensor leaves the other stable files
+    linked; the changed tensor is written, and once it stops changing it gets a stable file of its own."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+    from dcp_atomic.dcp import reuse
+
+    monkeypatch.setattr(reuse, "STABLE_FILE_BYTES", ROWS * COLS * 4 + 1)  # one tensor per stable file
+    root = str(tmp_path)
+    tensors = {name: torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(i))
+               for i, name in enumerate("abc")}
+    files = {}
+    for step in range(1, 6):
+        if step == 3:
+            tensors["b"][7, 7] += 1.0  # from step 3 on, b has one changed element
+        writer = AtomicStorageWriter(root, RUN, step, reuse=True)
+        dcp.save({**tensors, "adapter": torch.full((4, 4), float(step))}, storage_writer=writer)
+        shard = json.load(open(os.path.join(_attempt(root, step), "manifest.0.json")))
+        files[step] = ({item["key"]: f["name"] for f in shard["files"] for item in f["items"]},
+                       writer.last_stats["bytes_reused"])
+        out = {name: torch.zeros(ROWS, COLS) for name in "abc"} | {"adapter": torch.zeros(4, 4)}
+        dcp.load(out, storage_reader=AtomicStorageReader(root, RUN, step))
+        assert all(torch.equal(out[name], tensors[name]) for name in "abc"), step
+    inode = lambda step, name: os.stat(os.path.join(_attempt(root, step), name)).st_ino  # noqa: E731
+    tensor = ROWS * COLS * 4
+    assert files[2] == ({"a": "__0_s0.distcp", "b": "__0_s1.distcp", "c": "__0_s2.distcp", "adapter": "__0_0.distcp"}, 0)
+    assert files[3][1] == 2 * tensor and files[3][0]["b"] == "__0_0.distcp"  # b changed: written, a and c linked
+    assert inode(3, "__0_s0.distcp") == inode(2, "__0_s0.distcp") and inode(3, "__0_s2.distcp") == inode(2, "__0_s2.distcp")
+    assert files[4][1] == 2 * tensor and files[4][0]["b"] == "__0_s1.distcp"  # b unchanged since 3: its own file
+    assert inode(4, "__0_s1.distcp") != inode(2, "__0_s1.distcp")
+    assert files[5][1] == 3 * tensor and inode(5, "__0_s1.distcp") == inode(4, "__0_s1.distcp")
+
+
+def test_resaving_the_latest_step_takes_the_step_below_as_its_base(tmp_path):
+    """LATEST names the step being saved again (overwrite=True): the base is the latest committed step below it."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    root, base = str(tmp_path), _frozen()
+    for step in (1, 2, 3):
+        _save_one(root, step, base)
+    writer = AtomicStorageWriter(root, RUN, 3, reuse=True, overwrite=True)
+    dcp.save({"base": base, "adapter": torch.full((4, 4), 9.0)}, storage_writer=writer)
+    assert writer.last_stats["bytes_reused"] == ROWS * COLS * 4
+    assert _inode(_stable(root, 3, 0)) == _inode(_stable(root, 2, 0))
+    loaded = _load_one(root, 3)
+    assert torch.equal(loaded["base"], base) and torch.equal(loaded["adapter"], torch.full((4, 4), 9.0))
+
+
+def _two_saves_at_world_two(ctx):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    mesh = _mesh(ctx.world_size)
+    for step in (1, 2):
+        dcp.save(_state(mesh, step), storage_writer=AtomicStorageWriter(ctx.root, RUN, step, reuse=True))
+    return True
+
+
+def test_a_base_of_another_world_size_is_not_reused(tmp_path):
+    """Saved by a world of two, saved again by one process: rank 0's chunk of "base" has the same offset and other
+    sizes, so nothing of the base is linked, and the step loads exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+
+    root = str(tmp_path)
+    assert_all_ok(run_world(_two_saves_at_world_two, 2, root))
+    writer = AtomicStorageWriter(root, RUN, 3, reuse=True)
+    dcp.save({"base": _frozen(), "adapter": torch.full((8, 16), 3.0), "step": 3}, storage_writer=writer)
+    assert writer.last_stats["bytes_reused"] == 0 and not os.path.exists(_stable(root, 3, 0))
+    out = {"base": torch.zeros(ROWS, COLS), "adapter": torch.zeros(8, 16), "step": -1}
+    dcp.load(out, storage_reader=AtomicStorageReader(root, RUN, 3))
+    assert torch.equal(out["base"], _frozen()) and out["step"] == 3
