@@ -1,4 +1,4 @@
-"""Two tiers (issue 18): node-local saves with replicas against direct durable saves, world 4 as 2 simulated nodes.
+"""Two tiers (P13): node-local saves with replicas against direct durable saves, world 4 as 2 simulated nodes.
 
 What it measures
     One world of 4 gloo ranks plays 2 nodes (``DCP_ATOMIC_FAILURE_DOMAIN`` nodeA / nodeB, ``LOCAL_WORLD_SIZE=2``);

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = ("pytest", "_pytest", "tests")  # what no benchmark may import
-SMOKED_FROM_BENCH_SH = {"large", "small", "compression", "s3", "restore", "tiers"}  # the tests below, one each
+SMOKED_FROM_BENCH_SH = {"large", "small", "compression", "s3", "restore", "tiers", "reuse"}  # the tests below, one each
 
 # Installed into a checkout's throwaway venv: refuses imports of the names it is given in every process the venv
 # runs (bench.py, the forkserver and its ranks, pip), and logs each to $BENCH_CHECKOUT_LOG, so an import that a
@@ -258,3 +258,19 @@ def test_bench_sh_installs_what_each_scenario_needs(tmp_path):
         assert done.stdout.splitlines()[-1] == " ".join(["bench.py", *argv])  # then it runs the scenario
         assert [entry[1:] for entry in _logged(log) if entry[0] == "pip"] == installs, argv
         assert not [entry for entry in _logged(log) if entry[0] == "import" and entry[1].partition(".")[0] in SUITE]
+
+
+def test_store_a_byte_once_smoke(checkout, root):
+    document = _run(checkout, root, "reuse")
+    assert document["scenario"] == "reuse"
+    for world in ("1", "2"):
+        lora = document["results"][world]["lora"]
+        assert set(lora) == {"reuse", "full", "stock"}
+        assert all(row["loaded_bit_exact"] for row in lora.values())
+        # the frozen base is linked, not written again: what a reused save writes is a small part of a full one
+        assert lora["reuse"]["written"] < 0.5 * lora["full"]["written"]
+        assert lora["reuse"]["first_written"] > 0.9 * lora["full"]["first_written"]  # save 1 has no base
+        assert lora["reuse"]["storage"] < lora["full"]["storage"]
+        whole = document["results"][world]["full_finetune"]
+        assert whole["reuse"]["written"] > 0.9 * whole["full"]["written"]  # nothing unchanged: nothing reused
+    assert document["targets"] and all(c["value"] is not None for c in document["targets"])
