@@ -466,3 +466,26 @@ def test_a_base_of_another_world_size_is_not_reused(tmp_path):
     out = {"base": torch.zeros(ROWS, COLS), "adapter": torch.zeros(8, 16), "step": -1}
     dcp.load(out, storage_reader=AtomicStorageReader(root, RUN, 3))
     assert torch.equal(out["base"], _frozen()) and out["step"] == 3
+
+
+def test_a_step_with_stable_files_is_schema_4_which_an_older_reader_refuses_as_newer_not_as_corrupt(tmp_path):
+    """Only manifests naming a stable file carry schema 4: an older dcp_atomic (reading 1-3) answers "upgrade", and
+    a schema 2 manifest that names a stable file is refused as malformed."""
+    from dcp_atomic import CorruptCheckpointError
+    from dcp_atomic.format import manifest as manifest_format
+
+    root, base = str(tmp_path), _frozen()
+    for step in (1, 2):
+        _save_one(root, step, base)
+    with_stable = os.path.join(_attempt(root, 2), "manifest.json")
+    raw = json.load(open(with_stable))
+    assert raw["schema_version"] == manifest_format.REUSE_SCHEMA
+    assert any(f["name"] == "__0_s0.distcp" for f in raw["files"])
+    assert json.load(open(os.path.join(_attempt(root, 1), "manifest.json")))["schema_version"] == 2  # no stable file
+    data = open(with_stable, "rb").read()
+    assert manifest_format.Manifest.from_json(data, where=with_stable).step == 2
+    with pytest.raises(CorruptCheckpointError, match="upgrade dcp_atomic"):  # what dcp_atomic 0.x reading 1-3 says
+        manifest_format._check_schema(raw, with_stable, (1, 2, manifest_format.PREFIXED_SCHEMA))
+    relabelled = json.dumps({**raw, "schema_version": 2}).encode()
+    with pytest.raises(CorruptCheckpointError, match="stable files"):
+        manifest_format.Manifest.from_json(relabelled, where=with_stable)

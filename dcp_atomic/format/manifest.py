@@ -24,8 +24,8 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from .integrity import sha256_hex
-from .layout import (validate_data_file_name, validate_data_prefixes, validate_run_id, validate_save_id,
-                     validate_step)
+from .layout import (STABLE_FILE_PATTERN, validate_data_file_name, validate_data_prefixes, validate_run_id,
+                     validate_save_id, validate_step)
 from .parallelism import Parallelism
 
 SCHEMA_VERSION = 2
@@ -33,7 +33,10 @@ SCHEMA_VERSION = 2
 # carry 3, so a dcp_atomic that does not know where that data lives refuses it ("upgrade") instead of waiting
 # out a "missing" data file at the classic place; every other manifest stays 2, readable as before.
 PREFIXED_SCHEMA = 3
-READABLE_SCHEMAS = (1, 2, PREFIXED_SCHEMA)  # 1: every item inline in manifest.json (before manifest shards)
+# 4: schema 2 plus stable files (``__<rank>_s<j>.distcp``: reuse, P15).  Only manifests that name one carry 4, so an
+# older dcp_atomic refuses them ("upgrade") instead of calling the file name corrupt.
+REUSE_SCHEMA = 4
+READABLE_SCHEMAS = (1, 2, PREFIXED_SCHEMA, REUSE_SCHEMA)  # 1: every item inline in manifest.json (before shards)
 CONTROL_SCHEMA = 1  # COMMITTED and LATEST: unchanged by manifest shards, so older tools still list and order steps
 SHARD_PATTERN = re.compile(r"manifest\.(\d+)\.json")
 MAX_BYTES = 1 << 50  # anything larger is a hostile or garbled size, not a real file
@@ -231,6 +234,10 @@ class Manifest:
             body["schema_version"] = PREFIXED_SCHEMA
         else:
             del body["data_prefixes"]  # absent = 0: the classic layout, byte for byte as before
+        if any(STABLE_FILE_PATTERN.fullmatch(f.name) for f in self.files):
+            if self.data_prefixes:
+                raise ValueError("stable files (reuse) under hashed data prefixes: no schema records both")
+            body["schema_version"] = REUSE_SCHEMA
         return _readable_json(body)
 
     def shard_of(self, rank: int) -> ShardRef | None:
@@ -298,6 +305,10 @@ class Manifest:
                 schema_version=raw["schema_version"],
             )
             manifest.extent_index()  # one item per (key, chunk offset)
+            stable = [f.name for f in files if STABLE_FILE_PATTERN.fullmatch(f.name)]
+            if bool(stable) != (raw["schema_version"] == REUSE_SCHEMA):
+                raise ValueError(f"stable files {stable} in a schema {raw['schema_version']} manifest (exactly "
+                                 f"schema {REUSE_SCHEMA} manifests name them)")
             if not inline:
                 _check_shard_refs(manifest)
             return manifest
