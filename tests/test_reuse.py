@@ -489,3 +489,27 @@ def test_a_step_with_stable_files_is_schema_4_which_an_older_reader_refuses_as_n
     relabelled = json.dumps({**raw, "schema_version": 2}).encode()
     with pytest.raises(CorruptCheckpointError, match="stable files"):
         manifest_format.Manifest.from_json(relabelled, where=with_stable)
+
+
+def test_verify_names_every_step_that_shares_a_damaged_linked_file(tmp_path, capsys):
+    """Steps 3 and 4 link step 2's stable file: one flipped byte fails all three, and each report names the other
+    two; step 1 (its own copy of the base, in an ordinary file) still verifies."""
+    from dcp_atomic.cli import main
+
+    root, base = str(tmp_path), _frozen()
+    for step in (1, 2, 3, 4):
+        _save_one(root, step, base)
+    assert _inode(_stable(root, 2, 0)) == _inode(_stable(root, 3, 0)) == _inode(_stable(root, 4, 0))
+    with open(_stable(root, 3, 0), "r+b") as f:
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert main(["verify", root, RUN, "3"]) == 1
+    out = capsys.readouterr().out
+    assert "step 3: FAILED" in out and "is in step(s) 2, 4, which hold the same damaged bytes" in out, out
+    assert main(["verify", "--all", root, RUN]) == 1
+    out = capsys.readouterr().out
+    assert "step 1: OK" in out, out
+    for step, others in ((2, "3, 4"), (3, "2, 4"), (4, "2, 3")):
+        assert f"step {step}: FAILED" in out and f"is in step(s) {others}, which" in out, out

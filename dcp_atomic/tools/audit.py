@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..format.codec import Decoder
-from ..protocol.commit import read_committed
+from ..protocol.commit import read_committed, scan_markers
 from ..errors import CheckpointError
 from ..format.blocks import check_block
 from ..format.integrity import sha256_hex
@@ -107,9 +107,37 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
 
     notes: list[str] = []
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        for found in pool.map(check, manifest.files):
+        for entry, found in zip(manifest.files, pool.map(check, manifest.files)):
             problems.extend(found)
+            if found:
+                problems.extend(_shared_damage(layout, step, entry.name,
+                                               layout.data_file(step, committed.save_id, entry.name,
+                                                                manifest.data_prefixes)))
     return AuditReport(step, committed.save_id, len(manifest.files), manifest.total_bytes, problems, sorted(notes))
+
+
+def _shared_damage(layout: RunLayout, step: int, name: str, path: str) -> list[str]:
+    """The other committed steps that hold this very file: reuse (P15) hard-links a stable file into the next steps
+    under its name, one inode for all, so damage found here is damage there too."""
+    storage = layout.storage
+    if not storage.hard_links:
+        return []
+    try:
+        mine = storage.file_version(path)
+    except OSError:
+        return []
+    sharing = []
+    for marker in scan_markers(layout):
+        if marker.step != step:
+            try:
+                if storage.file_version(layout.data_file(marker.step, marker.save_id, name)) == mine:
+                    sharing.append(marker.step)
+            except OSError:
+                continue
+    if not sharing:
+        return []
+    return [f"{path}: the same file (hard-linked by reuse) is in step(s) {', '.join(map(str, sharing))}, which hold "
+            "the same damaged bytes; an earlier step or another tier that holds its own copy may still serve"]
 
 
 def partial_claims(storage: Storage, note: str) -> set[tuple[int, int]] | str | None:
