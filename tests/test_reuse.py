@@ -513,3 +513,89 @@ def test_verify_names_every_step_that_shares_a_damaged_linked_file(tmp_path, cap
     assert "step 1: OK" in out, out
     for step, others in ((2, "3, 4"), (3, "2, 4"), (4, "2, 3")):
         assert f"step {step}: FAILED" in out and f"is in step(s) {others}, which" in out, out
+
+
+# -- crashes and races around a link ---------------------------------------------------------------------------------
+
+
+def test_the_base_removed_between_planning_and_link_means_a_written_file_and_an_exact_step(tmp_path, caplog):
+    """An operator's `dcp-atomic rm` (or another job's retention) takes the base step after rank 0 named it: the
+    link fails, the stable file is written, the save commits and loads exactly."""
+    from dcp_atomic import failpoints
+    from dcp_atomic.cli import main
+
+    root, base = str(tmp_path), _frozen()
+    for step in (1, 2):
+        _save_one(root, step, base)
+
+    def remove_base(rank, base_step):
+        assert main(["rm", root, RUN, str(base_step), "--yes"]) == 0
+
+    failpoints.arm("reuse.before_link", remove_base)
+    try:
+        with caplog.at_level(logging.INFO, logger="dcp_atomic.writer"):
+            stats = _save_one(root, 3, base)
+    finally:
+        failpoints.disarm_all()
+    assert not os.path.exists(os.path.join(root, RUN, f"step_{2:010d}"))
+    assert stats["bytes_reused"] == 0 and stats["bytes_written"] == stats["bytes"]
+    assert any("could not link __0_s0.distcp" in r.getMessage() for r in caplog.records)
+    loaded = _load_one(root, 3)
+    assert torch.equal(loaded["base"], base) and torch.equal(loaded["adapter"], torch.full((4, 4), 3.0))
+    assert _save_one(root, 4, base)["bytes_reused"] == ROWS * COLS * 4  # step 3's stable file, linked
+
+
+def _killed_after_its_link(ctx):
+    from dcp_atomic import CheckpointManager
+
+    mesh = _mesh(ctx.world_size)
+    manager = CheckpointManager(ctx.root, RUN, reuse=True, timeout=3, work_timeout=8)
+    manager.save(1, _state(mesh, 1))
+    manager.save(2, _state(mesh, 2))  # writes the stable files
+    try:
+        manager.save(3, _state(mesh, 3))  # rank 1 is killed once its link is made and verified
+    except Exception as e:  # rank 0: the manager names the silent rank
+        return type(e).__name__
+    return None
+
+
+def _restarted(ctx):
+    from dcp_atomic import CheckpointManager
+
+    mesh = _mesh(ctx.world_size)
+    manager = CheckpointManager(ctx.root, RUN, reuse=True, timeout=30)
+    loaded = _empty(mesh)
+    latest = manager.load(loaded)
+    resumed = _full(loaded)
+    manager.save(3, _state(mesh, 3))
+    loaded = _empty(mesh)
+    manager.load(loaded, step=3)
+    again = _full(loaded)
+    manager.close()
+    want2, want3 = _full(_state(mesh, 2)), _full(_state(mesh, 3))
+    return {"latest": latest, "exact": all(torch.equal(resumed[k], want2[k]) and torch.equal(again[k], want3[k])
+                                           for k in ("base", "adapter")),
+            "stats": _rank_stats(ctx.root, 3)[ctx.rank]}
+
+
+def test_a_rank_killed_after_its_link_leaves_the_base_whole_and_the_retry_links_again(tmp_path):
+    """SIGKILL of rank 1 with its stable file linked into step 3's attempt: step 3 is not committed, step 2 (the
+    base) loads exactly on a restart, gc removes the dead attempt and only drops a link count, and the retry of step
+    3 links the base's file again."""
+    from tests.fault_fixtures import failpoint_env, gc_all_debris
+
+    root = str(tmp_path)
+    outcomes = run_world(_killed_after_its_link, 2, root, rank_env=failpoint_env({1: "reuse.after_link=kill"}),
+                         timeout=150)
+    assert outcomes[1].exitcode == -9, outcomes[1]
+    assert outcomes[0].ok and outcomes[0].value is not None, outcomes[0]
+    assert not os.path.exists(os.path.join(root, RUN, f"step_{3:010d}", "COMMITTED"))
+    base_file = _stable(root, 2, 1)
+    dead = glob.glob(os.path.join(root, RUN, f"step_{3:010d}", "*", "__1_s0.distcp"))
+    assert len(dead) == 1 and os.stat(base_file).st_nlink == 2  # the dead attempt holds a link to the base's file
+    assert gc_all_debris(root, RUN) == 0
+    assert os.path.exists(base_file) and os.stat(base_file).st_nlink == 1 and not glob.glob(
+        os.path.join(root, RUN, f"step_{3:010d}", "*", "__1_s0.distcp"))
+    values = assert_all_ok(run_world(_restarted, 2, root, timeout=150))
+    assert [v["latest"] for v in values] == [2, 2] and all(v["exact"] for v in values)
+    assert all(v["stats"]["bytes_reused"] >= ROWS * COLS * 4 // 2 for v in values)  # the retry linked again

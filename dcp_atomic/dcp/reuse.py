@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .._base import failpoints
 from .._base.retry import Deadline
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
 from ..format.blocks import check_block, file_blocks
@@ -278,6 +279,7 @@ def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
     storage, layout = writer.storage, writer.layout
     source = layout.data_file(base.step, base.save_id, entry.name)
     target = layout.data_file(writer.step, writer.save_id, entry.name)
+    failpoints.hit("reuse.before_link", write.rank, base.step)
     try:
         storage.link(source, target)
     except OSError as e:
@@ -296,6 +298,7 @@ def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
                                f"{gone.strerror or gone}. Nothing was committed; remove the attempt (dcp-atomic gc) "
                                "and retry the save", rank=write.rank, path=target, errno=gone.errno) from gone
         return False
+    failpoints.hit("reuse.after_link", write.rank, writer.step)
     return True
 
 
