@@ -599,3 +599,81 @@ def test_a_rank_killed_after_its_link_leaves_the_base_whole_and_the_retry_links_
     values = assert_all_ok(run_world(_restarted, 2, root, timeout=150))
     assert [v["latest"] for v in values] == [2, 2] and all(v["exact"] for v in values)
     assert all(v["stats"]["bytes_reused"] >= ROWS * COLS * 4 // 2 for v in values)  # the retry linked again
+
+
+def _flip(path: str, offset: int, keep_mtime: bool = False) -> None:
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    if keep_mtime:  # rot: the bytes change, the inode's times do not
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_rot_in_the_only_copy_of_a_linked_file_is_found_by_the_next_save_of_the_same_process(tmp_path, caplog):
+    """keep_last=1's one physical copy of the frozen bytes rots (mtime kept): the next save in the same process
+    re-verifies before it links, writes the good bytes it holds instead, and that step loads exactly."""
+    root, base = str(tmp_path), _frozen()
+    for step in (1, 2, 3):  # step 3 links step 2's stable file (verified then)
+        _save_one(root, step, base)
+    _flip(_stable(root, 3, 0), 4096, keep_mtime=True)
+    with caplog.at_level(logging.INFO, logger="dcp_atomic.writer"):
+        stats = _save_one(root, 4, base)
+    assert stats["bytes_reused"] == 0 and stats["bytes_written"] >= ROWS * COLS * 4
+    assert any("does not match its digests" in r.getMessage() for r in caplog.records)
+    assert _inode(_stable(root, 4, 0)) != _inode(_stable(root, 3, 0))
+    loaded = _load_one(root, 4)
+    assert torch.equal(loaded["base"], base)
+    with pytest.raises(BaseException, match="CorruptCheckpointError.*does not match its digest"):  # DCP wraps it
+        _load_one(root, 3)
+
+
+def test_a_link_whose_directory_sync_fails_leaves_no_name_and_the_file_is_written(tmp_path, caplog):
+    """An EIO from the directory fsync after link() (NFS): the new name is removed, the file written, the save
+    commits and loads exactly (it used to fail on the name the link left)."""
+    import errno
+
+    from dcp_atomic import failpoints
+    from dcp_atomic.stores.storage import LocalStorage
+
+    root, base = str(tmp_path), _frozen()
+    for step in (1, 2):
+        _save_one(root, step, base)
+    armed, original = [], LocalStorage.sync_dir
+
+    def sync_dir(self, path):
+        if armed:
+            armed.clear()
+            raise OSError(errno.EIO, "Input/output error", path)
+        return original(self, path)
+
+    failpoints.arm("reuse.before_link", lambda rank, step: armed.append(True))
+    LocalStorage.sync_dir = sync_dir
+    try:
+        with caplog.at_level(logging.INFO, logger="dcp_atomic.writer"):
+            stats = _save_one(root, 3, base)
+    finally:
+        LocalStorage.sync_dir = original
+        failpoints.disarm_all()
+    assert stats["bytes_reused"] == 0
+    assert any("could not link __0_s0.distcp" in r.getMessage() for r in caplog.records)
+    assert os.stat(_stable(root, 2, 0)).st_nlink == 1 and _inode(_stable(root, 3, 0)) != _inode(_stable(root, 2, 0))
+    assert torch.equal(_load_one(root, 3)["base"], base)
+
+
+def test_a_base_file_that_is_a_symlink_is_not_linked(tmp_path):
+    """An operator moved the base's stable file away and left a symlink: link() would copy the symlink, so the new
+    step would depend on a file outside the run. It is written instead, a regular file of its own."""
+    root, base = str(tmp_path), _frozen()
+    for step in (1, 2):
+        _save_one(root, step, base)
+    moved = os.path.join(str(tmp_path), "elsewhere.distcp")
+    shutil.move(_stable(root, 2, 0), moved)
+    os.symlink(moved, _stable(root, 2, 0))
+    stats = _save_one(root, 3, base)
+    assert stats["bytes_reused"] == 0
+    assert not os.path.islink(_stable(root, 3, 0)) and os.stat(_stable(root, 3, 0)).st_nlink == 1
+    os.remove(moved)
+    assert torch.equal(_load_one(root, 3)["base"], base)

@@ -12,7 +12,8 @@
 * **Physically per file**: the unchanged items live in the rank's stable files (``layout.stable_file_name``), in
   canonical order (key, chunk offset), at most ``STABLE_FILE_BYTES`` each.  A stable file of the base whose every item
   is unchanged (same records, so the same bytes at the same offsets) is ``link()``ed into the new attempt under the
-  same name, once re-verified against its block digests (:mod:`..format.blocks`, once per process and file version),
+  same name, then re-verified against its block digests (:mod:`..format.blocks`, at every link: it may be the only
+  copy),
   and its extents become this save's: no data byte of it is written.  The other unchanged items are written into new
   stable files, so that the next save can link them.  A link that fails (another filesystem, no hard links, the base
   removed meanwhile) or a damaged base file means its items are written, logged.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -61,8 +61,6 @@ BASE_WAIT_SECONDS = 10.0  # how long a rank waits for the base's control files b
 _COMPARED = ("kind", "format", "length", "checksums", "block_size", "payload", "codec", "planes", "logical_length",
              "frames", "dtype", "chunk_sizes")
 
-_verified_lock = threading.Lock()
-_verified: set[tuple] = set()  # (path's file_version) of base files this process verified whole
 
 
 def refuse_unsupported(storage: Any, *, compression: str | None, stock_readable: bool,
@@ -273,8 +271,8 @@ def _same_file(unchanged: list, entry: FileEntry) -> bool:
 
 
 def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
-    """Link the base's stable file into this attempt and check it against its block digests (once per process and
-    file version); False (logged, nothing left behind) where that fails: the caller writes the file."""
+    """Link the base's stable file into this attempt and check it against its block digests; False (logged, nothing
+    left behind) where that fails: the caller writes the file."""
     writer = write.writer
     storage, layout = writer.storage, writer.layout
     source = layout.data_file(base.step, base.save_id, entry.name)
@@ -287,7 +285,7 @@ def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
                     entry.name, base.step, e.strerror or e, e.errno)
         return False
     try:
-        _verify_once(storage, target, entry, f"step {base.step} save {base.save_id} {entry.name}")
+        _verify(storage, target, entry, f"step {base.step} save {base.save_id} {entry.name}")
     except (CorruptCheckpointError, OSError) as e:
         log.warning("reuse: rank %d: the base's %s (step %d) does not match its digests, so it is not reused: "
                     "writing it instead. Every step linking it is damaged: %s", write.rank, entry.name, base.step, e)
@@ -302,12 +300,11 @@ def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
     return True
 
 
-def _verify_once(storage: Any, path: str, entry: FileEntry, where: str) -> None:
-    """Every block of the linked file against the base's digests, unless this process verified this version of it."""
-    version = storage.file_version(path)
-    with _verified_lock:
-        if version is not None and version in _verified:
-            return
+def _verify(storage: Any, path: str, entry: FileEntry, where: str) -> None:
+    """Every block of the linked file against the base's digests, at every link: the linked file may be the only
+    physical copy of these bytes (``keep_last=1``), and rot that spares its inode and mtime is found only by reading
+    it, while the save still holds the good bytes to write instead.  A read from the page cache, cheaper than the
+    write and fsync it replaces."""
     with storage.open_reader(path) as reader:
         if reader.size() != entry.size:
             raise CorruptCheckpointError(f"{where}: {reader.size()} bytes, the shard records {entry.size}", path=path)
@@ -317,6 +314,3 @@ def _verify_once(storage: Any, path: str, entry: FileEntry, where: str) -> None:
                 buffer = memoryview(bytearray(hi - lo))
             got = reader.readinto_range(item.pos + lo, buffer[:hi - lo])  # one buffer for every block
             check_block(item, index, buffer[:got], what, path=path)
-    if version is not None:
-        with _verified_lock:
-            _verified.add(version)

@@ -30,6 +30,7 @@ import os
 import posixpath
 import secrets
 import shutil
+import stat
 import warnings
 from typing import IO, Any
 
@@ -356,8 +357,14 @@ class LocalStorage(Storage):
         return True
 
     def link(self, source: str, target: str) -> None:
+        if not stat.S_ISREG(os.lstat(source).st_mode):  # link() of a symlink names the link, not a file of the run
+            raise OSError(errno.EINVAL, "not a regular file", source)
         os.link(source, target)
-        self.sync_dir(os.path.dirname(target))
+        try:
+            self.sync_dir(os.path.dirname(target))
+        except OSError:
+            _unlink_quietly(target)  # a name that may not survive a crash: none at all, the caller writes the file
+            raise
 
     def file_version(self, path: str) -> tuple | None:
         st = os.stat(path)
