@@ -353,6 +353,17 @@ def test_show_prints_written_and_reused_bytes_and_verify_passes_a_linked_step(tm
     assert f"{stats['bytes_written']} bytes written, {ROWS * COLS * 4} bytes linked" in out, out
     assert "MiB reused" in out
     assert main(["verify", root, RUN, "3"]) == 0
+    capsys.readouterr()
+    # the run's size counts a file that three steps link once: what the disk holds
+    assert main(["ls", root, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["runs"][0]["bytes"]
+    on_disk = {}
+    for folder, _, names in os.walk(os.path.join(root, RUN)):
+        for name in names:
+            if name.endswith(".distcp"):
+                st = os.stat(os.path.join(folder, name))
+                on_disk[st.st_ino] = st.st_size
+    assert listed == sum(on_disk.values()) < 3 * ROWS * COLS * 4  # 3 steps of 1 MiB, 2 files of it
 
 
 def test_content_decides_never_requires_grad(tmp_path):

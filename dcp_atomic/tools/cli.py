@@ -296,10 +296,10 @@ def _run_rows(storage: Storage) -> list[dict[str, Any]]:
         damaged: list[tuple[int, str]] = []
         markers = scan_markers(layout, unreadable=damaged)
         newest = most_recent(markers)
-        size, unreadable = 0, 0
+        size, unreadable, seen = 0, 0, set()
         for marker in markers:
             try:
-                size += read_committed(layout, marker.step, Deadline(0)).manifest.total_bytes
+                size += _stored_bytes(layout, read_committed(layout, marker.step, Deadline(0)), seen)
             except CheckpointError:
                 unreadable += 1
         rows.append({"run": name, "committed_steps": len(markers), "latest_step": newest.step if newest else None,
@@ -307,6 +307,25 @@ def _run_rows(storage: Storage) -> list[dict[str, Any]]:
                      "latest_committed_at": newest.committed_at if newest else None,
                      "age_seconds": now - newest.committed_at if newest else None})
     return rows
+
+
+def _stored_bytes(layout: RunLayout, committed, seen: set) -> int:
+    """A step's data bytes, less the files an earlier step of ``seen`` holds too: reuse (and ``import --link``)
+    hard-link one file into several steps, which the run's size counts once."""
+    manifest = committed.manifest
+    if not layout.storage.hard_links:
+        return manifest.total_bytes
+    total = 0
+    for entry in manifest.files:
+        try:
+            version = layout.storage.file_version(
+                layout.data_file(committed.step, committed.save_id, entry.name, manifest.data_prefixes))
+        except OSError:
+            version = None
+        if version is None or version not in seen:
+            total += entry.size
+            seen.add(version)
+    return total
 
 
 def _is_run_dir(layout: RunLayout) -> bool:
@@ -415,8 +434,9 @@ def cmd_show(args) -> int:
         secs = s["write_seconds"]
         link = (f", {s.get('bytes_written', s['bytes']) / 2**20:.1f} MiB written, "
                 f"{s['bytes_reused'] / 2**20:.1f} MiB reused") if s.get("bytes_reused") else ""
+        rate = s.get("bytes_written", s["bytes"]) / max(secs, 1e-9) / 1e9  # linked bytes cost no write time
         print(f"  rank {s['rank']}: {s['bytes'] / 2**20:.1f} MiB in {secs:.2f}s "
-              f"({s['bytes'] / max(secs, 1e-9) / 1e9:.2f} GB/s), fsync {s['fsync_seconds']:.2f}s, {s['items']} items"
+              f"({rate:.2f} GB/s written), fsync {s['fsync_seconds']:.2f}s, {s['items']} items"
               f"{link}")
     keys: dict[str, list[int]] = {}
     for entry in manifest.files:
