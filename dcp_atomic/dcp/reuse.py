@@ -285,7 +285,7 @@ def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
                     entry.name, base.step, e.strerror or e, e.errno)
         return False
     try:
-        _verify(storage, target, entry, f"step {base.step} save {base.save_id} {entry.name}")
+        _verify(storage, target, entry, f"step {base.step} save {base.save_id} {entry.name}", writer.thread_count)
     except (CorruptCheckpointError, OSError) as e:
         log.warning("reuse: rank %d: the base's %s (step %d) does not match its digests, so it is not reused: "
                     "writing it instead. Every step linking it is damaged: %s", write.rank, entry.name, base.step, e)
@@ -300,17 +300,26 @@ def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
     return True
 
 
-def _verify(storage: Any, path: str, entry: FileEntry, where: str) -> None:
+def _verify(storage: Any, path: str, entry: FileEntry, where: str, threads: int) -> None:
     """Every block of the linked file against the base's digests, at every link: the linked file may be the only
     physical copy of these bytes (``keep_last=1``), and rot that spares its inode and mtime is found only by reading
     it, while the save still holds the good bytes to write instead.  A read from the page cache, cheaper than the
-    write and fsync it replaces."""
+    write and fsync it replaces; the writer's threads share it, each a contiguous run of blocks and one buffer."""
     with storage.open_reader(path) as reader:
         if reader.size() != entry.size:
             raise CorruptCheckpointError(f"{where}: {reader.size()} bytes, the shard records {entry.size}", path=path)
-        buffer = memoryview(bytearray(max((item.block_size for item in entry.items), default=0)))
-        for item, what, index, lo, hi in file_blocks(entry, where):
-            if hi - lo > len(buffer):  # a frame larger than its block (not written by phase 1, which stores raw)
-                buffer = memoryview(bytearray(hi - lo))
-            got = reader.readinto_range(item.pos + lo, buffer[:hi - lo])  # one buffer for every block
-            check_block(item, index, buffer[:got], what, path=path)
+        blocks = list(file_blocks(entry, where))
+        size = max((item.block_size for item in entry.items), default=0)
+
+        def check(run: list) -> None:
+            buffer = memoryview(bytearray(size))
+            for item, what, index, lo, hi in run:
+                if hi - lo > len(buffer):  # a frame larger than its block (not written by phase 1, which stores raw)
+                    buffer = memoryview(bytearray(hi - lo))
+                got = reader.readinto_range(item.pos + lo, buffer[:hi - lo])
+                check_block(item, index, buffer[:got], what, path=path)
+
+        share = max(1, -(-len(blocks) // max(1, threads)))
+        runs = [blocks[k:k + share] for k in range(0, len(blocks), share)]
+        with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="dcp-atomic-reuse-check") as pool:
+            list(pool.map(check, runs))  # the first damaged block's error, raised here
