@@ -688,3 +688,27 @@ def test_a_base_file_that_is_a_symlink_is_not_linked(tmp_path):
     assert not os.path.islink(_stable(root, 3, 0)) and os.stat(_stable(root, 3, 0)).st_nlink == 1
     os.remove(moved)
     assert torch.equal(_load_one(root, 3)["base"], base)
+
+
+def test_the_frozen_bytes_are_split_over_the_writers_threads_so_a_load_reads_them_in_parallel(tmp_path):
+    """Loads read a rank's files in parallel, one thread a file: two frozen tensors saved with thread_count=2 go
+    into two stable files (not one of 2 MiB), and the next save links both."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    root = str(tmp_path)
+    frozen = {"a": _frozen(), "b": _frozen() + 1}
+
+    def save(step):
+        writer = AtomicStorageWriter(root, RUN, step, reuse=True, thread_count=2)
+        dcp.save({**frozen, "adapter": torch.full((4, 4), float(step))}, storage_writer=writer)
+        return writer.last_stats
+
+    for step in (1, 2, 3):
+        stats = save(step)
+    names = sorted(n for n in os.listdir(_attempt(root, 3)) if "_s" in n)
+    assert names == ["__0_s0.distcp", "__0_s1.distcp"], names
+    assert all(_inode(os.path.join(_attempt(root, 3), n)) == _inode(os.path.join(_attempt(root, 2), n))
+               for n in names)
+    assert stats["bytes_reused"] == 2 * ROWS * COLS * 4

@@ -207,20 +207,24 @@ def plan_rank(write: "_RankWrite", items: list[WriteItem], base: Base) -> Outcom
         linked_files.append(entry)
         for item, _ in pairs:
             del unchanged[_identity(item)]
-    stable = _new_stable_files(write.rank, sorted(unchanged.items()), {f.name for f in linked_files})
+    stable = _new_stable_files(write.rank, sorted(unchanged.items()), {f.name for f in linked_files},
+                               writer.thread_count)
     log.info("reuse: rank %d: %d of %d items unchanged since step %d; %d stable file(s) linked (%d bytes not "
              "written), %d written", write.rank, len(kept), len(items), base.step, len(linked_files),
              sum(f.size for f in linked_files), len(stable))
     return Outcome(others, stable, linked, linked_files)
 
 
-def _new_stable_files(rank: int, unchanged: list, taken: set[str]) -> list[tuple[str, list[WriteItem]]]:
-    """The unchanged items no linked file holds, in canonical order, cut into files of at most
-    ``STABLE_FILE_BYTES`` (one item larger than that is a file of its own), under names the linked files leave."""
+def _new_stable_files(rank: int, unchanged: list, taken: set[str], threads: int) -> list[tuple[str, list[WriteItem]]]:
+    """The unchanged items no linked file holds, in canonical order, cut into files of at most ``STABLE_FILE_BYTES``
+    and at most a ``threads``-th of their bytes (loads read a rank's files in parallel, one thread a file, so the
+    frozen bytes must not end up in one file), one item larger than that a file of its own, under names the linked
+    files leave.  The saves after it link these files as they are: the cut is made once."""
+    cap = min(STABLE_FILE_BYTES, -(-sum(written.length for _, (_, written) in unchanged) // max(1, threads)))
     groups: list[list[WriteItem]] = []
     size = 0
     for _, (item, written) in unchanged:
-        if not groups or size + written.length > STABLE_FILE_BYTES:
+        if not groups or size + written.length > cap:
             groups.append([])
             size = 0
         groups[-1].append(item)
