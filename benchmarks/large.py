@@ -296,9 +296,7 @@ def run(args: argparse.Namespace) -> dict:
                   f"(state per rank {data_bytes / int(world) / MiB:.0f} MiB: async saves stage a copy)")
     compression.print_table(compressed)
     report.print_targets(checks)
-    wall = time.monotonic() - began
-    print(f"\nwall time {wall:.0f} s; load average {os.getloadavg()[0]:.2f} at the end ({load_before[0]:.2f} at the "
-          "start)")
+    wall = report.print_wall(began, load_before)
     report.draw_png(summary, args.png, f"dcp_atomic vs torch DCP: {data_bytes / GB:.2f} GB state, median of "
                                        f"{args.repeats} (whiskers: min-max), {os.cpu_count()} cpus")
     return {

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -32,6 +33,15 @@ def environment() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__, "dcp_atomic": dcp_atomic.__version__,
             "cpu_count": os.cpu_count(), "machine": platform.machine(), "kernel": platform.release(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "loadavg": os.getloadavg()}
+
+
+def print_wall(began: float, load_before: tuple[float, float, float]) -> float:
+    """The run's last line: its wall time (``began`` from ``time.monotonic``) and the load average around it; returns
+    the wall time."""
+    wall = time.monotonic() - began
+    print(f"\nwall time {wall:.0f} s; load average {os.getloadavg()[0]:.2f} at the end ({load_before[0]:.2f} at the "
+          "start)")
+    return wall
 
 
 def record(entry: dict, measured: dict) -> None:

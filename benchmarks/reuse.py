@@ -292,9 +292,7 @@ def run(args: argparse.Namespace) -> dict:
                                            TARGETS["full_finetune_save_seconds"], False, world=world, medium="disk",
                                            contender="reuse"))
     report.print_targets(checks)
-    wall = time.monotonic() - began
-    print(f"\nwall time {wall:.0f} s; load average {os.getloadavg()[0]:.2f} at the end ({load_before[0]:.2f} at the "
-          "start)")
+    wall = report.print_wall(began, load_before)
     return {
         "config": {"world_sizes": args.world_sizes, "base_mb": args.base_mb, "adapter_fraction": args.adapter_fraction,
                    "tensor_mb": args.tensor_mb, "saves": args.saves, "async_saves": args.async_saves,

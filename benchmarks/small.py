@@ -196,9 +196,7 @@ def run(args: argparse.Namespace) -> dict:
         + ", ".join(f"world {w}: {t['atomic']} / {t['stock']}" if isinstance(t, dict) else f"world {w}: {t}"
                     for w, t in threads.items()), items=True)
     report.print_targets(checks)
-    wall = time.monotonic() - began
-    print(f"\nwall time {wall:.0f} s; load average {os.getloadavg()[0]:.2f} at the end ({load_before[0]:.2f} at the "
-          "start)")
+    wall = report.print_wall(began, load_before)
     return {
         "config": {"world_sizes": args.world_sizes, "keys_per_rank": args.keys, "min_kib": args.min_kib,
                    "max_kib": args.max_kib, "dtypes": DTYPES, "tensor_bytes_per_rank": data_bytes,
