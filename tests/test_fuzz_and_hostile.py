@@ -287,7 +287,7 @@ def _craft(case: str, ck: _Checkpoint, outside: str) -> None:
         metadata.storage_data[index] = _StorageInfo(info.relative_path, info.offset, huge)
         ck.write_metadata(pickle.dumps(metadata))
     elif case == "manifest_schema_from_the_future":
-        ck.manifest["schema_version"] = 4
+        ck.manifest["schema_version"] = 5  # 4: reuse (stable files)
         ck.write_manifest()
     elif case == "marker_schema_from_the_future":
         ck.marker["schema_version"] = 2
@@ -332,7 +332,7 @@ HOSTILE = {
     "manifest_absolute_path": ("CorruptCheckpointError", "invalid data file name"),
     "manifest_absurd_length_over_limit": ("CorruptCheckpointError", "below 2**50"),
     "manifest_and_metadata_absurd_but_plausible_length": ("CorruptCheckpointError", "__0_"),
-    "manifest_schema_from_the_future": ("CorruptCheckpointError", "schema_version 4 is not supported"),
+    "manifest_schema_from_the_future": ("CorruptCheckpointError", "schema_version 5 is not supported"),
     "marker_schema_from_the_future": ("CorruptCheckpointError", "schema_version 2 is not supported"),
     "marker_names_a_foreign_manifest_path": ("CorruptCheckpointError", "foreign manifest path"),
     "marker_names_another_steps_attempt": ("CorruptCheckpointError", "names this manifest but it cannot be read"),
