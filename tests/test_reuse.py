@@ -712,3 +712,38 @@ def test_the_frozen_bytes_are_split_over_the_writers_threads_so_a_load_reads_the
     assert all(_inode(os.path.join(_attempt(root, 3), n)) == _inode(os.path.join(_attempt(root, 2), n))
                for n in names)
     assert stats["bytes_reused"] == 2 * ROWS * COLS * 4
+
+
+def test_a_writer_built_without_a_location_reuses_through_dcps_checkpoint_id(tmp_path):
+    """The frameworks' form (torchtitan, Lightning, Accelerate): one writer built without a location, a
+    checkpoint_id per save, an async save among them; a refused save (a committed step again, no overwrite) is
+    followed by more saves that still link; an object store given by checkpoint_id is refused by name."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter, ConfigurationError
+
+    root, base = str(tmp_path), _frozen()
+    writer = AtomicStorageWriter(reuse=True, timeout=20)
+
+    def save(step, asynchronous=False):
+        state = {"base": base, "adapter": torch.full((4, 4), float(step))}
+        checkpoint_id = f"{root}/{RUN}/step-{step}"  # torchtitan's form
+        if asynchronous:
+            future = dcp.async_save(state, storage_writer=writer, checkpoint_id=checkpoint_id)
+            getattr(future, "upload_completion", future).result(timeout=60)
+        else:
+            dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id)
+        return writer.last_stats
+
+    save(1)
+    save(2)
+    assert save(3, asynchronous=True)["bytes_reused"] == ROWS * COLS * 4
+    with pytest.raises(BaseException, match="already committed|CommitConflictError"):
+        save(3)  # refused: step 3 is committed
+    assert save(4)["bytes_reused"] == ROWS * COLS * 4
+    assert _inode(_stable(root, 4, 0)) == _inode(_stable(root, 2, 0))
+    for step in (3, 4):
+        loaded = _load_one(root, step)
+        assert torch.equal(loaded["base"], base) and torch.equal(loaded["adapter"], torch.full((4, 4), float(step)))
+    with pytest.raises(ConfigurationError, match="reuse=True"):
+        writer.reset("s3://bucket/exp/step-5")

@@ -209,7 +209,7 @@ class AtomicStorageWriter(StorageWriter):
         self.storage_options = storage_options
         self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
         self.storage, self.layout = open_location(root, run_id, storage_options)
-        if self.reuse:
+        if self.reuse and self.storage is not None:  # without a location yet: checked where reset() gives one
             _reuse.refuse_unsupported(self.storage, compression=compression, stock_readable=stock_readable)
         self.step = None if step is None else validate_step(step)
         self.parallelism = parallelism
@@ -250,6 +250,8 @@ class AtomicStorageWriter(StorageWriter):
         root, run_id, step = checked_checkpoint_id(checkpoint_id, self._built_root, self._built_run_id,
                                                    type(self).__name__)
         self.storage, self.layout = retarget(self.storage, self.layout, root, run_id, self.storage_options)
+        if self.reuse:
+            _reuse.refuse_unsupported(self.storage, compression=self.compression, stock_readable=self.stock_readable)
         self.step = step
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
