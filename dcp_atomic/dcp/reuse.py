@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .._base import failpoints
 from .._base.retry import Deadline
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
-from ..format.blocks import check_block, file_blocks
+from ..format.blocks import verify_stored_file
 from ..format.codec import Encoder
 from ..format.integrity import block_digest
 from ..format.layout import STABLE_FILE_PATTERN, RunLayout, stable_file_name
@@ -305,25 +305,9 @@ def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
 
 
 def _verify(storage: Any, path: str, entry: FileEntry, where: str, threads: int) -> None:
-    """Every block of the linked file against the base's digests, at every link: the linked file may be the only
-    physical copy of these bytes (``keep_last=1``), and rot that spares its inode and mtime is found only by reading
-    it, while the save still holds the good bytes to write instead.  A read from the page cache, cheaper than the
-    write and fsync it replaces; the writer's threads share it, each a contiguous run of blocks and one buffer."""
+    """The linked file against the base's digests, at every link: it may be the only physical copy of these bytes
+    (``keep_last=1``), and rot that spares its inode and mtime is found only by reading it, while the save still
+    holds the good bytes to write instead.  A read from the page cache, cheaper than the write and fsync it
+    replaces, on the writer's threads."""
     with storage.open_reader(path) as reader:
-        if reader.size() != entry.size:
-            raise CorruptCheckpointError(f"{where}: {reader.size()} bytes, the shard records {entry.size}", path=path)
-        blocks = list(file_blocks(entry, where))
-        size = max((item.block_size for item in entry.items), default=0)
-
-        def check(run: list) -> None:
-            buffer = memoryview(bytearray(size))
-            for item, what, index, lo, hi in run:
-                if hi - lo > len(buffer):  # a frame larger than its block (not written by phase 1, which stores raw)
-                    buffer = memoryview(bytearray(hi - lo))
-                got = reader.readinto_range(item.pos + lo, buffer[:hi - lo])
-                check_block(item, index, buffer[:got], what, path=path)
-
-        share = max(1, -(-len(blocks) // max(1, threads)))
-        runs = [blocks[k:k + share] for k in range(0, len(blocks), share)]
-        with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="dcp-atomic-reuse-check") as pool:
-            list(pool.map(check, runs))  # the first damaged block's error, raised here
+        verify_stored_file(entry, reader, where, path=path, threads=threads)

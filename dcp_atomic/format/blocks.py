@@ -2,11 +2,13 @@
 
 Every path that trusts stored bytes goes through here: the DCP reader (whole items, payloads read in place,
 the edge blocks of a narrowed read), shared reads, ``dcp-atomic verify``, the drain's copy, the local tier's
-replicas and restores.  Blocks are located only by :meth:`ItemExtent.blocks`, so one extent has one meaning
+replicas and restores, and reuse's check of a file it links (:func:`verify_stored_file`, for a whole file).  Blocks are located only by :meth:`ItemExtent.blocks`, so one extent has one meaning
 for all of them, and damage reads the same wherever it is found: the item, the block, its byte range.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
@@ -77,6 +79,35 @@ def file_blocks(entry: FileEntry, where: str):
         what = f"{where} item {item.key!r}"
         for index, (lo, hi) in enumerate(item.blocks()):
             yield item, what, index, lo, hi
+
+
+def verify_stored_file(entry: FileEntry, reader, where: str, *, path: str | None = None, threads: int = 1) -> None:
+    """A whole data file, through ``reader`` (``size()``, ``readinto_range(offset, buffer)``: the stores' range
+    readers), against its shard's digests: its size, then every block, one block at a time in each of ``threads``
+    threads, each a contiguous run of blocks with one buffer (memory stays a block a thread whatever the file's
+    size; this module does no I/O of its own)."""
+    size = reader.size()
+    if size != entry.size:
+        raise CorruptCheckpointError(f"{where}: {size} bytes, the shard records {entry.size}", path=path or where)
+    blocks = list(file_blocks(entry, where))
+    largest = max((item.block_size for item in entry.items), default=0)
+
+    def check(run: list) -> None:
+        buffer = memoryview(bytearray(largest))
+        for item, what, index, lo, hi in run:
+            if hi - lo > len(buffer):  # a compressed frame larger than its block
+                buffer = memoryview(bytearray(hi - lo))
+            got = reader.readinto_range(item.pos + lo, buffer[:hi - lo])
+            check_block(item, index, buffer[:got], what, path=path or where)
+
+    share = max(1, -(-len(blocks) // max(1, threads)))
+    runs = [blocks[k:k + share] for k in range(0, len(blocks), share)]
+    if len(runs) <= 1:
+        for run in runs:
+            check(run)
+        return
+    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="dcp-atomic-check") as pool:
+        list(pool.map(check, runs))  # the first damaged block's error, raised here
 
 
 def _compare(actual: str, item: ItemExtent, index: int, lo: int, hi: int, what: str, path: str | None) -> None:

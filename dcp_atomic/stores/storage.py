@@ -194,7 +194,7 @@ class RangeReader:
         self.close()
 
 
-class _LocalRangeReader(RangeReader):
+class LocalRangeReader(RangeReader):
     """One descriptor for all reads of a file: on NFS every open is a server round trip."""
 
     def __init__(self, path: str) -> None:
@@ -310,7 +310,7 @@ class LocalStorage(Storage):
         return os.stat(path).st_size
 
     def open_reader(self, path: str) -> RangeReader:
-        return _LocalRangeReader(path)
+        return LocalRangeReader(path)
 
     def modified(self, path: str) -> float | None:
         try:

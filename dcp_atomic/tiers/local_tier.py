@@ -43,12 +43,12 @@ from ..protocol.commit import (Evidence, commit_order, listed_steps, publish_con
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
 from ..exchange.file_transfer import Part, Received, Spooled, discard, transfer
 from ..exchange.transport import PeerLost
-from ..format.blocks import check_block, file_blocks, verify_item
+from ..format.blocks import verify_item, verify_stored_file
 from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, PARTIAL_SUFFIX, RunLayout
 from ..format.manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, now, shard_name
 from .placement import Placement, place_replicas
-from ..stores.storage import LocalStorage
+from ..stores.storage import LocalRangeReader, LocalStorage
 from ..version import __version__
 from ..dcp.watched import WatchedWriter
 
@@ -252,12 +252,8 @@ def check_file(entry: FileEntry, data: bytes, where: str) -> None:
 def check_stored_file(entry: FileEntry, path: str, where: str) -> None:
     """:func:`check_file` for a file on disk, read one block (or frame) at a time: memory stays one block whatever
     the file's size, and a failing disk is an ``OSError`` naming the file (a memory map would crash on it)."""
-    size = os.path.getsize(path)
-    if size != entry.size:
-        raise CorruptCheckpointError(f"{where}: {size} bytes, the shard records {entry.size}", path=where)
-    with open(path, "rb", buffering=0) as f:
-        for item, what, block, lo, hi in file_blocks(entry, where):
-            check_block(item, block, os.pread(f.fileno(), hi - lo, item.pos + lo), what, path=where)
+    with LocalRangeReader(path) as reader:
+        verify_stored_file(entry, reader, where)
 
 
 def read_rank_files(layout: RunLayout, manifest: Manifest, rank: int, verify: bool = True) -> list[Part]:
