@@ -135,6 +135,10 @@ class S3Proxy:
         self.require_content_md5 = False
         self.in_flight: dict[str, int] = {}
         self.max_in_flight: dict[str, int] = {}
+        # The bucket of the test now running: requests to any other bucket (a thread a finished test left
+        # behind, still talking to its own bucket) are forwarded untouched, matched by no rule and not recorded,
+        # so one test's stragglers never show up in (or trip) the next test's assertions. None: every bucket.
+        self.bucket: str | None = None
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -211,19 +215,20 @@ class S3Proxy:
         conditions = {h: handler.headers[h] for h in CONDITIONAL if handler.headers.get(h) is not None}
         all_headers = {k.lower(): v for k, v in handler.headers.items()}
         with self.lock:
-            rule = next((r for r in self.rules if r.matches(op, key, all_headers, body)), None)
+            ours = self.bucket is None or bucket == self.bucket
+            rule = next((r for r in self.rules if ours and r.matches(op, key, all_headers, body)), None)
             if rule is not None:
                 rule.hits += 1
-            elif self.reject_chunked and ("aws-chunked" in all_headers.get("content-encoding", "")
+            elif ours and self.reject_chunked and ("aws-chunked" in all_headers.get("content-encoding", "")
                                           or "x-amz-trailer" in all_headers):
                 rule = Rule(op, None, 501, "NotImplemented", None, False,
                             message="A header you provided implies functionality that is not implemented")
-            elif self.require_content_md5 and op == "DELETE_OBJECTS" and "content-md5" not in all_headers:
+            elif ours and self.require_content_md5 and op == "DELETE_OBJECTS" and "content-md5" not in all_headers:
                 rule = Rule(op, None, 400, "InvalidRequest", None, False,
                             message="Missing required header for this request: Content-MD5")
-            strip = {h for h in CONDITIONAL if self.ignore_conditions is True
-                     or (self.ignore_conditions and h in self.ignore_conditions)}
-            rewrite = self.rewrites.get(op)
+            strip = {h for h in CONDITIONAL if ours and (self.ignore_conditions is True
+                     or (self.ignore_conditions and h in self.ignore_conditions))}
+            rewrite = self.rewrites.get(op) if ours else None
             self.in_flight[op] = self.in_flight.get(op, 0) + 1
             concurrent = self.in_flight[op]
             self.max_in_flight[op] = max(self.max_in_flight.get(op, 0), concurrent)
@@ -243,10 +248,11 @@ class S3Proxy:
             status = rule.status if rule is not None and rule.status is not None else upstream[0]
         finally:
             with self.lock:  # recorded before the client can see the reply, so records keep request order
-                self.in_flight[op] -= 1
-                self.records.append(Record(op, bucket, key, status, rule is not None, conditions,
-                                           handler.headers.get("User-Agent", ""), concurrent, all_headers,
-                                           len(upstream[2]) if upstream is not None and method != "HEAD" else 0))
+                self.in_flight[op] = self.in_flight.get(op, 1) - 1  # reset() may have cleared it meanwhile
+                if ours:
+                    self.records.append(Record(op, bucket, key, status, rule is not None, conditions,
+                                               handler.headers.get("User-Agent", ""), concurrent, all_headers,
+                                               len(upstream[2]) if upstream is not None and method != "HEAD" else 0))
         if rule is not None and rule.status is not None:
             _send_error(handler, rule, f"/{bucket}/{key}")
             return
@@ -381,6 +387,7 @@ def _new_target(name: str, endpoint: str, proxy: S3Proxy) -> S3Target:
     s3 = client(endpoint)
     bucket = f"t-{name[:4]}-{secrets.token_hex(6)}"
     s3.create_bucket(Bucket=bucket)
+    proxy.bucket = bucket
     return S3Target(name, endpoint, proxy, bucket, s3)
 
 
