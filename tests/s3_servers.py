@@ -95,6 +95,7 @@ class Record:
     concurrent: int = 1  # requests of this op in flight when it arrived, itself included
     headers: dict[str, str] = field(default_factory=dict)
     reply_bytes: int = 0  # body bytes the server returned (GET: the bytes a client read)
+    request_bytes: int = 0  # body bytes the client sent (PUT, UPLOAD_PART: the bytes a client uploaded)
 
 
 @dataclass
@@ -252,7 +253,8 @@ class S3Proxy:
                 if ours:
                     self.records.append(Record(op, bucket, key, status, rule is not None, conditions,
                                                handler.headers.get("User-Agent", ""), concurrent, all_headers,
-                                               len(upstream[2]) if upstream is not None and method != "HEAD" else 0))
+                                               len(upstream[2]) if upstream is not None and method != "HEAD" else 0,
+                                               len(body)))
         if rule is not None and rule.status is not None:
             _send_error(handler, rule, f"/{bucket}/{key}")
             return

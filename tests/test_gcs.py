@@ -278,3 +278,44 @@ def test_gs_options_pickle_and_never_reach_gcsfs(gcs):
     assert storage.policy.stall_timeout_s == 7 and "dcp_atomic_stall_timeout_s" not in storage.fs.storage_options
     copy = pickle.loads(pickle.dumps(storage))
     assert copy.policy == storage.policy and copy.fs is not storage.fs
+
+
+# -- reuse (P15): an unchanged stable file is rewritten server-side, never uploaded again ---------------------------
+
+
+def _frozen_state(step: int) -> dict:
+    return {"frozen": torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)),  # 1 MiB, never changes
+            "adapter": torch.full((8, 16), float(step)), "meta": {"step": step}}
+
+
+def test_reuse_on_gs_rewrites_unchanged_files_server_side_and_every_step_loads_alone(faulty_gcs):
+    gcs = faulty_gcs
+    frozen_bytes = 256 * 1024 * 4
+
+    def save(step):
+        writer = AtomicStorageWriter(gcs.root, RUN, step, timeout=20, reuse=True, storage_options=gcs.options)
+        dcp.save(_frozen_state(step), storage_writer=writer)
+        return writer.last_stats
+
+    def sent() -> int:
+        return sum(r.request_bytes for r in gcs.proxy.requests())
+
+    assert save(1)["bytes_reused"] == 0  # no base
+    before = sent()
+    assert save(2)["bytes_reused"] == 0  # the stable file is written (uploaded) once
+    assert sent() - before >= frozen_bytes
+    for step in (3, 4):
+        before = sent()
+        stats = save(step)
+        assert stats["bytes_reused"] == frozen_bytes and stats["bytes_written"] < 4096, stats
+        assert sent() - before < 64 * 1024, "the frozen tensor was uploaded again"
+        rewrites = [r for r in gcs.proxy.requests("POST") if "/rewriteTo/" in r.key and f"step_{step:010d}" in r.key]
+        assert rewrites and all(r.status == 200 for r in rewrites), [r.key for r in gcs.proxy.requests("POST")]
+    for step in (1, 2, 3):  # every older step gone, step 3 (step 4's base) included
+        gcs.fs.rm(f"{gcs.bucket}/ckpt/{RUN}/step_{step:010d}", recursive=True)
+    reader = AtomicStorageReader(gcs.root, RUN, 4, timeout=10, storage_options=gcs.options)
+    target = {"frozen": torch.zeros(256, 1024), "adapter": torch.zeros(8, 16), "meta": {"step": -1}}
+    dcp.load(target, storage_reader=reader)
+    want = _frozen_state(4)
+    assert torch.equal(target["frozen"], want["frozen"]) and torch.equal(target["adapter"], want["adapter"])
+    assert target["meta"] == {"step": 4}

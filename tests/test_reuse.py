@@ -14,55 +14,13 @@ import pytest
 import torch
 
 from tests.harness import assert_all_ok, run_world
-
-RUN = "exp"
-ROWS, COLS = 256, 1024  # the frozen base: 1 MiB of float32, a 512 KiB chunk per rank
-
-
-class _Messages(logging.Handler):
-    """The writer's log lines on this rank."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-        logging.getLogger("dcp_atomic.writer").addHandler(self)
-        logging.getLogger("dcp_atomic.writer").setLevel(logging.INFO)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def _mesh(world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-
-
-def _frozen(changed_element: bool = False) -> torch.Tensor:
-    base = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0))
-    if changed_element:
-        base[3, 5] += 1.0  # in rank 0's chunk (rows 0..127)
-    return base
-
-
-def _state(mesh, step: int, changed_element: bool = False) -> dict:
-    """A frozen base (sharded), an adapter that changes every step (sharded) and a counter (bytes)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    adapter = torch.full((8, 16), float(step)) + torch.arange(16.0)
-    return {"base": distribute_tensor(_frozen(changed_element), mesh, [Shard(0)]),
-            "adapter": distribute_tensor(adapter, mesh, [Shard(0)]), "step": step}
-
-
-def _empty(mesh) -> dict:
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    return {"base": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]),
-            "adapter": distribute_tensor(torch.zeros(8, 16), mesh, [Shard(0)]), "step": -1}
-
-
-def _full(state) -> dict:
-    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+from tests.helpers.reuse_state import COLS, ROWS, RUN
+from tests.helpers.reuse_state import Messages as _Messages
+from tests.helpers.reuse_state import empty as _empty
+from tests.helpers.reuse_state import frozen as _frozen
+from tests.helpers.reuse_state import full as _full
+from tests.helpers.reuse_state import mesh as _mesh
+from tests.helpers.reuse_state import state as _state
 
 
 def _attempt(root, step):
@@ -256,15 +214,16 @@ def test_e_without_reuse_no_stable_file_and_every_byte_written(tmp_path):
 # -- (d) refusals --------------------------------------------------------------------------------------------------
 
 
-def test_d_reuse_on_an_object_store_is_refused(tmp_path):
+def test_d_reuse_on_a_filesystem_that_cannot_link_in_place_is_refused_and_object_stores_are_not(tmp_path):
     from dcp_atomic import AtomicStorageWriter, CheckpointManager, ConfigurationError
 
-    for root in ("s3://bucket/checkpoints", "memory://checkpoints"):
-        with pytest.raises(ConfigurationError, match=r"reuse=True.*(object stores|not supported yet)"):
-            AtomicStorageWriter(root, RUN, 1, reuse=True,
-                                storage_options={"endpoint_url": "http://127.0.0.1:9"} if root.startswith("s3") else None)
-    with pytest.raises(ConfigurationError, match="reuse"):
+    with pytest.raises(ConfigurationError, match=r"reuse=True\) on memory://.*server-side copies.*reuse=False"):
+        AtomicStorageWriter("memory://checkpoints", RUN, 1, reuse=True)
+    with pytest.raises(ConfigurationError, match=r"CheckpointManager\(reuse=True\) on memory://"):
         CheckpointManager("memory://checkpoints", RUN, reuse=True)
+    writer = AtomicStorageWriter("s3://bucket/checkpoints", RUN, 1, reuse=True,  # S3 copies server-side
+                                 storage_options={"endpoint_url": "http://127.0.0.1:9"})
+    assert writer.reuse and writer.storage.link_kind == "server-side copy"
 
 
 def test_d_reuse_with_the_local_tier_compression_or_stock_readable_is_refused(tmp_path):
@@ -717,7 +676,8 @@ def test_the_frozen_bytes_are_split_over_the_writers_threads_so_a_load_reads_the
 def test_a_writer_built_without_a_location_reuses_through_dcps_checkpoint_id(tmp_path):
     """The frameworks' form (torchtitan, Lightning, Accelerate): one writer built without a location, a
     checkpoint_id per save, an async save among them; a refused save (a committed step again, no overwrite) is
-    followed by more saves that still link; an object store given by checkpoint_id is refused by name."""
+    followed by more saves that still link; a filesystem that cannot link in place, given by checkpoint_id, is refused
+    by name."""
     import torch.distributed.checkpoint as dcp
 
     from dcp_atomic import AtomicStorageWriter, ConfigurationError
@@ -746,4 +706,4 @@ def test_a_writer_built_without_a_location_reuses_through_dcps_checkpoint_id(tmp
         loaded = _load_one(root, step)
         assert torch.equal(loaded["base"], base) and torch.equal(loaded["adapter"], torch.full((4, 4), float(step)))
     with pytest.raises(ConfigurationError, match="reuse=True"):
-        writer.reset("s3://bucket/exp/step-5")
+        writer.reset("memory://bucket/exp/step-5")  # a filesystem that can neither hard-link nor copy in place

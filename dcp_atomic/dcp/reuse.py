@@ -1,4 +1,5 @@
-"""Reuse (P15), phase 1: a rank's unchanged items are hard-linked from the base step, not written again.
+"""Reuse (P15): a rank's unchanged items are linked (POSIX) or copied server-side (S3, GCS) from the base step, never
+written or uploaded again.
 
 * The **base** is the run's latest committed step below the one being saved, chosen by the coordinator
   (:func:`choose_base`, in ``prepare_global_plan``) and told to every rank in its assigned plan, as the save_id is.
@@ -11,18 +12,20 @@
   (``requires_grad``, "frozen") never decide.
 * **Physically per file**: the unchanged items live in the rank's stable files (``layout.stable_file_name``), in
   canonical order (key, chunk offset), at most ``STABLE_FILE_BYTES`` each.  A stable file of the base whose every item
-  is unchanged (same records, so the same bytes at the same offsets) is ``link()``ed into the new attempt under the
-  same name, then re-verified against its block digests (:mod:`..format.blocks`, at every link: it may be the only
-  copy),
-  and its extents become this save's: no data byte of it is written.  The other unchanged items are written into new
-  stable files, so that the next save can link them.  A link that fails (another filesystem, no hard links, the base
-  removed meanwhile) or a damaged base file means its items are written, logged.
+  is unchanged (same records, so the same bytes at the same offsets) is ``Storage.link()``ed into the new attempt
+  under the same name (``link_kind``: a hard link on POSIX, a server-side copy on S3 and GCS), then verified against
+  its block digests (:mod:`..format.blocks`, at every link: on POSIX it may be the only copy, on an object store the
+  copy is new bytes), and its extents become this save's: no data byte of it is written.  The other unchanged items
+  are written into new stable files, so that the next save can link them.  A link that fails (another filesystem, no
+  hard links, the base removed meanwhile, a copy the store refuses) or a damaged base file means its items are
+  written, logged.
 
-Every step stays whole: a hard link is a second name for one inode, so retiring or deleting any step, the base
-included, leaves the others' bytes in place; readers, ``verify``, retention and ``gc`` need nothing new.
+Every step stays whole: a hard link is a second name for one inode and a server-side copy is an object of its own,
+so retiring or deleting any step, the base included, leaves the others' bytes in place; readers, ``verify``,
+retention, ``gc`` and the drain need nothing new.
 
-Refused (typed, before anything is written): roots without hard links (object stores, fsspec), compression,
-``stock_readable``, DCP plan caching, and the manager's local tier.
+Refused (typed, before anything is written): roots that can neither hard-link nor copy in place (generic fsspec
+filesystems), compression, ``stock_readable``, DCP plan caching, and the manager's local tier.
 """
 
 from __future__ import annotations
@@ -66,11 +69,11 @@ _COMPARED = ("kind", "format", "length", "checksums", "block_size", "payload", "
 def refuse_unsupported(storage: Any, *, compression: str | None, stock_readable: bool,
                        who: str = "AtomicStorageWriter") -> None:
     """``reuse=True``'s refusals, at construction (the writer's, and the manager's before it builds anything)."""
-    if not getattr(storage, "hard_links", False):
+    if getattr(storage, "link_kind", None) is None:
         raise ConfigurationError(
-            f"{who}(reuse=True) on {storage.describe()}: phase 1 of reuse links files (POSIX hard "
-            "links); object stores (S3, GCS) and fsspec filesystems are not supported yet. Use reuse=False there, "
-            "or a local disk / NFS root.", root=storage.describe())
+            f"{who}(reuse=True) on {storage.describe()}: reuse links unchanged files in place (POSIX hard links, "
+            "S3 and GCS server-side copies), which this fsspec filesystem cannot do, so it is not supported there. "
+            "Use reuse=False there, or a local disk / NFS, s3:// or gs:// root.", root=storage.describe())
     if compression is not None:
         raise ConfigurationError(
             f"{who}(reuse=True, compression={compression!r}): reuse does not support compressed "
@@ -119,6 +122,7 @@ class Base:
     save_id: str
     shard: ManifestShard
     planned_dtypes: dict[str, str | None]  # key -> the dtype the base's .metadata planned (manifest keys)
+    data_prefixes: int = 0  # where the base's data files lie (its manifest's choice, layout.data_file)
 
     def items(self) -> dict[tuple, tuple[str, ItemExtent]]:
         return {(i.key, tuple(i.chunk_offset or ())): (f.name, i) for f in self.shard.files for i in f.items}
@@ -134,12 +138,11 @@ def load_base(layout: RunLayout, rank: int, step: int, save_id: str, timeout: fl
             why = f"its marker now names save {committed.save_id}"
         elif not manifest.shards or manifest.shard_of(rank) is None:
             why = "it has no manifest shard of this rank"
-        elif manifest.data_prefixes:
-            why = "its data lies under hashed prefixes"
         else:
             shard = read_shard(layout, committed, rank, deadline)
             dtypes = {key: record.get("dtype") for key, record in manifest.keys.items()}
-            return Base(step=step, save_id=save_id, shard=shard, planned_dtypes=dtypes)
+            return Base(step=step, save_id=save_id, shard=shard, planned_dtypes=dtypes,
+                        data_prefixes=manifest.data_prefixes)
     except (CheckpointError, OSError) as e:
         why = f"it cannot be read: {e}"
     log.warning("reuse: rank %d cannot use step %d (save %s) of run %r as the base (%s); this save writes every byte",
@@ -275,39 +278,53 @@ def _same_file(unchanged: list, entry: FileEntry) -> bool:
 
 
 def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
-    """Link the base's stable file into this attempt and check it against its block digests; False (logged, nothing
-    left behind) where that fails: the caller writes the file."""
+    """Link the base's stable file into this attempt (``storage.link_kind``) and check it against its block digests;
+    False (logged, nothing left behind) where that fails: the caller writes the file."""
     writer = write.writer
     storage, layout = writer.storage, writer.layout
-    source = layout.data_file(base.step, base.save_id, entry.name)
-    target = layout.data_file(writer.step, writer.save_id, entry.name)
+    source = layout.data_file(base.step, base.save_id, entry.name, base.data_prefixes)
+    target = layout.data_file(writer.step, writer.save_id, entry.name, writer.data_prefixes)
     failpoints.hit("reuse.before_link", write.rank, base.step)
     try:
         storage.link(source, target)
-    except OSError as e:
-        log.warning("reuse: rank %d could not link %s from step %d (%s, errno %s); writing it instead", write.rank,
-                    entry.name, base.step, e.strerror or e, e.errno)
+    except (OSError, StorageError) as e:  # the base removed meanwhile, no hard links, a copy the store refuses
+        log.warning("reuse: rank %d could not link %s from step %d by %s (%s, errno %s); writing it instead",
+                    write.rank, entry.name, base.step, storage.link_kind, getattr(e, "strerror", None) or e,
+                    getattr(e, "errno", None))
         return False
     try:
         _verify(storage, target, entry, f"step {base.step} save {base.save_id} {entry.name}", writer.thread_count)
-    except (CorruptCheckpointError, OSError) as e:
+    except CorruptCheckpointError as e:
         log.warning("reuse: rank %d: the base's %s (step %d) does not match its digests, so it is not reused: "
-                    "writing it instead. Every step linking it is damaged: %s", write.rank, entry.name, base.step, e)
-        try:
-            storage.remove(target)
-        except OSError as gone:
-            raise StorageError(f"rank {write.rank} could not remove {target}, linked from a damaged base file: "
-                               f"{gone.strerror or gone}. Nothing was committed; remove the attempt (dcp-atomic gc) "
-                               "and retry the save", rank=write.rank, path=target, errno=gone.errno) from gone
-        return False
+                    "writing it instead. The base step, and every step sharing its file, is damaged: %s", write.rank,
+                    entry.name, base.step, e)
+        return _unlink(write, storage, target)
+    except (OSError, StorageError) as e:
+        log.warning("reuse: rank %d could not verify the %s of %s from step %d (%s); writing it instead", write.rank,
+                    storage.link_kind, entry.name, base.step, e)
+        return _unlink(write, storage, target)
     failpoints.hit("reuse.after_link", write.rank, writer.step)
     return True
 
 
+def _unlink(write: "_RankWrite", storage: Any, target: str) -> bool:
+    """Remove a link that failed its check (False: the caller writes the file); a link left behind is a typed error,
+    never a commit of unverified bytes."""
+    try:
+        storage.remove(target)
+    except (OSError, StorageError) as gone:
+        raise StorageError(f"rank {write.rank} could not remove {target}, linked from a base file that failed its "
+                           f"check: {getattr(gone, 'strerror', None) or gone}. Nothing was committed; remove the "
+                           "attempt (dcp-atomic gc) and retry the save", rank=write.rank, path=target,
+                           errno=getattr(gone, "errno", None)) from gone
+    return False
+
+
 def _verify(storage: Any, path: str, entry: FileEntry, where: str, threads: int) -> None:
-    """The linked file against the base's digests, at every link: it may be the only physical copy of these bytes
-    (``keep_last=1``), and rot that spares its inode and mtime is found only by reading it, while the save still
-    holds the good bytes to write instead.  A read from the page cache, cheaper than the write and fsync it
-    replaces, on the writer's threads."""
+    """The linked file against the base's digests, at every link, while the save still holds the good bytes to write
+    instead.  A hard link may be the only physical copy of these bytes (``keep_last=1``), and rot that spares its
+    inode and mtime is found only by reading it (from the page cache: cheaper than the write and fsync it replaces);
+    a server-side copy is new bytes that nothing else has checked (ranged GETs: a download, never an upload).  On the
+    writer's threads."""
     with storage.open_reader(path) as reader:
         verify_stored_file(entry, reader, where, path=path, threads=threads)

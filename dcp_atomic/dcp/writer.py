@@ -165,10 +165,11 @@ class AtomicStorageWriter(StorageWriter):
             the faster format (see README, "Formats and compression", for the measurements).
         timeout: seconds any wait of this writer may take.
         storage_options: fsspec options (e.g. an S3 endpoint).
-        reuse: store only what changed since the run's latest committed step below this one (P15, phase 1,
+        reuse: store only what changed since the run's latest committed step below this one (P15,
             :mod:`.reuse`): each rank's unchanged items (compared by their block digests) go into stable files,
-            each hard-linked from that step when it holds exactly them. POSIX roots only; refused with
-            compression, ``stock_readable`` and DCP plan caching. Default off (README, "Reuse").
+            each linked from that step when it holds exactly them (a hard link on POSIX roots, a server-side copy
+            on S3 and GCS). Refused on other fsspec filesystems, with compression, ``stock_readable`` and DCP plan
+            caching. Default off (README, "Reuse").
     """
 
     def __init__(

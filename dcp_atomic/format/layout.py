@@ -7,7 +7,7 @@ The layout is part of the contract (operators and tools rely on it)::
     <root>/<run_id>/step_0000001000/<save_id>/{ATTEMPT, __<rank>_<k>.distcp, .metadata, manifest.json}
 
 With reuse (P15), a rank's items unchanged since the base step are in ``__<rank>_s<j>.distcp`` (stable files, maybe
-hard links to the base's).
+hard links to the base's, or server-side copies of them on object stores).
 
 With hashed data prefixes (object stores, ``data_prefixes = P > 0`` in the manifest),
 data objects alone move to ``<root>/_dXX/<run_id>/step_.../<save_id>/__<rank>_<k>.distcp``

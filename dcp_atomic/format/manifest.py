@@ -33,8 +33,9 @@ SCHEMA_VERSION = 2
 # carry 3, so a dcp_atomic that does not know where that data lives refuses it ("upgrade") instead of waiting
 # out a "missing" data file at the classic place; every other manifest stays 2, readable as before.
 PREFIXED_SCHEMA = 3
-# 4: schema 2 plus stable files (``__<rank>_s<j>.distcp``: reuse, P15).  Only manifests that name one carry 4, so an
-# older dcp_atomic refuses them ("upgrade") instead of calling the file name corrupt.
+# 4: schema 2 plus stable files (``__<rank>_s<j>.distcp``: reuse, P15), and ``data_prefixes`` > 0 where the data lies
+# under hashed prefixes (an object store's reuse).  Only manifests that name a stable file carry 4, so an older
+# dcp_atomic refuses them ("upgrade") instead of calling the file name corrupt.
 REUSE_SCHEMA = 4
 READABLE_SCHEMAS = (1, 2, PREFIXED_SCHEMA, REUSE_SCHEMA)  # 1: every item inline in manifest.json (before shards)
 CONTROL_SCHEMA = 1  # COMMITTED and LATEST: unchanged by manifest shards, so older tools still list and order steps
@@ -235,8 +236,6 @@ class Manifest:
         else:
             del body["data_prefixes"]  # absent = 0: the classic layout, byte for byte as before
         if any(STABLE_FILE_PATTERN.fullmatch(f.name) for f in self.files):
-            if self.data_prefixes:
-                raise ValueError("stable files (reuse) under hashed data prefixes: no schema records both")
             body["schema_version"] = REUSE_SCHEMA
         return _readable_json(body)
 
@@ -380,15 +379,17 @@ def _file_ref(value: Any, name: str) -> dict[str, Any]:
 
 
 def _data_prefixes(raw: dict) -> int:
-    """Present and > 0 exactly in schema 3 manifests."""
-    if raw["schema_version"] != PREFIXED_SCHEMA:
+    """Present and > 0 in every schema 3 manifest and in schema 4 manifests whose data lies under hashed prefixes;
+    absent (0) everywhere else."""
+    schema = raw["schema_version"]
+    if schema not in (PREFIXED_SCHEMA, REUSE_SCHEMA) or (schema == REUSE_SCHEMA and "data_prefixes" not in raw):
         if "data_prefixes" in raw:
-            raise ValueError(f"data_prefixes in a schema {raw['schema_version']} manifest (only schema "
-                             f"{PREFIXED_SCHEMA} records them)")
+            raise ValueError(f"data_prefixes in a schema {schema} manifest (only schemas {PREFIXED_SCHEMA} and "
+                             f"{REUSE_SCHEMA} record them)")
         return 0
     prefixes = validate_data_prefixes(raw["data_prefixes"])
     if not prefixes:
-        raise ValueError(f"data_prefixes 0 in a schema {PREFIXED_SCHEMA} manifest (0 is written as schema 2)")
+        raise ValueError(f"data_prefixes 0 in a schema {schema} manifest (0 is written by leaving it out)")
     return prefixes
 
 

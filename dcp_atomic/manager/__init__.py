@@ -157,8 +157,9 @@ class CheckpointManager(RankAgreement):
             is committed to ``root``).  A failed drain goes to ``on_failed`` (operation ``"drain"``) on
             every rank and is raised once by ``wait()`` / ``close()``.
         reuse: each save stores only what changed since the run's latest committed step below it; what did not
-            is hard-linked from that step (``AtomicStorageWriter(reuse=True)``, README "Reuse"). POSIX roots only;
-            refused with ``local_root`` and ``compression``. Default off.
+            is linked from that step (hard links on POSIX roots, server-side copies on S3 and GCS;
+            ``AtomicStorageWriter(reuse=True)``, README "Reuse"). Refused with ``local_root`` and ``compression``.
+            Default off.
     """
 
     _instances = 0
@@ -202,7 +203,7 @@ class CheckpointManager(RankAgreement):
         if reuse and local_root is not None:
             raise ConfigurationError(
                 "CheckpointManager(reuse=True, local_root=...): reuse does not support the local tier yet (its "
-                "replicas, restores and drain copy files that phase 1 would link). Use reuse=True without "
+                "replicas, restores and drain copy files that reuse would link). Use reuse=True without "
                 "local_root, or reuse=False.", local_root=os.fspath(local_root))
         defaulted = isinstance(durable_every, _Unset)
         if defaulted:  # durable copies whenever there is a local tier

@@ -128,6 +128,7 @@ class GCSStorage(FsspecStorage):
     """GCS via gcsfs, with the commit marker created and replaced under generation preconditions."""
 
     exclusive_create_is_atomic = True
+    link_kind = "server-side copy"  # objects.rewrite: reuse (P15) never uploads a byte the bucket already holds
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         options = dict(storage_options or {})  # never mutate the caller's dict
@@ -169,6 +170,12 @@ class GCSStorage(FsspecStorage):
         """The object and its generation, from one GET: what :meth:`replace_if_unchanged` must still find."""
         headers, data = self.fs.call("GET", self.fs.url(path))
         return data, headers.get("X-Goog-Generation") or None
+
+    def link(self, source: str, target: str) -> None:
+        """A server-side rewrite (gcsfs ``cp_file``, reuse, P15): GCS copies the object, no byte of it passes through
+        this process; each request goes through this store's retry policy.  ``FileNotFoundError`` where ``source``
+        is gone."""
+        self.fs.cp_file(source, target)
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         try:

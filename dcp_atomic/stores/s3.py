@@ -274,6 +274,7 @@ class S3Storage(FsspecStorage):
     """
 
     exclusive_create_is_atomic = True
+    link_kind = "server-side copy"  # CopyObject: reuse (P15) never uploads a byte the bucket already holds
     multipart_uploads = True  # what s3_multipart.abort_stale_uploads asks (it never imports this module)
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -420,6 +421,16 @@ class S3Storage(FsspecStorage):
 
     def read_file(self, path: str) -> bytes:
         return self._run(self._get(path))[0]
+
+    def link(self, source: str, target: str) -> None:
+        """One CopyObject (reuse, P15): S3 copies the object inside the bucket, no byte of it passes through this
+        process.  The copy is a physical object of its own; the caller verifies it against its digests as a link's.
+        ``FileNotFoundError`` where ``source`` is gone; S3 refuses a single copy above 5 GiB (a stable file holds at
+        most 1 GiB unless one item is larger): :class:`StorageError`, and the caller writes the file instead."""
+        source_bucket, source_key = self._split(source)
+        bucket, key = self._split(target)
+        self._run(self._call("COPY", target, "copy_object", Bucket=bucket, Key=key,
+                             CopySource={"Bucket": source_bucket, "Key": source_key}))
 
     def read_versioned(self, path: str) -> tuple[bytes, str | None]:
         """The object and its ETag, from one GET: the version :meth:`replace_if_unchanged` must still find."""

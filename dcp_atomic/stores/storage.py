@@ -54,8 +54,15 @@ class Storage(abc.ABC):
     root: str
     #: True where create_exclusive is a real put-if-absent shared by all clients.
     exclusive_create_is_atomic: bool = True
-    #: True where :meth:`link` makes a second name for an existing file (reuse, P15, phase 1: POSIX only).
-    hard_links: bool = False
+    #: How :meth:`link` gives a new name the bytes of an existing file without sending them through this process
+    #: (reuse, P15): "hard link" (POSIX: one file, two names), "server-side copy" (object stores: the store copies
+    #: the object); None where it cannot.
+    link_kind: str | None = None
+
+    @property
+    def hard_links(self) -> bool:
+        """Whether two steps' names can be one physical file (then a damaged byte is in every step naming it)."""
+        return self.link_kind == "hard link"
 
     @abc.abstractmethod
     def join(self, *parts: str) -> str:
@@ -135,10 +142,10 @@ class Storage(abc.ABC):
         """Make directory entries durable (the default: backends without directories need nothing)."""
 
     def link(self, source: str, target: str) -> None:
-        """A new name ``target`` for the existing file ``source`` (same bytes, no copy), durable when this returns;
-        ``OSError`` if it cannot be made (no hard links, another filesystem, ``source`` gone).  Only where
-        ``hard_links`` is True."""
-        raise OSError(errno.ENOTSUP, f"{type(self).__name__} has no hard links", target)
+        """``target`` with the bytes of the existing file ``source``, none of them sent through this process (see
+        ``link_kind``), durable when this returns; ``OSError`` if it cannot be made (no hard links, another
+        filesystem, ``source`` gone), or the store's typed error.  Only where ``link_kind`` is set."""
+        raise OSError(errno.ENOTSUP, f"{type(self).__name__} cannot link or copy files in place", target)
 
     def file_version(self, path: str) -> tuple | None:
         """What changes whenever the file's bytes are rewritten through the filesystem (POSIX: device, inode, size,
@@ -226,7 +233,7 @@ class LocalRangeReader(RangeReader):
 class LocalStorage(Storage):
     """POSIX files: local disks and NFS mounts."""
 
-    hard_links = True
+    link_kind = "hard link"
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
