@@ -459,6 +459,11 @@ def test_a_step_with_stable_files_is_schema_4_which_an_older_reader_refuses_as_n
     relabelled = json.dumps({**raw, "schema_version": 2}).encode()
     with pytest.raises(CorruptCheckpointError, match="stable files"):
         manifest_format.Manifest.from_json(relabelled, where=with_stable)
+    # an object store's reuse: schema 4 with the data under hashed prefixes (S3's default); 0 is written by omission
+    prefixed = manifest_format.Manifest.from_json(json.dumps({**raw, "data_prefixes": 16}).encode(), where=with_stable)
+    assert prefixed.data_prefixes == 16 and json.loads(prefixed.to_json())["schema_version"] == 4
+    with pytest.raises(CorruptCheckpointError, match="data_prefixes 0"):
+        manifest_format.Manifest.from_json(json.dumps({**raw, "data_prefixes": 0}).encode(), where=with_stable)
 
 
 def test_verify_names_every_step_that_shares_a_damaged_linked_file(tmp_path, capsys):
