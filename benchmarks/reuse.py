@@ -31,6 +31,7 @@ import argparse
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 
 from benchmarks import report
@@ -56,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="bench-results/reuse.json", help="results file (default %(default)s)")
     parser.add_argument("--op-timeout", type=float, default=600, help="seconds one operation may take")
     parser.add_argument("--smoke", action="store_true", help="seconds: worlds 1,2, 24 MB, 4 + 1 saves")
+    parser.add_argument("--s3", default=None, metavar="SERVER",
+                        help="also on S3: seaweedfs or moto (started here) or an endpoint URL; reuse and full through a "
+                             "recording proxy that counts the bytes each save uploads")
+    parser.add_argument("--s3-only", action="store_true", help="the S3 part alone (with --s3)")
+    parser.add_argument("--s3-saves", type=int, default=5, help="saves per S3 contender, at least 3 (default "
+                        "%(default)s)")
 
 
 def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -67,6 +74,12 @@ def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                      "--base-mb > 0")
     if not 0 < args.adapter_fraction < 1:
         parser.error("--adapter-fraction must lie in (0, 1)")
+    if args.smoke:
+        args.s3_saves = 3
+    if args.s3_only and not args.s3:
+        parser.error("--s3-only needs --s3 SERVER")
+    if args.s3_saves < 3:
+        parser.error("--s3-saves >= 3 (saves 1 and 2 copy nothing)")
 
 
 def finetune_state(rank: int, world: int, base_mb: float, tensor_mb: float, adapter_fraction: float) -> dict:
@@ -125,13 +138,14 @@ def _written(run_dir: str, new_step_dir: str) -> int:
 class _Contender:
     """One contender's saves and loads of ``state`` under ``where``, on one rank."""
 
-    def __init__(self, name: str, where: str) -> None:
+    def __init__(self, name: str, where: str, storage_options: dict | None = None) -> None:
         self.name, self.where = name, where
         self.manager = None
         if name != "stock":
             from dcp_atomic import CheckpointManager
 
-            self.manager = CheckpointManager(where, RUN, keep_last=KEEP, reuse=name == "reuse")
+            self.manager = CheckpointManager(where, RUN, keep_last=KEEP, reuse=name == "reuse",
+                                             storage_options=storage_options)
 
     def step_dir(self, step: int) -> str:
         if self.manager is None:
@@ -242,6 +256,98 @@ def _rank(ctx, plan: dict) -> dict | None:
     return out if ctx.rank == 0 else None
 
 
+def _s3_series(ctx, plan: dict, name: str) -> dict | None:
+    """One contender's saves on S3 on every rank (the bytes each uploads are counted by the proxy, in the parent),
+    then the newest step's load, checked bit-exact."""
+    import torch.distributed as dist
+
+    rank, world = ctx.rank, ctx.world_size
+    state = finetune_state(rank, world, plan["base_mb"], plan["tensor_mb"], plan["adapter_fraction"])
+    contender = _Contender(name, f"{plan['s3_root']}/w{world}-{name}", plan["storage_options"])
+    saves = []
+    for step in range(1, plan["s3_saves"] + 1):
+        train_step(state, step, False)
+        saves.append(gather(measured(lambda: contender.save(state, step))))
+    target = zeroed_like(state)
+    clear(target)
+    load = gather(measured(lambda: contender.load(target, plan["s3_saves"])))
+    assert_bit_exact(state, target, f"{name} on S3, rank {rank}")
+    contender.close()
+    dist.barrier()
+    if rank != 0:
+        return None
+    return {"save_seconds": [max(r["seconds"] for r in s) for s in saves],
+            "load_seconds": max(r["seconds"] for r in load)}
+
+
+def _s3_rank(ctx, plan: dict) -> dict | None:
+    quiet_warnings()
+    out = {name: _s3_series(ctx, plan, name) for name in ("reuse", "full")}
+    return out if ctx.rank == 0 else None
+
+
+def _s3_uploaded(proxy, prefix: str, saves: int) -> list[int]:
+    """Body bytes sent in PUTs and part uploads for each step of the run under ``prefix`` (a copy sends none)."""
+    import re
+
+    sent = [0] * (saves + 1)
+    for record in proxy.requests():
+        match = re.search(rf"{re.escape(prefix)}/(?:_d[0-9a-f]{{2}}/)?{RUN}/step_(\d{{10}})/", record.key)
+        if match and record.op in ("PUT", "UPLOAD_PART"):
+            sent[int(match.group(1))] += record.request_bytes
+    return sent[1:]
+
+
+def run_s3(args: argparse.Namespace, plan: dict) -> tuple[dict, list[dict]]:
+    """Reuse on / off on S3 per world: bytes uploaded per save (saves 3..N: each links or copies what save 2 wrote),
+    save seconds, the newest step's load; the proxy in this process counts what the ranks send."""
+    import secrets
+
+    import boto3
+
+    from benchmarks.s3 import server
+    from testbed.s3_proxy import S3Proxy
+
+    results: dict = {}
+    checks: list[dict] = []
+    with server(args.s3, None) as endpoint:
+        key = os.environ.get("AWS_ACCESS_KEY_ID", "bench")
+        secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "bench")
+        bucket = f"dcp-reuse-{secrets.token_hex(4)}"
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
+                     region_name="us-east-1").create_bucket(Bucket=bucket)
+        proxy = S3Proxy(endpoint)
+        try:
+            plan = {**plan, "s3_root": f"s3://{bucket}/reuse", "s3_saves": args.s3_saves,
+                    "storage_options": {"endpoint_url": proxy.url, "key": key, "secret": secret,
+                                        "client_kwargs": {"region_name": "us-east-1"}}}
+            for world in args.world_sizes:
+                with tempfile.TemporaryDirectory(prefix="dcp-reuse-s3-") as scratch:  # the world's root: unused
+                    rows = launch(_s3_rank, world, scratch, args=(plan,), op_timeout=args.op_timeout,
+                                  ops=4 * (args.s3_saves + 1))
+                for name, row in rows.items():
+                    row["uploaded"] = _s3_uploaded(proxy, f"reuse/w{world}-{name}", args.s3_saves)
+                results[str(world)] = rows
+        finally:
+            proxy.close()
+    print("\n== store a byte once on S3 (medians over saves 3..N; x = full / row) ==")
+    print(f"{'world':<6}{'contender':<10}{'save s':>9}{'x':>7}{'uploaded MiB':>14}{'of full':>9}{'load s':>9}")
+    for world, rows in results.items():
+        full = rows["full"]
+        medians = {name: (statistics.median(row["save_seconds"][2:]), statistics.median(row["uploaded"][2:]))
+                   for name, row in rows.items()}
+        for name, row in rows.items():
+            seconds, uploaded = medians[name]
+            print(f"{world:<6}{name:<10}{seconds:>9.3f}{report.fmt(_ratio(medians['full'][0], seconds), '.2f'):>7}"
+                  f"{uploaded / MiB:>14.1f}{report.fmt(_ratio(uploaded, medians['full'][1]), '.1%'):>9}"
+                  f"{row['load_seconds']:>9.3f}")
+        checks.append(report.check(f"S3: reuse uploaded <= {TARGETS['written']}x full",
+                                   _ratio(medians["reuse"][1], medians["full"][1]), TARGETS["written"], False,
+                                   world=world, medium="s3", contender="reuse"))
+        del full
+    return results, checks
+
+
 def _ratio(a, b):
     return None if a is None or not b else a / b
 
@@ -258,12 +364,13 @@ def run(args: argparse.Namespace) -> dict:
         plan = {"dir": media.dirs["disk"], "base_mb": args.base_mb, "tensor_mb": args.tensor_mb,
                 "adapter_fraction": args.adapter_fraction, "saves": args.saves, "async_saves": args.async_saves}
         ops = 5 * (args.saves + args.async_saves + 1)
-        for world in args.world_sizes:
+        for world in [] if args.s3_only else args.world_sizes:
             results[str(world)] = launch(_rank, world, media.dirs["disk"], args=(plan,), op_timeout=args.op_timeout,
                                          ops=ops)
-    print("\n== store a byte once: LoRA-shaped fine-tune (medians over saves 3..N; x = full / row) ==")
-    print(f"{'world':<6}{'case':<14}{'contender':<10}{'save s':>9}{'x':>7}{'written MiB':>13}{'of full':>9}"
-          f"{'storage MiB':>13}{'/ step':>8}{'async block s':>15}{'load s':>9}")
+    if results:
+        print("\n== store a byte once: LoRA-shaped fine-tune (medians over saves 3..N; x = full / row) ==")
+        print(f"{'world':<6}{'case':<14}{'contender':<10}{'save s':>9}{'x':>7}{'written MiB':>13}{'of full':>9}"
+              f"{'storage MiB':>13}{'/ step':>8}{'async block s':>15}{'load s':>9}")
     for world, cases in results.items():
         for case, rows in cases.items():
             full = rows["full"]
@@ -291,6 +398,10 @@ def run(args: argparse.Namespace) -> dict:
                                            "reuse off", _ratio(reuse["save_seconds"], full["save_seconds"]),
                                            TARGETS["full_finetune_save_seconds"], False, world=world, medium="disk",
                                            contender="reuse"))
+    s3_results = None
+    if args.s3:
+        s3_results, s3_checks = run_s3(args, plan)
+        checks += s3_checks
     report.print_targets(checks)
     wall = report.print_wall(began, load_before)
     return {
@@ -300,5 +411,6 @@ def run(args: argparse.Namespace) -> dict:
         "environment": {**report.environment(), "loadavg_before": load_before},
         "wall_seconds": wall,
         "results": results,
+        "s3_results": s3_results,
         "targets": checks,
     }

