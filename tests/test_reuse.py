@@ -226,11 +226,9 @@ def test_d_reuse_on_a_filesystem_that_cannot_link_in_place_is_refused_and_object
     assert writer.reuse and writer.storage.link_kind == "server-side copy"
 
 
-def test_d_reuse_with_the_local_tier_compression_or_stock_readable_is_refused(tmp_path):
+def test_d_reuse_with_compression_or_stock_readable_is_refused(tmp_path):
     from dcp_atomic import AtomicStorageWriter, CheckpointManager, ConfigurationError
 
-    with pytest.raises(ConfigurationError, match=r"reuse=True, local_root"):
-        CheckpointManager(str(tmp_path / "durable"), RUN, reuse=True, local_root=str(tmp_path / "local"))
     with pytest.raises(ConfigurationError, match=r"reuse=True, compression"):
         AtomicStorageWriter(str(tmp_path), RUN, 1, reuse=True, compression="zstd")
     with pytest.raises(ConfigurationError, match=r"reuse=True, compression"):

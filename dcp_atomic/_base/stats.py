@@ -130,6 +130,7 @@ class DrainStats(_Stats):
     gb_per_s: float
     attempts: int
     skipped_steps: list[int] = field(default_factory=list)
+    bytes_reused: int = 0  # of ``bytes``: linked from the durable root's previous step (reuse), not uploaded
     schema_version: int = SCHEMA_VERSION
     kind: str = "drain"
 

@@ -278,46 +278,79 @@ def _same_file(unchanged: list, entry: FileEntry) -> bool:
 
 
 def _link_verified(write: "_RankWrite", base: Base, entry: FileEntry) -> bool:
-    """Link the base's stable file into this attempt (``storage.link_kind``) and check it against its block digests;
-    False (logged, nothing left behind) where that fails: the caller writes the file."""
+    """Link the base's stable file into this attempt (:func:`link_verified`); False where that fails: the caller
+    writes the file."""
     writer = write.writer
-    storage, layout = writer.storage, writer.layout
+    layout = writer.layout
     source = layout.data_file(base.step, base.save_id, entry.name, base.data_prefixes)
     target = layout.data_file(writer.step, writer.save_id, entry.name, writer.data_prefixes)
     failpoints.hit("reuse.before_link", write.rank, base.step)
-    try:
-        storage.link(source, target)
-    except (OSError, StorageError) as e:  # the base removed meanwhile, no hard links, a copy the store refuses
-        log.warning("reuse: rank %d could not link %s from step %d by %s (%s, errno %s); writing it instead",
-                    write.rank, entry.name, base.step, storage.link_kind, getattr(e, "strerror", None) or e,
-                    getattr(e, "errno", None))
+    if not link_verified(writer.storage, source, target, entry, rank=write.rank, base_step=base.step,
+                         where=f"step {base.step} save {base.save_id} {entry.name}", threads=writer.thread_count):
         return False
-    try:
-        _verify(storage, target, entry, f"step {base.step} save {base.save_id} {entry.name}", writer.thread_count)
-    except CorruptCheckpointError as e:
-        log.warning("reuse: rank %d: the base's %s (step %d) does not match its digests, so it is not reused: "
-                    "writing it instead. The base step, and every step sharing its file, is damaged: %s", write.rank,
-                    entry.name, base.step, e)
-        return _unlink(write, storage, target)
-    except (OSError, StorageError) as e:
-        log.warning("reuse: rank %d could not verify the %s of %s from step %d (%s); writing it instead", write.rank,
-                    storage.link_kind, entry.name, base.step, e)
-        return _unlink(write, storage, target)
     failpoints.hit("reuse.after_link", write.rank, writer.step)
     return True
 
 
-def _unlink(write: "_RankWrite", storage: Any, target: str) -> bool:
+def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, rank: int, base_step: int, where: str,
+                  threads: int) -> bool:
+    """The one way a stored file is reused (a save's stable file, a drain's upload): ``storage.link`` it from the
+    base step (``link_kind``), then check it against ``entry``'s block digests; False (logged, nothing left behind)
+    where either fails, and the caller writes or uploads the file instead."""
+    try:
+        storage.link(source, target)
+    except (OSError, StorageError) as e:  # the base removed meanwhile, no hard links, a copy the store refuses
+        log.warning("reuse: rank %d could not link %s from step %d by %s (%s, errno %s); writing it instead",
+                    rank, entry.name, base_step, storage.link_kind, getattr(e, "strerror", None) or e,
+                    getattr(e, "errno", None))
+        return False
+    try:
+        _verify(storage, target, entry, where, threads)
+    except CorruptCheckpointError as e:
+        log.warning("reuse: rank %d: the base's %s (step %d) does not match its digests, so it is not reused: "
+                    "writing it instead. The base step, and every step sharing its file, is damaged: %s", rank,
+                    entry.name, base_step, e)
+        return _unlink(rank, storage, target)
+    except (OSError, StorageError) as e:
+        log.warning("reuse: rank %d could not verify the %s of %s from step %d (%s); writing it instead", rank,
+                    storage.link_kind, entry.name, base_step, e)
+        return _unlink(rank, storage, target)
+    return True
+
+
+def _unlink(rank: int, storage: Any, target: str) -> bool:
     """Remove a link that failed its check (False: the caller writes the file); a link left behind is a typed error,
     never a commit of unverified bytes."""
     try:
         storage.remove(target)
     except (OSError, StorageError) as gone:
-        raise StorageError(f"rank {write.rank} could not remove {target}, linked from a base file that failed its "
+        raise StorageError(f"rank {rank} could not remove {target}, linked from a base file that failed its "
                            f"check: {getattr(gone, 'strerror', None) or gone}. Nothing was committed; remove the "
-                           "attempt (dcp-atomic gc) and retry the save", rank=write.rank, path=target,
+                           "attempt (dcp-atomic gc) and retry the save", rank=rank, path=target,
                            errno=getattr(gone, "errno", None)) from gone
     return False
+
+
+def base_stable_files(layout: RunLayout, step: int, ranks: list[int]) -> dict[str, tuple[int, str, FileEntry]]:
+    """For a copy of ``step`` into ``layout`` from elsewhere (the drain): the stable files that the run's latest
+    committed step below it holds for ``ranks``, by name -> (base step, path, record).  Chosen and read as a save's
+    base (:func:`choose_base`, each rank's own shard); none where there is no base or it cannot be read (logged)."""
+    chosen = choose_base(layout, step, 0.0)
+    found: dict[str, tuple[int, str, FileEntry]] = {}
+    for rank in ranks if chosen is not None else ():
+        base = load_base(layout, rank, *chosen, BASE_WAIT_SECONDS)
+        for entry in base.shard.files if base is not None else ():
+            if STABLE_FILE_PATTERN.fullmatch(entry.name):
+                found[entry.name] = (base.step, layout.data_file(base.step, base.save_id, entry.name,
+                                                                 base.data_prefixes), entry)
+    return found
+
+
+def same_stored_file(entry: FileEntry, other: FileEntry) -> bool:
+    """Two records of one file say the same bytes: name, rank, size and every item's place and record (block digests
+    included)."""
+    return ((entry.name, entry.rank, entry.size) == (other.name, other.rank, other.size)
+            and sorted(entry.items, key=lambda i: i.pos) == sorted(other.items, key=lambda i: i.pos))
 
 
 def _verify(storage: Any, path: str, entry: FileEntry, where: str, threads: int) -> None:

@@ -158,8 +158,9 @@ class CheckpointManager(RankAgreement):
             every rank and is raised once by ``wait()`` / ``close()``.
         reuse: each save stores only what changed since the run's latest committed step below it; what did not
             is linked from that step (hard links on POSIX roots, server-side copies on S3 and GCS;
-            ``AtomicStorageWriter(reuse=True)``, README "Reuse"). Refused with ``local_root`` and ``compression``.
-            Default off.
+            ``AtomicStorageWriter(reuse=True)``, README "Reuse"); with ``local_root`` in the local roots, and the
+            drain links what the durable root's previous step holds instead of uploading it. Refused with
+            ``compression``. Default off.
     """
 
     _instances = 0
@@ -200,11 +201,6 @@ class CheckpointManager(RankAgreement):
         allow_divergence = arguments.flag("CheckpointManager(allow_divergence=...)", allow_divergence)
         share_reads = arguments.flag("CheckpointManager(share_reads=...)", share_reads, optional=True)
         reuse = arguments.flag("CheckpointManager(reuse=...)", reuse)
-        if reuse and local_root is not None:
-            raise ConfigurationError(
-                "CheckpointManager(reuse=True, local_root=...): reuse does not support the local tier yet (its "
-                "replicas, restores and drain copy files that reuse would link). Use reuse=True without "
-                "local_root, or reuse=False.", local_root=os.fspath(local_root))
         defaulted = isinstance(durable_every, _Unset)
         if defaulted:  # durable copies whenever there is a local tier
             durable_every = DEFAULT_DURABLE_EVERY if local_root is not None else None

@@ -293,7 +293,7 @@ class TwoTier(TierPolicy):
             run_id=m.run_id, step=job.step, save_id=job.save_id, sequence=marker.sequence,
             world_size=m.world_size, seconds=drained.seconds, queued_seconds=drained.queued_seconds,
             bytes=drained.bytes, files=drained.files, gb_per_s=drained.bytes / max(drained.seconds, 1e-9) / 1e9,
-            attempts=drained.attempts, skipped_steps=list(drained.skipped)))
+            attempts=drained.attempts, skipped_steps=list(drained.skipped), bytes_reused=drained.bytes_reused))
 
     def _drain_failed(self, job: DrainJob, error: CheckpointError, seconds: float) -> None:
         """Every rank: a drain failed for good (``wait()`` raises it)."""

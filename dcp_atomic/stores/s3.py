@@ -320,7 +320,8 @@ class S3Storage(FsspecStorage):
             self.exclusive_create_is_atomic = False
         self._part_slots = threading.BoundedSemaphore(self.max_concurrency)  # parts buffered: bounds memory
         self.requests = ObjectRequests(self.policy, S3Errors(self), lambda: self.endpoint)  # budget, deadlines, limit
-        self._window = threading.local()  # per reader thread: path, start, data, eof of its read-ahead
+        self._window = threading.local()  # per reader thread: path, start, data, eof, removals of its read-ahead
+        self._removals = 0  # remove() calls so far: a window read before one may hold bytes of a removed object
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -468,7 +469,8 @@ class S3Storage(FsspecStorage):
     def _from_window(self, path: str, offset: int, length: int) -> memoryview | None:
         """The leading part of [offset, offset + length) that this thread's read-ahead window holds."""
         window = self._window
-        if getattr(window, "path", None) != path or not window.start <= offset < window.start + len(window.data):
+        if (getattr(window, "path", None) != path or window.removals != self._removals
+                or not window.start <= offset < window.start + len(window.data)):
             return None
         lo = offset - window.start
         return memoryview(window.data)[lo : lo + length]
@@ -476,10 +478,12 @@ class S3Storage(FsspecStorage):
     def _read_ahead(self, path: str, offset: int) -> bytes:
         """Small reads (an item's header, a small tensor) fetch READ_AHEAD bytes: the reader goes on
         sequentially through the same object, so the next reads are served from memory.  Safe to keep:
-        data objects are immutable (a new save_id for every attempt)."""
+        data objects are immutable (a new save_id for every attempt), and a name reuse removes and writes anew
+        invalidates every window (``_removals``)."""
         data = self._run(self._get(path, offset, READ_AHEAD))[0]
         window = self._window
         window.path, window.start, window.data, window.eof = path, offset, data, len(data) < READ_AHEAD
+        window.removals = self._removals
         return data
 
     async def _get_into(self, path: str, offset: int, view: memoryview) -> int:
@@ -642,10 +646,12 @@ class S3Storage(FsspecStorage):
             kwargs.update(following)
 
     def remove(self, path: str) -> None:
-        """Delete the object ``path`` and everything under ``path/`` (gc, tools; never a training rank)."""
+        """Delete the object ``path`` and everything under ``path/`` (gc, tools, and reuse's copy that failed its
+        check, whose name the rank then writes anew: no read-ahead window from before survives it)."""
         bucket, key = self._split(path)
         if not key:
             raise ValueError(f"refusing to remove a whole bucket: {path}")
+        self._removals += 1
         keys = [key] + self._list_keys(bucket, key.rstrip("/") + "/", path)
         self._run(self.fs.set_session())
         self.fs.s3.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5,

@@ -64,9 +64,10 @@ from ..protocol.commit import CommitPolicy, Evidence, ResumePoint, claim_attempt
 from ..errors import (CheckpointError, CommitConflictError, CorruptCheckpointError, DrainStalledError,
                      IncompleteStepError, StorageError)
 from ..dcp.identity import default_thread_count
+from ..dcp.reuse import base_stable_files, link_verified, same_stored_file
 from ..format.blocks import check_block, file_blocks
 from ..format.integrity import sha256_hex
-from ..format.layout import DCP_METADATA, MANIFEST, RunLayout
+from ..format.layout import DCP_METADATA, MANIFEST, STABLE_FILE_PATTERN, RunLayout
 from .local_tier import check_shard, read_manifest
 from ..format.manifest import RANKS_FILE, FileEntry, ItemExtent, Manifest, Marker, now, shard_name
 from ..stores.storage import Storage
@@ -99,6 +100,7 @@ class Uploaded:
     error: CheckpointError | None = None
     bytes: int = 0
     files: int = 0
+    bytes_reused: int = 0  # of ``bytes``: linked from the durable root's previous step (reuse), not uploaded
     verified: dict[str, str] = field(default_factory=dict)  # file name -> how it got there (the commit's evidence)
     manifest: bytes | None = None  # the control uploader's (Plan.control): kept by rank 0, never gathered
 
@@ -115,6 +117,7 @@ class Drained:
     files: int
     attempts: int
     skipped: list[int]
+    bytes_reused: int = 0
 
 
 # -- steps 2 and 3 ------------------------------------------------------------------------------------------
@@ -219,9 +222,17 @@ def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: l
                 storage.makedirs(target.rsplit("/", 1)[0])
             copies.append((entry, src, target))
     stop = threading.Event()  # one file failed: the others stop at their next piece
+    reusable = _reusable(durable, job, sources, [entry for entry, _, _ in copies])
+    linked: dict[str, str] = {}  # file name -> how it got there, for the files linked instead of uploaded
 
     def copy(entry: FileEntry, source: str, target: str) -> None:
         try:
+            base = reusable.get(entry.name)
+            if base is not None and link_verified(storage, base[1], target, entry, rank=rank, base_step=base[0],
+                                                  where=f"durable step {base[0]} {entry.name}", threads=1):
+                linked[entry.name] = (f"rank {rank} linked it ({storage.link_kind}) from durable step {base[0]}, "
+                                      "every block checked")
+                return
             _copy_verified(entry, source, storage, target, stop, progress)
         except OSError as e:  # name the file, not only the directory (a short write carries no file name)
             e.filename = e.filename or target
@@ -246,11 +257,26 @@ def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: l
     for source, shard_bytes in shards:
         storage.publish(durable.attempt_file(job.step, job.save_id, shard_name(source)), shard_bytes)
         uploaded.verified[shard_name(source)] = who
-    uploaded.verified.update((entry.name, who) for entry, _, _ in copies)
+    uploaded.verified.update((entry.name, linked.get(entry.name, who)) for entry, _, _ in copies)
     uploaded.bytes, uploaded.files = sum(entry.size for entry, _, _ in copies), len(copies)
+    uploaded.bytes_reused = sum(entry.size for entry, _, _ in copies if entry.name in linked)
     if control:
         uploaded.manifest = upload_control(local, durable, job)
     return uploaded
+
+
+def _reusable(durable: RunLayout, job: DrainJob, sources: list[int], entries: list[FileEntry]
+              ) -> dict[str, tuple[int, str]]:
+    """Reuse (P15) across the drain: the stable files of this share that the durable root's latest committed step
+    below ``job.step`` holds with the same records (name -> (that step, its path)), so they are linked there
+    (:func:`~..dcp.reuse.link_verified`) instead of uploaded again.  Nothing where the local step has no stable file
+    or the durable store can neither hard-link nor copy in place."""
+    stable = [entry for entry in entries if STABLE_FILE_PATTERN.fullmatch(entry.name)]
+    if not stable or durable.storage.link_kind is None:
+        return {}
+    base = base_stable_files(durable, job.step, sources)
+    return {entry.name: base[entry.name][:2] for entry in stable
+            if entry.name in base and same_stored_file(entry, base[entry.name][2])}
 
 
 def upload_control(local: RunLayout, durable: RunLayout, job: DrainJob) -> bytes:
@@ -784,7 +810,7 @@ class Drainer:
                     job=job, marker=marker, seconds=time.perf_counter() - started,
                     queued_seconds=queued,
                     bytes=sum(s.bytes for s in shares), files=sum(s.files for s in shares), attempts=attempt,
-                    skipped=skipped)
+                    skipped=skipped, bytes_reused=sum(s.bytes_reused for s in shares))
         again = attempt < DRAIN_ATTEMPTS  # the others then enter one more round (a newer step may take it)
         with self._cond:
             if again:
