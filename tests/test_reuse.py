@@ -464,6 +464,23 @@ def test_a_step_with_stable_files_is_schema_4_which_an_older_reader_refuses_as_n
         manifest_format.Manifest.from_json(json.dumps({**raw, "data_prefixes": 0}).encode(), where=with_stable)
 
 
+def test_export_of_a_step_with_linked_files_is_whole_after_its_base_steps_are_removed(tmp_path):
+    """``dcp-atomic export`` reads a reused step as any other: every byte it references, verified, none from the
+    removed base steps."""
+    from dcp_atomic.cli import main
+
+    root, base = str(tmp_path / "ckpt"), _frozen()
+    for step in (1, 2, 3):
+        _save_one(root, step, base)
+    assert _inode(_stable(root, 3, 0)) == _inode(_stable(root, 2, 0))
+    for step in (1, 2):
+        shutil.rmtree(os.path.join(root, RUN, f"step_{step:010d}"))
+    out = str(tmp_path / "step3.pt")
+    assert main(["export", root, RUN, "3", out]) == 0
+    exported = torch.load(out, weights_only=True)
+    assert torch.equal(exported["base"], base) and torch.equal(exported["adapter"], torch.full((4, 4), 3.0))
+
+
 def test_verify_names_every_step_that_shares_a_damaged_linked_file(tmp_path, capsys):
     """Steps 3 and 4 link step 2's stable file: one flipped byte fails all three, and each report names the other
     two; step 1 (its own copy of the base, in an ordinary file) still verifies."""

@@ -1,6 +1,6 @@
 """Reuse (P15) through both tiers, on two simulated nodes of two ranks (each node's local root its own tmpfs, the
 durable root on disk): each local save hard-links the node's unchanged stable files from the previous local step;
-replicas hold whole copies; the drain links a stable file that the durable root's previous step holds with the same
+replicas hold whole copies (rot in a node's linked file is served around); the drain links a stable file that the durable root's previous step holds with the same
 records instead of uploading it again, verified at every link; every step loads from the durable root alone after
 every node is replaced and its base is deleted; a job resized to 2 ranks saves in full, never linking another
 world's files."""
@@ -15,7 +15,7 @@ import pytest
 
 from tests.harness import assert_all_ok
 from tests.helpers.reuse_state import ROWS, COLS, RUN, empty, exact, full, mesh, state
-from tests.helpers.tiers import _manager, _run
+from tests.helpers.tiers import _flip_byte, _manager, _run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -46,7 +46,7 @@ def _node_root(ctx):
     return ctx.extra["nodes"][ctx.rank * 2 // ctx.world_size]
 
 
-def _load_durable(ctx, world_size):
+def _load_latest(ctx, world_size):
     world = mesh(ctx.world_size)
     with _manager(ctx, local_root=_node_root(ctx)) as manager:
         loaded = empty(world)
@@ -82,11 +82,16 @@ def test_reuse_through_both_tiers_links_locally_and_in_the_drain_and_each_step_l
         for rank in own:
             name = f"__{rank}_s0.distcp"
             assert local[3][name] == local[4][name], (node, local)
+    # Rot in node A's one physical copy of rank 0's stable file (steps 3 and 4 link it): the whole copies elsewhere
+    # (node B's replica, the durable root) still serve step 4, exact
+    _flip_byte(glob.glob(os.path.join(nodes[0], RUN, f"step_{4:010d}", "*", "__0_s0.distcp"))[0], offset=4096)
+    served = assert_all_ok(_run(_load_latest, root, nodes, 4))
+    assert all(step == 4 and ok for step, _, ok in served), served
     # Every node replaced (its local disk comes back empty) and step 4's durable base deleted by hand
     for node in nodes:
         shutil.rmtree(os.path.join(node, RUN))
     shutil.rmtree(os.path.join(root, RUN, f"step_{3:010d}"))
-    loaded = assert_all_ok(_run(_load_durable, root, nodes, 4))
+    loaded = assert_all_ok(_run(_load_latest, root, nodes, 4))
     assert loaded == [(4, "durable", True)] * 4, loaded
     # The job resized to 2 ranks (one per node): nothing of the 4-rank steps matches its chunks, so it saves in full
     assert_all_ok(_run(_resized, root, nodes, world=2, rank_env=lambda rank: {
@@ -94,6 +99,6 @@ def test_reuse_through_both_tiers_links_locally_and_in_the_drain_and_each_step_l
         "GROUP_RANK": str(rank)}))
     resized = _stable_files(root, 5)
     assert not (set(resized.values()) & set(durable[4].values())), "a resized job linked another world's files"
-    assert assert_all_ok(_run(_load_durable, root, nodes, 2, world=2, rank_env=lambda rank: {
+    assert assert_all_ok(_run(_load_latest, root, nodes, 2, world=2, rank_env=lambda rank: {
         "DCP_ATOMIC_FAILURE_DOMAIN": "nodeAB"[4 + rank], "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
         "GROUP_RANK": str(rank)})) == [(5, "local", True)] * 2
