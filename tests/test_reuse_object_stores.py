@@ -118,7 +118,9 @@ def _load_step(ctx, step):
         manager.close()
 
 
-def test_a_damaged_base_object_is_not_kept_that_rank_uploads_and_the_damaged_step_fails_typed(s3):
+def test_a_damaged_base_object_is_not_kept_that_rank_uploads_and_the_damaged_step_fails_typed(s3_seaweedfs):
+    """On SeaweedFS alone (a real store; the copy itself is tested on both servers above): four worlds."""
+    s3 = s3_seaweedfs
     extra = {"storage_options": s3.options()}
     assert_all_ok(run_world(_save_steps, 2, s3.root, args=([1, 2],), extra=extra, timeout=180))
     [key] = [k for k in s3.keys() if (m := STABLE_KEY.search("/" + k)) and m.group(1) == f"{2:010d}"
