@@ -142,3 +142,32 @@ def test_a_damaged_base_object_is_not_kept_that_rank_uploads_and_the_damaged_ste
     assert assert_all_ok(run_world(_load_step, 2, s3.root, args=(3,), extra=extra, timeout=120)) == [True, True]
     damaged = assert_all_ok(run_world(_load_step, 2, s3.root, args=(2,), extra=extra, timeout=120))
     assert damaged[0] == "CorruptCheckpointError", damaged
+
+
+# -- the frameworks' form over https: one writer, a checkpoint_id per save ----------------------------------------
+
+
+def test_a_writer_without_a_location_copies_over_https_through_dcps_checkpoint_id(s3_tls):
+    """torchtitan's / Lightning's way of holding the writer (built once, a ``checkpoint_id`` per save) against a
+    store reached over https (botocore's TLS path, the CA the test made): the third save copies the frozen tensor
+    server-side and uploads none of it; the step loads alone once the first two are deleted."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+
+    s3 = s3_tls
+    assert s3.proxy.url.startswith("https://")
+    options = s3.options(dcp_atomic_checksum_mode="when_required")  # SeaweedFS over https: no aws-chunked bodies
+    frozen = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))  # 1 MiB
+    writer = AtomicStorageWriter(reuse=True, timeout=20, storage_options=options)
+    for step in (1, 2, 3):
+        dcp.save({"frozen": frozen, "adapter": torch.full((4, 4), float(step))}, storage_writer=writer,
+                 checkpoint_id=f"{s3.root}/{RUN}/step-{step}")
+    assert writer.last_stats["bytes_reused"] == frozen.nbytes and writer.last_stats["bytes_written"] < 4096
+    assert len(_copies(s3.proxy, 3)) == 1 and _uploaded(s3.proxy, 3, stable_only=True) == 0
+    for key in [k for k in s3.keys() if re.search(r"/step_000000000[12]/", "/" + k)]:
+        s3.client.delete_object(Bucket=s3.bucket, Key=f"{s3.prefix}/{key}")
+    loaded = {"frozen": torch.zeros(256, 1024), "adapter": torch.zeros(4, 4)}
+    dcp.load(loaded, storage_reader=AtomicStorageReader(s3.root, RUN, 3, timeout=20, storage_options=options))
+    assert torch.equal(loaded["frozen"], frozen) and torch.equal(loaded["adapter"], torch.full((4, 4), 3.0))

@@ -128,11 +128,15 @@ class Base:
         return {(i.key, tuple(i.chunk_offset or ())): (f.name, i) for f in self.shard.files for i in f.items}
 
 
-def load_base(layout: RunLayout, rank: int, step: int, save_id: str, timeout: float) -> Base | None:
-    """This rank's shard of the base the coordinator named, or None (logged): then the save is a full one."""
+def load_base(layout: RunLayout, rank: int, step: int, save_id: str, timeout: float,
+              committed: Any = None) -> Base | None:
+    """This rank's shard of the base the coordinator named, or None (logged): then the save is a full one.
+    ``committed``: the base's marker and manifest when the caller has read them already (the drain, for several
+    ranks)."""
     try:
         deadline = Deadline(min(timeout, BASE_WAIT_SECONDS))
-        committed = read_committed(layout, step, deadline)
+        if committed is None:
+            committed = read_committed(layout, step, deadline)
         manifest = committed.manifest
         if committed.save_id != save_id:
             why = f"its marker now names save {committed.save_id}"
@@ -337,8 +341,16 @@ def base_stable_files(layout: RunLayout, step: int, ranks: list[int]) -> dict[st
     base (:func:`choose_base`, each rank's own shard); none where there is no base or it cannot be read (logged)."""
     chosen = choose_base(layout, step, 0.0)
     found: dict[str, tuple[int, str, FileEntry]] = {}
-    for rank in ranks if chosen is not None else ():
-        base = load_base(layout, rank, *chosen, BASE_WAIT_SECONDS)
+    if chosen is None:
+        return found
+    try:  # the marker and manifest once, for every rank's shard
+        committed = read_committed(layout, chosen[0], Deadline(BASE_WAIT_SECONDS))
+    except (CheckpointError, OSError) as e:
+        log.warning("reuse: step %d of run %r cannot be read as the base (%s); every byte is copied", chosen[0],
+                    layout.run_id, e)
+        return found
+    for rank in ranks:
+        base = load_base(layout, rank, *chosen, BASE_WAIT_SECONDS, committed=committed)
         for entry in base.shard.files if base is not None else ():
             if STABLE_FILE_PATTERN.fullmatch(entry.name):
                 found[entry.name] = (base.step, layout.data_file(base.step, base.save_id, entry.name,
