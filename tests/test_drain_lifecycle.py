@@ -147,3 +147,82 @@ def test_exit_without_close_names_a_failed_drain_and_what_the_next_job_does(tmp_
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _one_rank_hangs(ctx, signal_dir, point, hang_rank, hang_seconds):
+    """Every rank saves step 1 (drained in the background); on ``hang_rank`` the drain blocks at ``point`` (a durable
+    client that stopped answering, a commit that does not return) until the test's rank function lets it go, or for
+    ``hang_seconds``.  Returns what ``wait()`` and ``close()`` did on this rank."""
+    from dcp_atomic import CheckpointManager, DrainStalledError
+
+    release = os.path.join(signal_dir, "release")
+
+    def hang(rank, step):
+        deadline = time.monotonic() + hang_seconds
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    failpoints.arm(point, hang, rank=hang_rank)
+    manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
+    manager.save(1, {f"w{ctx.rank}": torch.arange(4096.0) + ctx.rank})
+    seen = []
+    for call in (manager.wait, manager.close):
+        started = time.monotonic()
+        try:
+            call()
+            seen.append(("returned", time.monotonic() - started, ""))
+        except DrainStalledError as e:
+            seen.append((type(e).__name__, time.monotonic() - started, str(e), e.details.get("durable")))
+            open(release, "w").close()  # the hung client answers again: the drain thread's round ends
+    deadline = time.monotonic() + 30
+    while manager._tier.busy() and time.monotonic() < deadline:  # the released round ends: then close() releases
+        time.sleep(0.05)
+    manager.close()
+    return seen
+
+
+def _durable_marker(durable_root):
+    from dcp_atomic.layout import MARKER
+
+    return os.path.exists(os.path.join(durable_root, RUN, "step_0000000001", MARKER))
+
+
+def test_one_node_s_hung_durable_client_ends_wait_on_every_rank_at_the_stall_deadline(nodes, tmp_path):
+    """The healthy node's rank waits in the drain's collective, not on a store: it must still give up at the stall
+    deadline (not the drain group's timeout, hours), with the same verdict as the hung rank: not durable."""
+    outcomes = _run(_one_rank_hangs, str(tmp_path / "durable"), nodes, str(tmp_path), "drain.before_upload", 1,
+                    120.0, world=2, rank_env=_one_node_each)
+    seen = assert_all_ok(outcomes)
+    for rank, calls in enumerate(seen):
+        (kind, seconds, message, durable), (close_kind, close_seconds, *_) = calls
+        assert kind == "DrainStalledError", (rank, calls)
+        assert STALL <= seconds < STALL + 15, (rank, calls)
+        assert "step 1 " in message and "no progress on any rank" in message, message
+        assert durable is False and "will be written" in message, (rank, message)  # one verdict: not durable
+        assert close_kind == "DrainStalledError" and close_seconds < 2, (rank, calls)
+    assert "this rank waited for its peers" in seen[0][0][2]  # rank 0 was not the one on the store
+    assert not _durable_marker(str(tmp_path / "durable"))  # rank 0 abandoned the step once the hang ended
+
+
+def test_rank_0_s_slow_commit_gets_one_verdict_on_every_rank(nodes, tmp_path):
+    """Rank 0's commit stops before the marker for longer than the stall deadline: every rank (rank 0 too) says
+    "not durable", and it stays so: the marker is never written afterwards (rank 0 abandons the claimed step)."""
+    outcomes = _run(_one_rank_hangs, str(tmp_path / "durable"), nodes, str(tmp_path), "drain.before_marker", 0,
+                    STALL * 1.6, world=2, rank_env=_one_node_each)
+    seen = assert_all_ok(outcomes)
+    for rank, calls in enumerate(seen):
+        kind, seconds, message, durable = calls[0]
+        assert kind == "DrainStalledError" and durable is False, (rank, calls)
+        assert STALL <= seconds < STALL + 15, (rank, calls)
+    assert not _durable_marker(str(tmp_path / "durable"))
+
+
+def test_a_commit_slower_than_the_deadline_after_its_marker_is_ok_on_every_rank(nodes, tmp_path):
+    """Rank 0 has claimed the commit and is writing the marker (then LATEST) for longer than the stall deadline:
+    the waiters give it one more period, and every rank says ok; the step is durable."""
+    outcomes = _run(_one_rank_hangs, str(tmp_path / "durable"), nodes, str(tmp_path), "commit.after_marker", 0,
+                    STALL * 1.5, world=2, rank_env=_one_node_each)
+    seen = assert_all_ok(outcomes)
+    for rank, calls in enumerate(seen):
+        assert [c[0] for c in calls] == ["returned", "returned"], (rank, calls)
+    assert _durable_marker(str(tmp_path / "durable"))

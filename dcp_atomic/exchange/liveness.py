@@ -51,6 +51,7 @@ class Heartbeat:
         self._op, self._busy = 0, False  # the latest operation this rank started; inside a manager call?
         self._stop = threading.Event()
         self._nudge = threading.Event()
+        self._publishers: list[Callable[[], None]] = []  # called on every beat (:meth:`on_beat`)
         self._thread = threading.Thread(target=self._beat, name="dcp-atomic-heartbeat", daemon=True)
         self._thread.start()
 
@@ -71,12 +72,19 @@ class Heartbeat:
         """Operation ``op`` failed on this rank: peers waiting for it at a barrier stop waiting."""
         self.bounded(lambda: self.store.add(f"{self.prefix}/op{op}/ended", 1), quiet=True)
 
+    def on_beat(self, publish: Callable[[], None]) -> None:
+        """Call ``publish()`` on the heartbeat thread at every beat (a shared progress counter, :mod:`.stall`): store
+        writes of the hot path then cost nothing there, and at most one per beat reaches the store."""
+        self._publishers.append(publish)
+
     def _beat(self) -> None:
         count = 0
         while not self._stop.is_set():
             count += 1
             try:
                 self.store.set(self._key(self.rank), f"{self._op} {int(self._busy)} {count}")
+                for publish in self._publishers:
+                    publish()
             except Exception:  # the store's host is gone: the barriers say so
                 pass
             self._nudge.wait(self.timeout / BEATS_PER_TIMEOUT)

@@ -26,6 +26,7 @@ from ..dcp.writer import AtomicStorageWriter
 from ..errors import (CheckpointError, CheckpointNotFoundError, CommitConflictError, ConfigurationError,
                       RankConsistencyError, StorageError)
 from ..exchange.collective import _first_line, _raise_typed
+from ..exchange.stall import StallClock
 from ..format.manifest import Marker
 from ..protocol.catalog import latest_step as scan_latest_step
 from ..protocol.commit import ResumePoint, commit_order, listed_steps, next_sequence, read_marker, refuse_committed
@@ -104,7 +105,7 @@ class TwoTier(TierPolicy):
             self.drainer = Drainer(rank=m.rank, world_size=m.world_size, group=drain_group, local=self.local,
                                    durable=m.layout, timeout=m.timeout, where=m.layout.storage.describe(),
                                    resumed=lambda: m._resumed, committed=self._drained, failed=self._drain_failed,
-                                   threads=m.thread_count, stall=m.timeout)
+                                   threads=m.thread_count, clock=StallClock(m.timeout, m._heartbeat))
             atexit.register(_exit_without_close, weakref.ref(m))
         if self.drainer is None:  # given process_group= in a world: no drain group
             if options.durable_every_given and self.durable_every is not None:

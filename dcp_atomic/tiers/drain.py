@@ -64,6 +64,7 @@ from ..protocol.commit import CommitPolicy, Evidence, ResumePoint, claim_attempt
 from ..errors import (CheckpointError, CommitConflictError, CorruptCheckpointError, DrainStalledError,
                      IncompleteStepError, StorageError)
 from ..dcp.identity import default_thread_count
+from ..exchange.stall import SILENT, STALLED, StallClock
 from ..dcp.reuse import base_stable_files, link_verified, same_stored_file
 from ..format.blocks import check_block, file_blocks
 from ..format.integrity import sha256_hex
@@ -301,14 +302,15 @@ _POLL = 1.0  # seconds between a waiter's looks at the stall clock
 
 
 class _StoreWork:
-    """``with drainer._io():`` this rank works on the stores (the stall clock runs), not waiting in a collective."""
+    """``with drainer._io():`` this rank works on the stores, not waiting in a collective (a tick of the shared stall
+    clock, and what a stall's error says of this rank)."""
 
     def __init__(self, drainer: "Drainer") -> None:
         self.drainer = drainer
 
     def __enter__(self) -> None:
-        self.drainer._progress_at = time.monotonic()
-        self.drainer._io_since = self.drainer._progress_at
+        self.drainer.clock.tick()
+        self.drainer._io_since = time.monotonic()
 
     def __exit__(self, *exc: Any) -> None:
         self.drainer._io_since = None
@@ -437,11 +439,13 @@ def _read_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
 
 
 def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | None, resumed: ResumePoint | None,
-                   timeout: float, evidence: Evidence) -> Marker:
+                   timeout: float, evidence: Evidence, clock: StallClock | None = None) -> Marker:
     """Step 3 (global rank 0), once every share (and the control files, :func:`upload_control`) is up: the durable
     marker with the step's local sequence, then ``LATEST`` unless a newer commit holds it.  ``manifest_bytes``: the
     manifest rank 0 uploaded itself, or None when another rank's root held the control files (global rank 0's node
-    was replaced): then it is read back from the durable attempt, checked against the local marker's digest."""
+    was replaced): then it is read back from the durable attempt, checked against the local marker's digest.
+    ``clock``: the drain's shared stall clock; the marker is written only if rank 0 claims it before any waiter
+    declared the drain stalled (:mod:`~..exchange.stall`), so every rank's verdict holds."""
     storage = durable.storage
     attempt = durable.attempt_dir(job.step, job.save_id)
     path = storage.join(attempt, MANIFEST)
@@ -468,6 +472,13 @@ def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | No
     # placed is accepted, and LATEST is written now.
     policy = CommitPolicy(what=f"drain of step {job.step}", conflict_message=conflict, resumed=resumed,
                           latest_if_newest=True)
+    if clock is not None and not clock.claim_commit():
+        raise DrainStalledError(
+            f"drain of step {job.step} (save {job.save_id}) to {durable.storage.describe()}: abandoned before its "
+            "durable marker, because the drain made no progress for the stall deadline and the ranks' waiters "
+            "declared it stalled; no durable marker of the step was written, the durable root's previous step is "
+            "intact and the step stays on the local tier", step=job.step, rank=0, path=durable.marker(job.step),
+            durable=False)
     try:
         return commit_step(durable, marker, manifest, evidence, policy, timeout=timeout)
     except (CommitConflictError, IncompleteStepError):
@@ -478,6 +489,9 @@ def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | No
         raise _commit_failed(durable, job, e) from e
     except (OSError, CheckpointError) as e:
         raise _commit_failed(durable, job, e) from e
+    finally:
+        if clock is not None:
+            clock.commit_done()
 
 
 def _commit_failed(durable: RunLayout, job: DrainJob, e: Exception) -> StorageError:
@@ -525,9 +539,10 @@ class Drainer:
                  resumed: Callable[[], ResumePoint | None],
                  committed: Callable[[Drained], None],
                  failed: Callable[[DrainJob, CheckpointError, float], None], threads: int | None = None,
-                 stall: float | None = None) -> None:
+                 clock: StallClock | None = None) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
-        self.stall = stall  # seconds this rank's store work may go without progress before wait() gives up
+        # the whole drain's progress, the same on every rank (exchange/stall.py); None: wait() is unbounded
+        self.clock = clock or StallClock(None)
         self.here = f"rank {rank} ({socket.gethostname()}:{local.storage.describe()})"
         self.threads = threads or default_thread_count()  # files uploaded at once: a direct save's writer count
         self.local, self.durable, self.timeout, self.where = local, durable, timeout, where
@@ -546,7 +561,7 @@ class Drainer:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._io_since: float | None = None  # this rank works on the stores (not in a collective) since, or None
-        self._progress_at = 0.0  # the last piece uploaded, or the start of this rank's store work
+        self._verdict: DrainStalledError | None = None  # the stall this rank's wait() declared: raised again
         self.drained = self.failed = self.skipped = 0  # counters (every rank; ``skipped`` on rank 0)
 
     # -- the training side
@@ -592,44 +607,67 @@ class Drainer:
     def wait(self) -> None:
         """Block until nothing is in flight or waiting; raise a failure nothing has reported yet (once).
 
-        Bounded by the stall deadline: when this rank's part of the drain in flight (its uploads, rank 0's commit)
-        made no progress for ``stall`` seconds -- a frozen mount, an endpoint that stopped answering -- raise
-        :class:`DrainStalledError` naming the step and the store, and stop drains (the stuck thread is left to its
-        store; a later submit reports this failure).  Time spent in the drain's collectives is bounded by its
-        process group's timeout instead (a peer stuck on its own store is waited for that long)."""
+        Bounded by the stall deadline, on every rank alike: when the *whole* drain (any rank's uploads, a phase of the
+        round, rank 0's commit) made no progress for the clock's ``stall`` seconds -- a frozen mount on one node, an
+        endpoint that stopped answering, a commit that does not return -- raise :class:`DrainStalledError` naming the
+        step, the store and the verdict every rank shares (:mod:`~..exchange.stall`): not durable (no marker follows),
+        or unknown (rank 0 was writing the marker).  Drains then stop until the job restarts (the stuck thread is
+        left to its store or its collective; a later submit or wait reports this failure)."""
         idle = lambda: not self._has_work() and self._inflight is None  # noqa: E731
-        with self._cond:
-            while not idle():
-                stalled = self._stalled()
-                if stalled is not None:
-                    self._broken = self._broken or stalled
-                    raise stalled
-                self._cond.wait(timeout=_POLL if self.stall is not None else None)
-            failure, self._failure = self._failure, None
+        if self._verdict is not None and self.busy():  # still stuck: the same verdict, at once
+            raise self._verdict
+        self.clock.start_waiting()
+        while True:
+            with self._cond:
+                if not idle():
+                    self._cond.wait(timeout=_POLL if self.clock.stall is not None else None)
+                if idle():
+                    failure, self._failure = self._failure, None
+                    break
+            verdict = self.clock.check()  # outside the lock: it may wait for the store
+            if verdict is not None:
+                with self._cond:
+                    if idle():  # finished meanwhile: its outcome is the verdict
+                        continue
+                    self._verdict = self._stall_error(verdict)
+                    self._broken = self._broken or self._verdict
+                    self._cond.notify_all()
+                raise self._verdict
         if failure is not None:
             raise failure
 
-    def _stalled(self) -> DrainStalledError | None:
-        """Under the lock: the stall error if this rank's store work has not moved for ``stall`` seconds."""
-        if self.stall is None or self._io_since is None or self._inflight is None:
-            return None
-        quiet = time.monotonic() - self._progress_at
-        if quiet < self.stall:
-            return None
+    def _stall_error(self, verdict: str) -> DrainStalledError:
+        """What every rank says when the shared clock ran out (``verdict``: exchange/stall.py's)."""
         job = self._inflight
+        what = (f"the drain of step {job.step} (save {job.save_id})" if job is not None else
+                f"the drain of step(s) {sorted(self.protected())}")
+        own = ("this rank's own uploads are stuck on the store" if self._io_since is not None else
+               "this rank waited for its peers")
+        if verdict == STALLED:
+            outcome = ("No durable marker of the step was or will be written by this job (global rank 0 abandons it: "
+                       "every rank says so); the durable root's previous step is intact and the step stays on the "
+                       "local tier (keep_local keeps it)")
+        elif verdict == SILENT:
+            outcome = ("The rendezvous store on global rank 0 does not answer (rank 0 dead or frozen), so whether "
+                       f"the step became durable is unknown: `dcp-atomic ls {self.durable.storage.describe()} "
+                       f"{self.durable.run_id}` tells")
+        else:
+            outcome = ("Global rank 0 was writing the step's durable marker and did not finish within one more stall "
+                       "period, so whether the step is durable is unknown to every rank: `dcp-atomic ls "
+                       f"{self.durable.storage.describe()} {self.durable.run_id}` tells")
         return DrainStalledError(
-            f"the drain of step {job.step} (save {job.save_id}) made no progress on rank {self.rank} for {quiet:.0f}s "
-            f"(stall deadline {self.stall:.0f}s): the store ({self.where}, or this rank's local root "
-            f"{self.local.storage.describe()}) does not answer. Stopped waiting: no durable marker of the step was "
-            "written by this wait, the durable root's previous step is intact and the step stays on the local tier "
-            "(keep_local keeps it); drains stop until the job restarts, and the next job drains it again. Check the "
-            "store (a frozen mount, an unreachable endpoint).", step=job.step, rank=self.rank, path=self.where)
+            f"{what} made no progress on any rank for {self.clock.stall:.0f}s or more (the stall deadline; "
+            f"{own}, rank {self.rank}): the store ({self.where}, or a node's local root) does not answer. Stopped "
+            f"waiting. {outcome}. Drains stop until the job restarts, and the next job drains the newest local step "
+            "again. Check the store (a frozen mount, an unreachable endpoint).",
+            step=job.step if job is not None else None, rank=self.rank, path=self.where,
+            durable=False if verdict == STALLED else None)
 
     def _io(self) -> "_StoreWork":
         return _StoreWork(self)
 
     def _progressed(self) -> None:
-        self._progress_at = time.monotonic()
+        self.clock.tick()
 
     def close(self) -> None:
         with self._cond:
@@ -653,6 +691,15 @@ class Drainer:
                 self._cond.wait_for(lambda: self._closed or self._has_work())
                 if not self._has_work():
                     return
+            if self.rank == 0 and self.clock.declared_stalled():
+                # a waiter on some rank gave up (its drain thread may be gone): no rank starts another round
+                with self._cond:
+                    self._broken = self._failure = self._broken or self._stall_error(STALLED)
+                    self._pending, self._retry = [], None
+                    self._cond.notify_all()
+                log.error("%s", self._broken)
+                return
+            with self._cond:
                 planned = self._plan() if self.rank == 0 else None
                 if planned is not None:
                     self._inflight = planned[0]  # from here on ``wait`` waits for it
@@ -693,7 +740,10 @@ class Drainer:
         if planned is not None and planned[1] > 1:
             time.sleep(RETRY_BACKOFF * 2 ** (planned[1] - 2))  # rank 0; the others wait in the announcement
         started = time.perf_counter()
+        tick = self.clock.tick  # each phase passed is progress of the whole drain, seen by every rank's waiter
+        tick()
         job, attempt = self._share(planned)
+        tick()
         with self._cond:
             self._pending = [j for j in self._pending if j.index > job.index]
             self._taken = max(self._taken, job.index)
@@ -701,16 +751,20 @@ class Drainer:
             queued = time.monotonic() - self._queued_at.get(job.index, time.monotonic())
             self._queued_at = {i: t for i, t in self._queued_at.items() if i > job.index}
         holdings = self._gathered((held_ranks(self.local, job), self.here))  # any world drains any step
+        tick()
         refused = self._claim(job) if self.rank == 0 else None  # before the plan: no rank uploads before the claim
         plan: Plan = self._share(plan_uploads([held for held, _ in holdings]) if self.rank == 0 else None)
+        tick()
         mine = (Uploaded(error=refused) if refused is not None
                 else self._upload(job, plan.sources.get(self.rank, []), control=plan.control == self.rank))
         shares = self._gathered(dataclasses.replace(mine, manifest=None))
+        tick()
         outcome: Any = None
         if self.rank == 0:
             outcome = self._decide(job, attempt, shares, mine.manifest, plan, started, queued,
                                    [where for _, where in holdings])
         status, error, again = self._share(outcome[:3] if outcome is not None else None)
+        tick()
         drained = outcome[3] if outcome is not None else None
         with self._cond:
             self._inflight = None
@@ -719,7 +773,8 @@ class Drainer:
                 self.drained += 1
             elif not again:
                 self.failed += 1
-                self._failure = error
+                if self._verdict is None:  # else this rank's wait() reported the stall of this round already
+                    self._failure = error
             self._cond.notify_all()
         if status == "ok":
             if drained is not None:
@@ -786,8 +841,10 @@ class Drainer:
             evidence = Evidence.on_roots({name: who for share in shares for name, who in share.verified.items()}, roots)
             try:
                 with self._io():
-                    marker = commit_durable(self.durable, job, manifest, self._resumed(), self.timeout, evidence)
-            except (CommitConflictError, IncompleteStepError) as e:  # retrying finds no other copy, nor another save
+                    marker = commit_durable(self.durable, job, manifest, self._resumed(), self.timeout, evidence,
+                                            self.clock)
+            except (CommitConflictError, IncompleteStepError, DrainStalledError) as e:
+                # retrying finds no other copy, nor another save; a stall declared by the waiters is final
                 with self._cond:
                     self._replaced.pop(job.index, None)
                 return "error", e, False, None
