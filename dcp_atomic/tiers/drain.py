@@ -43,6 +43,11 @@ Coordination: the drain thread speaks only on a gloo group of its own, created o
 manager is built; gloo pairs collectives by their order in a group, so sharing a group with the training thread
 would interleave the two.  A peer that dies mid-drain surfaces as that group's error: the drain fails on every
 rank and drains stop (the group cannot be trusted after it); the local tier is untouched.
+
+Stalls: ``wait()`` is bounded on every rank by one clock, the progress of the whole drain (any rank's uploads, each
+phase of a round, rank 0's commit), and every rank reports one verdict (:mod:`~..exchange.stall`): a rank that only
+waits in a collective for a peer whose store hangs gives up when that peer does, and rank 0 writes no marker once
+the waiters declared the drain stalled.
 """
 
 from __future__ import annotations
