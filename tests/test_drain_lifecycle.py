@@ -3,6 +3,9 @@
 * The durable root is a real FUSE mount (bindfs) whose daemon the test stops (``SIGSTOP``: a hung NFS server) while
   the drain uploads: ``wait()`` and ``close()`` give up after the stall deadline with ``DrainStalledError`` naming the
   step and the store, instead of hanging the job forever.
+* One clock and one verdict on every rank: a rank that only waits in the drain's collective for a peer whose client
+  hangs gives up at the same deadline; a commit stuck before its marker is "not durable" everywhere (and stays so),
+  one slower than the deadline after its marker is ok everywhere.
 * A real ``torchrun`` job whose script ends without ``close()`` while a drain is in flight: the exit waits for it
   (logged) and the step is in the durable root afterwards, loaded exactly; a drain that fails is named at exit
   with what the next job does about it.
@@ -32,8 +35,24 @@ from tests.fault_fixtures import nfs_clients_ctx
 STALL = 6.0  # the manager's timeout: its stall deadline
 
 
+def _wait_then_close(manager, on_stall=lambda: None):
+    """What ``wait()`` then ``close()`` did: (outcome, seconds, message, ``details["durable"]``) each."""
+    from dcp_atomic import DrainStalledError
+
+    seen = []
+    for call in (manager.wait, manager.close):
+        started = time.monotonic()
+        try:
+            call()
+            seen.append(("returned", time.monotonic() - started, "", None))
+        except DrainStalledError as e:
+            seen.append((type(e).__name__, time.monotonic() - started, str(e), e.details.get("durable")))
+            on_stall()
+    return seen
+
+
 def _frozen_drain(ctx, signal_dir):
-    from dcp_atomic import CheckpointManager, DrainStalledError, drain
+    from dcp_atomic import CheckpointManager
 
     def uploading(rank, step):  # the test freezes the durable mount once every rank is about to upload
         open(os.path.join(signal_dir, f"uploading.{rank}"), "w").close()
@@ -45,14 +64,7 @@ def _frozen_drain(ctx, signal_dir):
     _train_step(model, optim, 1)
     manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
     manager.save(1, _state(model, optim, 1))  # local-committed; the drain starts in the background
-    seen = []
-    for call in (manager.wait, manager.close):
-        started = time.monotonic()
-        try:
-            call()
-            seen.append(("returned", time.monotonic() - started, ""))
-        except DrainStalledError as e:
-            seen.append((type(e).__name__, time.monotonic() - started, str(e)))
+    seen = _wait_then_close(manager)
     return {"seen": seen, "local": os.path.isdir(os.path.join(ctx.extra["nodes"][ctx.rank], RUN, "step_0000000001"))}
 
 
@@ -79,7 +91,7 @@ def test_a_frozen_durable_store_fails_wait_and_close_after_the_stall_deadline(no
             assert out["local"], rank  # the step stays on the local tier
             assert STALL <= out["seen"][0][1] < STALL + 20, (rank, out["seen"])  # wait(): the deadline, then gave up
             assert out["seen"][1][1] < 2, (rank, out["seen"])  # close(): already past it
-            for kind, seconds, message in out["seen"]:
+            for kind, seconds, message, _ in out["seen"]:
                 assert kind == "DrainStalledError", (rank, out["seen"])
                 assert "step 1 " in message and durable in message and "no progress" in message, message
         from dcp_atomic.layout import MARKER
@@ -153,7 +165,7 @@ def _one_rank_hangs(ctx, signal_dir, point, hang_rank, hang_seconds):
     """Every rank saves step 1 (drained in the background); on ``hang_rank`` the drain blocks at ``point`` (a durable
     client that stopped answering, a commit that does not return) until the test's rank function lets it go, or for
     ``hang_seconds``.  Returns what ``wait()`` and ``close()`` did on this rank."""
-    from dcp_atomic import CheckpointManager, DrainStalledError
+    from dcp_atomic import CheckpointManager
 
     release = os.path.join(signal_dir, "release")
 
@@ -165,15 +177,7 @@ def _one_rank_hangs(ctx, signal_dir, point, hang_rank, hang_seconds):
     failpoints.arm(point, hang, rank=hang_rank)
     manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
     manager.save(1, {f"w{ctx.rank}": torch.arange(4096.0) + ctx.rank})
-    seen = []
-    for call in (manager.wait, manager.close):
-        started = time.monotonic()
-        try:
-            call()
-            seen.append(("returned", time.monotonic() - started, ""))
-        except DrainStalledError as e:
-            seen.append((type(e).__name__, time.monotonic() - started, str(e), e.details.get("durable")))
-            open(release, "w").close()  # the hung client answers again: the drain thread's round ends
+    seen = _wait_then_close(manager, on_stall=lambda: open(release, "w").close())  # the hung client answers again
     deadline = time.monotonic() + 30
     while manager._tier.busy() and time.monotonic() < deadline:  # the released round ends: then close() releases
         time.sleep(0.05)
