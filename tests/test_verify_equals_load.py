@@ -1,4 +1,4 @@
-"""``dcp-atomic verify`` and a load give one verdict on every step (P12): verify exits 0 exactly when the load is exact.
+"""``dcp-atomic verify`` and a load give one verdict on every step: verify exits 0 exactly when the load is exact.
 
 Both decide through the same checks (:mod:`dcp_atomic.dcp.read_checks`), so this fuzz changes one control field of a
 saved step at a time, re-seals every digest above it (as anyone with write access can), and runs ``verify`` (the CLI,

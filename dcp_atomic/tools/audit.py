@@ -45,12 +45,12 @@ class AuditReport:
 
 def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float = 10.0,
                progress: Callable[[int], None] | None = None, local: bool = False) -> AuditReport:
-    """Check every byte of ``step`` a load reads, as the load does and through the same checks (:mod:`.read_checks`):
-    ``.metadata`` (size, digest, allow-list), every item's record against it, digests, frames, and the P11
-    decoders, so ``verify`` passes exactly the steps a load takes (P12).  What no load reads (``ranks.json``, the
-    records of chunks without elements) cannot fail the step; damage to ``ranks.json`` is a warning.  ``local``: the root
-    is a node's local root, where a tier restore may have kept a partial copy of a data file (:func:`partial_claims`);
-    anywhere else a partial note is itself a problem."""
+    """Check every byte of ``step`` a load reads, as the load does and through the same checks
+    (:mod:`..dcp.read_checks`): ``.metadata`` (size, digest, allow-list), every item's record against it, digests,
+    frames, and the P11 decoders, so ``verify`` passes exactly the steps a load takes.  What no load reads
+    (``ranks.json``, the records of chunks without elements) cannot fail the step; damage to ``ranks.json`` is a
+    warning.  ``local``: the root is a node's local root, where a tier restore may have kept a partial copy of a data
+    file (:func:`partial_claims`); anywhere else a partial note is itself a problem."""
     try:
         committed = read_committed(layout, step, Deadline(timeout))
         committed.load_items(layout, None, Deadline(timeout))  # every rank's shard, each against its digest
@@ -118,14 +118,15 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
 
 def _unread_damage(layout: RunLayout, committed: Committed, timeout: float) -> list[str]:
     """Damage to ``ranks.json``, which no load reads (it holds who saved and how fast: ``show``'s records), so it
-    warns and does not fail the step: ``verify`` passes exactly the steps a load takes (P12), and refusing a load
+    warns and does not fail the step: ``verify`` passes exactly the steps a load takes, and refusing a load
     over these records instead would cost a user an intact state for nothing.  A copy of the step between tiers
     (drain, restore) does check it, so the warning says so."""
     try:
         committed.load_rank_records(layout, Deadline(timeout))
     except CheckpointError as e:
         return [f"{e.message} (no load reads this file: the step loads; `show` cannot print its rank records, and "
-                "a drain or tier restore that copies the step refuses it: restore the file from another copy of the step)"]
+                "a drain or tier restore that copies the step refuses it: restore the file from another copy of the "
+                "step)"]
     return []
 
 
