@@ -21,7 +21,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..format.codec import plane_width
 from ..format.container import find_payload
 from ..errors import CorruptCheckpointError
+from ..format.integrity import sha256_hex
 from ..format.manifest import ItemExtent, Manifest
+from ..format.safe_pickle import load_dcp_metadata
+from ..stores.storage import Storage
 
 _DATA_DESCRIPTOR = b"PK\x07\x08"
 
@@ -215,6 +218,38 @@ def payload_proven(head: bytes, tail: bytes, payload: int, nbytes: int) -> bool:
 
 def _malformed(path: str, e: Exception) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path}: malformed DCP metadata ({type(e).__name__}: {e})", path=path)
+
+
+def read_dcp_metadata(storage: Storage, path: str, manifest: Manifest) -> Metadata:
+    """``.metadata`` at ``path``, unpickled (allow-list) only if its size and sha256 are the manifest's record of it,
+    then checked as a whole (:func:`check_metadata`).  Raises :class:`CorruptCheckpointError` (or
+    :class:`~dcp_atomic.errors.TorchVersionError`)."""
+    expected = manifest.dcp_metadata
+    try:
+        data = storage.read_file(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: committed checkpoint lacks DCP metadata", path=path) from None
+    if len(data) != expected["size"] or sha256_hex(data) != expected["sha256"]:
+        raise CorruptCheckpointError(
+            f"{path}: DCP metadata does not match the manifest (size {len(data)} vs {expected['size']} or "
+            "sha256 differs); refusing to unpickle it",
+            path=path,
+        )
+    metadata = load_dcp_metadata(data, where=path, written_by=manifest.versions.get("torch"))
+    check_metadata(metadata, manifest.keys, path)
+    return metadata
+
+
+def read_by_a_load(metadata: Metadata) -> dict:
+    """The storage entries (index -> entry) a load of every key reads: all but the chunks without elements, for
+    which DCP plans no read.  What a load never reads cannot make it refuse a step or load a wrong value, so
+    ``verify`` (:mod:`..tools.audit`) judges exactly these, as the reader judges those of its plan."""
+    entries = {}
+    for index, info in (metadata.storage_data or {}).items():
+        _, sizes = described(metadata, index)
+        if sizes is None or math.prod(sizes):
+            entries[index] = info
+    return entries
 
 
 def check_metadata(metadata: Metadata, keys: dict, path: str) -> None:

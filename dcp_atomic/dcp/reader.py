@@ -54,17 +54,16 @@ from ..exchange.read_once import SharePlan
 from ..exchange.transport import PastTheGather, PeerLost
 from .identity import default_thread_count
 from ..format.blocks import check_block, verify_blocks_from, verify_item
-from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, checked_checkpoint_id, no_location_error, validate_step
 from ..format.manifest import ItemExtent
 from ..format.parallelism import Parallelism
 from .planners import LOAD_CONTEXT_ATTR
 from .._base.progress import Progress
 from .reshard import LoadContext
-from .read_checks import Chunk, check_metadata, check_stored_items, decode_chunk, item_id, payload_proven
+from .read_checks import Chunk, check_stored_items, decode_chunk, item_id, payload_proven, read_dcp_metadata
 from .read_sources import Counted, Window, holds_bytes, item_runs
 from .._base.retry import Deadline
-from ..format.safe_pickle import load_dcp_metadata, safe_byte_item
+from ..format.safe_pickle import safe_byte_item
 from .shared_read import SharedReads
 from .._base.gc_pause import STORAGE, gc_paused, hook
 from .._base.stats import ReadStats
@@ -230,21 +229,8 @@ class AtomicStorageReader(SharedReads, StorageReader):
         shape and have the dtype the manifest recorded for its key, and every file it names must be one the manifest
         records.  The items themselves are checked
         against the manifest shards in :meth:`prepare_local_plan`, once this rank's plan says which it reads."""
-        expected = committed.manifest.dcp_metadata
         path = self.layout.attempt_file(committed.step, committed.save_id, DCP_METADATA)
-        try:
-            data = self.storage.read_file(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}: committed checkpoint lacks DCP metadata", path=path) from None
-        if len(data) != expected["size"] or sha256_hex(data) != expected["sha256"]:
-            raise CorruptCheckpointError(
-                f"{path}: DCP metadata does not match the manifest (size {len(data)} vs {expected['size']} or "
-                "sha256 differs); refusing to unpickle it",
-                path=path,
-            )
-        metadata = load_dcp_metadata(data, where=path, written_by=committed.manifest.versions.get("torch"))
-        check_metadata(metadata, committed.manifest.keys, path)
-        return metadata
+        return read_dcp_metadata(self.storage, path, committed.manifest)
 
     def _check_plan_items(self, plan: LoadPlan) -> None:
         """The items this rank reads, against the shards of their files: each must be the one the shard records

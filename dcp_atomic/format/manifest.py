@@ -69,6 +69,11 @@ class ItemExtent:
     def logical(self) -> int:
         return self.length if self.logical_length is None else self.logical_length
 
+    @property
+    def ident(self) -> tuple[str, tuple[int, ...] | None]:
+        """DCP's identity of the item, (key, chunk offset): what ``.metadata``'s storage entries key it by."""
+        return self.key, None if self.chunk_offset is None else tuple(self.chunk_offset)
+
     def blocks(self) -> list[tuple[int, int]]:
         """``(start, end)``, item-relative, of every stored block: one per digest, in order.
 
@@ -255,7 +260,7 @@ class Manifest:
         index = {}
         for f in self.files if names is None else (f for f in self.files if f.name in names):
             for item in f.items:
-                ident = (item.key, None if item.chunk_offset is None else tuple(item.chunk_offset))
+                ident = item.ident
                 if ident in index:
                     raise ValueError(f"two items for key {item.key!r} at chunk offset {item.chunk_offset}")
                 index[ident] = (f.name, item)

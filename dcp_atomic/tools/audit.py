@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..format.codec import Decoder
-from ..protocol.commit import read_committed, scan_markers
+from ..protocol.commit import Committed, read_committed, scan_markers
 from ..errors import CheckpointError
 from ..format.blocks import check_block
-from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, PARTIAL_SUFFIX, RunLayout
 from ..format.manifest import FileEntry, ItemExtent
-from ..dcp.read_checks import check_metadata, check_stored_items, decode_chunk, payload_proven
+from ..dcp.read_checks import (check_stored_items, decode_chunk, item_id, payload_proven, read_by_a_load,
+                                read_dcp_metadata)
 from .._base.retry import Deadline
-from ..format.safe_pickle import load_dcp_metadata, safe_byte_item
+from ..format.safe_pickle import safe_byte_item
 from ..stores.storage import Storage
 
 READ_CHUNK_BLOCKS = 16  # read up to 16 frames (64 MiB with 4 MiB blocks) per request
@@ -36,6 +36,7 @@ class AuditReport:
     bytes: int
     problems: list[str]
     notes: list[str] = field(default_factory=list)  # not damage: e.g. a partial copy a tier restore kept
+    warnings: list[str] = field(default_factory=list)  # damage no load reads (ranks.json): the step still loads
 
     @property
     def ok(self) -> bool:
@@ -44,32 +45,29 @@ class AuditReport:
 
 def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float = 10.0,
                progress: Callable[[int], None] | None = None, local: bool = False) -> AuditReport:
-    """Check every byte of ``step`` as a load would: digests, frames, and the P11 decoders (``.metadata`` and every
-    non-tensor item through the allow-list), so ``verify`` never passes a step a load refuses.  ``local``: the root
-    is a node's local root, where a tier restore may have kept a partial copy of a data file (:func:`partial_claims`);
-    anywhere else a partial note is itself a problem."""
+    """Check every byte of ``step`` a load reads, as the load does and through the same checks
+    (:mod:`..dcp.read_checks`): ``.metadata`` (size, digest, allow-list), every item's record against it, digests,
+    frames, and the P11 decoders, so ``verify`` passes exactly the steps a load takes.  What no load reads
+    (``ranks.json``, the records of chunks without elements) cannot fail the step; damage to ``ranks.json`` is a
+    warning.  ``local``: the root is a node's local root, where a tier restore may have kept a partial copy of a data
+    file (:func:`partial_claims`); anywhere else a partial note is itself a problem."""
     try:
         committed = read_committed(layout, step, Deadline(timeout))
         committed.load_items(layout, None, Deadline(timeout))  # every rank's shard, each against its digest
-        committed.load_rank_records(layout, Deadline(timeout))  # ranks.json, against its digest
     except CheckpointError as e:
         return AuditReport(step, None, 0, 0, [str(e)])
     manifest = committed.manifest
     problems: list[str] = []
+    warnings = _unread_damage(layout, committed, timeout)
     meta_path = layout.attempt_file(step, committed.save_id, DCP_METADATA)
     chunks: dict = {}  # (key, chunk offset) -> the stored chunk, once .metadata and the manifest agree
+    read: set | None = None  # (key, chunk offset) of every item a load reads; None: .metadata cannot say
     try:
-        meta = layout.storage.read_file(meta_path)
-        if sha256_hex(meta) != manifest.dcp_metadata["sha256"]:
-            problems.append(f"{meta_path}: sha256 does not match the manifest")
-        else:
-            metadata = load_dcp_metadata(meta, where=meta_path, written_by=manifest.versions.get("torch"))
-            check_metadata(metadata, manifest.keys, meta_path)  # the checks a load makes, every item at once
-            infos = dict(metadata.storage_data or {})
-            _, chunks = check_stored_items(metadata, manifest, {i.relative_path for i in infos.values()}, infos,
-                                           meta_path)
-    except FileNotFoundError:
-        problems.append(f"{meta_path}: missing")
+        metadata = read_dcp_metadata(layout.storage, meta_path, manifest)  # the load's own check, size included
+        infos = read_by_a_load(metadata)
+        _, chunks = check_stored_items(metadata, manifest, {i.relative_path for i in infos.values()}, infos,
+                                       meta_path)
+        read = {item_id(index) for index in infos}
     except CheckpointError as e:  # the allow-list refuses it, or this torch cannot read it: a load would fail
         problems.append(f"{type(e).__name__}: {e.message}")
     except (AttributeError, TypeError) as e:  # storage entries of the wrong shape: a load refuses them too
@@ -83,7 +81,8 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
             return [f"{path}: missing"]
         found = [f"{path}: size {actual}, manifest says {entry.size}"] if actual != entry.size else []
         decoder = Decoder()
-        checked = [(item, _check_item(layout.storage, path, item, decoder, progress)) for item in entry.items]
+        items = [item for item in entry.items if read is None or item.ident in read]
+        checked = [(item, _check_item(layout.storage, path, item, decoder, progress)) for item in items]
         checked = [(item, problem or _decodable(layout.storage, path, item, chunks)) for item, problem in checked]
         note = layout.attempt_file(step, committed.save_id, entry.name + PARTIAL_SUFFIX)
         claims = partial_claims(layout.storage, note)
@@ -112,13 +111,30 @@ def audit_step(layout: RunLayout, step: int, *, threads: int = 4, timeout: float
             if found:
                 problems.extend(_shared_damage(layout, step, entry.name,
                                                layout.data_file(step, committed.save_id, entry.name,
-                                                                manifest.data_prefixes)))
-    return AuditReport(step, committed.save_id, len(manifest.files), manifest.total_bytes, problems, sorted(notes))
+                                                                manifest.data_prefixes), timeout))
+    return AuditReport(step, committed.save_id, len(manifest.files), manifest.total_bytes, problems, sorted(notes),
+                       warnings)
 
 
-def _shared_damage(layout: RunLayout, step: int, name: str, path: str) -> list[str]:
-    """The other committed steps that hold this very file: reuse (P15) hard-links a stable file into the next steps
-    under its name, one inode for all, so damage found here is damage there too."""
+def _unread_damage(layout: RunLayout, committed: Committed, timeout: float) -> list[str]:
+    """Damage to ``ranks.json``, which no load reads (it holds who saved and how fast: ``show``'s records), so it
+    warns and does not fail the step: ``verify`` passes exactly the steps a load takes, and refusing a load
+    over these records instead would cost a user an intact state for nothing.  A copy of the step between tiers
+    (drain, restore) does check it, so the warning says so."""
+    try:
+        committed.load_rank_records(layout, Deadline(timeout))
+    except CheckpointError as e:
+        return [f"{e.message} (no load reads this file: the step loads; `show` cannot print its rank records, and "
+                "a drain or tier restore that copies the step refuses it: restore the file from another copy of the "
+                "step)"]
+    return []
+
+
+def _shared_damage(layout: RunLayout, step: int, name: str, path: str, timeout: float) -> list[str]:
+    """The other committed steps that hold this very file and whose own records find it damaged too: reuse (P15)
+    hard-links a stable file into the next steps under its name, one inode for all, so damaged bytes here are
+    damaged there.  A file that fails only this step's records (its manifest or ``.metadata`` altered, not its
+    bytes) is named in no other step."""
     storage = layout.storage
     if not storage.hard_links:
         return []
@@ -128,16 +144,34 @@ def _shared_damage(layout: RunLayout, step: int, name: str, path: str) -> list[s
         return []
     sharing = []
     for marker in scan_markers(layout):
-        if marker.step != step:
-            try:
-                if storage.file_version(layout.data_file(marker.step, marker.save_id, name)) == mine:
-                    sharing.append(marker.step)
-            except OSError:
+        if marker.step == step:
+            continue
+        other = layout.data_file(marker.step, marker.save_id, name)
+        try:
+            if storage.file_version(other) != mine:
                 continue
+            committed = read_committed(layout, marker.step, Deadline(timeout))
+            committed.load_items(layout, {name}, Deadline(timeout))
+        except (OSError, CheckpointError):
+            continue
+        entry = next((f for f in committed.manifest.files if f.name == name), None)
+        if entry is not None and _bytes_damaged(storage, other, entry):
+            sharing.append(marker.step)
     if not sharing:
         return []
     return [f"{path}: the same file (hard-linked by reuse) is in step(s) {', '.join(map(str, sharing))}, which hold "
             "the same damaged bytes; an earlier step or another tier that holds its own copy may still serve"]
+
+
+def _bytes_damaged(storage: Storage, path: str, entry: FileEntry) -> bool:
+    """Whether the data file at ``path`` fails ``entry``'s records of it: its size, every item's frame digests."""
+    try:
+        if storage.size(path) != entry.size:
+            return True
+    except FileNotFoundError:
+        return True
+    decoder = Decoder()
+    return any(_check_item(storage, path, item, decoder, None) for item in entry.items)
 
 
 def partial_claims(storage: Storage, note: str) -> set[tuple[int, int]] | str | None:
@@ -162,7 +196,7 @@ def partial_claims(storage: Storage, note: str) -> set[tuple[int, int]] | str | 
 def _decodable(storage: Storage, path: str, item: ItemExtent, chunks: dict) -> str | None:
     """A non-tensor item through the same allow-list a load uses (P11), a ``torch.save`` tensor item through the
     same decoder and dtype/shape check (:func:`~.read_checks.decode_chunk`): refused here means refused there."""
-    chunk = chunks.get((item.key, None if item.chunk_offset is None else tuple(item.chunk_offset)))
+    chunk = chunks.get(item.ident)
     if item.codec != "none" or (item.kind == "tensor" and (item.format != "torch_save" or chunk is None)):
         return None
     try:

@@ -486,8 +486,9 @@ def cmd_verify(args) -> int:
     else:
         for r in reports:
             status = ("OK" if not r.notes else "OK, partial copies") if r.ok else "FAILED"
+            status += ", with warnings" if r.warnings else ""
             print(f"step {r.step}: {status} ({r.files} files, {r.bytes / 2**20:.1f} MiB, save {r.save_id})")
-            for line in r.problems + r.notes:
+            for line in r.problems + r.notes + [f"warning: {w}" for w in r.warnings]:
                 print(f"  {line}")
     return 1 if bad else 0
 
