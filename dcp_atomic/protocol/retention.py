@@ -311,83 +311,54 @@ FULL_GC_EVERY = 64  # commits between full sweeps (crashed attempts of other ste
 def retain_after_commit(layout: RunLayout, marker: Marker, keep_last: int | None, *,
                         lease_seconds: float = DEFAULT_LEASE_SECONDS) -> GcPlan:
     """Retention right after ``marker`` was committed (global rank 0): reads one small journal and the markers of
-    only the steps it may delete, instead of every step's marker.
+    only the steps it lists, instead of every step's marker.
 
-    The journal (``<run>/COMMITS``, self-checksummed) lists the kept steps in commit order.  It is a hint: a step
-    is deleted only when its own marker, read by exact name, still names the recorded save and ranks below the
-    newest ``keep_last``; a missing, damaged or lagging journal (another writer, an older dcp_atomic) is rebuilt
-    from one full scan, as is every ``FULL_GC_EVERY``-th commit, which also sweeps crashed attempts.
+    The journal (``<run>/COMMITS``, self-checksummed) lists the kept steps.  It is a hint for *which* markers to
+    read, never for what they say: each listed step is ordered by its own marker, read by exact name (a journal
+    entry re-sealed with another sequence or save id ranks as its marker does; one whose marker is gone or
+    unreadable takes no ``keep_last`` slot).  A missing or damaged journal, or one that lags (the markers it
+    lists hold no commit just before this one: another writer, an older dcp_atomic), is rebuilt from one full
+    scan, as is every ``FULL_GC_EVERY``-th commit, which also sweeps crashed attempts.
     """
     if keep_last is None:
         return GcPlan(lease_seconds=lease_seconds)
+    plan = GcPlan(lease_seconds=lease_seconds)
     journal = _read_journal(layout)
-    newest_known = max((commit_order(m) for m in journal or []), default=None)
-    lagging = journal is None or (marker.sequence is not None and newest_known is not None
-                                  and newest_known[1] + 1 < marker.sequence)
+    markers = None if journal is None else _listed_markers(layout, journal, marker, plan)
+    newest_before = max(((m.sequence or 0) for m in markers or [] if m.step != marker.step), default=None)
+    lagging = markers is None or (marker.sequence is not None and newest_before is not None
+                                  and newest_before + 1 < marker.sequence)
     if lagging or (marker.sequence or 0) % FULL_GC_EVERY == 0:
         markers = scan_markers(layout)
         plan = plan_gc(layout, keep_last, lease_seconds=lease_seconds, markers=markers)
         apply_gc(layout, plan)
         _write_journal(layout, [m for m in markers if m.step not in plan.delete_steps])
         return plan
-    entries = {m.step: m for m in journal}
-    entries[marker.step] = marker
     protected = {marker.step, _latest_step_named(layout)}  # LATEST may still name an older step (its write failed)
-    plan = GcPlan(lease_seconds=lease_seconds)
-    kept = _kept_by_their_markers(layout, entries, keep_last, marker, plan)
-    plan.kept_steps = sorted(m.step for m in kept)
-    kept_steps = {m.step for m in kept}
-    for old in sorted(entries.values(), key=commit_order, reverse=True):
-        if old.step in kept_steps:
-            continue
-        if old.step in protected:
-            continue
-        try:
-            current = read_marker(layout, old.step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True)
-        except FileNotFoundError:
-            entries.pop(old.step)  # deleted by someone else: nothing to do
-            continue
-        except CheckpointError as e:
-            plan.unreadable_steps.append((old.step, e.message))
-            continue
-        if current.save_id == old.save_id or commit_order(current) <= commit_order(old):
-            plan.delete_steps.append(old.step)
-            entries.pop(old.step)
-        else:  # re-saved since the journal saw it: judged again at the next commit, with its real order
-            entries[old.step] = current
+    kept = {m.step for m in retained(markers, keep_last)}
+    plan.kept_steps = sorted(kept)
+    plan.delete_steps = sorted(m.step for m in markers if m.step not in kept | protected)
     apply_gc(layout, plan)
-    _write_journal(layout, list(entries.values()))
+    _write_journal(layout, [m for m in markers if m.step not in plan.delete_steps])
     return plan
 
 
-def _kept_by_their_markers(layout: RunLayout, entries: dict[int, Marker], keep_last: int, committed: Marker,
-                           plan: GcPlan) -> list[Marker]:
-    """The commits to keep, each one's marker read by exact name: a journal entry whose step is gone (removed by
-    hand) or unreadable takes no slot, and one re-saved since counts with its real order, so the ``keep_last``
-    kept are commits that exist (a stale entry would otherwise make the next commit delete the last good step).
-    ``entries`` is repaired in place; ``keep_last`` marker reads per commit, not a scan."""
-    confirmed = {committed.step}
-    while True:
-        kept = retained(list(entries.values()), keep_last)
-        unconfirmed = [m for m in kept if m.step not in confirmed]
-        if not unconfirmed:
-            return kept
-        for entry in unconfirmed:
-            confirmed.add(entry.step)
-            try:
-                current = read_marker(layout, entry.step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True)
-            except FileNotFoundError:
-                log.warning("retention: the COMMITS journal of run %r lists step %d, which has no marker (removed "
-                            "outside dcp_atomic?): the journal is repaired and the step takes no keep_last slot",
-                            layout.run_id, entry.step)
-                entries.pop(entry.step)
-                continue
-            except CheckpointError as e:  # neither kept nor deleted: reported (dcp-atomic verify / rm)
-                plan.unreadable_steps.append((entry.step, e.message))
-                entries.pop(entry.step)
-                continue
-            if current.save_id != entry.save_id:
-                entries[entry.step] = current  # re-saved since the journal saw it: its real order
+def _listed_markers(layout: RunLayout, journal: list[Marker], committed: Marker, plan: GcPlan) -> list[Marker]:
+    """The markers of the steps ``journal`` lists, each read by exact name (``committed`` as it was just placed):
+    the journal says where to look, the markers what is there.  A listed step without a marker (removed outside
+    dcp_atomic) is dropped with a warning; one whose marker cannot be validated is reported in
+    ``plan.unreadable_steps`` and left whole (``dcp-atomic verify`` / ``rm``).  One read per listed step."""
+    markers = [committed]
+    for step in sorted({m.step for m in journal} - {committed.step}):
+        try:
+            markers.append(read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True))
+        except FileNotFoundError:
+            log.warning("retention: the COMMITS journal of run %r lists step %d, which has no marker (removed "
+                        "outside dcp_atomic?): the journal is repaired and the step takes no keep_last slot",
+                        layout.run_id, step)
+        except CheckpointError as e:  # neither kept nor deleted: reported
+            plan.unreadable_steps.append((step, e.message))
+    return markers
 
 
 def _latest_step_named(layout: RunLayout) -> int | None:
