@@ -16,7 +16,10 @@ that kept the highest step numbers after a rollback restart.  Here:
 * a step is un-committed first (marker removed), then its data deleted, so a
   crash half-way leaves debris, never a committed step with missing files;
 * attempts without a marker (crashed or in-flight saves) are deleted only once
-  their lease has expired (their ``ATTEMPT`` record is older than ``lease_seconds``);
+  their lease has expired (their ``ATTEMPT`` record is older than ``lease_seconds``),
+  and never under a committing save, however short the lease: gc removes an attempt's
+  claim, then re-reads the step's marker and leaves the attempt it names (see
+  :func:`_fence_attempts`; the committer checks its claim after its marker);
 * data under hashed prefixes (``<root>/_dXX/<run>/step_N/<save_id>/``, object stores)
   goes with its step or attempt, found by listing every prefix (so whatever P a save
   used, with or without a manifest), and *before* the step or attempt records that
@@ -57,6 +60,7 @@ class GcPlan:
     kept_steps: list[int] = field(default_factory=list)
     unreadable_steps: list[tuple[int, str]] = field(default_factory=list)  # (step, reason): left whole, needs a human
     lease_seconds: float = DEFAULT_LEASE_SECONDS
+    planned_at: float = field(default_factory=time.time)  # a claim written later is a save started since: left
 
     @property
     def empty(self) -> bool:
@@ -65,9 +69,17 @@ class GcPlan:
 
 def _attempt_started(layout: RunLayout, step: int, save_id: str) -> float | None:
     try:
-        return float(json.loads(layout.storage.read_file(layout.attempt_file(step, save_id, ATTEMPT)))["started_at"])
+        return _claim_started(layout.storage.read_file(layout.attempt_file(step, save_id, ATTEMPT)))
     except Exception:
         return None  # unreadable or missing claim: judged by its save_id timestamp below
+
+
+def _claim_started(claim: bytes) -> float | None:
+    """When the save an ``ATTEMPT`` claim records started; None if the claim does not say."""
+    try:
+        return float(json.loads(claim)["started_at"])
+    except Exception:  # noqa: BLE001 - a damaged claim tells no time
+        return None
 
 
 def _attempt_age(layout: RunLayout, step: int, save_id: str, now: float) -> float | None:
@@ -124,7 +136,7 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
     keep = {m.step for m in retained(markers, keep_last)}
     keep.add(_latest_step_named(layout))
     keep.discard(None)
-    plan = GcPlan(kept_steps=sorted(keep), lease_seconds=lease_seconds)
+    plan = GcPlan(kept_steps=sorted(keep), lease_seconds=lease_seconds, planned_at=now)
     plan.delete_steps = sorted(m.step for m in markers if m.step not in keep)
     committed = {m.step: m.save_id for m in markers}
     scanned_bad = dict(unreadable)
@@ -186,18 +198,29 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
         return [layout.data_step_dir(prefix, step) for prefix, names in data_steps.items()
                 if step_dir_name(step) in names]
 
+    def delete_attempt(step: int, save_id: str) -> None:
+        for path in data_dirs(step):
+            storage.remove(storage.join(path, save_id))
+        storage.remove(layout.attempt_dir(step, save_id))
+        log.info("gc: deleted abandoned attempt %s of step %d", save_id, step)
+
     for step in plan.delete_steps:
         storage.remove(layout.marker(step))  # un-commit first
         storage.sync_dir(layout.step_dir(step))
+        attempts = [e for e in storage.list_dir(layout.step_dir(step)) if e != MARKER and not e.startswith(".")]
+        deletable = _fence_attempts(layout, step, attempts, plan.planned_at)
+        if len(deletable) < len(attempts):  # a save committed or started there since: only the others go
+            for save_id in deletable:
+                delete_attempt(step, save_id)
+            continue
         for path in data_dirs(step):
             storage.remove(path)
         storage.remove(layout.step_dir(step))
         log.info("gc: deleted step %d of run %r", step, layout.run_id)
     for step, save_id in plan.delete_attempts:
-        for path in data_dirs(step):
-            storage.remove(storage.join(path, save_id))
-        storage.remove(layout.storage.join(layout.step_dir(step), save_id))
-        log.info("gc: deleted abandoned attempt %s of step %d", save_id, step)
+        if not _fence_attempts(layout, step, [save_id], plan.planned_at):
+            continue
+        delete_attempt(step, save_id)
         if not storage.list_dir(layout.step_dir(step)):
             storage.remove(layout.step_dir(step))
     for path in plan.delete_temps:
@@ -209,6 +232,50 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
     abort = getattr(storage, "abort_stale_uploads", None)
     if abort is not None:
         abort(layout.run_dir, older_than_s=plan.lease_seconds)
+
+
+def _fence_attempts(layout: RunLayout, step: int, save_ids: list[str], planned_at: float) -> list[str]:
+    """Of the uncommitted attempts ``save_ids`` of ``step``, the ones gc may delete now, however short its lease.
+
+    gc planned from a listing that a save can overtake (its marker placed since).  So each attempt's ``ATTEMPT``
+    claim is removed first, then the step's marker is re-read: an attempt it names committed after gc planned and
+    stays (its claim put back); a committer that places its marker after the claim is gone finds it gone and
+    withdraws (``commit._refuse_removed_under``), so no save reports success over deleted files.  A claim written
+    after ``planned_at`` (a save started since) is left alone, and every attempt is while the marker cannot be
+    read."""
+    storage = layout.storage
+    claims: dict[str, bytes | None] = {}
+    for save_id in save_ids:
+        path = layout.attempt_file(step, save_id, ATTEMPT)
+        try:
+            claim = storage.read_file(path)
+        except FileNotFoundError:
+            claim = None
+        started = None if claim is None else _claim_started(claim)
+        if started is not None and started > planned_at:
+            log.info("gc: left attempt %s of step %d of run %r: claimed after gc planned (a save started since)",
+                     save_id, step, layout.run_id)
+            continue
+        if claim is not None:
+            storage.remove(path)
+        claims[save_id] = claim
+    if not claims:
+        return []
+    try:
+        named = read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True).save_id
+    except FileNotFoundError:
+        return list(claims)
+    except CheckpointError as e:
+        named, why = None, f"its marker cannot be validated ({e.message})"
+    else:
+        why = f"its marker, placed since gc planned, names attempt {named}"
+    left = [a for a in claims if named is None or a == named]
+    for save_id in left:
+        if claims[save_id] is not None:
+            storage.publish(layout.attempt_file(step, save_id, ATTEMPT), claims[save_id])
+    if left:
+        log.warning("gc: left attempt(s) %s of step %d of run %r: %s", ", ".join(left), step, layout.run_id, why)
+    return [a for a in claims if a not in left]
 
 
 # -- deletions an operator asks for -----------------------------------------------------------------------------
@@ -248,7 +315,8 @@ def remove_step(layout: RunLayout, step: int, *, lease_seconds: float = DEFAULT_
     if journal is not None:  # a missing journal stays missing: the next commit rebuilds it from a scan
         _write_journal(layout, [m for m in journal if m.step != step])
     if in_flight:
-        apply_gc(layout, GcPlan(delete_attempts=[(step, a) for a in attempts if a not in in_flight]))
+        apply_gc(layout, GcPlan(delete_attempts=[(step, a) for a in attempts if a not in in_flight],
+                                lease_seconds=lease_seconds))
         log.warning("removed step %d of run %r but left %d attempt(s) of a save in flight (inside the %.0f h lease): "
                     "%s; it commits, or gc collects it once the lease ends", step, layout.run_id, len(in_flight),
                     lease_seconds / 3600, ", ".join(in_flight))
