@@ -523,50 +523,70 @@ def test_one_field_mutations_of_resealed_local_markers_never_restore_wrong_value
     print(_tally(results))
 
 
+def _commits_journal_cases(body: dict, rounds: int):
+    """(description, mutated journal): every field ``rounds`` times (seeded), then each entry's ``sequence`` moved
+    above and below every other one with its save id unchanged (a re-sealed or hand-edited journal)."""
+    for case, field_path in enumerate(p for p in _every_path(body) if p != ("checksum",)):
+        for round_ in range(rounds):
+            mutated = copy.deepcopy(body)
+            yield _mutate(random.Random(f"20261203/commits/{case}/{round_}"), mutated, field_path), mutated
+    sequences = [c["sequence"] for c in body["commits"]]
+    for i, entry in enumerate(body["commits"]):
+        for sequence in (max(sequences) + 10, min(sequences) - 1):
+            mutated = copy.deepcopy(body)
+            mutated["commits"][i]["sequence"] = sequence
+            yield f"sequence of step {entry['step']}: {entry['sequence']} -> {sequence}", mutated
+
+
 def test_one_field_mutations_of_a_resealed_commits_journal_never_cost_a_kept_step(root):
-    """``keep_last=2`` after steps 1-3: each one-field change of the ``COMMITS`` journal (re-sealed), then the
-    commit of step 4.  The journal is a hint: steps 3 and 4 are kept and load exactly, and the commit never
-    fails with anything but a typed error."""
+    """``keep_last=3`` after steps 1-5: each one-field change of the ``COMMITS`` journal (re-sealed), then the
+    commit of step 6, each case in a copy of its own (this process numbers a root's commits above the last it
+    made there, which would hide the journal's numbers).  The journal is a hint: the save commits, and steps 4-6
+    (the three newest commits by their markers) are kept and load exactly; a kept step lost is the lie this test
+    is about, typed or not."""
     import shutil
 
     from dcp_atomic import CheckpointManager
 
-    durable = os.path.join(root, "durable")
-    with CheckpointManager(durable, RUN, keep_last=2, timeout=5) as manager:
-        for step in (1, 2, 3):
-            manager.save(step, _small(step))
     pristine = os.path.join(root, "pristine")
-    shutil.copytree(os.path.join(durable, RUN), pristine)
-    journal = os.path.join(durable, RUN, "COMMITS")
-    body = json.loads(open(journal, "rb").read())
-    assert [c["step"] for c in body["commits"]] == [2, 3], body
-    expected = {s: _small(s) for s in (3, 4)}
+    with CheckpointManager(pristine, RUN, keep_last=3, timeout=5) as manager:
+        for step in range(1, 6):
+            manager.save(step, _small(step))
+    body = json.loads(open(os.path.join(pristine, RUN, "COMMITS"), "rb").read())
+    assert [c["step"] for c in body["commits"]] == [3, 4, 5], body
+    kept = (4, 5, 6)
+    expected = {s: _small(s) for s in kept}
     results = []
-    for case, field_path in enumerate(p for p in _every_path(body) if p != ("checksum",)):
-        mutated = copy.deepcopy(body)
-        what = _mutate(random.Random(f"20261202/commits/{case}"), mutated, field_path)
-        shutil.rmtree(os.path.join(durable, RUN))
-        shutil.copytree(pristine, os.path.join(durable, RUN))
-        with open(journal, "wb") as f:
+    for case, (what, mutated) in enumerate(_commits_journal_cases(body, rounds=3)):
+        durable = os.path.join(root, f"case{case}")
+        shutil.copytree(pristine, durable)
+        with open(os.path.join(durable, RUN, "COMMITS"), "wb") as f:
             f.write(seal(mutated))
+        result = {"mutation": what, "outcome": "exact", "detail": ""}
+        results.append(result)
         try:
-            with CheckpointManager(durable, RUN, keep_last=2, timeout=0.5) as manager:
-                manager.save(4, _small(4))
+            with CheckpointManager(durable, RUN, keep_last=3, timeout=0.5) as manager:
+                manager.save(6, _small(6))
         except BaseException as e:  # noqa: BLE001 - classified here
-            results.append({"mutation": what, "outcome": "refused" if typed(e) else "untyped",
-                            "detail": f"save: {type(e).__name__}: {e}"})
+            result.update(outcome="refused" if typed(e) else "untyped", detail=f"save: {type(e).__name__}: {e}")
             continue
-        for step in (3, 4):
+        for step in kept:
             def load(step=step) -> tuple[int, dict]:
                 got = _small_target()
                 with CheckpointManager(durable, RUN, timeout=0.5) as manager:
                     return manager.load(got, step=step), got
 
             outcome, detail = _classify(load, expected)
-            # a kept step that no longer loads is the lie this test is about, typed or not
-            results.append({"mutation": what, "outcome": "silent" if outcome == "refused" else outcome,
-                            "detail": f"step {step}: {detail}"})
-    print(_tally(results))
+            if outcome != "exact":  # refused or not, a kept step that no longer loads is lost
+                result.update(outcome="silent", detail=f"kept step {step} lost: {detail}")
+                break
+        shutil.rmtree(durable)
+    assert len(results) >= 108, len(results)
+    lost = [r for r in results if r["outcome"] == "silent"]
+    assert not lost, f"{len(lost)} of {len(results)} journals cost a kept step, e.g. {lost[:5]}"
+    refused = [r for r in results if r["outcome"] == "refused"]
+    assert not refused, f"{len(refused)} saves failed over a journal, which is a hint, e.g. {refused[:5]}"
+    print(_tally(results) + f"; kept steps 4-6 whole after all {len(results)}, 0 lost a kept step")
 
 
 def _rank_state(rank: int) -> dict:

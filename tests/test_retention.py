@@ -43,3 +43,31 @@ def test_a_step_removed_by_hand_takes_no_keep_last_slot_and_the_last_good_step_i
     with CheckpointManager(root, RUN, keep_last=2, timeout=10) as manager:
         manager.save(6, _state(6))
     assert _committed(root) == [5, 6]
+
+
+def test_a_journal_entry_with_a_raised_sequence_takes_no_keep_last_slot_its_marker_orders_it(tmp_path):
+    """A ``COMMITS`` entry that keeps its step's real save id but carries a higher sequence (a re-sealed or
+    hand-edited journal) once ranked step 3 above every other: with ``keep_last=3`` and steps 3-5, ``save(6)``
+    left [3, 6].  Each step's order is its own marker's sequence."""
+    import json
+
+    from tests.helpers.sealed import seal
+
+    root = str(tmp_path / "root")
+    with CheckpointManager(root, RUN, keep_last=3, timeout=10) as manager:
+        for step in range(1, 6):
+            manager.save(step, _state(step))
+    assert _committed(root) == [3, 4, 5]
+    journal = os.path.join(root, RUN, "COMMITS")
+    body = json.loads(open(journal, "rb").read())
+    entry = next(c for c in body["commits"] if c["step"] == 3)
+    entry["sequence"] = 99
+    with open(journal, "wb") as f:
+        f.write(seal(body))
+    with CheckpointManager(root, RUN, keep_last=3, timeout=10) as manager:
+        manager.save(6, _state(6))
+    assert _committed(root) == [4, 5, 6], "a journal's sequence, not the markers', decided what keep_last kept"
+    with CheckpointManager(root, RUN, timeout=10) as manager:
+        for step in (4, 5, 6):
+            target = _state(-1)
+            assert manager.load(target, step=step) == step and torch.equal(target["w"], _state(step)["w"])

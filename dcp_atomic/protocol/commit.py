@@ -304,8 +304,13 @@ def commit_step(layout: RunLayout, marker: Marker, manifest: Manifest, evidence:
     exclusively), the attempt's claim still there (:func:`_refuse_removed_under`), then ``LATEST``.  Returns the
     marker now visible.  A failure after the marker is a :class:`StorageError` with ``committed=True``: the step
     is committed, only ``LATEST`` lags (``latest_step()`` repairs it; a retry accepts the marker it placed)."""
-    marker = place_marker(layout, marker, manifest, evidence, overwrite=policy.overwrite, resumed=policy.resumed,
-                          timeout=timeout, conflict_message=policy.conflict_message, what=policy.what)
+    try:
+        marker = place_marker(layout, marker, manifest, evidence, overwrite=policy.overwrite,
+                              resumed=policy.resumed, timeout=timeout, conflict_message=policy.conflict_message,
+                              what=policy.what)
+    except FileNotFoundError:  # the step directory went (POSIX): say so if the attempt went with it
+        _refuse_removed_under(layout, marker)
+        raise
     _refuse_removed_under(layout, marker)
     if marker.sequence is not None:
         _last_sequence[layout.run_dir] = max(marker.sequence, _last_sequence.get(layout.run_dir, 0))
@@ -359,24 +364,29 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
 
 
 def _refuse_removed_under(layout: RunLayout, marker: Marker) -> None:
-    """After the marker: the attempt's claim, written before any data, is still there, else something removed
-    the attempt while it committed (``rm -r``, or a removal tool that ignores leases): the marker is withdrawn and
-    the save fails, never reporting success over files that are gone.  One small request per commit."""
+    """After the marker: the attempt's claim (written before any data) and its manifest are still there, else
+    something removed the attempt while it committed (``gc`` with a lease shorter than the save, which removes the
+    claim before it re-reads the marker and deletes; ``rm -r``; a tool that ignores leases): the marker is
+    withdrawn and the save fails, so it never reports success, nor moves ``LATEST``, over files that are gone.
+    Two small requests per commit, no data read."""
     claim = layout.attempt_file(marker.step, marker.save_id, ATTEMPT)
-    try:
-        layout.storage.size(claim)
+    for gone in (claim, layout.attempt_file(marker.step, marker.save_id, MANIFEST)):
+        try:
+            layout.storage.size(gone)
+        except FileNotFoundError:
+            break
+    else:
         return
-    except FileNotFoundError:
-        pass
     try:
         if _read_marker_once(layout, marker.step).save_id == marker.save_id:
             layout.storage.remove(layout.marker(marker.step))
     except (OSError, CheckpointError):
         pass
     raise StorageError(f"step {marker.step} of run {layout.run_id!r}: the attempt {marker.save_id} was removed while "
-                       f"it committed ({claim} is gone: `rm`, or a tool that ignores in-flight saves); its marker was "
-                       "withdrawn and nothing of this save is visible. Save again.", step=marker.step,
-                       path=claim, committed=False)
+                       f"it committed ({gone} is gone: `dcp-atomic gc` with a lease (--lease-hours) shorter than this "
+                       "save took, `rm`, or a tool that ignores in-flight saves); its marker was withdrawn, LATEST "
+                       "was not moved, and nothing of this save is visible. Save again, and give gc a lease longer "
+                       "than a save takes.", step=marker.step, path=gone, committed=False)
 
 
 def place_marker(layout: RunLayout, marker: Marker, manifest: Manifest, evidence: Evidence, *, overwrite: bool,

@@ -16,7 +16,10 @@ that kept the highest step numbers after a rollback restart.  Here:
 * a step is un-committed first (marker removed), then its data deleted, so a
   crash half-way leaves debris, never a committed step with missing files;
 * attempts without a marker (crashed or in-flight saves) are deleted only once
-  their lease has expired (their ``ATTEMPT`` record is older than ``lease_seconds``);
+  their lease has expired (their ``ATTEMPT`` record is older than ``lease_seconds``),
+  and never under a committing save, however short the lease: gc removes an attempt's
+  claim, then re-reads the step's marker and leaves the attempt it names (see
+  :func:`_fence_attempts`; the committer checks its claim after its marker);
 * data under hashed prefixes (``<root>/_dXX/<run>/step_N/<save_id>/``, object stores)
   goes with its step or attempt, found by listing every prefix (so whatever P a save
   used, with or without a manifest), and *before* the step or attempt records that
@@ -57,6 +60,7 @@ class GcPlan:
     kept_steps: list[int] = field(default_factory=list)
     unreadable_steps: list[tuple[int, str]] = field(default_factory=list)  # (step, reason): left whole, needs a human
     lease_seconds: float = DEFAULT_LEASE_SECONDS
+    planned_at: float = field(default_factory=time.time)  # a claim written later is a save started since: left
 
     @property
     def empty(self) -> bool:
@@ -65,9 +69,17 @@ class GcPlan:
 
 def _attempt_started(layout: RunLayout, step: int, save_id: str) -> float | None:
     try:
-        return float(json.loads(layout.storage.read_file(layout.attempt_file(step, save_id, ATTEMPT)))["started_at"])
+        return _claim_started(layout.storage.read_file(layout.attempt_file(step, save_id, ATTEMPT)))
     except Exception:
         return None  # unreadable or missing claim: judged by its save_id timestamp below
+
+
+def _claim_started(claim: bytes) -> float | None:
+    """When the save an ``ATTEMPT`` claim records started; None if the claim does not say."""
+    try:
+        return float(json.loads(claim)["started_at"])
+    except Exception:  # noqa: BLE001 - a damaged claim tells no time
+        return None
 
 
 def _attempt_age(layout: RunLayout, step: int, save_id: str, now: float) -> float | None:
@@ -124,7 +136,7 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
     keep = {m.step for m in retained(markers, keep_last)}
     keep.add(_latest_step_named(layout))
     keep.discard(None)
-    plan = GcPlan(kept_steps=sorted(keep), lease_seconds=lease_seconds)
+    plan = GcPlan(kept_steps=sorted(keep), lease_seconds=lease_seconds, planned_at=now)
     plan.delete_steps = sorted(m.step for m in markers if m.step not in keep)
     committed = {m.step: m.save_id for m in markers}
     scanned_bad = dict(unreadable)
@@ -186,18 +198,29 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
         return [layout.data_step_dir(prefix, step) for prefix, names in data_steps.items()
                 if step_dir_name(step) in names]
 
+    def delete_attempt(step: int, save_id: str) -> None:
+        for path in data_dirs(step):
+            storage.remove(storage.join(path, save_id))
+        storage.remove(layout.attempt_dir(step, save_id))
+        log.info("gc: deleted abandoned attempt %s of step %d", save_id, step)
+
     for step in plan.delete_steps:
         storage.remove(layout.marker(step))  # un-commit first
         storage.sync_dir(layout.step_dir(step))
+        attempts = [e for e in storage.list_dir(layout.step_dir(step)) if e != MARKER and not e.startswith(".")]
+        deletable = _fence_attempts(layout, step, attempts, plan.planned_at)
+        if len(deletable) < len(attempts):  # a save committed or started there since: only the others go
+            for save_id in deletable:
+                delete_attempt(step, save_id)
+            continue
         for path in data_dirs(step):
             storage.remove(path)
         storage.remove(layout.step_dir(step))
         log.info("gc: deleted step %d of run %r", step, layout.run_id)
     for step, save_id in plan.delete_attempts:
-        for path in data_dirs(step):
-            storage.remove(storage.join(path, save_id))
-        storage.remove(layout.storage.join(layout.step_dir(step), save_id))
-        log.info("gc: deleted abandoned attempt %s of step %d", save_id, step)
+        if not _fence_attempts(layout, step, [save_id], plan.planned_at):
+            continue
+        delete_attempt(step, save_id)
         if not storage.list_dir(layout.step_dir(step)):
             storage.remove(layout.step_dir(step))
     for path in plan.delete_temps:
@@ -209,6 +232,50 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
     abort = getattr(storage, "abort_stale_uploads", None)
     if abort is not None:
         abort(layout.run_dir, older_than_s=plan.lease_seconds)
+
+
+def _fence_attempts(layout: RunLayout, step: int, save_ids: list[str], planned_at: float) -> list[str]:
+    """Of the uncommitted attempts ``save_ids`` of ``step``, the ones gc may delete now, however short its lease.
+
+    gc planned from a listing that a save can overtake (its marker placed since).  So each attempt's ``ATTEMPT``
+    claim is removed first, then the step's marker is re-read: an attempt it names committed after gc planned and
+    stays (its claim put back); a committer that places its marker after the claim is gone finds it gone and
+    withdraws (``commit._refuse_removed_under``), so no save reports success over deleted files.  A claim written
+    after ``planned_at`` (a save started since) is left alone, and every attempt is while the marker cannot be
+    read."""
+    storage = layout.storage
+    claims: dict[str, bytes | None] = {}
+    for save_id in save_ids:
+        path = layout.attempt_file(step, save_id, ATTEMPT)
+        try:
+            claim = storage.read_file(path)
+        except FileNotFoundError:
+            claim = None
+        started = None if claim is None else _claim_started(claim)
+        if started is not None and started > planned_at:
+            log.info("gc: left attempt %s of step %d of run %r: claimed after gc planned (a save started since)",
+                     save_id, step, layout.run_id)
+            continue
+        if claim is not None:
+            storage.remove(path)
+        claims[save_id] = claim
+    if not claims:
+        return []
+    try:
+        named = read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True).save_id
+    except FileNotFoundError:
+        return list(claims)
+    except CheckpointError as e:
+        named, why = None, f"its marker cannot be validated ({e.message})"
+    else:
+        why = f"its marker, placed since gc planned, names attempt {named}"
+    left = [a for a in claims if named is None or a == named]
+    for save_id in left:
+        if claims[save_id] is not None:
+            storage.publish(layout.attempt_file(step, save_id, ATTEMPT), claims[save_id])
+    if left:
+        log.warning("gc: left attempt(s) %s of step %d of run %r: %s", ", ".join(left), step, layout.run_id, why)
+    return [a for a in claims if a not in left]
 
 
 # -- deletions an operator asks for -----------------------------------------------------------------------------
@@ -248,7 +315,8 @@ def remove_step(layout: RunLayout, step: int, *, lease_seconds: float = DEFAULT_
     if journal is not None:  # a missing journal stays missing: the next commit rebuilds it from a scan
         _write_journal(layout, [m for m in journal if m.step != step])
     if in_flight:
-        apply_gc(layout, GcPlan(delete_attempts=[(step, a) for a in attempts if a not in in_flight]))
+        apply_gc(layout, GcPlan(delete_attempts=[(step, a) for a in attempts if a not in in_flight],
+                                lease_seconds=lease_seconds))
         log.warning("removed step %d of run %r but left %d attempt(s) of a save in flight (inside the %.0f h lease): "
                     "%s; it commits, or gc collects it once the lease ends", step, layout.run_id, len(in_flight),
                     lease_seconds / 3600, ", ".join(in_flight))
@@ -311,83 +379,54 @@ FULL_GC_EVERY = 64  # commits between full sweeps (crashed attempts of other ste
 def retain_after_commit(layout: RunLayout, marker: Marker, keep_last: int | None, *,
                         lease_seconds: float = DEFAULT_LEASE_SECONDS) -> GcPlan:
     """Retention right after ``marker`` was committed (global rank 0): reads one small journal and the markers of
-    only the steps it may delete, instead of every step's marker.
+    only the steps it lists, instead of every step's marker.
 
-    The journal (``<run>/COMMITS``, self-checksummed) lists the kept steps in commit order.  It is a hint: a step
-    is deleted only when its own marker, read by exact name, still names the recorded save and ranks below the
-    newest ``keep_last``; a missing, damaged or lagging journal (another writer, an older dcp_atomic) is rebuilt
-    from one full scan, as is every ``FULL_GC_EVERY``-th commit, which also sweeps crashed attempts.
+    The journal (``<run>/COMMITS``, self-checksummed) lists the kept steps.  It is a hint for *which* markers to
+    read, never for what they say: each listed step is ordered by its own marker, read by exact name (a journal
+    entry re-sealed with another sequence or save id ranks as its marker does; one whose marker is gone or
+    unreadable takes no ``keep_last`` slot).  A missing or damaged journal, or one that lags (the markers it
+    lists hold no commit just before this one: another writer, an older dcp_atomic), is rebuilt from one full
+    scan, as is every ``FULL_GC_EVERY``-th commit, which also sweeps crashed attempts.
     """
     if keep_last is None:
         return GcPlan(lease_seconds=lease_seconds)
+    plan = GcPlan(lease_seconds=lease_seconds)
     journal = _read_journal(layout)
-    newest_known = max((commit_order(m) for m in journal or []), default=None)
-    lagging = journal is None or (marker.sequence is not None and newest_known is not None
-                                  and newest_known[1] + 1 < marker.sequence)
+    markers = None if journal is None else _listed_markers(layout, journal, marker, plan)
+    newest_before = max(((m.sequence or 0) for m in markers or [] if m.step != marker.step), default=None)
+    lagging = markers is None or (marker.sequence is not None and newest_before is not None
+                                  and newest_before + 1 < marker.sequence)
     if lagging or (marker.sequence or 0) % FULL_GC_EVERY == 0:
         markers = scan_markers(layout)
         plan = plan_gc(layout, keep_last, lease_seconds=lease_seconds, markers=markers)
         apply_gc(layout, plan)
         _write_journal(layout, [m for m in markers if m.step not in plan.delete_steps])
         return plan
-    entries = {m.step: m for m in journal}
-    entries[marker.step] = marker
     protected = {marker.step, _latest_step_named(layout)}  # LATEST may still name an older step (its write failed)
-    plan = GcPlan(lease_seconds=lease_seconds)
-    kept = _kept_by_their_markers(layout, entries, keep_last, marker, plan)
-    plan.kept_steps = sorted(m.step for m in kept)
-    kept_steps = {m.step for m in kept}
-    for old in sorted(entries.values(), key=commit_order, reverse=True):
-        if old.step in kept_steps:
-            continue
-        if old.step in protected:
-            continue
-        try:
-            current = read_marker(layout, old.step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True)
-        except FileNotFoundError:
-            entries.pop(old.step)  # deleted by someone else: nothing to do
-            continue
-        except CheckpointError as e:
-            plan.unreadable_steps.append((old.step, e.message))
-            continue
-        if current.save_id == old.save_id or commit_order(current) <= commit_order(old):
-            plan.delete_steps.append(old.step)
-            entries.pop(old.step)
-        else:  # re-saved since the journal saw it: judged again at the next commit, with its real order
-            entries[old.step] = current
+    kept = {m.step for m in retained(markers, keep_last)}
+    plan.kept_steps = sorted(kept)
+    plan.delete_steps = sorted(m.step for m in markers if m.step not in kept | protected)
     apply_gc(layout, plan)
-    _write_journal(layout, list(entries.values()))
+    _write_journal(layout, [m for m in markers if m.step not in plan.delete_steps])
     return plan
 
 
-def _kept_by_their_markers(layout: RunLayout, entries: dict[int, Marker], keep_last: int, committed: Marker,
-                           plan: GcPlan) -> list[Marker]:
-    """The commits to keep, each one's marker read by exact name: a journal entry whose step is gone (removed by
-    hand) or unreadable takes no slot, and one re-saved since counts with its real order, so the ``keep_last``
-    kept are commits that exist (a stale entry would otherwise make the next commit delete the last good step).
-    ``entries`` is repaired in place; ``keep_last`` marker reads per commit, not a scan."""
-    confirmed = {committed.step}
-    while True:
-        kept = retained(list(entries.values()), keep_last)
-        unconfirmed = [m for m in kept if m.step not in confirmed]
-        if not unconfirmed:
-            return kept
-        for entry in unconfirmed:
-            confirmed.add(entry.step)
-            try:
-                current = read_marker(layout, entry.step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True)
-            except FileNotFoundError:
-                log.warning("retention: the COMMITS journal of run %r lists step %d, which has no marker (removed "
-                            "outside dcp_atomic?): the journal is repaired and the step takes no keep_last slot",
-                            layout.run_id, entry.step)
-                entries.pop(entry.step)
-                continue
-            except CheckpointError as e:  # neither kept nor deleted: reported (dcp-atomic verify / rm)
-                plan.unreadable_steps.append((entry.step, e.message))
-                entries.pop(entry.step)
-                continue
-            if current.save_id != entry.save_id:
-                entries[entry.step] = current  # re-saved since the journal saw it: its real order
+def _listed_markers(layout: RunLayout, journal: list[Marker], committed: Marker, plan: GcPlan) -> list[Marker]:
+    """The markers of the steps ``journal`` lists, each read by exact name (``committed`` as it was just placed):
+    the journal says where to look, the markers what is there.  A listed step without a marker (removed outside
+    dcp_atomic) is dropped with a warning; one whose marker cannot be validated is reported in
+    ``plan.unreadable_steps`` and left whole (``dcp-atomic verify`` / ``rm``).  One read per listed step."""
+    markers = [committed]
+    for step in sorted({m.step for m in journal} - {committed.step}):
+        try:
+            markers.append(read_marker(layout, step, Deadline(SCAN_RETRY_SECONDS), missing_ok=True))
+        except FileNotFoundError:
+            log.warning("retention: the COMMITS journal of run %r lists step %d, which has no marker (removed "
+                        "outside dcp_atomic?): the journal is repaired and the step takes no keep_last slot",
+                        layout.run_id, step)
+        except CheckpointError as e:  # neither kept nor deleted: reported
+            plan.unreadable_steps.append((step, e.message))
+    return markers
 
 
 def _latest_step_named(layout: RunLayout) -> int | None:
