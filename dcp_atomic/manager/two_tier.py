@@ -433,12 +433,13 @@ class TwoTier(TierPolicy):
         except (OSError, CheckpointError) as e:
             if not refuses_writes(e):
                 raise
+            cause = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"  # whole: S3 says why
             log.warning("run %r: the durable root %s cannot be written (%s), so the run's lineage file %s, which says "
                         "which node-local steps belong to this run, could not be created. This job's local steps "
                         "record lineage %s%s as provisional for %s: local saves go on, global rank 0 creates the file "
                         "with this id at the first drain that reaches the root, and a later job of this root and run "
                         "adopts it from the local steps if none did. Free space or restore write access on %s to get "
-                        "durable copies.", m.run_id, where, _first_line(e), lineage_path(layout), lineage, adopted,
+                        "durable copies.", m.run_id, where, cause, lineage_path(layout), lineage, adopted,
                         where, where)
             return lineage, where
         if newest is not None and created == lineage:
