@@ -443,8 +443,9 @@ class TwoTier(TierPolicy):
                         where, where)
             return lineage, where
         if newest is not None and created == lineage:
-            log.warning("run %r: %s did not exist; created it with lineage %s%s, so those steps are restored as this run's. "
-                        "If this job is a new experiment rather than a continuation of that one, use another run_id.",
+            log.warning("run %r: %s did not exist; created it with lineage %s%s, so those steps are restored as this "
+                        "run's. If this job is a new experiment rather than a continuation of that one, use another "
+                        "run_id.",
                         m.run_id, lineage_path(layout), lineage, adopted)
         return created, None
 
@@ -478,7 +479,7 @@ class TwoTier(TierPolicy):
         log.error("run %r: %s names lineage %s, not this job's provisional %s (another job created it while %s could "
                   "not be written, or it could not be read when this job started): later jobs of this run restore "
                   "this job's durable steps, but not its local-only ones (they are named, not deleted). Drain the "
-                  "local steps you need (save with durable=True) before this job ends.", m.run_id, path, lineage,
+                  "local steps you need (manager.queue_drain(step)) before this job ends.", m.run_id, path, lineage,
                   self._lineage, where)
 
     def _report_foreign(self, foreign: dict[int, list[int]]) -> None:
