@@ -22,6 +22,7 @@ def _committed(root: str) -> Sealed:
 
 @pytest.mark.parametrize("field, value", [("manifest_sha256", 123), ("manifest_sha256", "ab" * 10),
                                           ("library_version", ["0.1"]), ("drain", 1), ("lineage", 7),
+                                          ("provisional_for", 7), ("provisional_for", ""),
                                           ("sequence", -1), ("committed_at", "yesterday")])
 def test_a_marker_field_of_the_wrong_kind_is_a_typed_error_naming_the_marker(tmp_path, field, value):
     sealed = _committed(str(tmp_path))

@@ -498,12 +498,16 @@ class Marker:
     # outlive jobs, and a job restores only local steps of its own lineage.  None: written before lineages existed,
     # or by a job that could not reach LINEAGE; only a job without a lineage takes it (local_tier.of_lineage).
     lineage: str | None = None
+    # Local markers only: the durable root (its ``storage.describe()``) this step's lineage is provisional for: its
+    # ``LINEAGE`` could not be created when the step was saved (full, read-only).  A later job of that root and run
+    # that finds no ``LINEAGE`` adopts the lineage instead of starting a new one (lineage.py).
+    provisional_for: str | None = None
 
     def record(self) -> dict:
-        """The fields as stored; ``drain`` and ``lineage`` only when set, so durable markers and the ``COMMITS``
-        journal stay as earlier versions wrote them (their readers take every stored field)."""
+        """The fields as stored; ``drain``, ``lineage`` and ``provisional_for`` only when set, so durable markers and
+        the ``COMMITS`` journal stay as earlier versions wrote them (their readers take every stored field)."""
         record = asdict(self)
-        for optional in ("drain", "lineage"):
+        for optional in ("drain", "lineage", "provisional_for"):
             if record.get(optional, 0) is None:
                 del record[optional]
         return record
@@ -563,7 +567,7 @@ def _known_fields(cls, raw: dict) -> dict:
 
     The fields commits are ordered by are type-checked: sorting must not fail on an edited record.
     """
-    optional = {"sequence", "drain", "lineage"}
+    optional = {"sequence", "drain", "lineage", "provisional_for"}
     fields = {k: raw[k] for k in cls.__dataclass_fields__ if k not in optional}
     if isinstance(fields["committed_at"], bool) or not isinstance(fields["committed_at"], (int, float)):
         raise ValueError(f"committed_at {fields['committed_at']!r} is not a time")
@@ -587,6 +591,11 @@ def _known_fields(cls, raw: dict) -> dict:
         if lineage is not None and not (isinstance(lineage, str) and re.fullmatch(r"[0-9a-f]{32}", lineage)):
             raise ValueError(f"lineage {lineage!r} is not a lineage id")
         fields["lineage"] = lineage
+    if "provisional_for" in cls.__dataclass_fields__:
+        root = raw.get("provisional_for")
+        if root is not None and not (isinstance(root, str) and root and fields["lineage"] is not None):
+            raise ValueError(f"provisional_for {root!r} is not a durable root a lineage is provisional for")
+        fields["provisional_for"] = root
     return fields
 
 

@@ -30,7 +30,8 @@ from ..exchange.stall import StallClock
 from ..format.manifest import Marker
 from ..protocol.catalog import latest_step as scan_latest_step
 from ..protocol.commit import ResumePoint, commit_order, listed_steps, next_sequence, read_marker, refuse_committed
-from ..protocol.lineage import describe as describe_lineage, ensure_lineage, lineage_path
+from ..protocol.lineage import (create_lineage, describe as describe_lineage, ensure_lineage, lineage_path,
+                                 new_lineage, read_lineage, refuses_writes)
 from ..protocol.retention import retain_after_commit
 from ..tiers.drain import Drained, Drainer, DrainJob
 from ..tiers.local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, of_lineage, open_local,
@@ -84,6 +85,7 @@ class TwoTier(TierPolicy):
         self._durable_saves: set[str] = set()  # rank 0: save ids known to be in the durable root (see _undrained)
         self._requeued: set[str] = set()  # save ids _undrained queued again: once per process, never in a loop
         self._lineage: str | None = None  # the durable run's lineage (lineage.py): which local steps are this job's
+        self._provisional_for: str | None = None  # the durable root whose LINEAGE is still to be created (lineage.py)
         self._durable_listed: set[int] | None = None  # rank 0: the durable root's steps (listed once)
         self._sequence = 0  # the newest commit sequence this process knows of, both tiers (rank 0 decides)
         self._sequence_known = False
@@ -97,7 +99,9 @@ class TwoTier(TierPolicy):
                 m._owned_groups.append(drain_group)
             self.topology = Topology.learn(m.rank, m.world_size, resolve_failure_domain(options.failure_domain),
                                            os.fspath(options.local_root), options.replicas, m._group)
-            self._lineage = m._on_rank0(self._read_lineage, "read the run's lineage")
+            recorded = self._gathered(self._provisional_lineages())
+            self._lineage, self._provisional_for = m._on_rank0(lambda: self._read_lineage(recorded),
+                                                               "read the run's lineage")
         except BaseException:  # refused (too few domains...): nothing of this manager may outlive it
             m._release()
             raise
@@ -172,6 +176,7 @@ class TwoTier(TierPolicy):
     def writer(self, step: int, **options: Any) -> AtomicStorageWriter:
         writer = LocalWriter(os.fspath(self.local_root), self._m.run_id, step, **options)
         writer.topology = self.topology
+        writer.provisional_for = self._provisional_for
         return writer
 
     @contextlib.contextmanager
@@ -278,6 +283,7 @@ class TwoTier(TierPolicy):
     def _drained(self, drained: Drained) -> None:
         """Rank 0: a step reached the durable root; durable retention, then ``on_drained``."""
         m, job, marker = self._m, drained.job, drained.marker
+        self._confirm_lineage()
         self._durable_saves.add(job.save_id)
         if self._durable_listed is not None:
             self._durable_listed.add(job.step)
@@ -396,19 +402,86 @@ class TwoTier(TierPolicy):
             return None
         return Durable(step=step, save_id=marker.save_id, sequence=marker.sequence)
 
-    def _read_lineage(self) -> str | None:
-        """Rank 0: the durable run's lineage id, created by its first two-tier manager (:mod:`.lineage`).  A durable
-        root that cannot be written now (full, unreachable) must not stop local saves: None, loudly (this job's
-        local steps then carry no lineage: only a job that has none either takes them, never one of a lineage)."""
-        layout = self._m.layout
+    def _provisional_lineages(self) -> list[tuple[str, int, int]]:
+        """Every rank: (lineage, sequence, step) of each local step on this root (its leader reports) whose lineage
+        is provisional for this job's durable root: saved while that root's ``LINEAGE`` could not be created."""
+        if not self.topology.is_leader:
+            return []
+        durable = self._m.layout.storage.describe()
+        return [(mk.lineage, mk.sequence or 0, mk.step) for mk in local_markers(self.local)
+                if mk.provisional_for == durable and mk.lineage is not None]
+
+    def _read_lineage(self, recorded: list[list[tuple[str, int, int]]]) -> tuple[str, str | None]:
+        """Rank 0: the durable run's lineage id (:mod:`.lineage`), and the durable root it is provisional for (None:
+        ``LINEAGE`` names it).  No ``LINEAGE`` yet: the newest lineage the nodes' local steps ``recorded`` (per
+        rank, :meth:`_provisional_lineages`) as provisional for this root and run is adopted, else a new one is
+        made; ``LINEAGE`` is created with it.  A root that cannot be written now (full, read-only: ``refuses_writes``)
+        must not stop local saves nor orphan them: the id stays provisional, recorded in every local marker, and
+        ``LINEAGE`` is created with it at the first drain that reaches the root (:meth:`_confirm_lineage`)."""
+        m, layout = self._m, self._m.layout
+        where = layout.storage.describe()
+        newest = max((found for per_rank in recorded for found in per_rank), key=lambda c: c[1:], default=None)
+        lineage = newest[0] if newest is not None else new_lineage()
+        adopted = "" if newest is None else (
+            f" (adopted: local step(s) {self._steps_of(recorded, lineage)} recorded it while this root could not be "
+            f"written)")
         try:
-            return ensure_lineage(layout)
-        except OSError as e:
-            log.warning("local tier: could not read or create %s, which says which node-local steps belong to run "
-                        "%r (%s); this job's local steps record no lineage: a later job that reads the run's lineage "
-                        "will not restore them (they are named, not deleted), and this job takes only local steps "
-                        "that record none either", lineage_path(layout), self._m.run_id, e)
-            return None
+            try:
+                return read_lineage(layout), None
+            except FileNotFoundError:
+                pass
+            created = create_lineage(layout, lineage)
+        except (OSError, CheckpointError) as e:
+            if not refuses_writes(e):
+                raise
+            cause = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"  # whole: S3 says why
+            log.warning("run %r: the durable root %s cannot be written (%s), so the run's lineage file %s, which says "
+                        "which node-local steps belong to this run, could not be created. This job's local steps "
+                        "record lineage %s%s as provisional for %s: local saves go on, global rank 0 creates the file "
+                        "with this id at the first drain that reaches the root, and a later job of this root and run "
+                        "adopts it from the local steps if none did. Free space or restore write access on %s to get "
+                        "durable copies.", m.run_id, where, cause, lineage_path(layout), lineage, adopted,
+                        where, where)
+            return lineage, where
+        if newest is not None and created == lineage:
+            log.warning("run %r: %s did not exist; created it with lineage %s%s, so those steps are restored as this "
+                        "run's. If this job is a new experiment rather than a continuation of that one, use another "
+                        "run_id.",
+                        m.run_id, lineage_path(layout), lineage, adopted)
+        return created, None
+
+    def _steps_of(self, recorded: list[list[tuple[str, int, int]]], lineage: str) -> str:
+        """Rank 0: where the nodes hold local steps of ``lineage`` (``recorded`` per rank), for messages."""
+        tier, held = self.topology, {}
+        for rank, per_rank in enumerate(recorded):
+            steps = sorted(step for found, _, step in per_rank if found == lineage)
+            if steps:
+                held[f"{tier.hosts[rank]}:{os.path.join(tier.roots[rank], self._m.run_id)}"] = steps
+        return "; ".join(f"{steps} on {root}" for root, steps in held.items())
+
+    def _confirm_lineage(self) -> None:
+        """Rank 0, after a drain reached the durable root: create its ``LINEAGE`` with this job's provisional lineage
+        (once), so every later job takes this job's local steps as the run's."""
+        where, m = self._provisional_for, self._m
+        if where is None:
+            return
+        path = lineage_path(m.layout)
+        try:
+            lineage = ensure_lineage(m.layout, self._lineage)
+        except (OSError, CheckpointError) as e:
+            log.warning("run %r: could not create %s with this job's provisional lineage %s (%s); the next drain "
+                        "tries again", m.run_id, path, self._lineage, _first_line(e))
+            return
+        self._provisional_for = None
+        if lineage == self._lineage:
+            log.info("run %r: created %s with lineage %s, which this job's local steps record", m.run_id, path,
+                     lineage)
+            return
+        log.error("run %r: %s names lineage %s, not this job's provisional %s (another job created it while %s could "
+                  "not be written, or it could not be read when this job started): later jobs of this run restore "
+                  "this job's durable steps, but not its local-only ones (they are named, not deleted). Drain the "
+                  "local steps you need (manager.queue_drain(step)) before this job ends.", m.run_id, path, lineage,
+                  self._lineage, where)
 
     def _report_foreign(self, foreign: dict[int, list[int]]) -> None:
         """Rank 0: local steps another lineage left on the nodes (another experiment with this run id, another

@@ -5,6 +5,11 @@ must not continue from the weights an earlier experiment left on the nodes.  So 
 writes ``<root>/<run_id>/LINEAGE`` (a random id, with the root and run it names), created exclusively, before any
 save; every local marker records that id, and a restore takes only local steps of its own lineage.  It exists from
 the job's first save, so a job whose every step so far was local-only still restores its own steps.
+
+A durable root that refuses writes from a job's first moment (full, read-only) must not orphan that job's local
+steps: the job's lineage is then *provisional*, each local marker records it with the durable root it is for
+(``Marker.provisional_for``), global rank 0 creates ``LINEAGE`` with that same id once a drain reaches the root, and
+a later job of that root and run that finds no ``LINEAGE`` adopts the newest such id instead of inventing one.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import json
 import re
 import uuid
 
-from ..errors import CorruptCheckpointError
+from ..errors import ConfigurationError, CorruptCheckpointError, StorageError
 from ..format.layout import RunLayout
 
 LINEAGE = "LINEAGE"
@@ -23,7 +28,8 @@ _ID = re.compile(r"[0-9a-f]{32}")
 def describe(lineage: str | None) -> str:
     """A lineage as errors and warnings name it (a marker without one says why it has none)."""
     if lineage is None:
-        return "no lineage (saved before lineages existed, or by a job that could not reach its run's LINEAGE)"
+        return ("no lineage (saved by a version before lineages existed, or by one that recorded none while the run's "
+                "LINEAGE could not be created)")
     return f"lineage {lineage}"
 
 
@@ -47,15 +53,34 @@ def read_lineage(layout: RunLayout) -> str:
     return lineage
 
 
-def ensure_lineage(layout: RunLayout) -> str:
-    """Global rank 0, once per manager: the run's lineage id, created (exclusively) by the run's first manager."""
+def new_lineage() -> str:
+    return uuid.uuid4().hex
+
+
+def create_lineage(layout: RunLayout, lineage: str) -> str:
+    """Create the run's ``LINEAGE`` naming ``lineage``, exclusively; the id it names (another job's if it was first)."""
+    layout.storage.makedirs(layout.run_dir)
+    record = {"kind": "dcp_atomic.lineage", "lineage": lineage, "root": layout.storage.describe(),
+              "run_id": layout.run_id}
+    if layout.storage.create_exclusive(lineage_path(layout), json.dumps(record, indent=1).encode() + b"\n"):
+        return lineage
+    return read_lineage(layout)  # another job's manager created it first
+
+
+def ensure_lineage(layout: RunLayout, lineage: str) -> str:
+    """The run's lineage id: the one ``LINEAGE`` names, else ``lineage``, with which it is then created."""
     try:
         return read_lineage(layout)
     except FileNotFoundError:
-        pass
-    layout.storage.makedirs(layout.run_dir)
-    record = {"kind": "dcp_atomic.lineage", "lineage": uuid.uuid4().hex, "root": layout.storage.describe(),
-              "run_id": layout.run_id}
-    if layout.storage.create_exclusive(lineage_path(layout), json.dumps(record, indent=1).encode() + b"\n"):
-        return record["lineage"]
-    return read_lineage(layout)  # another job's manager created it first
+        return create_lineage(layout, lineage)
+
+
+def refuses_writes(error: BaseException) -> bool:
+    """Whether ``error`` says the durable root cannot be written now (full, read-only, throttled, unreachable) rather
+    than that it is set up wrong: a lineage then stays provisional, and local saves go on.  One rule for every store:
+    POSIX's ``OSError``, an object store's ``StorageError``, and an S3 probe refused for want of write permission (a
+    read-only bucket, as a read-only mount).  Bad credentials, a store without conditional writes, a damaged
+    ``LINEAGE`` are not: they refuse the manager, as they would refuse every drain."""
+    if isinstance(error, ConfigurationError):
+        return error.details.get("cause") == "permissions"
+    return isinstance(error, (OSError, StorageError))

@@ -154,10 +154,12 @@ class LocalWriter(WatchedWriter):
     """Writes a step into the local root exactly as the durable tier would, stopping short of the marker.
 
     ``topology`` (set by the manager) goes into ``ranks.json``: each rank's failure domain and the domains holding
-    its replicas, so ``dcp-atomic show`` can say where a step's copies were, in either tier."""
+    its replicas, so ``dcp-atomic show`` can say where a step's copies were, in either tier.  ``provisional_for``
+    (set by the manager; global rank 0's counts) goes into the step's local marker (:attr:`Marker.provisional_for`)."""
 
     staged: Staged | None = None
     topology: "Topology | None" = None
+    provisional_for: str | None = None
 
     def _publish(self, manifest: Manifest, metadata_bytes: bytes) -> None:
         storage, layout = self.storage, self.layout
@@ -366,8 +368,8 @@ ANY_LINEAGE = "*"  # of_lineage: every marker (tools that look at a whole root);
 
 def of_lineage(markers: list[Marker], lineage: str | None, *, foreign: bool = False) -> list[Marker]:
     """The markers of ``lineage`` (``foreign``: of any other).  Equal ids only: a marker that records no lineage
-    (written before lineages existed, or by a job that could not reach its durable root's ``LINEAGE``) is no
-    lineage's but that of a job which has none either; nothing proves it is this experiment's (:mod:`.lineage`)."""
+    (written by a version before lineages existed, or by one that recorded none while its durable root's ``LINEAGE``
+    could not be created) is no lineage's; nothing proves it is this experiment's (:mod:`.lineage`)."""
     if lineage == ANY_LINEAGE:
         return [] if foreign else markers
     return [m for m in markers if (m.lineage != lineage) == foreign]
@@ -555,7 +557,8 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     ``sequence_floor``: the newest commit sequence rank 0 knows of (both tiers); the marker gets the next one
     above it and above every root's newest local marker.  ``protected`` (rank 0's): the steps its drain still
     needs; handed out with the marker, so every root keeps the same ones (only rank 0 knows which step the drain
-    takes next).  ``drain``: the marker records that the step is to be drained (:attr:`Marker.drain`).  Raises the
+    takes next).  ``drain``: the marker records that the step is to be drained (:attr:`Marker.drain`); ``lineage``
+    and rank 0's ``writer.provisional_for``: whose step it is (:mod:`.lineage`).  Raises the
     same typed error on every rank when any rank's replicas could not be written or
     verified: then no root has a marker of this step.  A peer lost while replicas move raises
     :class:`.transport.PeerLost` (naming it, within ``timeout``) on the ranks that exchanged with it, at once.
@@ -625,7 +628,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
                         manifest=f"{manifest.save_id}/{MANIFEST}", manifest_sha256=sha256_hex(staged[0].manifest),
                         committed_at=now(), library_version=__version__,
                         sequence=max([sequence_floor] + [n for _, n, _, _ in reports]) + 1, drain=drain or None,
-                        lineage=lineage)
+                        lineage=lineage, provisional_for=writer.provisional_for)
         decision = [(marker.to_json(), sorted(protected or ()))]
     if failures:
         raise StorageError(
