@@ -86,7 +86,7 @@ def test_rm_of_the_latest_step_points_latest_and_the_journal_at_the_previous_com
     assert main(["--json", "rm", root, RUN, "10", "--yes"]) == 0  # not the latest: LATEST keeps its step
     report = json.loads(capsys.readouterr().out)
     assert report == {"schema": 1, "run": RUN, "step": 10, "committed": True, "attempts": report["attempts"],
-                      "latest_after": 40, "removed": True, "left_in_flight": []}
+                      "latest_after": 40, "removed": True, "left_in_flight": [], "committed_again": None}
     assert read_latest(layout, Deadline(1)).step == 40
 
 
