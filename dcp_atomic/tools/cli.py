@@ -28,7 +28,7 @@ from typing import Any
 from ..protocol.catalog import most_recent, scan_markers
 from ..protocol.commit import read_committed, read_marker
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..format.layout import LATEST, RunLayout, parse_step_dir, validate_run_id
+from ..format.layout import LATEST, SPOOL_DIR, RunLayout, parse_step_dir, validate_run_id
 from ..format.manifest import Marker
 from ..protocol.retention import COMMITS, apply_gc, plan_gc, remove_run, remove_step
 from .._base.retry import Deadline
@@ -247,11 +247,9 @@ def _root_tier(layout: RunLayout, markers) -> str:
     """Which tier ROOT is: ``local`` when it is a node's local root (an operator may point ROOT at one), seen in
     the fields only local markers record (``lineage``, ``drain``) or the spool replicas arrive in; else
     ``durable``.  So a step that never drained is never called durable."""
-    from ..tiers.local_tier import spool_dir
-
     if any(m.lineage is not None or m.drain is not None for m in markers):
         return "local"
-    return "local" if layout.storage.is_dir(spool_dir(layout)) else "durable"
+    return "local" if layout.storage.is_dir(layout.storage.join(layout.run_dir, SPOOL_DIR)) else "durable"
 
 
 def _step_tiers(args, step: int, save_id: str) -> list[str]:
