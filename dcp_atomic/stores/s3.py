@@ -680,6 +680,10 @@ class S3Storage(FsspecStorage):
     def describe(self) -> str:
         return self.url
 
+    def abort_stale_uploads(self, prefix: str, older_than_s: float = DEFAULT_UPLOAD_LEASE_S) -> list["StaleUpload"]:
+        """Method form of :func:`abort_stale_uploads` (what ``retention.apply_gc`` looks up)."""
+        return abort_stale_uploads(self, prefix, older_than_s)
+
 
 def _folders_of(key: str, under: list[str]) -> list[str]:
     """The folder keys (``a/b/``) from ``key/`` down to each key's parent in ``under``, deepest first."""
@@ -691,9 +695,3 @@ def _folders_of(key: str, under: list[str]) -> list[str]:
             folders.add(parent + "/")
             parent = parent.rpartition("/")[0]
     return sorted(folders, key=lambda f: (-f.count("/"), f))
-
-    def abort_stale_uploads(self, prefix: str, older_than_s: float = DEFAULT_UPLOAD_LEASE_S) -> list["StaleUpload"]:
-        """Method form of :func:`abort_stale_uploads` (what ``retention.apply_gc`` looks up)."""
-        return abort_stale_uploads(self, prefix, older_than_s)
-
-
