@@ -86,7 +86,7 @@ def test_rm_of_the_latest_step_points_latest_and_the_journal_at_the_previous_com
     assert main(["--json", "rm", root, RUN, "10", "--yes"]) == 0  # not the latest: LATEST keeps its step
     report = json.loads(capsys.readouterr().out)
     assert report == {"schema": 1, "run": RUN, "step": 10, "committed": True, "attempts": report["attempts"],
-                      "latest_after": 40, "removed": True, "left_in_flight": []}
+                      "latest_after": 40, "removed": True, "left_in_flight": [], "committed_again": None}
     assert read_latest(layout, Deadline(1)).step == 40
 
 
@@ -157,3 +157,21 @@ def test_rm_on_s3_removes_hashed_prefix_data_and_never_a_sibling_run(s3_moto):
     assert {k: s3.get(k) for k in s3.keys()} == sibling, "the sibling run's objects are exactly as they were"
     assert _load_latest(s3.root, SIBLING, options) == 3
     assert main(flags + ["ls", s3.root, RUN]) == 1
+
+
+@pytest.mark.slow
+def test_after_rm_on_seaweedfs_ls_and_gc_see_no_trace_of_the_removed_step(s3_seaweedfs, capsys):
+    """SeaweedFS keeps the folders of deleted objects and lists them: the removed step must not come back as a
+    ``partial`` row in ``ls`` nor as an abandoned attempt in ``gc``."""
+    s3 = s3_seaweedfs
+    options = s3.options()
+    for step in (1, 2, 3):
+        _save(s3.root, RUN, step, options)
+    flags = ["--storage-options", json.dumps(options), "--json"]
+    assert main(flags + ["rm", s3.root, RUN, "3", "--yes"]) == 0
+    capsys.readouterr()
+    assert main(flags + ["ls", s3.root, RUN]) == 0
+    assert [row["step"] for row in json.loads(capsys.readouterr().out)["steps"]] == [1, 2]
+    assert main(flags + ["gc", s3.root, RUN, "--keep-last", "5", "--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["delete_steps"], plan["delete_attempts"], plan["kept_steps"]) == ([], [], [1, 2]), plan

@@ -347,3 +347,37 @@ def test_both_packages_take_local_root_and_a_relative_one_is_refused_naming_it(p
     assert str(pickle.loads(pickle.dumps(refused.value))) == str(refused.value)
     taken = strategy(data_parallel_size=2, tensor_parallel_size=1, local_root="/local_nvme/ckpt", replicas=2)
     assert (taken.local_root, taken.replicas) == ("/local_nvme/ckpt", 2)
+
+
+# -- a copied and a moved dirpath resume their own state, with and without the local tier ---------------------------
+
+
+def _copied_and_moved(ctx):
+    import torch.distributed as dist
+
+    from tests.helpers.lightning import _resumed_weights
+
+    pl, Module = _tracked_module()
+    dirpath = os.path.join(ctx.root, "ckpts")
+    copy, moved = os.path.join(ctx.root, "copy"), os.path.join(ctx.root, "moved")
+    saved = _fit_top_k_and_last(pl, Module, ctx, dirpath, 4)
+    if ctx.rank == 0:
+        shutil.copytree(dirpath, copy, symlinks=True)  # cp -a
+        os.rename(dirpath, moved)  # and the original moved away: only the copies' own state is left in place
+    dist.barrier()
+    out = {}
+    for where in (moved, copy):
+        for name in ("epoch=0-step=2.ckpt", "last.ckpt"):
+            path = os.path.join(where, name)
+            restored = _resume(pl, Module, ctx, path, _global_step(path) + 1)
+            out[(os.path.basename(where), name, "tier")] = _exactly(restored, saved[_global_step(path)])
+            out[(os.path.basename(where), name, "no tier")] = _same(
+                _resumed_weights(pl, Module, ctx, path, _global_step(path) + 1), saved[_global_step(path)][0])
+        _empty(ctx, ranks={0, 1})  # the copy next: from its own durable files alone
+    out["original_gone"] = not os.path.exists(dirpath)  # no load reached for the original's place
+    return out
+
+
+def test_a_copied_and_a_moved_dirpath_resume_their_own_state_with_and_without_the_local_tier(root, nodes):
+    for out in assert_all_ok(_run(_copied_and_moved, root, nodes)):
+        assert all(out.values()), out

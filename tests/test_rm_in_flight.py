@@ -81,3 +81,47 @@ def test_a_save_whose_attempt_is_removed_under_it_fails_and_leaves_nothing_commi
         failpoints.disarm_all()
     assert "was removed while it committed" in box["result"] and "withdrawn" in box["result"], box
     assert list_steps(root, RUN) == [], "a save reported over files that were removed under it"
+
+
+def test_rm_of_a_step_that_a_save_in_flight_commits_meanwhile_says_so_first_and_exits_1(tmp_path, capsys, monkeypatch):
+    """A save (a drain, say) in flight commits the step while `rm` runs: rm's first line says the step is committed
+    again, naming the new save, not "removed"."""
+    from dcp_atomic.tools import cli
+
+    root = str(tmp_path)
+    for step in (1, 2):
+        _save(root, step)
+    release, box = threading.Event(), {}
+    failpoints.arm("commit.after_manifest", lambda rank, step=None: release.wait(20))
+
+    def save():
+        try:
+            _save(root, 2, overwrite=True)
+            box["result"] = "committed"
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            box["result"] = f"{type(e).__name__}: {e}"
+    thread = threading.Thread(target=save)
+    step_dir = os.path.join(root, RUN, f"step_{2:010d}")
+    remove_step = cli.remove_step
+
+    def remove_then_commit(layout, step, **kwargs):  # the save commits between rm's removal and its report
+        left = remove_step(layout, step, **kwargs)
+        release.set()
+        thread.join(30)
+        return left
+    monkeypatch.setattr(cli, "remove_step", remove_then_commit)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and sum(
+                os.path.exists(os.path.join(step_dir, a, "manifest.json")) for a in os.listdir(step_dir)) < 2:
+            time.sleep(0.02)  # the new attempt's manifest is written: it waits before its marker
+        assert main(["rm", root, RUN, "2", "--yes"]) == 1
+    finally:
+        release.set()
+        failpoints.disarm_all()
+    assert box["result"] == "committed", box
+    first = capsys.readouterr().out.splitlines()[0]
+    new_save = AtomicStorageReader(root, RUN, 2).resolve().save_id
+    assert first.startswith("step 2 of run 'exp' is committed again") and f"(save {new_save})" in first, first
+    assert list_steps(root, RUN) == [1, 2]

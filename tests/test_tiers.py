@@ -339,6 +339,14 @@ def test_durable_every_2_drains_every_second_step_bit_exact_for_plain_readers(ro
         assert out[1:3] == [f"tiers: {tiers}", where], (args, out[:4])
     assert cli.main(["show", root, RUN, "40", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tiers"] == ["durable"]  # without --local-root: the root alone
+    # ROOT a node's local root: its steps are that disk's copies, drained or not (10, 30 never were), never durable
+    assert cli.main(["ls", nodes[1], RUN, "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert {row["step"]: row["tiers"] for row in listing["steps"]} == {s: ["local"] for s in (10, 20, 30, 40)}
+    assert listing["root_tier"] == "local", listing
+    for args in (["show", nodes[1], RUN, "30"], ["show", nodes[1], RUN, "30", "--local-root", nodes[1]]):
+        assert cli.main(args) == 0
+        assert capsys.readouterr().out.splitlines()[1] == "tiers: local", args
     assert all(out["listed"] == {"local": [10, 20, 30, 40], "durable": [20, 40]} for out in saved), saved[0]["listed"]
     for step in (20, 40):  # the step keeps its local commit sequence in the durable root (P10 across tiers)
         local = _marker(nodes[0], step)

@@ -41,6 +41,7 @@ LATEST = "LATEST"
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 PARTIAL_SUFFIX = ".partial"  # beside a data file a tier restore copied in part (local roots only)
+SPOOL_DIR = ".incoming"  # in a local root's run: files from peers wait there for verification (local roots only)
 ATTEMPT = "ATTEMPT"  # written first by the coordinator: who started this attempt, when
 
 

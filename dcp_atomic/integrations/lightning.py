@@ -172,16 +172,17 @@ class _AtomicCheckpointing:
         dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, planner=AtomicSavePlanner())
         marker = writer.last_marker  # rank 0's (the one whose file is written); the state lives beside the file
         self._publish(checkpoint, path, checkpoint_id, {
-            "save_id": writer.save_id, "sequence": None if marker is None else marker.sequence,
-            "relative": os.path.relpath(checkpoint_id, os.path.dirname(path))})
+            "save_id": writer.save_id, "sequence": None if marker is None else marker.sequence})
 
     def _publish(self, checkpoint: dict[str, Any], path: str, checkpoint_id: str,
                  record: dict[str, Any] | None = None) -> None:
-        """Global rank 0 writes Lightning's file naming the committed ``checkpoint_id`` (then retires the state of
-        one tier that the file named before and no file names now); a failure reaches every rank."""
+        """Global rank 0 writes Lightning's file naming the committed ``checkpoint_id`` and where it lies relative to
+        the file (:func:`checkpoint_id_of`: a copied or moved ``dirpath`` loads its own), then retires the state of
+        one tier that the file named before and no file names now; a failure reaches every rank."""
+        record = {**(record or {}), "relative": os.path.relpath(checkpoint_id, os.path.dirname(path))}
         checkpoint[POINTER_KEY] = checkpoint_id  # for AtomicCheckpointHooks, outside a Trainer
-        checkpoint[SAVE_ID_KEY] = (record or {}).get("save_id")  # rank 0's: the one whose file is written
-        checkpoint[SEQUENCE_KEY] = (record or {}).get("sequence")
+        checkpoint[SAVE_ID_KEY] = record.get("save_id")  # rank 0's: the one whose file is written
+        checkpoint[SEQUENCE_KEY] = record.get("sequence")
         failure = None
         if self.global_rank == 0:
             try:
@@ -330,7 +331,7 @@ class _AtomicCheckpointing:
 
     def _tier_load(self, path: str, record: dict[str, Any], state: dict[str, Any]) -> None:
         """Exactly the step the file names, from the nearest complete copy of it (module doc)."""
-        checkpoint_id, save_id = record[POINTER_KEY], record.get("save_id")
+        checkpoint_id, save_id = checkpoint_id_of(path, record), record.get("save_id")
         root, run_id, step = parse_checkpoint_id(checkpoint_id)
         tier = self._tier(root, run_id, os.path.dirname(root))
         try:
@@ -338,8 +339,8 @@ class _AtomicCheckpointing:
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(
                 f"{path} names step {step} (save {save_id}) of the local tier's run {run_id!r}, and no complete copy "
-                f"of it is left: not on any node's local root ({self.local_root} on this one) nor in {root} (its "
-                f"drain had not committed). {e.message} Resume from another file of {os.path.dirname(path)}.",
+                f"of it is left: not on any node's local root ({self.local_root} on this one) nor in {root}. "
+                f"{e.message} Resume from another file of {os.path.dirname(path)}.",
                 path=path, step=step, save_id=save_id) from e
         self.restored_from = dict(tier.manager.restored_from or {})
 
@@ -374,7 +375,10 @@ class _AtomicCheckpointing:
         """Every file durable before ``fit`` returns: wait for the drains, then retire what no file names."""
         self._fitting = False
         for tier in list(self._tiers.values()):  # the same order on every rank: built in the same order
-            self._quiet_point(tier)
+            if tier_run_for(tier.directory, self.run_id)[1] == tier.manager.run_id:
+                self._quiet_point(tier)
+            # else a copied or moved dirpath's files were loaded, not saved to: their run id is the original's, and
+            # so are the nodes' local steps of it, which a retire of what the copy's files do not name would remove
         super().on_train_end()
 
     def teardown(self) -> None:

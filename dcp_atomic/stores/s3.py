@@ -647,12 +647,22 @@ class S3Storage(FsspecStorage):
 
     def remove(self, path: str) -> None:
         """Delete the object ``path`` and everything under ``path/`` (gc, tools, and reuse's copy that failed its
-        check, whose name the rank then writes anew: no read-ahead window from before survives it)."""
+        check, whose name the rank then writes anew: no read-ahead window from before survives it).
+
+        Stores backed by a file system (SeaweedFS) keep the folders the deleted objects lay in and list them as
+        common prefixes, so a removed step would still be listed (``ls``: partial, ``gc``: abandoned): once the
+        objects are gone, those folders are deleted too, deepest first (a folder that is not empty is kept; stores
+        without folders answer "no such key", which is ignored)."""
         bucket, key = self._split(path)
         if not key:
             raise ValueError(f"refusing to remove a whole bucket: {path}")
         self._removals += 1
-        keys = [key] + self._list_keys(bucket, key.rstrip("/") + "/", path)
+        under = self._list_keys(bucket, key.rstrip("/") + "/", path)
+        self._delete_keys(path, bucket, [key] + under)
+        if under:
+            self._delete_keys(path, bucket, _folders_of(key, under))
+
+    def _delete_keys(self, path: str, bucket: str, keys: list[str]) -> None:
         self._run(self.fs.set_session())
         self.fs.s3.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5,
                                         unique_id="dcp-atomic-content-md5")
@@ -675,3 +685,13 @@ class S3Storage(FsspecStorage):
         return abort_stale_uploads(self, prefix, older_than_s)
 
 
+def _folders_of(key: str, under: list[str]) -> list[str]:
+    """The folder keys (``a/b/``) from ``key/`` down to each key's parent in ``under``, deepest first."""
+    top = key.rstrip("/")
+    folders = {top + "/"}
+    for name in under:
+        parent = name.rpartition("/")[0]
+        while len(parent) > len(top):
+            folders.add(parent + "/")
+            parent = parent.rpartition("/")[0]
+    return sorted(folders, key=lambda f: (-f.count("/"), f))

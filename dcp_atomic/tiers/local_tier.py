@@ -45,7 +45,7 @@ from ..exchange.file_transfer import Part, Received, Spooled, discard, transfer
 from ..exchange.transport import PeerLost
 from ..format.blocks import verify_item, verify_stored_file
 from ..format.integrity import sha256_hex
-from ..format.layout import DCP_METADATA, MANIFEST, PARTIAL_SUFFIX, RunLayout
+from ..format.layout import DCP_METADATA, MANIFEST, PARTIAL_SUFFIX, SPOOL_DIR, RunLayout
 from ..format.manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, now, shard_name
 from .placement import Placement, place_replicas
 from ..stores.storage import LocalRangeReader, LocalStorage
@@ -181,7 +181,7 @@ class LocalWriter(WatchedWriter):
 def spool_dir(layout: RunLayout) -> str:
     """Where a root's incoming files wait for verification: inside the run, so the rename into place stays on one
     filesystem; step listings skip it (not a ``step_`` name)."""
-    return layout.storage.join(layout.run_dir, ".incoming")
+    return layout.storage.join(layout.run_dir, SPOOL_DIR)
 
 
 def sweep_spool(layout: RunLayout) -> list[str]:

@@ -28,7 +28,7 @@ from typing import Any
 from ..protocol.catalog import most_recent, scan_markers
 from ..protocol.commit import read_committed, read_marker
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..format.layout import LATEST, RunLayout, parse_step_dir, validate_run_id
+from ..format.layout import LATEST, SPOOL_DIR, RunLayout, parse_step_dir, validate_run_id
 from ..format.manifest import Marker
 from ..protocol.retention import COMMITS, apply_gc, plan_gc, remove_run, remove_step
 from .._base.retry import Deadline
@@ -243,20 +243,27 @@ def _local_layout(args) -> RunLayout:
     return layout
 
 
+def _root_tier(layout: RunLayout, markers) -> str:
+    """Which tier ROOT is: ``local`` when it is a node's local root (an operator may point ROOT at one), seen in
+    the fields only local markers record (``lineage``, ``drain``) or the spool replicas arrive in; else
+    ``durable``.  So a step that never drained is never called durable."""
+    if any(m.lineage is not None or m.drain is not None for m in markers):
+        return "local"
+    return "local" if layout.storage.is_dir(layout.storage.join(layout.run_dir, SPOOL_DIR)) else "durable"
+
+
 def _step_tiers(args, step: int, save_id: str) -> list[str]:
-    """Where ``step`` (save ``save_id``) is committed: ``durable`` (the root), ``local`` (``--local-root``)."""
-    tiers = ["local"] if args.local_root else []
-    if args.local_root:  # the durable root may hold the drained copy, or nothing of this run yet
-        durable = RunLayout(_storage(args), args.run)
-        try:
-            marker = read_marker(durable, step, Deadline(0), missing_ok=True)
-        except (OSError, CheckpointError):  # not drained (yet), or no durable root here
-            marker = None
-        if marker is not None and marker.save_id == save_id:
-            tiers.insert(0, "durable")
-    else:
-        local = _local_steps(args)
-        tiers = ["durable"] + (["local"] if step in local and local[step].save_id == save_id else [])
+    """Where ``step`` (save ``save_id``) is committed: ROOT's tier (:func:`_root_tier`), and ``local`` when
+    ``--local-root`` holds it."""
+    root = RunLayout(_storage(args), args.run)
+    try:
+        marker = read_marker(root, step, Deadline(0), missing_ok=True)
+    except (OSError, CheckpointError):  # not drained (yet), or no durable root here
+        marker = None
+    tiers = [_root_tier(root, [marker])] if marker is not None and marker.save_id == save_id else []
+    local = _local_steps(args)
+    if step in local and local[step].save_id == save_id and "local" not in tiers:
+        tiers.append("local")
     return tiers
 
 
@@ -274,11 +281,12 @@ def _copies_by_domain(ranks: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def _with_tiers(rows: list[dict[str, Any]], local: dict[int, Marker]) -> list[dict[str, Any]]:
-    """Each row's ``tiers``: ``durable`` when committed in the root, ``local`` when ``--local-root`` holds it;
-    steps only that local root holds get a row of their own."""
+def _with_tiers(rows: list[dict[str, Any]], local: dict[int, Marker], root_tier: str) -> list[dict[str, Any]]:
+    """Each row's ``tiers``: ROOT's tier (``root_tier``) when committed in the root, ``local`` when ``--local-root``
+    holds it; steps only that local root holds get a row of their own."""
     for row in rows:
-        row["tiers"] = (["durable"] if row["committed"] else []) + (["local"] if row["step"] in local else [])
+        tiers = [root_tier] if row["committed"] else []
+        row["tiers"] = tiers + (["local"] if row["step"] in local and "local" not in tiers else [])
     listed = {row["step"] for row in rows}
     rows += [{"step": m.step, "committed": False, "attempts": 0, "partial_attempts": 0, "save_id": m.save_id,
               "tiers": ["local"]} for m in local.values() if m.step not in listed]
@@ -364,14 +372,18 @@ def cmd_ls(args) -> int:
         return 0
     layout = _layout(args)
     markers, damaged = _scan(layout)
-    rows = _with_tiers(_step_rows(layout, markers, damaged), _local_steps(args))
+    root_tier = _root_tier(layout, markers.values())
+    rows = _with_tiers(_step_rows(layout, markers, damaged), _local_steps(args), root_tier)
     newest = most_recent(list(markers.values()))
     if args.json:
-        _emit({"run": args.run, "latest": newest.step if newest else None, "steps": rows})
+        _emit({"run": args.run, "latest": newest.step if newest else None, "root_tier": root_tier, "steps": rows})
         return 0
     if not rows:
         print(f"no steps in {layout.run_dir}")
         return 0
+    if root_tier == "local":
+        print(f"{args.root} is a node's local root: its steps are this disk's copies; which of them drained shows "
+              f"`dcp-atomic ls DURABLE_ROOT {args.run} --local-root {args.root}`")
     now = time.time()
     print(f"{'step':>10}  {'state':<10} {'tiers':<14} {'size':>10}  {'age':>6}  {'world':>5}  layout              save_id")
     for row in rows:
@@ -577,16 +589,38 @@ def cmd_rm(args) -> int:
             print(f"would remove {what}" + (f"; LATEST would then name {after}" if after else ""))
         print("dcp-atomic: nothing was removed: pass --yes to remove it", file=sys.stderr)
         return 2
+    again = None
     if args.step is not None:
         left = remove_step(layout, args.step, lease_seconds=args.lease_hours * 3600)
         plan["left_in_flight"] = left
+        again = _committed_again(layout, args.step, left)
+        plan["committed_again"] = again
     else:
         plan["committed_steps"] = remove_run(layout)
     if args.json:
         _emit({**plan, "removed": True})
+    elif again is not None:
+        print(f"step {args.step} of run {args.run!r} is committed again: a save in flight (save {again}) committed it "
+              f"while rm ran; {what} was removed before that. Run rm again to remove the new commit")
+    elif plan.get("left_in_flight"):
+        print(f"step {args.step} of run {args.run!r} may be committed again: {len(left)} attempt(s) of a save in "
+              f"flight were left (inside the {args.lease_hours:g} h lease: {', '.join(left)}); it commits, or gc "
+              f"collects it once the lease ends. Removed {what}" + (f"; LATEST now names {after}" if after else ""))
     else:
         print(f"removed {what}" + (f"; LATEST now names {after}" if after else ""))
-    return 0
+    return 1 if again is not None else 0
+
+
+def _committed_again(layout: RunLayout, step: int, in_flight: list[str]) -> str | None:
+    """The save id that committed ``step`` while ``rm`` removed it (one of the attempts it left in flight, e.g. a
+    drain), or None: the operator must not read "removed" over a step that is there."""
+    if not in_flight:
+        return None
+    try:
+        marker = read_marker(layout, step, Deadline(0), missing_ok=True)
+    except (OSError, CheckpointError):
+        return None
+    return None if marker is None else marker.save_id
 
 
 def cmd_export(args) -> int:
