@@ -188,7 +188,8 @@ class TwoTier(TierPolicy):
         """A local save that fails (ENOSPC on a node, a peer lost, a replica refused) leaves nothing on this rank's
         local root: its attempt directory goes before the error is raised, on every rank (the ranks of a root remove
         the same one; whoever is first), so a disk sized for ``keep_local + 1`` steps keeps saving.  Never a step
-        with a marker here: a commit that reached this root is not a failed attempt."""
+        with a marker here: a commit that reached this root is not a failed attempt.  A failure for space while local
+        retention keeps a durable-pending step says so (:meth:`_held_back_note`): that step may be what fills it."""
         try:
             yield
         except BaseException as e:
@@ -202,9 +203,9 @@ class TwoTier(TierPolicy):
         """What a save that failed for space must also say: the step local retention keeps for its durable copy
         takes that space, and what to do about it (every rank alike: ``_held_back`` is rank 0's, handed out)."""
         step, m = self._held_back, self._m
-        return (f"Step {step} is kept on every node's local root (beyond keep_local={self.keep_local} when newer "
-                f"steps fill it) because it was saved for a durable copy and is not durable yet: its drain to "
-                f"{m.layout.storage.describe()} failed. Make the durable root writable again (a later save queues "
+        return (f"Step {step} is kept on every node's local root, past keep_local={self.keep_local} if need be, "
+                f"because it was saved for a durable copy and is not durable yet (its drain to "
+                f"{m.layout.storage.describe()} failed). Make the durable root writable again (a later save queues "
                 f"step {step} for the drain again, or call queue_drain({step})), or free space on the node; to give "
                 f"up its durable copy, remove it on every node: rm -rf {self.local.step_dir(step)}")
 
