@@ -824,7 +824,7 @@ def _a_drain_that_always_fails(ctx):
         with pytest.raises(Exception):
             manager.wait()
         per_save = []
-        for step in range(2, 6):
+        for step in range(2, 10):
             manager.save(step, _flat(step), durable=False)
             with contextlib.suppress(Exception):
                 manager.wait()
@@ -833,12 +833,90 @@ def _a_drain_that_always_fails(ctx):
         return per_save
 
 
-def test_an_undrained_step_is_queued_again_once_per_job_not_at_every_save(root):
+def test_an_undrained_step_is_kept_and_queued_again_at_doubling_intervals_not_at_every_save(root):
+    # Before: queued again once, then keep_local=1 deleted step 1 although it never became durable.
     [per_save] = assert_all_ok(run_world(_a_drain_that_always_fails, 1, root, timeout=120))
-    first, *later = per_save
-    assert first[0] == 6, per_save  # queued again once (3 attempts more), still kept locally then
-    assert all(count == first[0] for count, _ in later), per_save  # never again in this job
-    assert later[-1][1] == [5], per_save  # and keep_local=1 holds once that one retry failed
+    assert [count for count, _ in per_save] == [6, 6, 9, 9, 9, 9, 12, 12], per_save  # saves 2, 4, 8: 3 tries each
+    assert [local for _, local in per_save] == [[1, step] for step in range(2, 10)], per_save  # kept throughout
+
+
+def _durable_root_full_then_healed(ctx):
+    """Two nodes, keep_local=1: step 1's drain fails (the durable store is full), local saves go on, node B's disk
+    fills (a save fails for space), the store heals; returns what each phase showed."""
+    import torch.distributed as dist
+
+    from dcp_atomic import drain
+
+    drain.RETRY_BACKOFF = 0.01
+    failpoints.arm("drain.before_upload", lambda rank, step: (_ for _ in ()).throw(
+        OSError(28, "No space left on device (injected: the durable store is full)")))
+    seen = {}
+    with _manager(ctx, keep_local=1, local_root=ctx.extra["nodes"][ctx.rank]) as manager:
+        manager.save(1, _flat(1), durable=True)
+        with pytest.raises(Exception):
+            manager.wait()
+        manager.save(2, _flat(2), durable=False)
+        with contextlib.suppress(Exception):
+            manager.wait()
+        seen["local_while_down"] = manager.steps(tier="local")
+        ballast = os.path.join(ctx.extra["nodes"][1], ".ballast")
+        if ctx.rank == 1:
+            _fill(ballast)
+        dist.barrier()
+        try:
+            manager.save(3, _flat(3), durable=False)
+        except Exception as e:
+            seen["full"] = f"{type(e).__name__}: {e}"
+        dist.barrier()
+        if ctx.rank == 1:
+            os.unlink(ballast)  # the operator frees space
+        failpoints.disarm_all()  # the durable store heals
+        manager.save(4, _flat(4), durable=False)
+        try:
+            manager.wait()
+            seen["healed"] = None
+        except Exception as e:
+            seen["healed"] = f"{type(e).__name__}: {e}"
+        seen["durable"] = manager.steps(tier="durable")
+        manager.save(5, _flat(5), durable=False)
+        seen["local_after"] = manager.steps(tier="local")
+        state = _flat(-1)
+        try:
+            seen["loaded"] = manager.load(state, step=1), manager.restored_from["tier"]
+        except Exception as e:  # before: step 1 was in neither tier
+            seen["loaded"] = f"{type(e).__name__}: {e}"
+        seen["exact"] = torch.equal(state["w"], _flat(1)["w"]) and state["meta"] == {"step": 1}
+    return seen
+
+
+def _fill(path):
+    """Write ``path`` until its disk is full (a page-sized tail included)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while True:
+            os.write(fd, b"\xab" * 65536)
+    except OSError as e:
+        assert e.errno == 28, e
+    finally:
+        os.close(fd)
+
+
+def test_a_durable_pending_step_is_kept_on_every_node_until_the_healed_store_drains_it(root, nodes):
+    """Issue 41: step 1 (durable=True) stays on both nodes past keep_local=1 while its drain fails, a save that
+    fails for space says step 1 takes it and why, and once the store heals a later save drains it; a newer durable
+    step then lets it go."""
+    from tests.helpers.drain import _one_node_each
+
+    outcomes = assert_all_ok(_run(_durable_root_full_then_healed, root, nodes, world=2, rank_env=_one_node_each))
+    for rank, seen in enumerate(outcomes):
+        assert seen["local_while_down"] == [1, 2], (rank, seen)
+        full = seen.get("full", "")
+        assert full.startswith("StorageError") and "No space left" in full, (rank, full)
+        assert "Step 1 is kept" in full and "not durable yet" in full and "queue_drain(1)" in full, (rank, full)
+        assert os.path.join(nodes[rank], RUN, f"step_{1:010d}") in full, (rank, full)
+        assert seen["healed"] is None and seen["durable"] == [1], (rank, seen)
+        assert seen["local_after"] == [5], (rank, seen)  # durable now: keep_local=1 lets it go
+        assert seen["loaded"] == (1, "durable") and seen["exact"], (rank, seen)
 
 
 def test_markers_and_the_commits_journal_carry_drain_only_where_set_as_earlier_versions_read_them():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import weakref
@@ -70,6 +71,13 @@ def _exit_without_close(manager: "weakref.ref[CheckpointManager]") -> None:
             log.exception("dcp_atomic: the exit-time wait for a drain failed")
 
 
+def _out_of_space(error: CheckpointError) -> bool:
+    """A save that failed for space: the errno a writer records, or the system's words in a peer's report (a
+    replica holder's failure arrives as text)."""
+    return (error.details.get("errno") in (errno.ENOSPC, errno.EDQUOT)
+            or any(os.strerror(code) in error.message for code in (errno.ENOSPC, errno.EDQUOT)))
+
+
 class TwoTier(TierPolicy):
     """The local tier and its drain for one manager; built by the manager's ``__init__`` on every rank alike."""
 
@@ -82,8 +90,10 @@ class TwoTier(TierPolicy):
         self._saves = 0  # counts saves for durable_every (identical on every rank: SPMD)
         self._last_undrained: tuple[int, Marker] | None = None  # the newest local save not queued for the drain
         self.drainer: Drainer | None = None
-        self._durable_saves: set[str] = set()  # rank 0: save ids known to be in the durable root (see _undrained)
-        self._requeued: set[str] = set()  # save ids _undrained queued again: once per process, never in a loop
+        self._durable_saves: set[str] = set()  # rank 0: save ids known to be in the durable root (_durable_pending)
+        self._drained_sequence = 0  # rank 0: the newest commit sequence this manager drained (supersedes older)
+        self._requeues: dict[str, tuple[int, int]] = {}  # rank 0: save id -> (times queued again, at which save)
+        self._held_back: int | None = None  # every rank: the durable-pending step retention kept at the last commit
         self._lineage: str | None = None  # the durable run's lineage (lineage.py): which local steps are this job's
         self._provisional_for: str | None = None  # the durable root whose LINEAGE is still to be created (lineage.py)
         self._durable_listed: set[int] | None = None  # rank 0: the durable root's steps (listed once)
@@ -184,13 +194,26 @@ class TwoTier(TierPolicy):
         """A local save that fails (ENOSPC on a node, a peer lost, a replica refused) leaves nothing on this rank's
         local root: its attempt directory goes before the error is raised, on every rank (the ranks of a root remove
         the same one; whoever is first), so a disk sized for ``keep_local + 1`` steps keeps saving.  Never a step
-        with a marker here: a commit that reached this root is not a failed attempt."""
+        with a marker here: a commit that reached this root is not a failed attempt.  A failure for space while local
+        retention keeps a durable-pending step says so (:meth:`_held_back_note`): that step may be what fills it."""
         try:
             yield
-        except BaseException:
+        except BaseException as e:
             if writer.save_id is not None:
                 remove_failed_attempt(self.local, step, writer.save_id, self.topology.describe(self._m.rank))
+            if self._held_back is not None and isinstance(e, CheckpointError) and _out_of_space(e):
+                raise type(e)(f"{e.message.rstrip()} {self._held_back_note()}", **e.details) from e
             raise
+
+    def _held_back_note(self) -> str:
+        """What a save that failed for space must also say: the step local retention keeps for its durable copy
+        takes that space, and what to do about it (every rank alike: ``_held_back`` is rank 0's, handed out)."""
+        step, m = self._held_back, self._m
+        return (f"Step {step} is kept on every node's local root, past keep_local={self.keep_local} if need be, "
+                f"because it was saved for a durable copy and is not durable yet (its drain to "
+                f"{m.layout.storage.describe()} failed). Make the durable root writable again (a later save queues "
+                f"step {step} for the drain again, or call queue_drain({step})), or free space on the node; to give "
+                f"up its durable copy, remove it on every node: rm -rf {self.local.step_dir(step)}")
 
     def commit(self, step: int, writer: AtomicStorageWriter, group: dist.ProcessGroup | None,
                drain: bool | None) -> None:
@@ -198,23 +221,23 @@ class TwoTier(TierPolicy):
         retention (which keeps what the drain still needs)."""
         m = self._m
         try:
-            drainer, undrained, protected = self.drainer, None, None
+            drainer, pending, again, protected = self.drainer, None, False, None
             if drainer is not None:
                 protected = drainer.protected() if m.rank == 0 else None
-                if not drain:  # a drain of this step would supersede an older one's (drain.py, "Falling behind")
-                    undrained = self._undrained(protected, group)
-                    if undrained is not None:
-                        protected |= {undrained.step}
+                pending, again = self._durable_pending(protected, group, may_queue=not drain)
+                if pending is not None:
+                    protected |= {pending.step}
             committed = commit_local(self.topology, self.local, writer, step, group, self._sequence_floor(),
                                      protected, drain=bool(drain), lineage=self._lineage, timeout=m.timeout)
-            if drainer is not None and not drain:
-                undrained = self._gathered(undrained, group)[0]
+            if drainer is not None:
+                pending, again = self._gathered((pending, again), group)[0]
         except CheckpointError:
             raise
         except BaseException as e:
             _raise_typed(m._translate(e, f"committing step {step} to the local tier"))
         marker, protected = committed.marker, committed.kept
         self._sequence = max(self._sequence, marker.sequence or 0)
+        self._held_back = pending.step if pending is not None else None
         writer.last_local_commit = committed
         log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)%s", m.run_id, step,
                  marker.sequence, len(self.topology.placement.holders[m.rank]),
@@ -222,12 +245,8 @@ class TwoTier(TierPolicy):
         self._last_undrained = (step, marker) if drain is None else None  # an explicit durable=False is kept local
         if drain:
             self.drainer.submit(step, marker)
-        elif undrained is not None:
-            log.warning("run %r: step %d was saved for a durable copy that never committed (its drain failed or the "
-                        "job stopped first); it is kept on the local tier and queued for the drain again", m.run_id,
-                        undrained.step)
-            self.drainer.submit(undrained.step, undrained)
-            self._requeued.add(undrained.save_id)
+        elif again:
+            self._queue_again(pending)
         if self.topology.is_leader:
             try:
                 removed = retain_local(self.local, self.keep_local, protected=protected, lineage=self._lineage)
@@ -249,12 +268,14 @@ class TwoTier(TierPolicy):
             self._sequence_known = True
         return self._sequence
 
-    def _undrained(self, queued: set[int] | None, group: dist.ProcessGroup | None) -> Marker | None:
+    def _durable_pending(self, queued: set[int] | None, group: dist.ProcessGroup | None,
+                         may_queue: bool) -> tuple[Marker | None, bool]:
         """Every rank (a collective); rank 0 returns the newest local step saved for a durable copy
-        (:attr:`Marker.drain`) that has none and is not queued (its drain failed, or the job stopped before it) --
-        the newest durable-pending step, which local retention keeps and the drain takes again.  Each root reports
-        its own newest such step: global rank 0's node may have been replaced since (an empty disk), and the step's
-        files then sit on the other nodes alone.  An unreadable durable root counts as "none" (kept, retried)."""
+        (:attr:`Marker.drain`) that has none -- the durable-pending step, which local retention keeps for as long as
+        it is not durable (a newer durable step supersedes it) -- and whether to queue it for the drain again now.
+        Each root reports its own newest such step: global rank 0's node may have been replaced since (an empty
+        disk), and the step's files then sit on the other nodes alone.  An unreadable durable root counts as "not
+        durable" (kept, retried)."""
         m, mine = self._m, None
         if self.topology.is_leader:
             resumed = m._resumed
@@ -263,20 +284,41 @@ class TwoTier(TierPolicy):
             mine = wanted[-1] if wanted else None
         reported = [mk for mk in self._gathered(mine, group) if mk is not None]
         if m.rank != 0 or not reported:
-            return None
+            return None, False
         newest = max(reported, key=commit_order)
+        if newest.save_id in self._durable_saves or (newest.sequence or 0) < self._drained_sequence:
+            return None, False  # durable, or a newer durable step supersedes it
         if newest.step in queued:
-            return None
-        if newest.save_id in self._durable_saves or newest.save_id in self._requeued:
-            return None  # drained, or queued again once already by this process (its failure was reported)
-        try:
-            durable = read_marker(m.layout, newest.step, Deadline(m.timeout), missing_ok=True)
-            if durable.save_id == newest.save_id:
-                self._durable_saves.add(newest.save_id)  # one durable read per drained step, not per save
-                return None
-        except (FileNotFoundError, CheckpointError, OSError):
-            pass
-        return newest
+            return newest, False  # the drain carries it
+        again = may_queue and not queued and self._queue_again_due(newest.save_id)
+        if again or newest.save_id not in self._requeues:  # not asked since its last drain here failed: read
+            try:
+                durable = read_marker(m.layout, newest.step, Deadline(m.timeout), missing_ok=True)
+                if durable.save_id == newest.save_id:
+                    self._durable_saves.add(newest.save_id)  # one durable read per drained step, not per save
+                    return None, False
+            except (FileNotFoundError, CheckpointError, OSError):
+                pass
+        return newest, again
+
+    def _queue_again_due(self, save_id: str) -> bool:
+        """Rank 0: a durable-pending step is queued again at the first save that finds the drain idle, then after
+        2, 4, 8... more saves: a store that heals drains it within twice the saves it was down for, and one that
+        stays down costs a drain attempt per doubling of the saves, never one per save."""
+        times, at = self._requeues.get(save_id, (0, 0))
+        return times == 0 or self._saves - at >= 2 ** times
+
+    def _queue_again(self, pending: Marker) -> None:
+        """Every rank alike: the durable-pending step goes to the drain again (rank 0 counts it)."""
+        m = self._m
+        if m.rank == 0:
+            times = self._requeues.get(pending.save_id, (0, 0))[0] + 1
+            self._requeues[pending.save_id] = (times, self._saves)
+            log.warning("run %r: step %d was saved for a durable copy that never committed (its drain failed or the "
+                        "job stopped first); it is kept on the local tier and queued for the drain again (time %d; "
+                        "next after %d more saves if this drain fails too)", m.run_id, pending.step, times,
+                        2 ** times)
+        self.drainer.submit(pending.step, pending)
 
     # -- the drain's outcomes (called on the drain thread) ----------------------------------
 
@@ -285,6 +327,7 @@ class TwoTier(TierPolicy):
         m, job, marker = self._m, drained.job, drained.marker
         self._confirm_lineage()
         self._durable_saves.add(job.save_id)
+        self._drained_sequence = max(self._drained_sequence, marker.sequence or 0)
         if self._durable_listed is not None:
             self._durable_listed.add(job.step)
         log.info("run %r step %d drained to %s (sequence %s, %.1f MiB in %.3fs, attempt %d%s)", m.run_id,
