@@ -41,8 +41,7 @@ from ..format.layout import data_file_name
 from ..format.manifest import ShardRef
 from ..format.safe_pickle import load_refusal
 from ..protocol.links import Base
-from . import reuse as _reuse
-from .reuse import ReuseContext
+from .reuse import ReuseContext, plan_rank
 
 log = logging.getLogger("dcp_atomic.writer")  # the name users filter on
 
@@ -165,7 +164,7 @@ class RankWrite:
     def _reuse(self, items: list[WriteItem], results: list[WriteResult]):
         """Reuse (:mod:`.reuse`): (the items for the ordinary files, [(the stable file, its items)] to write or []);
         a stable file linked from the base adds its items' results to ``results`` instead."""
-        outcome = _reuse.plan_rank(self.encode_item, items, self.base, self.ctx)
+        outcome = plan_rank(self.encode_item, items, self.base, self.ctx)
         results.extend(outcome.linked)
         for entry in outcome.linked_files:
             self.stats.files[entry.name] = entry.size

@@ -9,18 +9,18 @@ written or uploaded again.
   failed save.
 * **Change is decided by content**: an item whose identity (key, chunk offset, chunk sizes, stored dtype) matches a
   base item is digested first, through the writer's own encoding (the ``encode`` :func:`plan_rank` is given:
-  ``RankWrite.encode_item``) into a sink that stores nothing (:class:`_Probe`), so its digests are those of exactly the bytes a write would store; it is unchanged only if
-  every field of its record (format, codec, lengths, block digests) equals the base's.  Declarations
-  (``requires_grad``, "frozen") never decide.
+  ``RankWrite.encode_item``) into a sink that stores nothing (:class:`_Probe`), so its digests are those of exactly
+  the bytes a write would store; it is unchanged only if every field of its record (format, codec, lengths, block
+  digests) equals the base's.  Declarations (``requires_grad``, "frozen") never decide.
 * **Physically per file**: the unchanged items live in the rank's stable files (``layout.stable_file_name``), in
   canonical order (key, chunk offset), at most ``STABLE_FILE_BYTES`` each.  A stable file of the base whose every item
   is unchanged (same records, so the same bytes at the same offsets) is ``Storage.link()``ed into the new attempt
   under the same name (``link_kind``: a hard link on POSIX, a server-side copy on S3 and GCS), then verified against
   its block digests (:func:`..protocol.links.link_verified`, at every link: on POSIX it may be the only copy, on an
-  object store the copy is new bytes), and its extents become this save's: no data byte of it is written.  The other unchanged items
-  are written into new stable files, so that the next save can link them.  A link that fails (another filesystem, no
-  hard links, the base removed meanwhile, a copy the store refuses) or a damaged base file means its items are
-  written, logged.
+  object store the copy is new bytes), and its extents become this save's: no data byte of it is written.  The
+  other unchanged items are written into new stable files, so that the next save can link them.  A link that fails
+  (another filesystem, no hard links, the base removed meanwhile, a copy the store refuses) or a damaged base file
+  means its items are written, logged.
 
 Every step stays whole: a hard link is a second name for one inode and a server-side copy is an object of its own,
 so retiring or deleting any step, the base included, leaves the others' bytes in place; readers, ``verify``,
@@ -105,8 +105,8 @@ class _Changed(Exception):
 
 
 class _Probe:
-    """The :class:`BlockSink` a raw tensor's blocks go to when an item is only digested: nothing is stored, and the first
-    block whose digest differs from the base's stops the pass (a changed item costs one block, not its size)."""
+    """The :class:`BlockSink` a raw tensor's blocks go to when an item is only digested: nothing is stored, and the
+    first block whose digest differs from the base's stops the pass (a changed item costs one block, not its size)."""
 
     def __init__(self, expected: list[str]) -> None:
         self.expected = expected

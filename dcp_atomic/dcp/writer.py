@@ -10,9 +10,9 @@ Lifecycle, as DCP calls it (names follow DCP's hooks):
   (with DCP's plan caching, ranks replay a cached plan instead: each derives the
   save_id from it and a count of saves, and ``finish`` checks they agree);
 * ``write_data`` (every rank) writes ``thread_count`` files in parallel into the
-  attempt directory, hashing blocks as they go, fsyncs them, and publishes its
-  own manifest shard (items and block digests); only the shard's digest and
-  each item's (file, offset, length) travel to the coordinator;
+  attempt directory (:mod:`.rank_write`), hashing blocks as they go, fsyncs them,
+  and publishes its own manifest shard (items and block digests); only the shard's
+  digest and each item's (file, offset, length) travel to the coordinator;
 * ``finish`` (coordinator, only if every rank succeeded) runs the commit
   protocol of :mod:`dcp_atomic.commit`.
 
@@ -48,7 +48,6 @@ from . import plan_cache
 from . import reuse as _reuse
 from .identity import check_identities, default_thread_count, local_identity
 from .rank_write import RankStats, RankWrite, StoredForm, storage_error
-from .reuse import ReuseContext
 from .._base.gc_pause import STORAGE, hook, leave
 from ..format.integrity import BLOCK_SIZE, sha256_hex
 from ..format.layout import checked_checkpoint_id, new_save_id, no_location_error, validate_step
@@ -340,14 +339,7 @@ class AtomicStorageWriter(StorageWriter):
         self.save_id = assigned.save_id
         self.data_prefixes = assigned.data_prefixes
         self.rank = assigned.rank
-        ctx = ReuseContext(rank=assigned.rank, layout=self.layout, storage=self.storage, step=assigned.step,
-                           save_id=assigned.save_id, data_prefixes=assigned.data_prefixes, threads=self.thread_count)
-        form = StoredForm(self.block_size, self.compression, self.compression_level, self.stock_readable,
-                          chunk_sizes=self.reuse)
-        base = None  # reuse: this rank's own shard of the base step the coordinator chose
-        if self.reuse and assigned.base_step is not None:
-            base = load_base(self.layout, assigned.rank, assigned.base_step, assigned.base_save_id, self.timeout)
-        results, stats = RankWrite(ctx, planner, form, base).run(plan.items)
+        results, stats = self._rank_write(assigned, planner).run(plan.items)
         stats.shard = self._publish_shard(assigned, results, stats)
         stats.step, stats.save_id = assigned.step, assigned.save_id
         results = [  # the coordinator needs only what DCP's .metadata records
@@ -448,6 +440,19 @@ class AtomicStorageWriter(StorageWriter):
         return commit.refuse_committed(marker, self.step, self.layout.run_id, self.resumed_from,
                                        self.layout.storage.describe())
 
+    def _rank_write(self, assigned: _AssignedPlanData, planner: SavePlanner) -> RankWrite:
+        """This rank's share of the save (:mod:`.rank_write`): the attempt it writes into, the form of its items, and
+        with reuse its own shard of the base step the coordinator chose."""
+        ctx = _reuse.ReuseContext(rank=assigned.rank, layout=self.layout, storage=self.storage, step=assigned.step,
+                                  save_id=assigned.save_id, data_prefixes=assigned.data_prefixes,
+                                  threads=self.thread_count)
+        form = StoredForm(self.block_size, self.compression, self.compression_level, self.stock_readable,
+                          chunk_sizes=self.reuse)
+        base = None
+        if self.reuse and assigned.base_step is not None:
+            base = load_base(self.layout, assigned.rank, assigned.base_step, assigned.base_save_id, self.timeout)
+        return RankWrite(ctx, planner, form, base)
+
     def _publish_shard(self, assigned: _AssignedPlanData, results: list[WriteResult], stats: RankStats) -> ShardRef:
         """This rank's record of what it wrote, durable beside its data before the coordinator may commit."""
         files = {name: FileEntry(name=name, rank=assigned.rank, size=size) for name, size in stats.files.items()}
@@ -498,7 +503,8 @@ class AtomicStorageWriter(StorageWriter):
         )
 
 
-def _stored_dtypes(metadata: Metadata, results: list[list[WriteResult]], stats: list[RankStats]) -> dict[str, list[str]]:
+def _stored_dtypes(metadata: Metadata, results: list[list[WriteResult]],
+                   stats: list[RankStats]) -> dict[str, list[str]]:
     """Key -> every dtype its chunks are stored as, for each key a planner cast on some rank.  The manifest holds
     it so that a load can tell a recorded cast from a shard whose item dtype was changed after the commit."""
     cast: dict[str, set[str]] = {}
