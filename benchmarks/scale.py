@@ -38,7 +38,8 @@ from dcp_atomic.dcp import plan_cache
 from dcp_atomic.protocol.commit import read_committed
 from dcp_atomic.format.manifest import FileEntry, ItemExtent, ManifestShard, ShardRef
 from dcp_atomic._base.retry import Deadline
-from dcp_atomic.dcp.writer import _STATS_FQN, _RankStats
+from dcp_atomic.dcp.rank_write import RankStats
+from dcp_atomic.dcp.writer import _STATS_FQN
 
 PROPS = TensorProperties(dtype=torch.float32)
 
@@ -69,8 +70,8 @@ def _ours_results(stock: list[list[WriteResult]], save_id: str, step: int) -> li
     out = []
     for rank, results in enumerate(stock):
         name = f"__{rank}_0.distcp"
-        stats = _RankStats(rank=rank, host="bench", files={name: 64 * len(results)}, items=len(results),
-                           shard=ShardRef(rank, f"manifest.{rank}.json", 1000, "0" * 64), step=step, save_id=save_id)
+        stats = RankStats(rank=rank, host="bench", files={name: 64 * len(results)}, items=len(results),
+                          shard=ShardRef(rank, f"manifest.{rank}.json", 1000, "0" * 64), step=step, save_id=save_id)
         out.append(results + [WriteResult(MetadataIndex(f"{_STATS_FQN}/{rank}"), 0, stats)])
     return out
 

@@ -1,5 +1,6 @@
-"""The package's layers: the import contract holds, and every module's old flat path still imports as the same
-module object (so ``mock.patch`` and ``monkeypatch`` of an old path reach the code that runs)."""
+"""The package's layers: the import contracts hold (layers, and no import circles), and every module's old flat
+path still imports as the same module object (so ``mock.patch`` and ``monkeypatch`` of an old path reach the code
+that runs)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ Lifecycle, as DCP calls it (names follow DCP's hooks):
   (with DCP's plan caching, ranks replay a cached plan instead: each derives the
   save_id from it and a count of saves, and ``finish`` checks they agree);
 * ``write_data`` (every rank) writes ``thread_count`` files in parallel into the
-  attempt directory, hashing blocks as they go, fsyncs them, and publishes its
-  own manifest shard (items and block digests); only the shard's digest and
-  each item's (file, offset, length) travel to the coordinator;
+  attempt directory (:mod:`.rank_write`), hashing blocks as they go, fsyncs them,
+  and publishes its own manifest shard (items and block digests); only the shard's
+  digest and each item's (file, offset, length) travel to the coordinator;
 * ``finish`` (coordinator, only if every rank succeeded) runs the commit
   protocol of :mod:`dcp_atomic.commit`.
 
@@ -23,47 +23,39 @@ as stock DCP writes them, so torch's own ``FileSystemReader`` can open an attemp
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
-import io
-import json
 import logging
 import os
 import pickle
 import socket
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._base import arguments, internals
 from ..protocol import commit
 from .._base import failpoints
 from ..protocol.catalog import DEFAULT_TIMEOUT
-from ..format.codec import Encoder, Staging, host_blocks, plane_width, tensor_bytes
-from ..format.container import find_payload
-from ..errors import CheckpointError, ConfigurationError, RankConsistencyError, StorageError
+from ..errors import ConfigurationError, RankConsistencyError
 from . import plan_cache
 from . import reuse as _reuse
 from .identity import check_identities, default_thread_count, local_identity
+from .rank_write import RankStats, RankWrite, StoredForm, storage_error
 from .._base.gc_pause import STORAGE, hook, leave
-from ..format.integrity import BLOCK_SIZE, HashingWriter, block_digest, sha256_hex
-from ..format.layout import checked_checkpoint_id, data_file_name, new_save_id, no_location_error, validate_step
+from ..format.integrity import BLOCK_SIZE, sha256_hex
+from ..format.layout import checked_checkpoint_id, new_save_id, no_location_error, validate_step
 from ..protocol.location import is_checkpoint_id, open_location, retarget
+from ..protocol.links import choose_base, load_base
 from ..format.manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, check_user_metadata, now
 from ..format.parallelism import Parallelism
-from .._base.progress import Progress
 from .reshard import ItemSummary, SaveReport, check_save, summarize_items
-from ..format.safe_pickle import load_refusal
 from ..version import __version__
 
 log = logging.getLogger("dcp_atomic.writer")  # the name users filter on
@@ -96,46 +88,6 @@ class _AssignedPlanData:
     number: int = 1
     base_step: int | None = None  # reuse (P15): the committed step each rank compares its items against
     base_save_id: str | None = None
-
-
-@dataclass
-class _WrittenItem:
-    """``WriteResult.storage_data``: where an item went and its block digests."""
-
-    relative_path: str
-    offset: int
-    length: int
-    kind: str
-    format: str
-    checksums: list[str]
-    block_size: int
-    payload: int | None = None
-    codec: str = "none"
-    planes: int = 1
-    logical_length: int | None = None
-    frames: list[int] | None = None
-    dtype: str | None = None  # the dtype stored, when the planner resolved another than it planned
-    chunk_sizes: list[int] | None = None  # with reuse: the chunk's sizes (ItemExtent.chunk_sizes)
-
-
-@dataclass
-class _RankStats:
-    rank: int
-    host: str
-    files: dict[str, int] = field(default_factory=dict)  # name -> size
-    bytes: int = 0  # the data files of this rank in this step: bytes_written + bytes_reused
-    bytes_written: int = 0  # by this save
-    bytes_reused: int = 0  # linked from the base step (reuse, P15), not written
-    items: int = 0
-    write_seconds: float = 0.0
-    fsync_seconds: float = 0.0
-    threads: int = 1
-    shard: ShardRef | None = None  # this rank's manifest shard, as the manifest names it
-    step: int | None = None  # the attempt this rank wrote (checked against the coordinator's plan in finish)
-    save_id: str | None = None
-    # key -> the dtypes this rank stored its chunks of that key as, for keys of which the planner cast a chunk
-    # ("save as bf16"); the coordinator records them in the manifest (Manifest.stored_dtypes)
-    casts: dict[str, set[str]] = field(default_factory=dict)
 
 
 _MANIFEST_STATS = ("rank", "bytes", "items", "write_seconds", "fsync_seconds", "threads")  # per rank
@@ -336,9 +288,9 @@ class AtomicStorageWriter(StorageWriter):
             commit.claim_attempt(self.layout, self.step, save_id, started_at=self._started_at, overwrite=replacing,
                                  world_size=len(plans))
         except OSError as e:
-            raise _storage_error(e, self.rank, e.filename or attempt, phase="creating the attempt") from e
+            raise storage_error(e, self.rank, e.filename or attempt, phase="creating the attempt") from e
         prefixes = 0 if self.stock_readable else getattr(self.storage, "data_prefixes", 0)  # stock: data by .metadata
-        base_step, base_save_id = (_reuse.choose_base(self.layout, self.step, self.timeout) if self.reuse else None) \
+        base_step, base_save_id = (choose_base(self.layout, self.step, self.timeout) if self.reuse else None) \
             or (None, None)
         return [
             dataclasses.replace(plan, storage_data=_AssignedPlanData(save_id=first, rank=i, step=self.step,
@@ -387,7 +339,7 @@ class AtomicStorageWriter(StorageWriter):
         self.save_id = assigned.save_id
         self.data_prefixes = assigned.data_prefixes
         self.rank = assigned.rank
-        results, stats = _RankWrite(self, planner, assigned).run(plan.items)
+        results, stats = self._rank_write(assigned, planner).run(plan.items)
         stats.shard = self._publish_shard(assigned, results, stats)
         stats.step, stats.save_id = assigned.step, assigned.save_id
         results = [  # the coordinator needs only what DCP's .metadata records
@@ -407,10 +359,10 @@ class AtomicStorageWriter(StorageWriter):
                 metadata.version = _MetadataVersion(metadata.version)
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        stats: list[_RankStats] = []
+        stats: list[RankStats] = []
         storage_data: dict[MetadataIndex, Any] = {}
         for position, rank_results in enumerate(results):  # each rank's statistics come last (see write_data)
-            if not rank_results or not isinstance(rank_results[-1].storage_data, _RankStats):
+            if not rank_results or not isinstance(rank_results[-1].storage_data, RankStats):
                 raise ConfigurationError(f"the write results of rank {position} carry no dcp_atomic statistics: "
                                          "every rank must save with an AtomicStorageWriter")
             stats.append(rank_results[-1].storage_data)
@@ -428,7 +380,7 @@ class AtomicStorageWriter(StorageWriter):
         try:
             self.last_marker = self._publish(manifest, metadata_bytes)
         except OSError as e:
-            raise _storage_error(e, self.rank, e.filename or attempt, phase="committing") from e
+            raise storage_error(e, self.rank, e.filename or attempt, phase="committing") from e
         self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
                            "bytes_written": sum(s.bytes_written for s in stats),
                            "bytes_reused": sum(s.bytes_reused for s in stats),
@@ -483,12 +435,25 @@ class AtomicStorageWriter(StorageWriter):
         except FileNotFoundError:
             return False
         except OSError as e:  # e.g. a file where the step directory belongs
-            raise _storage_error(e, self.rank, e.filename or self.layout.marker(self.step),
+            raise storage_error(e, self.rank, e.filename or self.layout.marker(self.step),
                                  phase="checking whether the step is committed") from e
         return commit.refuse_committed(marker, self.step, self.layout.run_id, self.resumed_from,
                                        self.layout.storage.describe())
 
-    def _publish_shard(self, assigned: _AssignedPlanData, results: list[WriteResult], stats: _RankStats) -> ShardRef:
+    def _rank_write(self, assigned: _AssignedPlanData, planner: SavePlanner) -> RankWrite:
+        """This rank's share of the save (:mod:`.rank_write`): the attempt it writes into, the form of its items, and
+        with reuse its own shard of the base step the coordinator chose."""
+        ctx = _reuse.ReuseContext(rank=assigned.rank, layout=self.layout, storage=self.storage, step=assigned.step,
+                                  save_id=assigned.save_id, data_prefixes=assigned.data_prefixes,
+                                  threads=self.thread_count)
+        form = StoredForm(self.block_size, self.compression, self.compression_level, self.stock_readable,
+                          chunk_sizes=self.reuse)
+        base = None
+        if self.reuse and assigned.base_step is not None:
+            base = load_base(self.layout, assigned.rank, assigned.base_step, assigned.base_save_id, self.timeout)
+        return RankWrite(ctx, planner, form, base)
+
+    def _publish_shard(self, assigned: _AssignedPlanData, results: list[WriteResult], stats: RankStats) -> ShardRef:
         """This rank's record of what it wrote, durable beside its data before the coordinator may commit."""
         files = {name: FileEntry(name=name, rank=assigned.rank, size=size) for name, size in stats.files.items()}
         for result in results:
@@ -507,10 +472,10 @@ class AtomicStorageWriter(StorageWriter):
         try:
             return commit.publish_shard(self.layout, shard)
         except OSError as e:
-            raise _storage_error(e, assigned.rank, e.filename or self.layout.attempt_dir(assigned.step,
+            raise storage_error(e, assigned.rank, e.filename or self.layout.attempt_dir(assigned.step,
                                                                                            assigned.save_id)) from e
 
-    def _manifest(self, save_id: str, stats: list[_RankStats], world: int, metadata_bytes: bytes,
+    def _manifest(self, save_id: str, stats: list[RankStats], world: int, metadata_bytes: bytes,
                   stored_dtypes: dict[str, list[str]]) -> Manifest:
         """O(world + keys): per-rank files and shard digests, identities, per-key records; no item lists."""
         files = [FileEntry(name=name, rank=s.rank, size=size) for s in stats for name, size in s.files.items()]
@@ -538,7 +503,8 @@ class AtomicStorageWriter(StorageWriter):
         )
 
 
-def _stored_dtypes(metadata: Metadata, results: list[list[WriteResult]], stats: list[_RankStats]) -> dict[str, list[str]]:
+def _stored_dtypes(metadata: Metadata, results: list[list[WriteResult]],
+                   stats: list[RankStats]) -> dict[str, list[str]]:
     """Key -> every dtype its chunks are stored as, for each key a planner cast on some rank.  The manifest holds
     it so that a load can tell a recorded cast from a shard whose item dtype was changed after the commit."""
     cast: dict[str, set[str]] = {}
@@ -550,264 +516,6 @@ def _stored_dtypes(metadata: Metadata, results: list[list[WriteResult]], stats: 
             for key in {r.index.fqn for r in rank_results[:-1]} & cast.keys() - s.casts.keys():
                 cast[key].add(str(metadata.state_dict_metadata[key].properties.dtype))
     return {key: sorted(dtypes) for key, dtypes in sorted(cast.items())}
-
-
-class _RankWrite:
-    """One rank's share of a save: ``thread_count`` files written concurrently."""
-
-    def __init__(self, writer: AtomicStorageWriter, planner: SavePlanner, assigned: _AssignedPlanData) -> None:
-        self.writer = writer
-        self.planner = planner
-        self.rank = assigned.rank
-        self.attempt = writer.layout.attempt_dir(assigned.step, assigned.save_id)
-        self.stats = _RankStats(rank=self.rank, host=socket.gethostname(), threads=writer.thread_count)
-        self._staging = threading.local()  # per writer thread: one host buffer for device tensors
-        self._first_item = threading.Event()
-        self._lock = threading.Lock()
-        self._failed = threading.Event()
-        self._stored: dict[str, set[str]] = {}  # key -> the dtypes this rank stored its chunks of it as
-        self._cast: set[str] = set()  # keys of which the planner cast a chunk
-        self.base = None  # reuse: this rank's view of the base step (reuse.load_base), read in run()
-        if writer.reuse and assigned.base_step is not None:
-            self.base = _reuse.load_base(writer.layout, self.rank, assigned.base_step, assigned.base_save_id,
-                                         writer.timeout)
-
-    def run(self, items: list[WriteItem]) -> tuple[list[WriteResult], _RankStats]:
-        storage = self.writer.storage
-        failpoints.hit("write.before_data", self.rank)
-        try:
-            storage.makedirs(self.attempt)
-        except OSError as e:
-            raise _storage_error(e, self.rank, e.filename or self.attempt) from e
-        started = time.monotonic()
-        results: list[WriteResult] = []
-        self.progress = Progress(f"saving step {self.writer.step}", sum(_planned_bytes(i) for i in items), self.rank)
-        rest, stable = self._reuse(items, results) if self.base is not None else (items, [])
-        buckets = [b for b in _split_by_size(rest, self.writer.thread_count) if b] or ([] if stable or results else [[]])
-        files = [(data_file_name(self.rank, k), bucket) for k, bucket in enumerate(buckets)] + stable
-        with ThreadPoolExecutor(max_workers=max(1, len(files)), thread_name_prefix=f"dcp-atomic-w{self.rank}") as pool:
-            futures = [pool.submit(self._write_file, name, bucket) for name, bucket in files]
-            errors = []
-            for f in futures:
-                try:
-                    results.extend(f.result())
-                except BaseException as e:  # collect all, raise the first
-                    errors.append(e)
-        if errors:
-            raise self._first_cause(errors)
-        self.stats.write_seconds = time.monotonic() - started
-        self.stats.items = len(items)
-        self.stats.casts = {key: self._stored[key] for key in self._cast}
-        failpoints.hit("write.after_data", self.rank)
-        return results, self.stats
-
-    def _first_cause(self, errors: list[BaseException]) -> BaseException:
-        """The failure that stopped this rank, never the ``_Aborted`` it caused in the other threads."""
-        real = [e for e in errors if not isinstance(e, _Aborted)] or errors
-        first, others = real[0], real[1:]
-        if not others:
-            return first
-        also = f" ({len(others)} more writer thread(s) of rank {self.rank} failed too; the next: {others[0]})"
-        if isinstance(first, CheckpointError):
-            amended = type(first)(first.message + also, **first.details)
-            amended.__cause__ = first
-            return amended
-        first.add_note(also.strip(" ()"))
-        return first
-
-    def _reuse(self, items: list[WriteItem], results: list[WriteResult]):
-        """Reuse (:mod:`.reuse`): (the items for the ordinary files, [(the stable file, its items)] to write or []);
-        a stable file linked from the base adds its items' results to ``results`` instead."""
-        outcome = _reuse.plan_rank(self, items, self.base)
-        results.extend(outcome.linked)
-        for entry in outcome.linked_files:
-            self.stats.files[entry.name] = entry.size
-            self.stats.bytes += entry.size
-            self.stats.bytes_reused += entry.size
-        written = {id(item) for item in outcome.others} | {id(item) for _, group in outcome.stable for item in group}
-        self.progress.add(sum(_planned_bytes(item) for item in items if id(item) not in written))  # the linked ones
-        return outcome.others, outcome.stable
-
-    def _write_file(self, name: str, bucket: list[WriteItem]) -> list[WriteResult]:
-        storage = self.writer.storage
-        path = self.writer.layout.data_file(self.writer.step, self.writer.save_id, name, self.writer.data_prefixes)
-        encoder = Encoder(self.writer.compression or "none", self.writer.compression_level)
-        results = []
-        try:
-            raw = storage.open_write(path)
-            try:
-                out = HashingWriter(raw, self.writer.block_size)
-                with _without_zip_crc32():
-                    for item in bucket:
-                        if self._failed.is_set():
-                            raise _Aborted()
-                        results.append(self._write_item(out, name, item, encoder))
-                        self.progress.add(_planned_bytes(item))
-                        if not self._first_item.is_set():
-                            self._first_item.set()
-                            failpoints.hit("write.mid_data", self.rank)
-            except BaseException:
-                # Closing flushes what is buffered: on a full disk that fails again and would hide (or, for
-                # _Aborted, impersonate) what stopped this file.  The file is abandoned either way.
-                with contextlib.suppress(OSError):
-                    storage.abort_write(raw)
-                raise
-            fsync_started = time.monotonic()
-            storage.close_write(raw)
-            with self._lock:
-                self.stats.fsync_seconds += time.monotonic() - fsync_started
-                self.stats.files[name] = out.position
-                self.stats.bytes += out.position
-                self.stats.bytes_written += out.position
-        except _Aborted:
-            raise
-        except OSError as e:
-            self._failed.set()
-            raise _storage_error(e, self.rank, path) from e
-        except BaseException:
-            self._failed.set()
-            raise
-        return results
-
-    def _write_item(self, out: HashingWriter, name: str, item: WriteItem, encoder: Encoder) -> WriteResult:
-        data = self.planner.resolve_data(item)
-        block_size = self.writer.block_size
-        if item.type == WriteItemType.BYTE_IO:
-            if not isinstance(data, io.BytesIO):
-                raise self._refuse_resolved(item, data, "io.BytesIO")
-            _warn_if_load_refuses(data.getbuffer(), item.index.fqn, self.rank)
-            start = out.begin_item()
-            out.write(data.getbuffer())
-            length, checksums = out.end_item()
-            written = _WrittenItem(name, start, length, "bytes", "raw", checksums, block_size)
-        else:
-            tensor = self._as_planned(item, data)
-            if self.writer.stock_readable:
-                start = out.begin_item()
-                tensor = _host_copy(tensor)
-                torch.save(tensor, out)
-                payload = find_payload(bytes(out.prefix), out.writes, tensor.nbytes)
-                length, checksums = out.end_item()
-                written = _WrittenItem(name, start, length, "tensor", "torch_save", checksums, block_size, payload)
-            else:
-                written = self._write_raw_tensor(out, name, tensor, encoder)
-            if self.writer.reuse:
-                written.chunk_sizes = list(item.tensor_data.chunk.sizes)
-            with self._lock:
-                self._stored.setdefault(item.index.fqn, set()).add(str(tensor.dtype))
-            if tensor.dtype != item.tensor_data.properties.dtype:
-                written.dtype = str(tensor.dtype)
-                with self._lock:
-                    self._cast.add(item.index.fqn)
-        return WriteResult(index=item.index, size_in_bytes=written.length, storage_data=written)
-
-    def _as_planned(self, item: WriteItem, data: Any) -> torch.Tensor:
-        """The resolved tensor in the planned shape.  ``.metadata`` records the plan; a planner may resolve
-        another dtype ("save as bf16": recorded, cast at load as stock DCP does) or shape (stored as planned,
-        same bytes), but other elements than planned could only load as garbage."""
-        sizes = item.tensor_data.chunk.sizes
-        if not isinstance(data, torch.Tensor) or data.numel() != sizes.numel():
-            raise self._refuse_resolved(item, data, f"{item.tensor_data.properties.dtype} {tuple(sizes)}")
-        return data if data.shape == sizes else data.reshape(sizes)
-
-    def _refuse_resolved(self, item: WriteItem, data: Any, planned: str) -> ConfigurationError:
-        got = f"{data.dtype} {tuple(data.shape)}" if isinstance(data, torch.Tensor) else f"a {type(data).__name__}"
-        where = "" if item.index.offset is None else f" (chunk at {tuple(item.index.offset)})"
-        return ConfigurationError(
-            f"rank {self.rank}: {type(self.planner).__name__}.resolve_data returned {got} for {item.index.fqn!r}"
-            f"{where}, planned as {planned}. A planner may resolve another dtype or shape, never other elements: "
-            "fix resolve_data. Nothing was committed.",
-            rank=self.rank, key=item.index.fqn,
-        )
-
-    def _write_raw_tensor(self, out: HashingWriter, name: str, tensor: torch.Tensor, encoder: Encoder) -> _WrittenItem:
-        """Block by block: stage (device tensors), encode, hash the stored frame, write.
-
-        The bytes stored are the tensor's value: a lazily conjugated or negated view is resolved first (its
-        memory holds the other value).  A small uncompressed CPU tensor is one block written as it lies.
-        """
-        tensor = tensor.detach().resolve_conj().resolve_neg()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        block_size = self.writer.block_size
-        start = out.position
-        if encoder.codec == "none" and tensor.device.type == "cpu" and tensor.nbytes <= block_size:
-            view = tensor_bytes(tensor)
-            out.write_unhashed(view)
-            return _WrittenItem(name, start, len(view), "tensor", "raw", [block_digest(view)], block_size, None,
-                                logical_length=len(view))
-        width = plane_width(tensor.dtype) if encoder.codec == "zstd" else 1
-        frames: list[int] = []
-        checksums: list[str] = []
-        compressed = False
-        staging = None
-        if tensor.device.type != "cpu":
-            staging = getattr(self._staging, "buffer", None) or Staging(block_size)
-            self._staging.buffer = staging
-        for block in host_blocks(tensor, block_size, staging):
-            stored = encoder.encode(block, width)
-            compressed |= len(stored) != len(block)
-            checksums.append(block_digest(stored))
-            frames.append(len(stored))
-            out.write_unhashed(stored)
-        if not frames:  # zero-size tensor: one empty block
-            checksums, frames = [block_digest(b"")], [0]
-        length = out.position - start
-        return _WrittenItem(name, start, length, "tensor", "raw", checksums, block_size, None,
-                            codec="zstd" if compressed else "none", planes=width if compressed else 1,
-                            logical_length=tensor.nbytes, frames=frames if compressed else None)
-
-
-@contextlib.contextmanager
-def _without_zip_crc32():
-    """torch.save's zip CRC32 is a third of its CPU time, and redundant: every block already has an
-    xxh3 digest, and torch.load does not check the CRC.  The option is per thread in torch 2.13;
-    it is restored afterwards in case another version makes it global."""
-    setter = getattr(torch.serialization, "set_crc32_options", None)
-    if setter is None:
-        yield
-        return
-    previous = torch.serialization.get_crc32_options()
-    setter(False)
-    try:
-        yield
-    finally:
-        setter(previous)
-
-
-class _Aborted(Exception):
-    """Another writer thread of this rank failed; stop early."""
-
-
-_warned_keys: set[str] = set()
-
-
-def _warn_if_load_refuses(data: memoryview, key: str, rank: int) -> None:
-    """A non-tensor item the load's allow-list (P11) will refuse is saved, with a warning naming the fix now,
-    once per key and process, rather than found at the first resume."""
-    if key in _warned_keys:
-        return
-    refusal = load_refusal(data, key=key)
-    if refusal is not None:
-        _warned_keys.add(key)
-        log.warning("rank %d: saving %r, which a load will refuse unless the type is allowed there: %s. Save plain "
-                    "types (dicts, lists, tensors, numbers, strings) under this key, or allow the type at load.",
-                    rank, key, refusal)
-
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor whose storage holds exactly its elements (torch.save writes whole storages).
-
-    Device tensors are copied to host one item at a time, so extra host memory
-    is bounded by the largest item, not the whole state.  A lazily conjugated or
-    negated view is resolved: the payload the reader copies in place must be the value.
-    """
-    tensor = tensor.detach().resolve_conj().resolve_neg()
-    if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu", non_blocking=False)
-    if tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous():
-        tensor = tensor.contiguous().clone()
-    return tensor
 
 
 class _MetadataVersion(str):
@@ -831,25 +539,7 @@ def _metadata_received(version: str) -> str:
     return version
 
 
-def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Largest-first greedy packing, so each writer thread gets a similar byte count."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    loads = [0] * bins
-    for item in sorted(items, key=_planned_bytes, reverse=True):
-        k = loads.index(min(loads))
-        buckets[k].append(item)
-        loads[k] += max(_planned_bytes(item), 1)
-    return buckets
-
-
-def _planned_bytes(item: WriteItem) -> int:
-    """An item's size before encoding, as planned (non-tensor items: unknown until resolved, counted as 0)."""
-    if item.tensor_data is None:
-        return 0
-    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
-
-
-def _refuse_diverged_attempts(step: int, save_id: str, stats: list[_RankStats]) -> None:
+def _refuse_diverged_attempts(step: int, save_id: str, stats: list[RankStats]) -> None:
     """Every rank must have written the attempt the coordinator planned: with cached plans each rank derives it."""
     wrote = {s.rank: (s.step, s.save_id) for s in stats}
     if all(attempt == (step, save_id) for attempt in wrote.values()):
@@ -868,22 +558,3 @@ def _refuse_diverged_attempts(step: int, save_id: str, stats: list[_RankStats]) 
         step=step, save_id=save_id, ranks=sorted(rank for rank, attempt in wrote.items() if attempt != (step, save_id)),
     )
 
-
-def _storage_error(e: OSError, rank: int, path: str, phase: str = "writing") -> StorageError:
-    hint = {
-        errno.ENOSPC: "the filesystem is full: free space or point root elsewhere",
-        errno.EDQUOT: "the disk quota is exhausted",
-        errno.EROFS: "the filesystem is read-only",
-        errno.EEXIST: "the file already exists (two saves with one save_id?)",
-    }.get(e.errno or 0, "check the storage and retry the save")
-    return StorageError(
-        f"rank {rank} on {socket.gethostname()} failed {phase} {path}: {e.strerror or e} "
-        f"(errno {e.errno}); {hint}. Nothing was committed; the previous checkpoint is intact.",
-        rank=rank,
-        path=path,
-        errno=e.errno,
-    )
-
-
-def _json(value: dict) -> bytes:
-    return json.dumps(value, indent=1, sort_keys=True).encode()

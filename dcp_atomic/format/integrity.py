@@ -12,7 +12,7 @@ sha256 because their digests are also identities that name a version.
 from __future__ import annotations
 
 import hashlib
-from typing import IO
+from typing import IO, Protocol
 
 import xxhash
 
@@ -63,6 +63,20 @@ class BlockHasher:
         return self.digests
 
 
+class BlockSink(Protocol):
+    """Where a raw item's stored blocks go: a data file (:class:`HashingWriter`), or reuse's probe, which only
+    compares each block's digest with the base step's (``dcp.reuse``).
+
+    Contract: ``write_unhashed`` is called once per stored block, in order (a block is one frame of at most
+    ``block_size`` bytes; its digest is the caller's), and ``position`` then counts every byte received.  A sink may
+    raise to stop the item early (the probe does at the first block that differs).
+    """
+
+    position: int
+
+    def write_unhashed(self, block) -> None: ...
+
+
 class HashingWriter:
     """Write-through wrapper: counts and hashes every byte on its way to ``raw``.
 
@@ -107,7 +121,7 @@ class HashingWriter:
         return len(view)
 
     def write_unhashed(self, data) -> None:
-        """For frames whose digests the caller computes itself (raw items)."""
+        """For frames whose digests the caller computes itself (raw items): :class:`BlockSink`."""
         view = memoryview(data).cast("B")
         self.raw.write(view)
         self.position += len(view)

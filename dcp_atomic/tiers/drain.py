@@ -70,7 +70,7 @@ from ..errors import (CheckpointError, CommitConflictError, CorruptCheckpointErr
                      IncompleteStepError, StorageError)
 from ..dcp.identity import default_thread_count
 from ..exchange.stall import SILENT, STALLED, StallClock
-from ..dcp.reuse import base_stable_files, link_verified, same_stored_file
+from ..protocol.links import base_stable_files, link_verified, same_stored_file
 from ..format.blocks import check_block, file_blocks
 from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, STABLE_FILE_PATTERN, RunLayout

@@ -1,0 +1,175 @@
+"""Reading a committed step as the base of another, and reusing its stored files by link (P15).
+
+Reuse has two users: a save (``dcp.reuse``: which of a rank's items are unchanged since the base step) and the drain
+(``tiers.drain``: which local stable files the durable root's previous step already holds).  Both need the same
+three things, which live here, below both:
+
+* **the base**: the run's latest committed step below the one being stored (:func:`choose_base`), and one rank's
+  own manifest shard of it, read through its marker and manifest as loads read them (:func:`load_base`); none, or
+  one that cannot be read, means every byte is stored again (logged), never a failed save or drain;
+* **the link**: a stored file reused from the base only through ``Storage.link`` (``link_kind``: a hard link on
+  POSIX, a server-side copy on S3 and GCS), then checked against the base's block digests before it counts
+  (:func:`link_verified`); a link that fails or a file that does not match is removed and the caller stores the
+  bytes itself;
+* **the identity of a stored file**: two records of it say the same bytes (:func:`same_stored_file`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from .._base.retry import Deadline
+from ..errors import CheckpointError, CorruptCheckpointError, StorageError
+from ..format.blocks import verify_stored_file
+from ..format.layout import STABLE_FILE_PATTERN, RunLayout
+from ..format.manifest import FileEntry, ItemExtent, ManifestShard
+from .catalog import most_recent, resolve, scan_markers
+from .commit import read_committed, read_shard
+
+log = logging.getLogger("dcp_atomic.writer")  # the writer's: what users filter on (the drain's links log here too)
+
+BASE_WAIT_SECONDS = 10.0  # how long a rank waits for the base's control files before it saves in full
+
+
+def choose_base(layout: RunLayout, step: int, timeout: float) -> tuple[int, str] | None:
+    """Coordinator: (step, save_id) of the run's latest committed step below ``step``, or None (a full save).
+
+    ``LATEST`` verified by its marker, as a load of the latest step resolves it; when it names ``step`` or a later
+    one (a re-save, a rollback) or cannot be read, the markers (one process, this one) of the steps below."""
+    try:
+        try:
+            committed = resolve(layout, None, Deadline(0.0))  # no waiting: the scan below answers when in doubt
+            if committed.step < step:
+                return committed.step, committed.save_id
+        except CheckpointError:
+            pass
+        newest = most_recent([m for m in scan_markers(layout) if m.step < step])
+    except (CheckpointError, OSError) as e:
+        log.warning("reuse: no base step for step %d of run %r (%s); this save writes every byte", step,
+                    layout.run_id, e)
+        return None
+    if newest is None:
+        log.info("reuse: run %r has no committed step below %d; this save writes every byte", layout.run_id, step)
+        return None
+    return newest.step, newest.save_id
+
+
+@dataclass
+class Base:
+    """One rank's view of the base step: its own shard, verified through the base's marker and manifest."""
+
+    step: int
+    save_id: str
+    shard: ManifestShard
+    planned_dtypes: dict[str, str | None]  # key -> the dtype the base's .metadata planned (manifest keys)
+    data_prefixes: int = 0  # where the base's data files lie (its manifest's choice, layout.data_file)
+
+    def items(self) -> dict[tuple, tuple[str, ItemExtent]]:
+        return {(i.key, tuple(i.chunk_offset or ())): (f.name, i) for f in self.shard.files for i in f.items}
+
+
+def load_base(layout: RunLayout, rank: int, step: int, save_id: str, timeout: float,
+              committed: Any = None) -> Base | None:
+    """This rank's shard of the base the coordinator named, or None (logged): then the save is a full one.
+    ``committed``: the base's marker and manifest when the caller has read them already (the drain, for several
+    ranks)."""
+    try:
+        deadline = Deadline(min(timeout, BASE_WAIT_SECONDS))
+        if committed is None:
+            committed = read_committed(layout, step, deadline)
+        manifest = committed.manifest
+        if committed.save_id != save_id:
+            why = f"its marker now names save {committed.save_id}"
+        elif not manifest.shards or manifest.shard_of(rank) is None:
+            why = "it has no manifest shard of this rank"
+        else:
+            shard = read_shard(layout, committed, rank, deadline)
+            dtypes = {key: record.get("dtype") for key, record in manifest.keys.items()}
+            return Base(step=step, save_id=save_id, shard=shard, planned_dtypes=dtypes,
+                        data_prefixes=manifest.data_prefixes)
+    except (CheckpointError, OSError) as e:
+        why = f"it cannot be read: {e}"
+    log.warning("reuse: rank %d cannot use step %d (save %s) of run %r as the base (%s); this save writes every byte",
+                rank, step, save_id, layout.run_id, why)
+    return None
+
+
+def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, rank: int, base_step: int, where: str,
+                  threads: int) -> bool:
+    """The one way a stored file is reused (a save's stable file, a drain's upload): ``storage.link`` it from the
+    base step (``link_kind``), then check it against ``entry``'s block digests; False (logged, nothing left behind)
+    where either fails, and the caller writes or uploads the file instead."""
+    try:
+        storage.link(source, target)
+    except (OSError, StorageError) as e:  # the base removed meanwhile, no hard links, a copy the store refuses
+        log.warning("reuse: rank %d could not link %s from step %d by %s (%s, errno %s); writing it instead",
+                    rank, entry.name, base_step, storage.link_kind, getattr(e, "strerror", None) or e,
+                    getattr(e, "errno", None))
+        return False
+    try:
+        _verify(storage, target, entry, where, threads)
+    except CorruptCheckpointError as e:
+        log.warning("reuse: rank %d: the base's %s (step %d) does not match its digests, so it is not reused: "
+                    "writing it instead. The base step, and every step sharing its file, is damaged: %s", rank,
+                    entry.name, base_step, e)
+        return _unlink(rank, storage, target)
+    except (OSError, StorageError) as e:
+        log.warning("reuse: rank %d could not verify the %s of %s from step %d (%s); writing it instead", rank,
+                    storage.link_kind, entry.name, base_step, e)
+        return _unlink(rank, storage, target)
+    return True
+
+
+def _unlink(rank: int, storage: Any, target: str) -> bool:
+    """Remove a link that failed its check (False: the caller writes the file); a link left behind is a typed error,
+    never a commit of unverified bytes."""
+    try:
+        storage.remove(target)
+    except (OSError, StorageError) as gone:
+        raise StorageError(f"rank {rank} could not remove {target}, linked from a base file that failed its "
+                           f"check: {getattr(gone, 'strerror', None) or gone}. Nothing was committed; remove the "
+                           "attempt (dcp-atomic gc) and retry the save", rank=rank, path=target,
+                           errno=getattr(gone, "errno", None)) from gone
+    return False
+
+
+def base_stable_files(layout: RunLayout, step: int, ranks: list[int]) -> dict[str, tuple[int, str, FileEntry]]:
+    """For a copy of ``step`` into ``layout`` from elsewhere (the drain): the stable files that the run's latest
+    committed step below it holds for ``ranks``, by name -> (base step, path, record).  Chosen and read as a save's
+    base (:func:`choose_base`, each rank's own shard); none where there is no base or it cannot be read (logged)."""
+    chosen = choose_base(layout, step, 0.0)
+    found: dict[str, tuple[int, str, FileEntry]] = {}
+    if chosen is None:
+        return found
+    try:  # the marker and manifest once, for every rank's shard
+        committed = read_committed(layout, chosen[0], Deadline(BASE_WAIT_SECONDS))
+    except (CheckpointError, OSError) as e:
+        log.warning("reuse: step %d of run %r cannot be read as the base (%s); every byte is copied", chosen[0],
+                    layout.run_id, e)
+        return found
+    for rank in ranks:
+        base = load_base(layout, rank, *chosen, BASE_WAIT_SECONDS, committed=committed)
+        for entry in base.shard.files if base is not None else ():
+            if STABLE_FILE_PATTERN.fullmatch(entry.name):
+                found[entry.name] = (base.step, layout.data_file(base.step, base.save_id, entry.name,
+                                                                 base.data_prefixes), entry)
+    return found
+
+
+def same_stored_file(entry: FileEntry, other: FileEntry) -> bool:
+    """Two records of one file say the same bytes: name, rank, size and every item's place and record (block digests
+    included)."""
+    return ((entry.name, entry.rank, entry.size) == (other.name, other.rank, other.size)
+            and sorted(entry.items, key=lambda i: i.pos) == sorted(other.items, key=lambda i: i.pos))
+
+
+def _verify(storage: Any, path: str, entry: FileEntry, where: str, threads: int) -> None:
+    """The linked file against the base's digests, at every link, while the save still holds the good bytes to write
+    instead.  A hard link may be the only physical copy of these bytes (``keep_last=1``), and rot that spares its
+    inode and mtime is found only by reading it (from the page cache: cheaper than the write and fsync it replaces);
+    a server-side copy is new bytes that nothing else has checked (ranged GETs: a download, never an upload).  On the
+    writer's threads."""
+    with storage.open_reader(path) as reader:
+        verify_stored_file(entry, reader, where, path=path, threads=threads)
