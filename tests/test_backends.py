@@ -73,7 +73,7 @@ def test_each_root_form_gets_its_backend(root):
 
 
 class _TaggedStorage(LocalStorage):
-    """A stand-in third-party backend: what one line in BACKENDS must be enough for."""
+    """A stand-in third-party backend: what one register_backend call must be enough for."""
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         super().__init__(url.split("://", 1)[1])
