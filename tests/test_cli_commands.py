@@ -20,13 +20,13 @@ CLI = os.path.join(os.path.dirname(sys.executable), "dcp-atomic")
 
 def test_gc_reports_unreadable_steps_and_exits_nonzero(root, capsys, monkeypatch):
     """The CLI side alone: a plan carrying unreadable steps is printed and fails the command."""
-    from dcp_atomic import cli
     from dcp_atomic.retention import GcPlan
+    from dcp_atomic.tools.cli import commands
 
     _save(root, 1)
     plan = GcPlan(kept_steps=[1])
     plan.unreadable_steps = [(7, "COMMITTED: self-checksum mismatch")]
-    monkeypatch.setattr(cli, "plan_gc", lambda *args, **kwargs: plan)
+    monkeypatch.setattr(commands, "plan_gc", lambda *args, **kwargs: plan)
     assert main(["gc", root, RUN, "--keep-last", "1"]) == 1
     captured = capsys.readouterr()
     assert "step 7" in captured.err and "self-checksum mismatch" in captured.err

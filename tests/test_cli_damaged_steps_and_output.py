@@ -85,7 +85,7 @@ def test_global_options_are_accepted_after_the_subcommand(root, capsys):
 
 
 def test_gc_json_prints_one_object_even_when_deleting_fails(root, capsys, monkeypatch):
-    from dcp_atomic import cli
+    from dcp_atomic.tools.cli import commands
 
     for step in (1, 2):
         _save(root, step)
@@ -93,7 +93,7 @@ def test_gc_json_prints_one_object_even_when_deleting_fails(root, capsys, monkey
     def disk_error(layout, plan):
         raise OSError(5, "Input/output error", _marker(root, 1))
 
-    monkeypatch.setattr(cli, "apply_gc", disk_error)
+    monkeypatch.setattr(commands, "apply_gc", disk_error)
     assert main(["--json", "gc", root, RUN, "--keep-last", "1"]) == 1
     out = capsys.readouterr().out
     report = json.loads(out)  # exactly one JSON document: a second one would not parse

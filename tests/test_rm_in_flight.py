@@ -86,7 +86,7 @@ def test_a_save_whose_attempt_is_removed_under_it_fails_and_leaves_nothing_commi
 def test_rm_of_a_step_that_a_save_in_flight_commits_meanwhile_says_so_first_and_exits_1(tmp_path, capsys, monkeypatch):
     """A save (a drain, say) in flight commits the step while `rm` runs: rm's first line says the step is committed
     again, naming the new save, not "removed"."""
-    from dcp_atomic.tools import cli
+    from dcp_atomic.tools.cli import commands
 
     root = str(tmp_path)
     for step in (1, 2):
@@ -102,14 +102,14 @@ def test_rm_of_a_step_that_a_save_in_flight_commits_meanwhile_says_so_first_and_
             box["result"] = f"{type(e).__name__}: {e}"
     thread = threading.Thread(target=save)
     step_dir = os.path.join(root, RUN, f"step_{2:010d}")
-    remove_step = cli.remove_step
+    remove_step = commands.remove_step
 
     def remove_then_commit(layout, step, **kwargs):  # the save commits between rm's removal and its report
         left = remove_step(layout, step, **kwargs)
         release.set()
         thread.join(30)
         return left
-    monkeypatch.setattr(cli, "remove_step", remove_then_commit)
+    monkeypatch.setattr(commands, "remove_step", remove_then_commit)
     try:
         thread.start()
         deadline = time.monotonic() + 20

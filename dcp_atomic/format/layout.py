@@ -2,7 +2,7 @@
 
 The layout is part of the contract (operators and tools rely on it)::
 
-    <root>/<run_id>/LATEST
+    <root>/<run_id>/{LATEST, COMMITS}
     <root>/<run_id>/step_0000001000/COMMITTED
     <root>/<run_id>/step_0000001000/<save_id>/{ATTEMPT, __<rank>_<k>.distcp, .metadata, manifest.json}
 
@@ -24,6 +24,7 @@ import posixpath
 import re
 import secrets
 import time
+from collections.abc import Iterable
 
 from .._base.key_prefixes import DATA_PREFIX_PATTERN, MAX_DATA_PREFIXES, validate_data_prefixes  # noqa: F401
 from .._base.key_prefixes import data_prefix as _key_prefix
@@ -38,6 +39,7 @@ CHECKPOINT_ID_STEP_PATTERN = re.compile(r"step[_-](\d+)")  # ours (step_N) and t
 
 MARKER = "COMMITTED"
 LATEST = "LATEST"
+COMMITS = "COMMITS"  # run-level journal of the steps retention keeps; a hint, every deletion re-reads its marker
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 PARTIAL_SUFFIX = ".partial"  # beside a data file a tier restore copied in part (local roots only)
@@ -172,6 +174,19 @@ class RunLayout:
         self.storage = storage
         self.run_id = validate_run_id(run_id)
         self.run_dir = storage.join(storage.root, self.run_id)
+
+    @staticmethod
+    def attempts(entries: Iterable[str]) -> list[str]:
+        """The attempts (save ids) among a step directory's entries: everything but the marker and dot-files (the
+        temps of a control file being published).  Whatever else a step holds is an attempt, so gc and ``rm`` judge
+        it by its lease rather than leave it forever."""
+        return [entry for entry in entries if entry != MARKER and not entry.startswith(".")]
+
+    @staticmethod
+    def holds_run(entries: Iterable[str]) -> bool:
+        """Whether a directory's entries are a run's: a step directory, ``LATEST`` or the ``COMMITS`` journal.  Hashed
+        data prefixes, exports and stray files under a root hold none of them."""
+        return any(parse_step_dir(entry) is not None or entry in (LATEST, COMMITS) for entry in entries)
 
     def step_dir(self, step: int) -> str:
         return self.storage.join(self.run_dir, step_dir_name(step))

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from .catalog import most_recent
 from .commit import SCAN_RETRY_SECONDS, commit_order, read_latest, read_marker, scan_markers, write_latest
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..format.layout import ATTEMPT, DATA_PREFIX_PATTERN, MARKER, RunLayout, parse_step_dir, step_dir_name
+from ..format.layout import (ATTEMPT, COMMITS, DATA_PREFIX_PATTERN, MARKER, RunLayout, parse_step_dir,
+                             step_dir_name)
 from ..format.manifest import CONTROL_SCHEMA, Marker, _sealed_json, _unseal
 from .._base.retry import Deadline
 
@@ -178,15 +179,14 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
                             step, layout.run_id, reason)
                 plan.unreadable_steps.append((step, reason))
                 continue
-        for entry in entries:
-            if stale_temp(layout.step_dir(step), entry):
-                plan.delete_temps.append(storage.join(layout.step_dir(step), entry))
+        plan.delete_temps += [storage.join(layout.step_dir(step), e) for e in entries
+                              if stale_temp(layout.step_dir(step), e)]
+        for save_id in layout.attempts(entries):
+            if save_id == committed.get(step):
                 continue
-            if entry == MARKER or entry.startswith(".") or entry == committed.get(step):
-                continue
-            age = _attempt_age(layout, step, entry, now)
+            age = _attempt_age(layout, step, save_id, now)
             if age is not None and age > lease_seconds:  # an unknown age is kept: it may be in flight
-                plan.delete_attempts.append((step, entry))
+                plan.delete_attempts.append((step, save_id))
     return plan
 
 
@@ -207,7 +207,7 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
     for step in plan.delete_steps:
         storage.remove(layout.marker(step))  # un-commit first
         storage.sync_dir(layout.step_dir(step))
-        attempts = [e for e in storage.list_dir(layout.step_dir(step)) if e != MARKER and not e.startswith(".")]
+        attempts = layout.attempts(storage.list_dir(layout.step_dir(step)))
         deletable = _fence_attempts(layout, step, attempts, plan.planned_at)
         if len(deletable) < len(attempts):  # a save committed or started there since: only the others go
             for save_id in deletable:
@@ -305,7 +305,7 @@ def remove_step(layout: RunLayout, step: int, *, lease_seconds: float = DEFAULT_
     except (FileNotFoundError, CheckpointError):
         committed = None  # uncommitted, or a damaged marker: its attempts are judged by their leases alone
     now = time.time()
-    attempts = [e for e in storage.list_dir(layout.step_dir(step)) if e != MARKER and not e.startswith(".")]
+    attempts = layout.attempts(storage.list_dir(layout.step_dir(step)))
     in_flight = [a for a in attempts if a != committed  # an unknown age goes: the operator asked for the step
                  and (age := _attempt_age(layout, step, a, now)) is not None and age <= lease_seconds]
     storage.remove(layout.marker(step))  # un-commit first
@@ -372,7 +372,6 @@ def _point_latest_at_newest(layout: RunLayout, exclude: set[int]) -> None:
 
 # -- per commit: O(keep_last), not O(steps) ----------------------------------------------------------------
 
-COMMITS = "COMMITS"  # run-level journal of the steps retention keeps; a hint, every deletion re-reads its marker
 FULL_GC_EVERY = 64  # commits between full sweeps (crashed attempts of other steps, stale temps)
 
 

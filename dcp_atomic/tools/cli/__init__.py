@@ -1,0 +1,295 @@
+"""``dcp-atomic``: look at, verify, export, import and demo checkpoints without writing Python.
+
+Subcommands: ``ls ROOT [RUN]``, ``show ROOT RUN [STEP]``, ``verify ROOT RUN
+[STEP|--all]``, ``gc ROOT RUN --keep-last N [--dry-run]``, ``rm ROOT RUN [STEP]
+[--yes]``, ``export [--format safetensors] ROOT RUN STEP OUT``, ``import
+STOCK_DCP_DIR ROOT RUN STEP``, ``demo``.  ``--json`` prints machine-readable
+output, errors included; it, ``--timeout`` and ``--storage-options`` go before
+or after the subcommand.  The CLI is one process, so it may scan (list) the run
+directory; training ranks never do.
+
+Operators pipe it (``| head``), script it (``--json``) and point it at roots
+whose SDK or credentials are missing: every failure is one line on stderr (one
+JSON object on stdout with ``--json``) and a non-zero status, never a
+traceback (``DCP_ATOMIC_TRACEBACK=1`` shows one for a bug report).
+
+This module is the command's face: the parser, and :func:`main`, which turns every failure into that one line.
+What each subcommand does is in :mod:`.commands`, what ``ls``/``show`` list in :mod:`.rows`, how a command's root
+is opened in :mod:`.roots`, and how it prints in :mod:`.output`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from ...format.layout import validate_run_id
+from ...errors import CheckpointError
+from ...stores.backends import missing_backend_message
+from .commands import cmd_demo, cmd_export, cmd_gc, cmd_import, cmd_ls, cmd_rm, cmd_show, cmd_verify
+from .output import JSON_SCHEMA, CliError, CopyProgress
+
+__all__ = ["main", "build_parser", "CliError", "CopyProgress", "JSON_SCHEMA", "STORAGE_OPTIONS_ENV"]
+
+
+#: what to do about failures that arrive as a third-party SDK's own exception type
+_HINTS = {
+    "NoCredentialsError": "no credentials were found: pass them in --storage-options (e.g. {\"key\": ..., "
+                          "\"secret\": ...}), set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or "
+                          "pass {\"anon\": true} for a public bucket",
+    "PartialCredentialsError": "the credentials are incomplete: pass both key and secret",
+    "DefaultCredentialsError": "no Google credentials were found: run `gcloud auth application-default login`, set "
+                               "GOOGLE_APPLICATION_CREDENTIALS, or pass {\"token\": ...} in --storage-options",
+    "EndpointConnectionError": "the endpoint cannot be reached: check endpoint_url in --storage-options",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors become :class:`CliError`, so that ``--json`` gets them as JSON too."""
+
+    def error(self, message: str):
+        raise CliError(f"{self.prog}: {message}", code=2, kind="UsageError")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _rename_rule(text: str) -> tuple[str, str]:
+    old, sep, new = text.partition("=")
+    if not sep or not old:
+        raise argparse.ArgumentTypeError(f"expected OLD=NEW with a non-empty OLD, got {text!r}")
+    return old, new
+
+
+def _size(text: str) -> str:
+    from ..export import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+STORAGE_OPTIONS_ENV = "DCP_ATOMIC_STORAGE_OPTIONS"  # JSON, or @FILE, like --storage-options
+
+
+def _storage_options_text(value: str) -> str:
+    """``--storage-options`` as JSON text: ``@FILE`` reads it from a file (credentials stay out of argv)."""
+    if not value.startswith("@"):
+        return value
+    try:
+        with open(os.path.expanduser(value[1:]), encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read storage options from {value[1:]}: {e.strerror}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..demo import DEFAULT_ROOT
+
+    parser = _Parser(prog="dcp-atomic", description=__doc__.splitlines()[0])
+    _add_global_options(parser, after_subcommand=False)
+    after = argparse.ArgumentParser(add_help=False)
+    _add_global_options(after, after_subcommand=True)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("ls", parents=[after], help="runs, or the steps of a run")
+    p.add_argument("root")
+    p.add_argument("run", nargs="?")
+    p.add_argument("--local-root", help="this node's local_root (two tiers): also list the steps it holds; other "
+                   "nodes' local roots are not visible from here")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("show", parents=[after], help="manifest summary of a step (default: latest)")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("step", nargs="?", type=int)
+    p.add_argument("--local-root", help="this node's local_root (two tiers): show the step as this root holds it, "
+                   "and whether the root (durable) holds it too")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("verify", parents=[after], help="re-read every byte and check every checksum")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("step", nargs="?", type=int)
+    p.add_argument("--all", action="store_true", help="every committed step")
+    p.add_argument("--threads", type=_positive_int, default=4)
+    p.add_argument("--local", action="store_true", help="ROOT is a node's local_root (two tiers): partial copies "
+                   "a tier restore kept there are reported as such (anywhere else a partial-copy note fails the step)")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gc", parents=[after], help="delete old committed steps and abandoned attempts")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("--keep-last", type=_positive_int, help="committed steps to keep (>= 1; required without "
+                   "--local-root)")
+    p.add_argument("--lease-hours", type=float, default=6.0, help="age after which an uncommitted attempt is abandoned")
+    p.add_argument("--local-root", help="this node's local_root (two tiers): collect only the abandoned attempts "
+                   "and leftovers killed jobs left there; its committed steps and the durable root are not touched")
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("rm", parents=[after], help="delete one step (committed or not) or a whole run; needs --yes")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("step", nargs="?", type=int, help="the step to delete (default: the whole run)")
+    p.add_argument("--yes", action="store_true", help="really delete (without it: show what would go, exit 2)")
+    p.add_argument("--lease-hours", type=float, default=6.0,
+                   help="a step's uncommitted attempt younger than this is a save in flight and is left (0: none)")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("export", parents=[after],
+                       help="write one step as one torch.save file, or as safetensors shards")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("step", type=int)
+    p.add_argument("out", help="the .pt file (torch), or the directory of shards (safetensors)")
+    p.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    p.add_argument("--shard-size", type=_size, help="bytes per safetensors shard, e.g. 5GB (default), 500MiB")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating tensors (safetensors)")
+    p.add_argument("--keys", action="append", metavar="GLOB",
+                   help="export only keys matching GLOB, e.g. 'model.*' (repeatable; safetensors)")
+    p.add_argument("--strip-prefix", dest="renames", action="append", type=lambda prefix: (prefix, ""),
+                   metavar="PREFIX", help="drop PREFIX from the names that start with it, e.g. 'model.' for a state "
+                   "dict saved as {'model': model.state_dict()} (repeatable, in order with --rename; safetensors)")
+    p.add_argument("--rename", dest="renames", action="append", type=_rename_rule, metavar="OLD=NEW",
+                   help="replace a leading OLD with NEW in the exported names (repeatable; safetensors)")
+    p.add_argument("--tie", dest="ties", action="append", type=_rename_rule, metavar="ALIAS=TARGET",
+                   help="ALIAS is tied to TARGET (exported names, e.g. lm_head.weight=model.embed_tokens.weight): "
+                   "checked bit-identical, written once under TARGET (repeatable; safetensors)")
+    p.add_argument("--force", action="store_true", help="replace an existing export at OUT")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", parents=[after], help="adopt a stock DCP checkpoint directory as a committed step")
+    p.add_argument("source", help="directory written by torch's FileSystemWriter (holds .metadata)")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("step", type=int)
+    p.add_argument("--link", action="store_true",
+                   help="hard-link the data files instead of copying (same filesystem; never write the source again)")
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("demo", parents=[after], help="train, crash a save, resume (the README's first command)")
+    p.add_argument("--root", default=DEFAULT_ROOT)
+    p.add_argument("--world-size", type=int, default=4)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, after_subcommand: bool) -> None:
+    """Options accepted before the subcommand and after it; one not given after it keeps its value from before."""
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if after_subcommand else value
+
+    parser.add_argument("--json", action="store_true", default=default(False),
+                        help="machine-readable output, errors included")
+    parser.add_argument("--storage-options", type=_storage_options_text,
+                        default=default(os.environ.get(STORAGE_OPTIONS_ENV) or None),
+                        help=f"fsspec options as JSON, e.g. an S3 endpoint, or @FILE holding that JSON (keeps secrets "
+                             f"out of shell history); default: ${STORAGE_OPTIONS_ENV}")
+    parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds to wait for visibility")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; every failure becomes one line (or one JSON object) and an exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    handler = _one_line_logging()
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # inside the try: `| head` closing the pipe surfaces here at the latest
+        return code
+    except BrokenPipeError:  # the reader went away (`show | head -1`): end quietly, as Unix tools do
+        _silence_stdout()
+        return 141
+    except KeyboardInterrupt:
+        print("dcp-atomic: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+
+
+class _OneLineFormatter(logging.Formatter):
+    """Warnings as one line each: SDKs log their retries with ``logger.exception`` (gcsfs), a traceback here."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"dcp-atomic: {record.levelname.lower()}: {record.getMessage()}".replace("\n", " ")
+
+
+def _one_line_logging() -> logging.Handler | None:
+    """Give an unconfigured process (the console script) a one-line stderr handler; leave a configured one alone."""
+    if logging.getLogger().handlers or os.environ.get("DCP_ATOMIC_TRACEBACK"):
+        return None
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_OneLineFormatter())
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def _run(argv: list[str]) -> int:
+    as_json = "--json" in argv  # known before parsing, so that usage errors are JSON too
+    root = None
+    try:
+        args = build_parser().parse_args(argv)
+        root = getattr(args, "root", None)
+        if getattr(args, "run", None) is not None:
+            try:
+                validate_run_id(args.run)
+            except ValueError as e:
+                raise CliError(str(e), code=2, kind="UsageError") from None
+        return args.func(args)
+    except CliError as e:
+        return _report(as_json, e.kind, e.message, e.code)
+    except CheckpointError as e:
+        return _report(as_json, type(e).__name__, e.message, 1)
+    except BrokenPipeError:
+        raise
+    except (OSError, ValueError) as e:  # storage and configuration failures: a message, not a traceback
+        text = str(e)
+        return _report(as_json, type(e).__name__, text if not root or root in text else f"{root}: {text}", 1)
+    except ImportError as e:
+        return _report(as_json, "MissingDependency", missing_backend_message(root or "", e), 1)
+    except Exception as e:  # noqa: BLE001 - an SDK's own type (credentials, endpoints) or a bug: still one line
+        if os.environ.get("DCP_ATOMIC_TRACEBACK"):
+            raise
+        hint = _HINTS.get(type(e).__name__)
+        where = f"{root}: " if root else ""
+        message = f"{where}{e}" + (f"; {hint}" if hint else
+                                   " (unexpected: set DCP_ATOMIC_TRACEBACK=1 and rerun for a traceback to report)")
+        return _report(as_json, type(e).__name__, message, 1)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's own flush at exit cannot raise BrokenPipeError again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (captured by a test harness)
+        pass
+
+
+def _report(as_json: bool, kind: str, message: str, code: int) -> int:
+    if as_json:
+        print(json.dumps({"schema": JSON_SCHEMA, "error": {"type": kind, "message": message}}))
+    else:
+        print(f"dcp-atomic: {kind}: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
