@@ -65,7 +65,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .._base import failpoints
-from ..protocol.commit import CommitPolicy, Evidence, ResumePoint, claim_attempt, commit_step
+from ..protocol.commit import CommitPolicy, Evidence, ResumePoint, claim_attempt, commit_step, copy_control
 from ..errors import (CheckpointError, CommitConflictError, CorruptCheckpointError, DrainStalledError,
                      IncompleteStepError, StorageError)
 from ..dcp.identity import default_thread_count
@@ -75,9 +75,8 @@ from ..format.blocks import check_block, file_blocks
 from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, STABLE_FILE_PATTERN, RunLayout
 from .local_tier import check_shard, read_manifest
-from ..format.manifest import RANKS_FILE, FileEntry, ItemExtent, Manifest, Marker, now, shard_name
+from ..format.manifest import FileEntry, ItemExtent, Manifest, Marker, now, shard_name
 from ..stores.storage import Storage
-from ..version import __version__
 
 log = logging.getLogger("dcp_atomic.drain")  # the name users filter on
 
@@ -165,8 +164,8 @@ def held_ranks(local: RunLayout, job: DrainJob) -> Holding:
         shard = [(local.attempt_file(job.step, job.save_id, ref.name), ref.size)] if ref is not None else []
         if ref is not None and _all_there(sizes.get(rank, []) + shard):
             held.append(rank)
-    control = _all_there([(local.attempt_file(job.step, job.save_id, name), ref["size"])
-                          for name, ref in _control_refs(manifest)])
+    control = _all_there([(local.attempt_file(job.step, job.save_id, name), size)
+                          for name, size, _ in manifest.control_files()])
     return Holding(held, control)
 
 
@@ -175,12 +174,6 @@ def _all_there(files: list[tuple[str, int]]) -> bool:
         return all(os.path.getsize(path) == size for path, size in files)
     except OSError:
         return False
-
-
-def _control_refs(manifest: Manifest) -> list[tuple[str, dict]]:
-    """The control files a drain copies besides the manifest: (name, the manifest's record of it)."""
-    control = [(RANKS_FILE, manifest.ranks_file)] if manifest.ranks_file is not None else []
-    return control + [(DCP_METADATA, manifest.dcp_metadata)]
 
 
 def plan_uploads(held: list[Holding]) -> Plan:
@@ -286,20 +279,13 @@ def _reusable(durable: RunLayout, job: DrainJob, sources: list[int], entries: li
 
 
 def upload_control(local: RunLayout, durable: RunLayout, job: DrainJob) -> bytes:
-    """The step's control files from this local root to the durable attempt, each checked first: the manifest
-    against the local marker's digest, ``ranks.json`` and ``.metadata`` against the manifest.  Returns the
-    manifest's bytes (what the commit's marker names)."""
+    """The step's control files from this local root to the durable attempt (:func:`~.commit.copy_control`), the
+    manifest checked first against the local marker's digest.  Returns the manifest's bytes (what the commit's
+    marker names)."""
     manifest_bytes, manifest = _local_manifest_bytes(local, job)
-    storage = durable.storage
-    attempt = durable.attempt_dir(job.step, job.save_id)
-    for name, ref in _control_refs(manifest):
-        path = local.attempt_file(job.step, job.save_id, name)
-        data = local.storage.read_file(path)
-        if len(data) != ref["size"] or sha256_hex(data) != ref["sha256"]:
-            raise CorruptCheckpointError(f"{path}: does not match the manifest of local step {job.step}; this step "
-                                         "cannot be drained (a later one can)", path=path, step=job.step)
-        storage.publish(storage.join(attempt, name), data)
-    storage.publish(storage.join(attempt, MANIFEST), manifest_bytes)
+    attempt = local.attempt_dir(job.step, job.save_id)
+    copy_control(lambda name: local.storage.read_file(local.storage.join(attempt, name)), durable, manifest,
+                 manifest_bytes, source=attempt)
     return manifest_bytes
 
 
@@ -460,13 +446,14 @@ def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | No
         raise CorruptCheckpointError(f"{path}: does not match the local marker of step {job.step}", path=path,
                                      step=job.step)
     manifest = Manifest.from_json(manifest_bytes, where=path)
+    if (manifest.step, manifest.save_id) != (job.step, job.save_id):  # the marker names the manifest's step
+        raise CorruptCheckpointError(f"{path}: describes step {manifest.step} (save {manifest.save_id}), not the "
+                                     f"drained step {job.step} (save {job.save_id})", path=path, step=job.step)
     storage.sync_dir(attempt)
     storage.sync_dir(durable.step_dir(job.step))
     failpoints.hit("commit.after_manifest", 0)  # the committer's phases, as a save's (commit.publish)
     failpoints.hit("drain.before_marker", 0, job.step)
-    marker = Marker(run_id=durable.run_id, step=job.step, save_id=job.save_id, manifest=f"{job.save_id}/{MANIFEST}",
-                    manifest_sha256=job.manifest_sha256, committed_at=now(), library_version=__version__,
-                    sequence=job.sequence)
+    marker = Marker.for_manifest(durable.run_id, manifest, job.manifest_sha256, job.sequence)
 
     def conflict(existing: Marker) -> str:
         return (f"draining step {job.step} to {durable.run_dir}: the durable root already holds step {job.step} from "

@@ -51,7 +51,7 @@ from ..format.layout import DCP_METADATA, MANIFEST, MARKER, RunLayout
 from ..format.blocks import verify_item
 from .local_tier import (Held, Topology, check_received, check_shard, gather_failures, keep, keep_extents,
                          partial_note, spool_dir, write_control)
-from ..format.manifest import RANKS_FILE, Manifest, ManifestShard, Marker, shard_name
+from ..format.manifest import Manifest, ManifestShard, Marker, shard_name
 
 log = logging.getLogger("dcp_atomic.tier_restore")  # the name users filter on
 
@@ -357,9 +357,10 @@ def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group,
         try:
             marker = layout.storage.read_file(layout.marker(choice.step))
             manifest = layout.storage.read_file(layout.storage.join(attempt, MANIFEST))
-            names = [DCP_METADATA] + ([RANKS_FILE] if Manifest.from_json(manifest, where=attempt).ranks_file else [])
+            control = Manifest.from_json(manifest, where=attempt).control_files()
             parts = [Part.inline(MARKER, marker), Part.inline(MANIFEST, manifest)] + [
-                Part.inline(name, layout.storage.read_file(layout.storage.join(attempt, name))) for name in names]
+                Part.inline(name, layout.storage.read_file(layout.storage.join(attempt, name)))
+                for name, _, _ in control]
         except (OSError, CheckpointError) as e:  # the targets still get an (empty) index, then the error
             unread, parts = e, []
         outgoing = {target: parts for target in choice.lacking}
@@ -378,7 +379,7 @@ def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group,
     marker = Marker.from_json(parts.get(MARKER, b""), where=f"the marker from {sender}")
     if (marker.save_id, marker.manifest_sha256) != (choice.save_id, choice.manifest_sha256):
         raise CorruptCheckpointError(f"{sender} sent the marker of another save ({marker.save_id})", sender=sender)
-    write_control(layout, Manifest.from_json(data, where=f"the manifest from {sender}"), parts)
+    write_control(layout, Manifest.from_json(data, where=f"the manifest from {sender}"), parts, sender)
     if rank in choice.unmarked:  # kept for the end, in the spool: the marker goes in once every file is there
         layout.storage.publish(_marker_spool(layout, choice), parts[MARKER])
     return sum(len(p) for p in parts.values())
