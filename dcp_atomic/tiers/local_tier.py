@@ -48,7 +48,7 @@ from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, PARTIAL_SUFFIX, SPOOL_DIR, RunLayout
 from ..format.manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, shard_name
 from .placement import Placement, place_replicas
-from ..stores.storage import LocalRangeReader, LocalStorage
+from ..stores.storage import LocalRangeReader, LocalStorage, publish_stream
 from ..dcp.watched import WatchedWriter
 
 log = logging.getLogger("dcp_atomic.local_tier")  # the name users filter on
@@ -185,7 +185,8 @@ def spool_dir(layout: RunLayout) -> str:
 
 def sweep_spool(layout: RunLayout) -> list[str]:
     """Remove what a restore killed midway left in this root's spool: a marker held back for the end
-    (``marker-*``), a partial copy being assembled by a process that is gone (``partial-<pid>-*``).  Run by the
+    (``marker-*``), a partial copy being assembled by a process that is gone (``partial-<pid>-*``: versions
+    before :func:`keep_extents` assembled it beside its data file).  Run by the
     root's leader before a restore scans (no transfer into this root runs then); returns the names removed.
     A transfer's own leftovers (``r<rank>-*``) are swept by :func:`~.file_transfer.transfer`."""
     spool = spool_dir(layout)
@@ -490,32 +491,22 @@ def partial_note(layout: RunLayout, manifest: Manifest, name: str) -> str:
     return layout.storage.join(layout.attempt_dir(manifest.step, manifest.save_id), name + PARTIAL_SUFFIX)
 
 
-def keep_extents(layout: RunLayout, manifest: Manifest, entry: FileEntry, pieces: dict[int, bytes],
-                 spool: str) -> None:
+def keep_extents(layout: RunLayout, manifest: Manifest, entry: FileEntry, pieces: dict[int, bytes]) -> None:
     """A partial copy of a data file: ``pieces`` (offset -> stored bytes, each a verified item) at their offsets in
     a file of the recorded size, holes elsewhere.  The reader reads only the items its plan names, each checked
     against its digests, so a hole can never load as values; the note beside it tells a later scan the holes are
     intended (the file is not held, and not damaged)."""
     storage = layout.storage
     target = layout.data_file(manifest.step, manifest.save_id, entry.name, manifest.data_prefixes)
-    os.makedirs(spool, exist_ok=True)
-    temp = os.path.join(spool, f"partial-{os.getpid()}-{entry.name}")
-    try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, entry.size)
-            for offset, data in pieces.items():
-                os.pwrite(fd, data, offset)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+
+    def write(file) -> None:
+        file.truncate(entry.size)
+        for offset, data in pieces.items():
+            os.pwrite(file.fileno(), data, offset)
         claims = json.dumps({"items": sorted([offset, len(data)] for offset, data in pieces.items())}).encode()
         storage.publish(partial_note(layout, manifest, entry.name), claims)  # first: a crash leaves no unexplained hole
-        os.replace(temp, target)
-        storage.sync_dir(os.path.dirname(target))
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+
+    publish_stream(target, write)
 
 
 def open_local(local_root: str, run_id: str) -> RunLayout:

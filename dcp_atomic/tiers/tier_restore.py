@@ -480,7 +480,7 @@ def _keep(topology: Topology, layout: RunLayout, manifest: Manifest, fetches: li
                                              rank=f.rank, path=target)
             verify_item(item, data, f"{where} item {item.key!r}", path=target)
             pieces[offset] = data
-        keep_extents(layout, manifest, entry, pieces, spool_dir(layout))
+        keep_extents(layout, manifest, entry, pieces)
     for f in fetches:
         if f.shard:
             storage.publish(layout.attempt_file(step, save_id, shard_name(f.rank)), shards[f.source, f.rank][0])
