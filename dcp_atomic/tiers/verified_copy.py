@@ -49,7 +49,7 @@ def _blocks(entry: FileEntry, where: str) -> list[_Block]:
 
 
 def copy_verified(entry: FileEntry, source: str, storage: Storage, target: str,
-                   stop: threading.Event | None = None, progress: Callable[[], None] | None = None) -> None:
+                  stop: threading.Event | None = None, progress: Callable[[], None] | None = None) -> None:
     """Stream a local data file to ``target`` in the durable store in one pass: read a piece (about
     :data:`COPY_CHUNK` bytes, ending where a block ends) into one reused buffer, check every block it holds against
     the shard's digests, then upload it.  An object store gets a multipart upload for a large file.  Memory is one
