@@ -22,7 +22,7 @@ from dcp_atomic.format.integrity import block_digest
 from dcp_atomic.format.layout import RunLayout
 from dcp_atomic.format.manifest import ItemExtent, ManifestShard
 from dcp_atomic.stores.storage import LocalStorage
-from dcp_atomic.tiers import drain
+from dcp_atomic.tiers import verified_copy
 from dcp_atomic.tiers.local_tier import check_file, check_stored_file
 from dcp_atomic.tools.audit import audit_step
 
@@ -75,7 +75,7 @@ def test_every_consumer_names_the_same_damaged_block(root, mode):
     answers["verify"] = " | ".join(report.problems)
     for name, check in {"check_stored_file": lambda: check_stored_file(entry, path, path),
                         "check_file": lambda: check_file(entry, open(path, "rb").read(), path),
-                        "drain copy": lambda: drain._copy_verified(entry, path, layout.storage,
+                        "drain copy": lambda: verified_copy.copy_verified(entry, path, layout.storage,
                                                                    os.path.join(root, "drained"))}.items():
         with pytest.raises(CorruptCheckpointError) as e:
             check()
@@ -93,7 +93,7 @@ def test_an_intact_step_passes_every_consumer(root):
         path = os.path.join(attempt, entry.name)
         check_stored_file(entry, path, path)
         check_file(entry, open(path, "rb").read(), path)
-        drain._copy_verified(entry, path, layout.storage, os.path.join(root, "drained-" + entry.name))
+        verified_copy.copy_verified(entry, path, layout.storage, os.path.join(root, "drained-" + entry.name))
         assert open(os.path.join(root, "drained-" + entry.name), "rb").read() == open(path, "rb").read()
     assert audit_step(layout, 1).ok
     target = {k: torch.zeros_like(v) for k, v in _state().items()}

@@ -77,3 +77,64 @@ def test_a_drain_whose_attempt_is_removed_before_its_marker_withdraws_it_and_com
     for rank, out in enumerate(outs):
         assert out["durable"] == [1], out
         assert out["w"] == 10.0 + rank, out
+
+
+def _copied_step(root: str):
+    """A committed single-process step (with ``ranks.json``) and an empty second root to copy it into."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+    from dcp_atomic.format.layout import RunLayout
+    from dcp_atomic.protocol.commit import read_committed
+    from dcp_atomic._base.retry import Deadline
+    from dcp_atomic.stores.storage import LocalStorage
+
+    dcp.save(_state(0, 1), storage_writer=AtomicStorageWriter(os.path.join(root, "a"), RUN, 1))
+    source = RunLayout(LocalStorage(os.path.join(root, "a")), RUN)
+    committed = read_committed(source, 1, Deadline(5))
+    attempt = source.attempt_dir(1, committed.save_id)
+    manifest_bytes = source.storage.read_file(os.path.join(attempt, "manifest.json"))
+    return source, committed, attempt, manifest_bytes, RunLayout(LocalStorage(os.path.join(root, "b")), RUN)
+
+
+def test_a_copied_step_gets_the_control_files_its_manifest_seals_and_its_manifest_last(root):
+    """copy_control is the one copy of a step's control files (the drain, replica and restored roots): each file of
+    Manifest.control_files() as the source holds it, then the manifest; and Marker.for_manifest names that
+    manifest as the save's own commit did."""
+    from dcp_atomic.format.manifest import Marker
+    from dcp_atomic.protocol.commit import copy_control
+
+    source, committed, attempt, manifest_bytes, target = _copied_step(root)
+    manifest = committed.manifest
+    assert [name for name, _, _ in manifest.control_files()] == [".metadata", "ranks.json"]
+    published: list[str] = []
+    publish = target.storage.publish
+    target.storage.publish = lambda path, data: (published.append(os.path.basename(path)), publish(path, data))[1]
+    copy_control(lambda name: source.storage.read_file(os.path.join(attempt, name)), target, manifest, manifest_bytes,
+                 source=attempt)
+    assert published == [".metadata", "ranks.json", "manifest.json"]
+    copied = target.attempt_dir(1, committed.save_id)
+    for name in published:
+        assert open(os.path.join(copied, name), "rb").read() == open(os.path.join(attempt, name), "rb").read()
+    marker = Marker.for_manifest(RUN, manifest, committed.manifest_sha256, committed.marker.sequence)
+    assert ({k: v for k, v in marker.record().items() if k != "committed_at"}
+            == {k: v for k, v in committed.marker.record().items() if k != "committed_at"})
+
+
+def test_a_control_file_that_does_not_match_the_manifest_is_refused_before_any_is_copied(root):
+    from dcp_atomic.errors import CorruptCheckpointError
+    from dcp_atomic.protocol.commit import copy_control
+
+    source, committed, attempt, manifest_bytes, target = _copied_step(root)
+
+    def read(name: str) -> bytes:
+        data = source.storage.read_file(os.path.join(attempt, name))
+        return data[:-1] + bytes([data[-1] ^ 1]) if name == "ranks.json" else data  # one bit flipped
+
+    try:
+        copy_control(read, target, committed.manifest, manifest_bytes, source=attempt)
+    except CorruptCheckpointError as e:
+        assert "ranks.json does not match the manifest of step 1" in str(e) and attempt in str(e), str(e)
+    else:
+        raise AssertionError("a damaged ranks.json was copied")
+    assert not os.path.exists(target.attempt_dir(1, committed.save_id))  # not even .metadata, which was intact

@@ -1,5 +1,5 @@
-"""The drain's one-pass copy (dcp_atomic/drain.py, step 2): each local data file read once, a piece at a time,
-every block in a piece checked before the piece is uploaded, several files at once.
+"""The drain's one-pass copy (dcp_atomic/tiers/verified_copy.py, step 2 of tiers/drain.py): each local data file
+read once, a piece at a time, every block in a piece checked before the piece is uploaded, several files at once.
 
 The copy itself on hand-made files (small blocks and pieces, so pieces cut blocks, a frame outgrows a piece, items
 leave gaps); then a real world of 4 ranks as 2 nodes draining two files per rank on two threads, one rank's local
@@ -14,6 +14,7 @@ import os
 import pytest
 
 from dcp_atomic import drain
+from dcp_atomic.tiers import drain_plan, verified_copy
 from dcp_atomic.errors import CorruptCheckpointError
 from dcp_atomic.integrity import block_digest
 from dcp_atomic.manifest import FileEntry, ItemExtent
@@ -49,17 +50,17 @@ def _data_file(path: str) -> tuple[FileEntry, bytes]:
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    monkeypatch.setattr(drain, "COPY_CHUNK", PIECE)
+    monkeypatch.setattr(verified_copy, "COPY_CHUNK", PIECE)
     reads: list[int] = []
-    real = drain._read_exactly
-    monkeypatch.setattr(drain, "_read_exactly", lambda fd, view, offset, path: (reads.append(len(view)),
+    real = verified_copy._read_exactly
+    monkeypatch.setattr(verified_copy, "_read_exactly", lambda fd, view, offset, path: (reads.append(len(view)),
                                                                                   real(fd, view, offset, path))[1])
     return reads
 
 
 def test_one_pass_copy_is_exact_across_pieces_blocks_gaps_and_empty_items_and_reads_each_byte_once(root, small_pieces):
     entry, content = _data_file(os.path.join(root, "local"))
-    drain._copy_verified(entry, os.path.join(root, "local"), LocalStorage(root), os.path.join(root, "durable"))
+    verified_copy.copy_verified(entry, os.path.join(root, "local"), LocalStorage(root), os.path.join(root, "durable"))
     with open(os.path.join(root, "durable"), "rb") as f:
         assert f.read() == content
     assert sum(small_pieces) == len(content)  # one pass: no separate verification read
@@ -75,7 +76,7 @@ def test_a_damaged_block_stops_the_upload_before_any_byte_of_its_piece_leaves(ro
         f.seek(damaged)
         f.write(bytes([content[damaged] ^ 0xFF]))
     with pytest.raises(CorruptCheckpointError) as failed:
-        drain._copy_verified(entry, source, LocalStorage(root), target)
+        verified_copy.copy_verified(entry, source, LocalStorage(root), target)
     assert "item 'a': block 2 (bytes 2000..3000 of the item) does not match its digest" in str(failed.value)
     assert failed.value.details["path"] == source
     with open(target, "rb") as f:  # the pieces before it went up (checked); nothing of the damaged block did
@@ -88,7 +89,7 @@ def test_a_file_shorter_than_its_shard_says_is_refused_before_any_upload(root, s
     entry, _ = _data_file(source)
     os.truncate(source, entry.size - 1)
     with pytest.raises(CorruptCheckpointError, match="bytes, the shard records"):
-        drain._copy_verified(entry, source, LocalStorage(root), target)
+        verified_copy.copy_verified(entry, source, LocalStorage(root), target)
     assert not os.path.exists(target)
 
 
@@ -106,11 +107,12 @@ def _drain_two_files_per_rank(ctx):
     drain.DRAIN_ATTEMPTS = 1
     drain.default_thread_count = lambda: 2
     pieces: list[int] = []
-    real = drain._read_exactly
-    drain._read_exactly = lambda fd, view, offset, path: (pieces.append(len(view)), real(fd, view, offset, path))[1]
+    real = verified_copy._read_exactly
+    verified_copy._read_exactly = lambda fd, view, offset, path: (pieces.append(len(view)),
+                                                                  real(fd, view, offset, path))[1]
     threads: set[str] = set()
-    real_copy = drain._copy_verified
-    drain._copy_verified = lambda *a, **k: (threads.add(__import__("threading").current_thread().name),
+    real_copy = drain_plan.copy_verified
+    drain_plan.copy_verified = lambda *a, **k: (threads.add(__import__("threading").current_thread().name),
                                             real_copy(*a, **k))[1]
 
     def damage(rank, step):
@@ -161,6 +163,6 @@ def test_two_files_per_rank_drain_on_two_threads_and_a_damaged_primary_fails_the
         assert out["loaded"] == 20
         _exact(out["exact"], out["want"])
         assert out["threads"] == 2, rank  # both of the rank's files, each on a thread of its own
-        assert out["pieces"] <= drain.COPY_CHUNK
+        assert out["pieces"] <= verified_copy.COPY_CHUNK
     assert outcomes[0]["drained"] == [20]
     assert outcomes[0]["marked"] == ["step_0000000020"] and "step_0000000010" in outcomes[0]["dirs"]

@@ -193,6 +193,34 @@ def test_lightning_retirement_skips_foreign_files_without_unpickling_them(root):
     assert not os.path.exists(os.path.join(namespace, run)) and not os.path.exists(canary)
 
 
+def test_lightning_file_is_published_atomically_and_its_directory_fsynced_after_the_rename(root, monkeypatch):
+    """The file names the checkpoint to resume: its rename must survive a power loss, so its directory is fsynced
+    after it (it once was not), and it is whole and readable (torch.load, and the record read without unpickling)."""
+    from dcp_atomic.integrations.lightning import _pointer_record, _write_pointer
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(source, target, **kwargs) -> None:
+        events.append(("rename", os.fspath(target)))
+        real_replace(source, target, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    directory = os.path.join(root, "ckpts")
+    path = os.path.join(directory, "last.ckpt")
+    _write_pointer(path, {"global_step": 6}, "the-checkpoint-id", {"save_id": "s1"})
+    renamed = events.index(("rename", path))
+    assert ("fsync", directory) in events[renamed:], events
+    assert torch.load(path, weights_only=True)["global_step"] == 6
+    assert _pointer_record(path)["save_id"] == "s1"
+    assert os.listdir(directory) == ["last.ckpt"]  # no temp file left
+
+
 def _lightning_failing_pointer_rank(ctx):
     """Rank 0 cannot publish Lightning's file: every rank must fail at that save, none may wait in a collective."""
     import time

@@ -15,7 +15,7 @@ Two kinds of pause, one switch:
   begins it, each of its hooks renews it, and it ends once each participant (our planner, our storage writer
   or reader) is done on this rank: at its last hook, or, for a save on a rank other than the coordinator,
   when the global metadata of DCP's closing broadcast has been unpickled (:func:`leave`, called from the
-  writer's ``_MetadataVersion``).  A pause begun in one hook and ended in a later one would stay on
+  writer's ``_GcPauseEndsOnUnpickle``).  A pause begun in one hook and ended in a later one would stay on
   for good if the operation failed in between (a peer raising, a storage error), so a lease also ends, for
   sure, (a) when one of our hooks raises, (b) when the next operation on this thread begins, and (c) when no
   hook has renewed it for :data:`LEASE_SECONDS` (a daemon watchdog).  The cost of a lease that ends early

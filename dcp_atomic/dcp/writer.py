@@ -314,7 +314,7 @@ class AtomicStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         # 10^4+ item records and results per rank.  Another rank's lease lasts until DCP's broadcast of the
-        # global metadata has been unpickled (_MetadataVersion); without collectives, until its own finish.
+        # global metadata has been unpickled (_GcPauseEndsOnUnpickle); without collectives, until its own finish.
         with hook(STORAGE):
             return self._write_data(plan, planner)
 
@@ -356,7 +356,7 @@ class AtomicStorageWriter(StorageWriter):
         with hook(STORAGE, last=True):
             self._commit(metadata, results)
             if self.use_collectives and len(results) > 1:  # DCP broadcasts it to the other ranks next
-                metadata.version = _MetadataVersion(metadata.version)
+                metadata.version = _GcPauseEndsOnUnpickle(metadata.version)
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         stats: list[RankStats] = []
@@ -518,7 +518,7 @@ def _stored_dtypes(metadata: Metadata, results: list[list[WriteResult]],
     return {key: sorted(dtypes) for key, dtypes in sorted(cast.items())}
 
 
-class _MetadataVersion(str):
+class _GcPauseEndsOnUnpickle(str):
     """The committed metadata's version, as the coordinator's ``finish`` hands it to DCP for its broadcast.
 
     The other ranks have no hook after ``write_data``, yet their save's last and largest unpickling is still to

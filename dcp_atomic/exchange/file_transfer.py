@@ -80,7 +80,7 @@ def discard(received: dict[int, dict[str, Received]]) -> None:
 _SERIAL = itertools.count()  # transfers in this process: with the caller's name, one exchange id on every rank
 
 
-def exchange(link: PeerLink, outgoing: dict[int, bytes], incoming: list[int], what: str) -> dict[int, bytes]:
+def exchange_small(link: PeerLink, outgoing: dict[int, bytes], incoming: list[int], what: str) -> dict[int, bytes]:
     """One small message to each ``outgoing`` rank and from each ``incoming`` rank; lengths first, so a receiver
     sizes its buffer exactly.  For indexes and control data: files go through :func:`transfer`."""
     sizes = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
@@ -120,8 +120,8 @@ def transfer(outgoing: dict[int, list[Part]], incoming: dict[int, str], group, s
         setup = e
     receivers: dict[int, _Receiver] = {}
     try:
-        indexes = exchange(link, {dst: json.dumps([[p.name, p.size, p.path is not None] for p in parts]).encode()
-                                  for dst, parts in outgoing.items()}, list(incoming), what)
+        indexes = exchange_small(link, {dst: json.dumps([[p.name, p.size, p.path is not None] for p in parts]).encode()
+                                        for dst, parts in outgoing.items()}, list(incoming), what)
         senders = {dst: _Sender(parts) for dst, parts in outgoing.items()}
         receivers = {src: _Receiver(indexes[src], spool_dir, f"r{me}-from{src}", incoming[src], setup)
                      for src in incoming}

@@ -24,7 +24,8 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from .integrity import sha256_hex
-from .layout import (STABLE_FILE_PATTERN, validate_data_file_name, validate_data_prefixes, validate_run_id,
+from ..version import __version__
+from .layout import (MANIFEST, STABLE_FILE_PATTERN, validate_data_file_name, validate_data_prefixes, validate_run_id,
                      validate_save_id, validate_step)
 from .parallelism import Parallelism
 
@@ -246,6 +247,13 @@ class Manifest:
 
     def shard_of(self, rank: int) -> ShardRef | None:
         return next((s for s in self.shards if s.rank == rank), None)
+
+    def control_files(self) -> list[tuple[str, int, str]]:
+        """(name, size, sha256) of each file besides the shards that the manifest seals and a reader needs to open
+        the step: ``.metadata``, and ``ranks.json`` where the ranks' records live there.  Every copy of a step (the
+        drain, a replica root, a restore) checks and copies these; the manifest itself is sealed by the marker."""
+        refs = [self.dcp_metadata] + ([self.ranks_file] if self.ranks_file is not None else [])
+        return [(ref["name"], ref["size"], ref["sha256"]) for ref in refs]
 
     @property
     def total_bytes(self) -> int:
@@ -503,6 +511,16 @@ class Marker:
     # that finds no ``LINEAGE`` adopts the lineage instead of starting a new one (lineage.py).
     provisional_for: str | None = None
 
+    @classmethod
+    def for_manifest(cls, run_id: str, manifest: "Manifest", manifest_sha256: str, sequence: int | None,
+                     **extra: Any) -> "Marker":
+        """The marker of ``manifest`` (whose bytes hash to ``manifest_sha256``), committed now by this library: the
+        one way every committer (a save, the drain, a local commit) names the attempt it commits.  ``extra``: the
+        local markers' fields (``drain``, ``lineage``, ``provisional_for``)."""
+        return cls(run_id=run_id, step=manifest.step, save_id=manifest.save_id,
+                   manifest=f"{manifest.save_id}/{MANIFEST}", manifest_sha256=manifest_sha256,
+                   committed_at=now(), library_version=__version__, sequence=sequence, **extra)
+
     def record(self) -> dict:
         """The fields as stored; ``drain``, ``lineage`` and ``provisional_for`` only when set, so durable markers and
         the ``COMMITS`` journal stay as earlier versions wrote them (their readers take every stored field)."""
@@ -525,7 +543,7 @@ class Marker:
             validate_save_id(marker.save_id)
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{where}: malformed commit marker ({e})", path=where) from None
-        _expect(marker.manifest == f"{marker.save_id}/manifest.json", where, "marker names a foreign manifest path")
+        _expect(marker.manifest == f"{marker.save_id}/{MANIFEST}", where, "marker names a foreign manifest path")
         return marker
 
 

@@ -70,6 +70,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from ..stores.backends import open_storage
+from ..stores.storage import publish_stream
 from ..protocol.catalog import DEFAULT_TIMEOUT
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, shorten
 from ..format.layout import RunLayout, parse_checkpoint_id
@@ -560,22 +561,18 @@ def _retire(tier: _Tier, steps: list[int]) -> None:
 def _write_pointer(path: str, checkpoint: dict[str, Any], checkpoint_id: str,
                    record: dict[str, Any] | None = None) -> None:
     """Publish Lightning's non-tensor state at ``path`` (durable, atomic) with the record :func:`_pointer` reads."""
-    temp = f"{path}.{os.getpid()}.tmp"
     os.makedirs(os.path.dirname(path), exist_ok=True)  # the local tier's first save: the drain may not have run yet
-    try:
-        torch.save(checkpoint, temp)
-        with zipfile.ZipFile(temp, "a") as archive:  # torch.load ignores records it does not know
+
+    def write(file) -> None:
+        torch.save(checkpoint, file)
+        with zipfile.ZipFile(file, "a") as archive:  # torch.load ignores records it does not know
             folder = archive.namelist()[0].partition("/")[0]
             archive.writestr(f"{folder}/{POINTER_RECORD}", json.dumps({**(record or {}), POINTER_KEY: checkpoint_id}))
-        with open(temp, "rb") as f:
-            os.fsync(f.fileno())
-        if os.path.isdir(path):
-            _replace_stock_checkpoint(temp, path)
-        else:
-            os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)
+
+    if os.path.isdir(path):
+        _replace_stock_checkpoint(path, write)
+    else:
+        publish_stream(path, write)
 
 
 def _is_stock_checkpoint(path: str) -> bool:
@@ -583,9 +580,10 @@ def _is_stock_checkpoint(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, name)) for name in (STOCK_DCP_METADATA, STOCK_META))
 
 
-def _replace_stock_checkpoint(temp: str, path: str) -> None:
-    """Publish ``temp`` at ``path``, where stock ``ModelParallelStrategy`` saved a directory (``last.ckpt`` of the
-    job before it moved onto this strategy): stock Lightning overwrites a name it saves again, and so does this.
+def _replace_stock_checkpoint(path: str, write) -> None:
+    """Publish the file ``write(file)`` writes at ``path``, where stock ``ModelParallelStrategy`` saved a directory
+    (``last.ckpt`` of the job before it moved onto this strategy): stock Lightning overwrites a name it saves again,
+    and so does this.
 
     A directory cannot be replaced by a file in one rename: it is renamed aside first, so a crash in between leaves
     the stock checkpoint whole at ``<path>.<pid>.stock`` (rename it back to resume from it), then removed.  Any other
@@ -596,7 +594,7 @@ def _replace_stock_checkpoint(temp: str, path: str) -> None:
     aside = f"{path}.{os.getpid()}.stock"
     os.rename(path, aside)
     try:
-        os.replace(temp, path)
+        publish_stream(path, write)
     except BaseException:
         os.rename(aside, path)
         raise

@@ -38,7 +38,7 @@ from ..tiers.drain import Drained, Drainer, DrainJob
 from ..tiers.local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, of_lineage, open_local,
                                 remove_failed_attempt, remove_local_step, retain_local, scan_root, sweep_spool)
 from ..tiers.placement import failure_domain as resolve_failure_domain
-from ..tiers.tier_restore import Durable, assemble, choose, not_found
+from ..tiers.tier_restore import DurableCandidate, assemble_step, choose_restore, restore_not_found
 from .tiering import NO_DRAIN, TierPolicy
 
 if TYPE_CHECKING:
@@ -392,8 +392,8 @@ class TwoTier(TierPolicy):
         if m.rank == 0:
             declared = m.parallelism.to_dict() if m.parallelism is not None else None
             try:
-                outcome = ("ok", choose(tier, reports, self._durable_candidate(step), m.world_size, declared, step,
-                                        save_id))
+                outcome = ("ok", choose_restore(tier, reports, self._durable_candidate(step), m.world_size, declared,
+                                                step, save_id))
             except CheckpointError as e:
                 outcome = ("error", e)
             except Exception as e:  # the durable root's storage, say: every rank must hear of it
@@ -408,7 +408,7 @@ class TwoTier(TierPolicy):
         for why in choice.skipped:
             log.warning("restore of run %r: %s", m.run_id, why)
         if choice.tier == "none":
-            raise not_found(m.run_id, choice, m.layout.storage.describe())
+            raise restore_not_found(m.run_id, choice, m.layout.storage.describe())
         if choice.tier == "durable":
             m.restored_from = {"tier": "durable", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": 0,
                                "bytes_fetched": 0}
@@ -416,7 +416,7 @@ class TwoTier(TierPolicy):
                      m.layout.storage.describe(), " because no newer local step is complete" if choice.skipped else "")
             return None
         try:
-            fetched, fetched_bytes = assemble(tier, self.local, choice, m._group, state_dict, timeout=m.timeout)
+            fetched, fetched_bytes = assemble_step(tier, self.local, choice, m._group, state_dict, timeout=m.timeout)
         except CheckpointError:
             raise
         except BaseException as e:
@@ -427,7 +427,7 @@ class TwoTier(TierPolicy):
                  "rank(s)' files it reads)", m.run_id, choice.step, choice.sequence, fetched_bytes, fetched)
         return os.fspath(self.local_root), choice.step, choice.save_id, ResumePoint(step=choice.step, sequence=newest)
 
-    def _durable_candidate(self, step: int | None) -> Durable | None:
+    def _durable_candidate(self, step: int | None) -> DurableCandidate | None:
         """Rank 0: the durable tier's newest commit (or ``step``'s), None when it has none."""
         m = self._m
         try:
@@ -443,7 +443,7 @@ class TwoTier(TierPolicy):
             marker = read_marker(m.layout, step, Deadline(m.timeout), missing_ok=asked)
         except (CheckpointNotFoundError, FileNotFoundError):
             return None
-        return Durable(step=step, save_id=marker.save_id, sequence=marker.sequence)
+        return DurableCandidate(step=step, save_id=marker.save_id, sequence=marker.sequence)
 
     def _provisional_lineages(self) -> list[tuple[str, int, int]]:
         """Every rank: (lineage, sequence, step) of each local step on this root (its leader reports) whose lineage

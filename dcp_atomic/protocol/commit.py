@@ -10,7 +10,9 @@ under the same completeness rule.  What differs between them is a :class:`Commit
 1. every rank writes and fsyncs its data files and its ``manifest.<rank>.json`` shard of items and block
    checksums into the attempt (nothing there is visible yet);
 2. :func:`publish_control`: DCP's ``.metadata``, then ``manifest.json`` (files, sizes, identities, layout, and the
-   sha256 of each rank's shard), each published atomically, then the attempt and step directories fsynced;
+   sha256 of each rank's shard), each published atomically, then the attempt and step directories fsynced; a copy
+   of a step another root holds (the drain, a replica or restored root) publishes the same files, each checked
+   against the manifest first, through :func:`copy_control`;
 3. :func:`commit_step`: the marker ``COMMITTED`` (naming the attempt and the manifest's sha256, sealed with its
    own checksum), through :func:`place_marker`, which first refuses it unless every file the manifest names was
    verified (:func:`require_complete`), then creates it *exclusively* (``link()`` of a written temp file on POSIX,
@@ -281,6 +283,30 @@ def publish_control(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, 
     return manifest_bytes
 
 
+def copy_control(read: Callable[[str], bytes], layout: RunLayout, manifest: Manifest, manifest_bytes: bytes, *,
+                 source: str) -> None:
+    """Step 2, for a copy of a step another root holds (the drain's upload, a replica root's or a restore's control
+    files): each of the manifest's :meth:`~.Manifest.control_files`, as ``read(name)`` returns it, checked against
+    the manifest before any is published, then ``manifest.json`` (``manifest_bytes``: their seal, which the marker
+    names) last, and the attempt directory synced.  ``source`` names where ``read`` reads, for the error."""
+    storage = layout.storage
+    attempt = layout.attempt_dir(manifest.step, manifest.save_id)
+    files = []
+    for name, size, sha256 in manifest.control_files():
+        data = read(name)
+        if len(data) != size or sha256_hex(data) != sha256:
+            raise CorruptCheckpointError(
+                f"{source}: {name} does not match the manifest of step {manifest.step} (save {manifest.save_id}): "
+                f"{len(data)} bytes, the manifest records {size}, or the sha256 differs; nothing was copied to "
+                f"{attempt}. This copy of the step cannot be used (a later step can)", path=source, step=manifest.step)
+        files.append((name, data))
+    storage.makedirs(attempt)
+    for name, data in files:
+        storage.publish(storage.join(attempt, name), data)
+    storage.publish(storage.join(attempt, MANIFEST), manifest_bytes)
+    storage.sync_dir(attempt)
+
+
 @dataclass(frozen=True)
 class CommitPolicy:
     """What differs between the durable committers (a save, an import, the drain); the sequence does not.
@@ -349,9 +375,7 @@ def publish(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, overw
     refused)."""
     step, save_id = manifest.step, manifest.save_id
     manifest_bytes = publish_control(layout, manifest, dcp_metadata, rank=rank)
-    marker = Marker(run_id=layout.run_id, step=step, save_id=save_id, manifest=f"{save_id}/{MANIFEST}",
-                    manifest_sha256=sha256_hex(manifest_bytes), committed_at=now(), library_version=__version__,
-                    sequence=next_sequence(layout))
+    marker = Marker.for_manifest(layout.run_id, manifest, sha256_hex(manifest_bytes), next_sequence(layout))
 
     def conflict(existing: Marker) -> str:
         return (f"step {step} of run {layout.run_id!r} was committed by save {existing.save_id} while save "

@@ -32,7 +32,7 @@ import secrets
 import shutil
 import stat
 import warnings
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from ..errors import ConfigurationError
 
@@ -411,6 +411,24 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def publish_stream(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """Publish a local file too large or too structured for one ``bytes`` (an export, Lightning's file, a partial
+    copy): ``write(file)`` fills a temp file beside ``path`` (opened for reading too, so ``write`` may append to what
+    it wrote, as a zip archive does), which is fsynced, renamed over ``path``, and the directory fsynced, so
+    ``path`` is the old file or the whole new one, across a crash too.  A failure leaves no temp file."""
+    tmp = _temp_name(path)
+    try:
+        with open(tmp, "x+b") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    LocalStorage(os.path.dirname(path)).sync_dir(os.path.dirname(path))
 
 
 class FsspecStorage(Storage):

@@ -7,20 +7,20 @@ steps go: ``durable=`` per save, else the manager's ``durable_every`` policy.  O
 
 1. global rank 0 picks the job (the newest step waiting) and announces it; every rank takes that step, never
    one it chose itself (the ranks' queues fill at slightly different moments);
-2. every rank reports which of the step's ranks its local root holds (:func:`held_ranks`); rank 0 plans the uploads
-   (:func:`plan_uploads`: each rank its own primary files where it holds them, any other rank's from a replica, so a
-   job of another world size, or one with a replaced node, drains the step whole); each rank uploads its share
-   (manifest shards and data files; one rank also the control files, from rank 0's root unless its node was
-   replaced) from its own local root to the durable attempt directory
+2. every rank reports which of the step's ranks its local root holds (:func:`~.drain_plan.held_ranks`); rank 0
+   plans the uploads (:func:`~.drain_plan.plan_uploads`: each rank its own primary files where it holds them, any
+   other rank's from a replica, so a job of another world size, or one with a replaced node, drains the step
+   whole); each rank uploads its share (manifest shards and data files; one rank also the control files, from
+   rank 0's root unless its node was replaced) from its own local root to the durable attempt directory
    ``<root>/<run_id>/step_N/<save_id>/``, as many files at once as a direct save writes (the library's thread count),
-   each in one pass: a piece of about :data:`COPY_CHUNK` bytes is read into the thread's buffer, every block digest
-   it holds is checked, and only then is it uploaded (onto a disk, written through as it goes rather than all at the
-   final fsync).  The stored bytes travel, never re-serialised, never staged from device memory again, never a whole
-   file in memory, and never a byte whose block was not checked (a damaged block stops the file before it; gc
-   collects the partial attempt);
-3. every rank reports what it uploaded; rank 0 alone commits, through :func:`~.commit.commit_step` as a save does,
-   which refuses the marker unless those reports cover every file the manifest names
-   (:func:`~.commit.require_complete`: a step no root covers stays local, the error naming the files):
+   each in one pass (:mod:`.verified_copy`): a piece of about ``COPY_CHUNK`` bytes is read into the thread's buffer,
+   every block digest it holds is checked, and only then is it uploaded (onto a disk, written through as it goes
+   rather than all at the final fsync).  The stored bytes travel, never re-serialised, never staged from device
+   memory again, never a whole file in memory, and never a byte whose block was not checked (a damaged block stops
+   the file before it; gc collects the partial attempt);
+3. every rank reports what it uploaded; rank 0 alone commits (:func:`~.drain_plan.commit_durable`), through
+   :func:`~.commit.commit_step` as a save does, which refuses the marker unless those reports cover every file the
+   manifest names (:func:`~.commit.require_complete`: a step no root covers stays local, the error naming the files):
    the control files uploaded (``ranks.json``, ``.metadata``, the local manifest verbatim: its digest is the local
    marker's), fsync, the marker created exclusively, ``LATEST``.  The marker carries the step's *local* commit
    sequence: a step keeps its place in the run's history whichever tier serves it (P10 across tiers), and
@@ -54,61 +54,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.distributed as dist
 
 from .._base import failpoints
-from ..protocol.commit import CommitPolicy, Evidence, ResumePoint, claim_attempt, commit_step
-from ..errors import (CheckpointError, CommitConflictError, CorruptCheckpointError, DrainStalledError,
-                     IncompleteStepError, StorageError)
 from ..dcp.identity import default_thread_count
+from ..errors import (CheckpointError, CommitConflictError, DrainStalledError, IncompleteStepError,
+                      StorageError)
 from ..exchange.stall import SILENT, STALLED, StallClock
-from ..protocol.links import base_stable_files, link_verified, same_stored_file
-from ..format.blocks import check_block, file_blocks
-from ..format.integrity import sha256_hex
-from ..format.layout import DCP_METADATA, MANIFEST, STABLE_FILE_PATTERN, RunLayout
-from .local_tier import check_shard, read_manifest
-from ..format.manifest import RANKS_FILE, FileEntry, ItemExtent, Manifest, Marker, now, shard_name
-from ..stores.storage import Storage
-from ..version import __version__
+from ..format.layout import DCP_METADATA, MANIFEST, RunLayout
+from ..format.manifest import Marker, now
+from ..protocol.commit import Evidence, ResumePoint, claim_attempt
+from .drain_plan import DrainJob, Plan, Uploaded, commit_durable, held_ranks, plan_uploads, upload_ranks
 
 log = logging.getLogger("dcp_atomic.drain")  # the name users filter on
 
-COPY_CHUNK = 8 << 20  # bytes of a data file a drain thread reads, checks and uploads at a time (a block more
-# when one block is larger: a block is never cut, so its bytes are checked before any leaves)
 DRAIN_ATTEMPTS = 3  # per step; a newer step waiting supersedes the retries
 RETRY_BACKOFF = 1.0  # seconds before the second attempt, doubled after each
-
-
-
-@dataclass(frozen=True)
-class DrainJob:
-    """One local-committed step to copy.  ``index`` numbers submissions; it is the same on every rank (SPMD)."""
-
-    index: int
-    step: int
-    save_id: str
-    manifest_sha256: str
-    sequence: int | None
-
-
-@dataclass
-class Uploaded:
-    """One rank's share of a drain attempt."""
-
-    error: CheckpointError | None = None
-    bytes: int = 0
-    files: int = 0
-    bytes_reused: int = 0  # of ``bytes``: linked from the durable root's previous step (reuse), not uploaded
-    verified: dict[str, str] = field(default_factory=dict)  # file name -> how it got there (the commit's evidence)
-    manifest: bytes | None = None  # the control uploader's (Plan.control): kept by rank 0, never gathered
 
 
 @dataclass
@@ -124,183 +91,6 @@ class Drained:
     attempts: int
     skipped: list[int]
     bytes_reused: int = 0
-
-
-# -- steps 2 and 3 ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Holding:
-    """What one local root holds of a drain's step: the ranks whose manifest shard and data files are there, and
-    whether its control files (the manifest the local marker names, ``.metadata``, ``ranks.json``) are."""
-
-    ranks: list[int]
-    control: bool
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Rank 0's plan for one attempt: which drain rank uploads which source ranks' files, and which one uploads the
-    control files (None: no root holds them, and the commit refuses the step)."""
-
-    sources: dict[int, list[int]]
-    control: int | None
-
-
-def held_ranks(local: RunLayout, job: DrainJob) -> Holding:
-    """What this local root holds of ``job``'s step at the recorded sizes (its own primary files, or replicas):
-    what this rank could upload.  Sizes only, from the manifest: the upload checks every block as it reads
-    (:func:`_copy_verified`) and every control file's digest, so a damaged copy still fails there."""
-    try:
-        manifest = _local_manifest(local, job)
-    except (OSError, CheckpointError):
-        return Holding([], False)  # no local copy of the step here (a replaced node): others upload
-    sizes: dict[int, list[tuple[str, int]]] = {}
-    for f in manifest.files:
-        sizes.setdefault(f.rank, []).append((local.data_file(job.step, job.save_id, f.name, manifest.data_prefixes),
-                                             f.size))
-    held = []
-    for rank in range(manifest.world_size):
-        ref = manifest.shard_of(rank)
-        shard = [(local.attempt_file(job.step, job.save_id, ref.name), ref.size)] if ref is not None else []
-        if ref is not None and _all_there(sizes.get(rank, []) + shard):
-            held.append(rank)
-    control = _all_there([(local.attempt_file(job.step, job.save_id, name), ref["size"])
-                          for name, ref in _control_refs(manifest)])
-    return Holding(held, control)
-
-
-def _all_there(files: list[tuple[str, int]]) -> bool:
-    try:
-        return all(os.path.getsize(path) == size for path, size in files)
-    except OSError:
-        return False
-
-
-def _control_refs(manifest: Manifest) -> list[tuple[str, dict]]:
-    """The control files a drain copies besides the manifest: (name, the manifest's record of it)."""
-    control = [(RANKS_FILE, manifest.ranks_file)] if manifest.ranks_file is not None else []
-    return control + [(DCP_METADATA, manifest.dcp_metadata)]
-
-
-def plan_uploads(held: list[Holding]) -> Plan:
-    """Rank 0: which drain rank uploads which source rank's files, from what each drain rank's root holds
-    (:func:`held_ranks`).  A rank uploads its own files where it holds them (the common case: one pass over its own
-    disk, as before); every other source rank goes to the least-loaded rank that holds it, so a resized job (or one
-    with a replaced node) drains from replicas.  The control files go from rank 0's root where it holds them, else
-    from the first root that does (global rank 0's node replaced).  A source rank no root holds is left out: the
-    commit's completeness check (:func:`~.commit.require_complete`) then refuses the step, naming its files."""
-    plan: dict[int, list[int]] = {rank: [] for rank in range(len(held))}
-    sources = sorted({r for holding in held for r in holding.ranks})
-    for source in sources:
-        if source < len(held) and source in held[source].ranks:
-            plan[source].append(source)
-    for source in sources:
-        if source < len(held) and source in held[source].ranks:
-            continue
-        holders = [rank for rank, holding in enumerate(held) if source in holding.ranks]
-        plan[min(holders, key=lambda rank: (len(plan[rank]), rank))].append(source)
-    return Plan(plan, next((rank for rank, holding in enumerate(held) if holding.control), None))
-
-
-def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: list[int], rank: int,
-                 threads: int = 1, progress: Callable[[], None] | None = None, control: bool = False) -> Uploaded:
-    """Step 2: copy the shards and data files of the ranks ``sources`` of ``job`` from this local root, ``threads``
-    files at a time, each block checked as it is read; a shard goes last, once every file it names is up; then, with
-    ``control``, the control files (:func:`upload_control`).  Returns the files uploaded, by name, as the commit's
-    evidence.  ``progress()`` is called after each piece uploaded (the stall clock of :meth:`Drainer.wait`)."""
-    uploaded = Uploaded()
-    if not sources and not control:
-        return uploaded
-    manifest = _local_manifest(local, job)
-    storage = durable.storage
-    storage.makedirs(durable.attempt_dir(job.step, job.save_id))
-    shards, copies = [], []
-    for source in sources:
-        shard_path = local.attempt_file(job.step, job.save_id, shard_name(source))
-        shard_bytes = local.storage.read_file(shard_path)
-        shard = check_shard(manifest, source, shard_bytes, shard_path)
-        shards.append((source, shard_bytes))
-        for entry in shard.files:
-            src = local.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
-            target = durable.data_file(job.step, job.save_id, entry.name, manifest.data_prefixes)
-            if manifest.data_prefixes:
-                storage.makedirs(target.rsplit("/", 1)[0])
-            copies.append((entry, src, target))
-    stop = threading.Event()  # one file failed: the others stop at their next piece
-    reusable = _reusable(durable, job, sources, [entry for entry, _, _ in copies])
-    linked: dict[str, str] = {}  # file name -> how it got there, for the files linked instead of uploaded
-
-    def copy(entry: FileEntry, source: str, target: str) -> None:
-        try:
-            base = reusable.get(entry.name)
-            if base is not None and link_verified(storage, base[1], target, entry, rank=rank, base_step=base[0],
-                                                  where=f"durable step {base[0]} {entry.name}", threads=1):
-                linked[entry.name] = (f"rank {rank} linked it ({storage.link_kind}) from durable step {base[0]}, "
-                                      "every block checked")
-                return
-            _copy_verified(entry, source, storage, target, stop, progress)
-        except OSError as e:  # name the file, not only the directory (a short write carries no file name)
-            e.filename = e.filename or target
-            stop.set()
-            raise
-        except BaseException:
-            stop.set()
-            raise
-
-    threads = max(1, min(threads, len(copies)))
-    if threads == 1:
-        for args in copies:
-            copy(*args)
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"dcp-atomic-drain{rank}") as pool:
-            futures = [pool.submit(copy, *args) for args in copies]
-            errors = [f.exception() for f in futures]
-        first = next((e for e in errors if e is not None and not isinstance(e, _Stopped)), None)
-        if first is not None:
-            raise first
-    who = f"rank {rank} uploaded it from {local.storage.describe()}, every block checked"
-    for source, shard_bytes in shards:
-        storage.publish(durable.attempt_file(job.step, job.save_id, shard_name(source)), shard_bytes)
-        uploaded.verified[shard_name(source)] = who
-    uploaded.verified.update((entry.name, linked.get(entry.name, who)) for entry, _, _ in copies)
-    uploaded.bytes, uploaded.files = sum(entry.size for entry, _, _ in copies), len(copies)
-    uploaded.bytes_reused = sum(entry.size for entry, _, _ in copies if entry.name in linked)
-    if control:
-        uploaded.manifest = upload_control(local, durable, job)
-    return uploaded
-
-
-def _reusable(durable: RunLayout, job: DrainJob, sources: list[int], entries: list[FileEntry]
-              ) -> dict[str, tuple[int, str]]:
-    """Reuse (P15) across the drain: the stable files of this share that the durable root's latest committed step
-    below ``job.step`` holds with the same records (name -> (that step, its path)), so they are linked there
-    (:func:`~..dcp.reuse.link_verified`) instead of uploaded again.  Nothing where the local step has no stable file
-    or the durable store can neither hard-link nor copy in place."""
-    stable = [entry for entry in entries if STABLE_FILE_PATTERN.fullmatch(entry.name)]
-    if not stable or durable.storage.link_kind is None:
-        return {}
-    base = base_stable_files(durable, job.step, sources)
-    return {entry.name: base[entry.name][:2] for entry in stable
-            if entry.name in base and same_stored_file(entry, base[entry.name][2])}
-
-
-def upload_control(local: RunLayout, durable: RunLayout, job: DrainJob) -> bytes:
-    """The step's control files from this local root to the durable attempt, each checked first: the manifest
-    against the local marker's digest, ``ranks.json`` and ``.metadata`` against the manifest.  Returns the
-    manifest's bytes (what the commit's marker names)."""
-    manifest_bytes, manifest = _local_manifest_bytes(local, job)
-    storage = durable.storage
-    attempt = durable.attempt_dir(job.step, job.save_id)
-    for name, ref in _control_refs(manifest):
-        path = local.attempt_file(job.step, job.save_id, name)
-        data = local.storage.read_file(path)
-        if len(data) != ref["size"] or sha256_hex(data) != ref["sha256"]:
-            raise CorruptCheckpointError(f"{path}: does not match the manifest of local step {job.step}; this step "
-                                         "cannot be drained (a later one can)", path=path, step=job.step)
-        storage.publish(storage.join(attempt, name), data)
-    storage.publish(storage.join(attempt, MANIFEST), manifest_bytes)
-    return manifest_bytes
 
 
 _POLL = 1.0  # seconds between a waiter's looks at the stall clock
@@ -319,217 +109,6 @@ class _StoreWork:
 
     def __exit__(self, *exc: Any) -> None:
         self.drainer._io_since = None
-
-
-class _Stopped(Exception):
-    """A copy thread gave up because another file of the same upload failed (never the error reported)."""
-
-
-@dataclass(frozen=True)
-class _Block:
-    """One block of a data file (:func:`~.blocks.file_blocks`), placed in the file: bytes ``[start, end)``."""
-
-    start: int
-    end: int
-    item: ItemExtent
-    index: int
-    what: str
-
-
-def _blocks(entry: FileEntry, where: str) -> list[_Block]:
-    """Every block (or frame) of ``entry``, in file order."""
-    blocks = [_Block(item.pos + lo, item.pos + hi, item, index, what)
-              for item, what, index, lo, hi in file_blocks(entry, where)]
-    blocks.sort(key=lambda b: (b.start, b.end))
-    return blocks
-
-
-def _copy_verified(entry: FileEntry, source: str, storage: Storage, target: str,
-                   stop: threading.Event | None = None, progress: Callable[[], None] | None = None) -> None:
-    """Stream a local data file to ``target`` in the durable store in one pass: read a piece (about
-    :data:`COPY_CHUNK` bytes, ending where a block ends) into one reused buffer, check every block it holds against
-    the shard's digests, then upload it.  An object store gets a multipart upload for a large file.  Memory is one
-    piece per thread, whatever the file's size.  A durable file left by a failed earlier attempt is replaced."""
-    blocks = _blocks(entry, source)
-    fd = os.open(source, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size != entry.size:
-            raise CorruptCheckpointError(f"{source}: {size} bytes, the shard records {entry.size}", path=source)
-        for block in blocks:
-            if block.end > size:
-                raise CorruptCheckpointError(f"{block.what}: block {block.index} ends at byte {block.end}, past the "
-                                             f"end of the {size}-byte file", path=source, block=block.index)
-        try:
-            stream = storage.open_write(target)
-        except FileExistsError:  # the same attempt directory, an earlier try: nothing references it yet
-            storage.remove(target)
-            stream = storage.open_write(target)
-        try:
-            buffer = bytearray(min(COPY_CHUNK, size) or 1)
-            written = _writeback(stream)
-            position, next_block = 0, 0
-            while position < size or next_block < len(blocks):
-                if stop is not None and stop.is_set():
-                    raise _Stopped()
-                end = _piece_end(blocks, next_block, position, min(size, position + COPY_CHUNK))
-                if end - position > len(buffer):
-                    buffer = bytearray(end - position)  # one block larger than a piece
-                view = memoryview(buffer)[:end - position]
-                _read_exactly(fd, view, position, source)
-                while next_block < len(blocks) and blocks[next_block].end <= end:
-                    block = blocks[next_block]
-                    data = (view[block.start - position:block.end - position] if block.start >= position
-                            else os.pread(fd, block.end - block.start, block.start))  # items overlapping: rare
-                    try:
-                        check_block(block.item, block.index, data, block.what, path=source)
-                    except CorruptCheckpointError as e:
-                        raise CorruptCheckpointError(f"{e.message}; this step cannot be drained (a later one can)",
-                                                     **e.details) from None
-                    next_block += 1
-                stream.write(view)
-                written(position, end - position)
-                position = end
-                if progress is not None:
-                    progress()
-            storage.close_write(stream)
-        except BaseException:
-            storage.abort_write(stream)
-            raise
-    finally:
-        os.close(fd)
-
-
-def _writeback(stream: Any) -> Callable[[int, int], None]:
-    """For a stream onto a local file: start writing each uploaded piece to the disk now, and drop it from the page
-    cache once written.  Left to the kernel, the pages wait for the final fsync, which then writes the whole file
-    while the copy sits idle (4 ranks copying 252 MB each to ext4 on the 2-core VM: 15-50% faster with it); and
-    the drain never reads them again, so they should not push the training job's pages out.  Advice only: a
-    stream without a file descriptor (an object store's upload) gets nothing, and a refusal is ignored."""
-    try:
-        fd = stream.fileno()
-    except (AttributeError, OSError, ValueError):
-        fd = None
-    if fd is None or not hasattr(os, "posix_fadvise"):
-        return lambda offset, length: None
-
-    def advise(offset: int, length: int) -> None:
-        try:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)  # Linux: starts writeback of dirty pages
-        except OSError:
-            pass
-
-    return advise
-
-
-def _piece_end(blocks: list[_Block], first: int, position: int, end: int) -> int:
-    """Where the piece from ``position`` ends: at ``end``, moved back to the start of a block that ``end`` would cut,
-    or on to that block's end when it begins at ``position`` (a block larger than a piece)."""
-    for block in blocks[first:]:
-        if block.start >= end:
-            break
-        if block.end > end:  # cut by the piece's end
-            return block.start if block.start > position else block.end
-    return end
-
-
-def _read_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, the shard records more (truncated "
-                                         "while the drain read it?)", path=path)
-        done += n
-
-
-def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | None, resumed: ResumePoint | None,
-                   timeout: float, evidence: Evidence, clock: StallClock | None = None) -> Marker:
-    """Step 3 (global rank 0), once every share (and the control files, :func:`upload_control`) is up: the durable
-    marker with the step's local sequence, then ``LATEST`` unless a newer commit holds it.  ``manifest_bytes``: the
-    manifest rank 0 uploaded itself, or None when another rank's root held the control files (global rank 0's node
-    was replaced): then it is read back from the durable attempt, checked against the local marker's digest.
-    ``clock``: the drain's shared stall clock; the marker is written only if rank 0 claims it before any waiter
-    declared the drain stalled (:mod:`~..exchange.stall`), so every rank's verdict holds."""
-    storage = durable.storage
-    attempt = durable.attempt_dir(job.step, job.save_id)
-    path = storage.join(attempt, MANIFEST)
-    if manifest_bytes is None:
-        manifest_bytes = storage.read_file(path)
-    if sha256_hex(manifest_bytes) != job.manifest_sha256:
-        raise CorruptCheckpointError(f"{path}: does not match the local marker of step {job.step}", path=path,
-                                     step=job.step)
-    manifest = Manifest.from_json(manifest_bytes, where=path)
-    storage.sync_dir(attempt)
-    storage.sync_dir(durable.step_dir(job.step))
-    failpoints.hit("commit.after_manifest", 0)  # the committer's phases, as a save's (commit.publish)
-    failpoints.hit("drain.before_marker", 0, job.step)
-    marker = Marker(run_id=durable.run_id, step=job.step, save_id=job.save_id, manifest=f"{job.save_id}/{MANIFEST}",
-                    manifest_sha256=job.manifest_sha256, committed_at=now(), library_version=__version__,
-                    sequence=job.sequence)
-
-    def conflict(existing: Marker) -> str:
-        return (f"draining step {job.step} to {durable.run_dir}: the durable root already holds step {job.step} from "
-                f"another save ({existing.save_id}, sequence {existing.sequence}); the local step (save "
-                f"{job.save_id}) stays local only. Two jobs on one run? Use another run_id.")
-
-    # An earlier attempt of this drain may have placed the marker and then failed on LATEST: then the marker it
-    # placed is accepted, and LATEST is written now.
-    policy = CommitPolicy(what=f"drain of step {job.step}", conflict_message=conflict, resumed=resumed,
-                          latest_if_newest=True)
-    if clock is not None and not clock.claim_commit():
-        raise DrainStalledError(
-            f"drain of step {job.step} (save {job.save_id}) to {durable.storage.describe()}: abandoned before its "
-            "durable marker, because the drain made no progress for the stall deadline and the ranks' waiters "
-            "declared it stalled; no durable marker of the step was written, the durable root's previous step is "
-            "intact and the step stays on the local tier", step=job.step, rank=0, path=durable.marker(job.step),
-            durable=False)
-    try:
-        return commit_step(durable, marker, manifest, evidence, policy, timeout=timeout)
-    except (CommitConflictError, IncompleteStepError):
-        raise
-    except StorageError as e:
-        if "committed" in e.details:  # the committer said which side of the marker it failed on
-            raise
-        raise _commit_failed(durable, job, e) from e
-    except (OSError, CheckpointError) as e:
-        raise _commit_failed(durable, job, e) from e
-    finally:
-        if clock is not None:
-            clock.commit_done()
-
-
-def _commit_failed(durable: RunLayout, job: DrainJob, e: Exception) -> StorageError:
-    """Before or after the marker's create: say which, if we can tell."""
-    reason = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
-    where = getattr(e, "filename", None) or durable.marker(job.step)
-    return StorageError(reason, step=job.step, rank=0, path=str(where),
-                        committed=None if _holds_marker_of(durable, job) else False)
-
-
-def _local_manifest_bytes(local: RunLayout, job: DrainJob) -> tuple[bytes, Manifest]:
-    path = local.attempt_file(job.step, job.save_id, MANIFEST)
-    data = local.storage.read_file(path)
-    if sha256_hex(data) != job.manifest_sha256:
-        raise CorruptCheckpointError(f"{path}: does not match the local marker of step {job.step}", path=path)
-    return data, Manifest.from_json(data, where=path)
-
-
-def _local_manifest(local: RunLayout, job: DrainJob) -> Manifest:
-    marker = Marker.from_json(local.storage.read_file(local.marker(job.step)), where=local.marker(job.step))
-    if (marker.save_id, marker.manifest_sha256) != (job.save_id, job.manifest_sha256):
-        raise CorruptCheckpointError(f"{local.marker(job.step)}: names save {marker.save_id}, the drain was asked for "
-                                     f"{job.save_id}", path=local.marker(job.step))
-    return read_manifest(local, marker)
-
-
-def _holds_marker_of(durable: RunLayout, job: DrainJob) -> bool:
-    """Whether the durable root now shows this drain's marker (a failure inside the marker step came after it)."""
-    try:
-        marker = Marker.from_json(durable.storage.read_file(durable.marker(job.step)), where=durable.marker(job.step))
-    except (OSError, CheckpointError):
-        return False
-    return marker.save_id == job.save_id
 
 
 # -- the background thread -----------------------------------------------------------------------------------

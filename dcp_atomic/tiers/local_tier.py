@@ -38,18 +38,17 @@ from typing import Any
 import torch.distributed as dist
 
 from .._base import failpoints
-from ..protocol.commit import (Evidence, commit_order, listed_steps, publish_control, record_local_marker,
-                               require_complete)
+from ..protocol.commit import (Evidence, commit_order, copy_control, listed_steps, publish_control,
+                               record_local_marker, require_complete)
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
 from ..exchange.file_transfer import Part, Received, Spooled, discard, transfer
 from ..exchange.transport import PeerLost
 from ..format.blocks import verify_item, verify_stored_file
 from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, PARTIAL_SUFFIX, SPOOL_DIR, RunLayout
-from ..format.manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, now, shard_name
+from ..format.manifest import RANKS_FILE, FileEntry, Manifest, ManifestShard, Marker, shard_name
 from .placement import Placement, place_replicas
-from ..stores.storage import LocalRangeReader, LocalStorage
-from ..version import __version__
+from ..stores.storage import LocalRangeReader, LocalStorage, publish_stream
 from ..dcp.watched import WatchedWriter
 
 log = logging.getLogger("dcp_atomic.local_tier")  # the name users filter on
@@ -186,7 +185,8 @@ def spool_dir(layout: RunLayout) -> str:
 
 def sweep_spool(layout: RunLayout) -> list[str]:
     """Remove what a restore killed midway left in this root's spool: a marker held back for the end
-    (``marker-*``), a partial copy being assembled by a process that is gone (``partial-<pid>-*``).  Run by the
+    (``marker-*``), a partial copy being assembled by a process that is gone (``partial-<pid>-*``: versions
+    before :func:`keep_extents` assembled it beside its data file).  Run by the
     root's leader before a restore scans (no transfer into this root runs then); returns the names removed.
     A transfer's own leftovers (``r<rank>-*``) are swept by :func:`~.file_transfer.transfer`."""
     spool = spool_dir(layout)
@@ -308,22 +308,11 @@ def write_rank_files(layout: RunLayout, manifest: Manifest, rank: int, parts: di
     storage.publish(layout.attempt_file(step, save_id, shard_name(rank)), shard_bytes)
 
 
-def write_control(layout: RunLayout, manifest: Manifest, control: dict[str, bytes]) -> None:
-    """The attempt's control files (``.metadata``, ``manifest.json``, ``ranks.json``), each checked first."""
-    storage = layout.storage
-    attempt = layout.attempt_dir(manifest.step, manifest.save_id)
-    expected = {DCP_METADATA: (manifest.dcp_metadata["size"], manifest.dcp_metadata["sha256"])}
-    if manifest.ranks_file is not None:
-        expected[RANKS_FILE] = (manifest.ranks_file["size"], manifest.ranks_file["sha256"])
-    for name, (size, digest) in expected.items():
-        data = control.get(name, b"")
-        if len(data) != size or sha256_hex(data) != digest:
-            raise CorruptCheckpointError(f"{attempt}: the {name} received does not match the manifest", path=attempt)
-    storage.makedirs(attempt)
-    for name in expected:
-        storage.publish(storage.join(attempt, name), control[name])
-    storage.publish(storage.join(attempt, MANIFEST), control[MANIFEST])
-    storage.sync_dir(attempt)
+def write_control(layout: RunLayout, manifest: Manifest, control: dict[str, bytes], sender: str) -> None:
+    """The attempt's control files as received from ``sender`` (``.metadata``, ``ranks.json``, ``manifest.json``),
+    each checked first (:func:`~.commit.copy_control`)."""
+    copy_control(lambda name: control.get(name, b""), layout, manifest, control[MANIFEST],
+                 source=f"the control files from {sender}")
 
 
 # -- what a root holds --------------------------------------------------------------------------------------
@@ -487,12 +476,10 @@ def _intact_items(entry: FileEntry, path: str) -> list[tuple[int, int]]:
 
 def _control_intact(layout: RunLayout, manifest: Manifest) -> bool:
     attempt = layout.attempt_dir(manifest.step, manifest.save_id)
-    expected = [(DCP_METADATA, manifest.dcp_metadata)] + ([(RANKS_FILE, manifest.ranks_file)] if manifest.ranks_file
-                                                          else [])
     try:
-        for name, ref in expected:
+        for name, size, sha256 in manifest.control_files():
             data = layout.storage.read_file(layout.storage.join(attempt, name))
-            if len(data) != ref["size"] or sha256_hex(data) != ref["sha256"]:
+            if len(data) != size or sha256_hex(data) != sha256:
                 return False
     except OSError:
         return False
@@ -504,32 +491,22 @@ def partial_note(layout: RunLayout, manifest: Manifest, name: str) -> str:
     return layout.storage.join(layout.attempt_dir(manifest.step, manifest.save_id), name + PARTIAL_SUFFIX)
 
 
-def keep_extents(layout: RunLayout, manifest: Manifest, entry: FileEntry, pieces: dict[int, bytes],
-                 spool: str) -> None:
+def keep_extents(layout: RunLayout, manifest: Manifest, entry: FileEntry, pieces: dict[int, bytes]) -> None:
     """A partial copy of a data file: ``pieces`` (offset -> stored bytes, each a verified item) at their offsets in
     a file of the recorded size, holes elsewhere.  The reader reads only the items its plan names, each checked
     against its digests, so a hole can never load as values; the note beside it tells a later scan the holes are
     intended (the file is not held, and not damaged)."""
     storage = layout.storage
     target = layout.data_file(manifest.step, manifest.save_id, entry.name, manifest.data_prefixes)
-    os.makedirs(spool, exist_ok=True)
-    temp = os.path.join(spool, f"partial-{os.getpid()}-{entry.name}")
-    try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, entry.size)
-            for offset, data in pieces.items():
-                os.pwrite(fd, data, offset)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+
+    def write(file) -> None:
+        file.truncate(entry.size)
+        for offset, data in pieces.items():
+            os.pwrite(file.fileno(), data, offset)
         claims = json.dumps({"items": sorted([offset, len(data)] for offset, data in pieces.items())}).encode()
         storage.publish(partial_note(layout, manifest, entry.name), claims)  # first: a crash leaves no unexplained hole
-        os.replace(temp, target)
-        storage.sync_dir(os.path.dirname(target))
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+
+    publish_stream(target, write)
 
 
 def open_local(local_root: str, run_id: str) -> RunLayout:
@@ -624,11 +601,9 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
             failures = [e.message]
     decision: list[Any] = [None]
     if rank == 0 and not failures:
-        marker = Marker(run_id=layout.run_id, step=step, save_id=manifest.save_id,
-                        manifest=f"{manifest.save_id}/{MANIFEST}", manifest_sha256=sha256_hex(staged[0].manifest),
-                        committed_at=now(), library_version=__version__,
-                        sequence=max([sequence_floor] + [n for _, n, _, _ in reports]) + 1, drain=drain or None,
-                        lineage=lineage, provisional_for=writer.provisional_for)
+        marker = Marker.for_manifest(layout.run_id, manifest, sha256_hex(staged[0].manifest),
+                                     max([sequence_floor] + [n for _, n, _, _ in reports]) + 1, drain=drain or None,
+                                     lineage=lineage, provisional_for=writer.provisional_for)
         decision = [(marker.to_json(), sorted(protected or ()))]
     if failures:
         raise StorageError(
@@ -643,7 +618,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     if topology.is_leader:
         try:
             if topology.store(rank) != topology.store(0):
-                write_control(layout, manifest, control)
+                write_control(layout, manifest, control, topology.describe(0))
             record_local_marker(layout, marker_bytes, manifest, evidence, f"local commit on {topology.describe(rank)}",
                                 rank)
         except (OSError, CheckpointError) as e:

@@ -11,7 +11,7 @@ versions or load garbage, so the choice is made once, by global rank 0, from wha
    first one that can be assembled completely: a local step whose every data file is intact in at least one
    root, for this world size (a changed world or declared layout restores from the durable tier); a local step
    that cannot be assembled is logged with the ranks and files it lacks, and the next one is tried;
-3. for a local step (:func:`assemble`): every root that lacks the step's control files gets them from one root
+3. for a local step (:func:`assemble_step`): every root that lacks the step's control files gets them from one root
    that holds them; then each rank plans its own load (the load planner, on the step's ``.metadata`` and the
    rank's state dict) and names the stored items it will read.  What its root lacks of them, the rank receives
    *itself*, from a rank whose root holds the file intact (sources spread by bytes), so a replaced node's ranks
@@ -51,7 +51,7 @@ from ..format.layout import DCP_METADATA, MANIFEST, MARKER, RunLayout
 from ..format.blocks import verify_item
 from .local_tier import (Held, Topology, check_received, check_shard, gather_failures, keep, keep_extents,
                          partial_note, spool_dir, write_control)
-from ..format.manifest import RANKS_FILE, Manifest, ManifestShard, Marker, shard_name
+from ..format.manifest import Manifest, ManifestShard, Marker, shard_name
 
 log = logging.getLogger("dcp_atomic.tier_restore")  # the name users filter on
 
@@ -61,8 +61,8 @@ PARTIAL_LIMIT = 64 << 20
 
 
 @dataclass
-class Durable:
-    """The durable tier's candidate, as rank 0 read it."""
+class DurableCandidate:
+    """The durable tier's candidate for a restore (its newest commit, or the step asked for), as rank 0 read it."""
 
     step: int
     save_id: str
@@ -102,8 +102,8 @@ class Fetch:
     shard: bool
 
 
-def choose(topology: Topology, reports: dict[int, list[Held]], durable: Durable | None, world: int,
-           parallelism: dict | None, step: int | None, save_id: str | None = None) -> Choice:
+def choose_restore(topology: Topology, reports: dict[int, list[Held]], durable: DurableCandidate | None,
+                   world: int, parallelism: dict | None, step: int | None, save_id: str | None = None) -> Choice:
     """Rank 0's decision (step 2 of the module doc) from each leader's report; ``save_id`` (with ``step``): that
     exact save or nothing, never another save of the step (a file that names one save, as Lightning's do)."""
     if save_id is not None and durable is not None and durable.save_id != save_id:
@@ -229,8 +229,8 @@ def plan_fetches(topology: Topology, choice: Choice, needs: list[dict[str, list[
     return fetches
 
 
-def assemble(topology: Topology, layout: RunLayout, choice: Choice, group,
-             state_dict: dict[str, Any] | None, *, timeout: float) -> tuple[int, int]:
+def assemble_step(topology: Topology, layout: RunLayout, choice: Choice, group,
+                  state_dict: dict[str, Any] | None, *, timeout: float) -> tuple[int, int]:
     """Step 3 on every rank; returns how many ranks' files (whole or in part) this rank received, and the stored
     bytes it received (control files included).  Raises the same typed error on every rank on failure; a peer
     lost while files move raises :class:`.transport.PeerLost` (naming it, within ``timeout``) on the ranks that
@@ -357,9 +357,10 @@ def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group,
         try:
             marker = layout.storage.read_file(layout.marker(choice.step))
             manifest = layout.storage.read_file(layout.storage.join(attempt, MANIFEST))
-            names = [DCP_METADATA] + ([RANKS_FILE] if Manifest.from_json(manifest, where=attempt).ranks_file else [])
+            control = Manifest.from_json(manifest, where=attempt).control_files()
             parts = [Part.inline(MARKER, marker), Part.inline(MANIFEST, manifest)] + [
-                Part.inline(name, layout.storage.read_file(layout.storage.join(attempt, name))) for name in names]
+                Part.inline(name, layout.storage.read_file(layout.storage.join(attempt, name)))
+                for name, _, _ in control]
         except (OSError, CheckpointError) as e:  # the targets still get an (empty) index, then the error
             unread, parts = e, []
         outgoing = {target: parts for target in choice.lacking}
@@ -378,7 +379,7 @@ def _share_control(topology: Topology, layout: RunLayout, choice: Choice, group,
     marker = Marker.from_json(parts.get(MARKER, b""), where=f"the marker from {sender}")
     if (marker.save_id, marker.manifest_sha256) != (choice.save_id, choice.manifest_sha256):
         raise CorruptCheckpointError(f"{sender} sent the marker of another save ({marker.save_id})", sender=sender)
-    write_control(layout, Manifest.from_json(data, where=f"the manifest from {sender}"), parts)
+    write_control(layout, Manifest.from_json(data, where=f"the manifest from {sender}"), parts, sender)
     if rank in choice.unmarked:  # kept for the end, in the spool: the marker goes in once every file is there
         layout.storage.publish(_marker_spool(layout, choice), parts[MARKER])
     return sum(len(p) for p in parts.values())
@@ -479,13 +480,13 @@ def _keep(topology: Topology, layout: RunLayout, manifest: Manifest, fetches: li
                                              rank=f.rank, path=target)
             verify_item(item, data, f"{where} item {item.key!r}", path=target)
             pieces[offset] = data
-        keep_extents(layout, manifest, entry, pieces, spool_dir(layout))
+        keep_extents(layout, manifest, entry, pieces)
     for f in fetches:
         if f.shard:
             storage.publish(layout.attempt_file(step, save_id, shard_name(f.rank)), shards[f.source, f.rank][0])
 
 
-def not_found(run_id: str, choice: Choice, where: str) -> CheckpointNotFoundError:
+def restore_not_found(run_id: str, choice: Choice, where: str) -> CheckpointNotFoundError:
     detail = (" Local steps that could not be assembled: " + "; ".join(choice.skipped[:4]) + ".") if choice.skipped else ""
     return CheckpointNotFoundError(
         f"no step of run {run_id!r} can be restored: nothing complete on the local tier and no durable commit under "

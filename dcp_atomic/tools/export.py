@@ -21,6 +21,7 @@ layer.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import math
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .._base import internals
 from ..format.codec import tensor_bytes
 from ..errors import CheckpointError, ConfigurationError
-from ..stores.storage import LocalStorage, _temp_name, _unlink_quietly
+from ..stores.storage import publish_stream
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' default max_shard_size
@@ -199,14 +200,16 @@ def export_safetensors(root: str, run_id: str, step: int, out_dir: str, *, shard
     os.makedirs(out_dir, exist_ok=True)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for stale in (INDEX_NAME, SINGLE_FILE_NAME):  # first, so the directory never claims an export that mixes two
-        _unlink_quietly(os.path.join(out_dir, stale))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(out_dir, stale))
     for name, shard in zip(names, shards):
         _write_shard(os.path.join(out_dir, name), shard, source)
     index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
              "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard}}
     _publish_bytes(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=2).encode() + b"\n")
     for stale in set(existing) - set(names) - {INDEX_NAME}:  # a replaced export's other shards
-        _unlink_quietly(os.path.join(out_dir, stale))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(out_dir, stale))
     renamed = {e.key: e.name for e in entries if e.name != e.key}
     return ExportReport(out_dir, source.step, source.save_id, names, index["metadata"]["total_size"], skipped,
                         renamed, tied)
@@ -328,26 +331,11 @@ def _write_shard(path: str, shard: list[_Entry], source: StepTensors) -> None:
             f.write(tensor_bytes(tensor))
             del tensor
 
-    _publish_stream(path, write)
-
-
-def _publish_stream(path: str, write) -> None:
-    """Write through ``write(file)`` into a temp file beside ``path``, fsync, rename: never half a file."""
-    tmp = _temp_name(path)
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    LocalStorage(os.path.dirname(path)).sync_dir(os.path.dirname(path))
+    publish_stream(path, write)
 
 
 def _publish_bytes(path: str, data: bytes) -> None:
-    _publish_stream(path, lambda f: f.write(data))
+    publish_stream(path, lambda f: f.write(data))
 
 
 # -- one torch.save file -----------------------------------------------------------------------------------------
@@ -372,7 +360,7 @@ def export_torch(root: str, run_id: str, step: int, out: str, *, timeout: float 
         state = internals.load_state_dict_from_keys(storage_reader=reader)
     except CheckpointException as e:  # DCP wraps each rank's failure as (exception, traceback)
         raise _first_cause(e) from None
-    _publish_stream(out, lambda f: torch.save(state, f))
+    publish_stream(out, lambda f: torch.save(state, f))
     return reader.step, reader.save_id
 
 
