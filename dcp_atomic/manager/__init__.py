@@ -10,10 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .options import Callbacks, LocalTierOptions
+
 if TYPE_CHECKING:
     from .checkpoint_manager import CheckpointManager
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "LocalTierOptions", "Callbacks"]
 
 
 def __getattr__(name: str):

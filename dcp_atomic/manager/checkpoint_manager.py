@@ -41,6 +41,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -50,10 +51,10 @@ import torch.distributed.checkpoint as dcp
 from ..stores.backends import open_storage
 from .._base import arguments
 from ..protocol.catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
-from ..exchange.collective import RankAgreement, _first_line, _raise_typed
+from ..exchange.collective import RankAgreement, first_line, raise_typed
 from ..protocol.commit import (ResumePoint, read_committed, read_marker, refuse_committed, resume_point,
                                scan_markers)
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
+from ..errors import ArgumentError, CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
 from ..format.layout import RunLayout, validate_step
 from ..exchange.liveness import Heartbeat, OpWatch
 from ..format.manifest import Marker
@@ -66,12 +67,11 @@ from .._base import internals
 from ..dcp.watched import WatchedReader, WatchedSavePlanner
 from ..dcp.reuse import refuse_unsupported
 from ..dcp.writer import AtomicStorageWriter
-from .tiering import DurableOnly, TierPolicy
-from .two_tier import DEFAULT_DURABLE_EVERY, TierOptions, TwoTier
+from .options import Callbacks, LocalTierOptions, StatsCallback
+from .tiering import DurableOnly, TierContext, TierPolicy
+from .two_tier import TwoTier
 
 log = logging.getLogger("dcp_atomic.manager")  # the package's name: callers filter on it
-
-StatsCallback = Callable[[dict[str, Any]], None]  # receives a stats.*.to_dict() (docs/statistics.md)
 
 DEFAULT_WORK_TIMEOUT = 2 * 3600.0  # 100+ GB per rank on busy storage must fit; a dead peer is found far sooner
 
@@ -101,13 +101,49 @@ def _operation(method: Callable) -> Callable:
 
 
 class _Unset:
-    """The type of a keyword's "not given" (``durable_every``'s default depends on ``local_root``)."""
+    """The type of a deprecated flat keyword's "not given" (:data:`_FLAT`)."""
 
     def __repr__(self) -> str:
-        return "<default>"
+        return "<not given>"
 
 
-_UNSET = _Unset()
+_UNSET: Any = _Unset()
+
+# the flat keywords of the options objects, deprecated: keyword -> the options object that holds it now
+_FLAT = {**dict.fromkeys(("local_root", "replicas", "durable_every", "keep_local", "failure_domain"), "local"),
+         **dict.fromkeys(("on_saved", "on_loaded", "on_failed", "on_drained"), "callbacks")}
+
+
+def _grouped(local: LocalTierOptions | None, callbacks: Callbacks | None,
+             flat: dict[str, Any]) -> tuple[LocalTierOptions | None, Callbacks]:
+    """The options objects, built from the deprecated flat keywords given (``flat``) where the caller passed those:
+    each warns, naming the new form; a group given both ways is an ``ArgumentError``."""
+    given = {name: value for name, value in flat.items() if value is not _UNSET}
+    for name, value in given.items():
+        new = ("local=LocalTierOptions(...)" if _FLAT[name] == "local" else "callbacks=Callbacks(...)")
+        warnings.warn(f"CheckpointManager({name}=...) is deprecated and goes in the next minor release: pass "
+                      f"{new} with {name}={value!r} in it", DeprecationWarning, stacklevel=3)
+    groups = {"local": local, "callbacks": callbacks}
+    for group, passed in groups.items():
+        mixed = sorted(name for name in given if _FLAT[name] == group)
+        if passed is not None and mixed:
+            raise ArgumentError(f"CheckpointManager got {group}= and the deprecated keyword(s) {', '.join(mixed)}: "
+                                f"pass them in {group}= only", argument=group)
+    local_flat = {name: value for name, value in given.items() if _FLAT[name] == "local"}
+    if local is None and local_flat:
+        if local_flat.get("local_root") is not None:
+            local = LocalTierOptions(**local_flat)
+        else:  # no local tier: only the keywords that mean something without one are accepted (as before)
+            extra = {name: value for name, value in local_flat.items()
+                     if name != "local_root" and not (name == "durable_every" and value is None)}
+            if "durable_every" in extra:
+                raise ConfigurationError(f"durable_every={extra['durable_every']} needs local_root: without a local "
+                                         "tier every save already goes to the durable root")
+            if "keep_local" in extra:
+                arguments.count("CheckpointManager(keep_local=...)", extra["keep_local"], optional=False)
+    if callbacks is None:
+        callbacks = Callbacks(**{name: value for name, value in given.items() if _FLAT[name] == "callbacks"})
+    return local, callbacks
 
 
 class CheckpointManager(RankAgreement):
@@ -127,35 +163,21 @@ class CheckpointManager(RankAgreement):
             (default 2 hours).
         process_group: use this group instead of creating one (the manager then cannot
             create a separate group for background saves and uses this one for both).
-        on_saved: callback receiving a save's statistics (``stats.SaveStats`` as a dict; rank 0
-            only, once committed). ``stats["retention_error"]`` says retention failed after
-            the commit (logged; the next save retries it).
-        on_loaded: callback receiving a load's statistics (``stats.LoadStats``; every rank,
-            its own share).
-        on_failed: callback receiving a failed save's or load's statistics (``stats.FailureStats``:
-            error class, message, ranks named); every rank that raises it, before it raises.
-            An exception in any callback is logged and counted in ``callback_failures``;
-            the operation's outcome stands. Fields: docs/statistics.md.
+        callbacks: where each operation's statistics go (:class:`~.options.Callbacks`: ``on_saved``,
+            ``on_loaded``, ``on_failed``, ``on_drained``).  An exception in any callback is logged and counted in
+            ``callback_failures``; the operation's outcome stands.
         lease_seconds: age after which an uncommitted attempt counts as abandoned.
         share_reads: read each stored item once and send it to the other ranks that need it
             (``AtomicStorageReader(share_reads=...)``; default: on for object stores and for ranks on
             several hosts).
-        local_root: this node's own storage (a local path; each rank passes its node's): saves go there
-            first, with ``replicas`` copies of each rank's files on ranks of other failure domains, and
-            ``load`` restores from the newest step assemblable from local roots, replicas or ``root``
-            (README, "Two tiers").  None: one tier, ``root``, exactly as without it.
-        replicas: copies of each rank's files on other failure domains (local tier).
-        durable_every: with ``local_root``, every N-th local save is also drained to ``root`` in the
-            background (:mod:`.drain`; ``save(durable=)`` decides per save), and ``close()`` drains the last
-            local step if it was not (default 1: every save, as torchtitan's integration; training never waits
-            for it).  None: only saves with ``durable=True`` -- warned at construction, since node-local disks
-            rarely outlive the allocation.
-        keep_local, failure_domain: local steps kept per local root (a step being drained, or the newest
-            one waiting for its drain, is kept besides), and this rank's failure domain (default
-            ``$DCP_ATOMIC_FAILURE_DOMAIN``, else the host name).
-        on_drained: callback receiving a drain's statistics (``stats.DrainStats``; rank 0, once the step
-            is committed to ``root``).  A failed drain goes to ``on_failed`` (operation ``"drain"``) on
-            every rank and is raised once by ``wait()`` / ``close()``.
+        local: the local tier (:class:`~.options.LocalTierOptions`: ``local_root``, ``replicas``,
+            ``durable_every``, ``keep_local``, ``failure_domain``): saves go to each node's own storage first, are
+            replicated to other failure domains and drained to ``root`` in the background; ``load`` restores from the
+            newest step assemblable from local roots, replicas or ``root`` (README, "Two tiers").  None: one tier,
+            ``root``.
+        local_root, replicas, durable_every, keep_local, failure_domain, on_saved, on_loaded, on_failed, on_drained:
+            deprecated (a ``DeprecationWarning`` each; they go in the next minor release): the flat form of
+            ``local`` and ``callbacks``.  Passing a group both ways is an ``ArgumentError``.
         reuse: each save stores only what changed since the run's latest committed step below it; what did not
             is linked from that step (hard links on POSIX roots, server-side copies on S3 and GCS;
             ``AtomicStorageWriter(reuse=True)``, README "Reuse"); with ``local_root`` in the local roots, and the
@@ -178,22 +200,28 @@ class CheckpointManager(RankAgreement):
         storage_options: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         thread_count: int | None = None,
-        on_saved: StatsCallback | None = None,
-        on_loaded: StatsCallback | None = None,
-        on_failed: StatsCallback | None = None,
+        local: LocalTierOptions | None = None,
+        callbacks: Callbacks | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         allow_divergence: bool = False,
         share_reads: bool | None = None,
-        local_root: str | os.PathLike | None = None,
-        replicas: int = 1,
-        durable_every: int | None | _Unset = _UNSET,
-        keep_local: int = 2,
-        failure_domain: str | None = None,
-        on_drained: StatsCallback | None = None,
         reuse: bool = False,
+        # deprecated: the flat form of ``local`` and ``callbacks`` (for one release)
+        local_root: str | os.PathLike | None = _UNSET,
+        replicas: int = _UNSET,
+        durable_every: int | None = _UNSET,
+        keep_local: int = _UNSET,
+        failure_domain: str | None = _UNSET,
+        on_saved: StatsCallback | None = _UNSET,
+        on_loaded: StatsCallback | None = _UNSET,
+        on_failed: StatsCallback | None = _UNSET,
+        on_drained: StatsCallback | None = _UNSET,
     ) -> None:
+        local, callbacks = _grouped(local, callbacks, {
+            "local_root": local_root, "replicas": replicas, "durable_every": durable_every, "keep_local": keep_local,
+            "failure_domain": failure_domain, "on_saved": on_saved, "on_loaded": on_loaded, "on_failed": on_failed,
+            "on_drained": on_drained})
         keep_last = arguments.count("CheckpointManager(keep_last=...)", keep_last)
-        keep_local = arguments.count("CheckpointManager(keep_local=...)", keep_local, optional=False)
         thread_count = arguments.count("CheckpointManager(thread_count=...)", thread_count)
         timeout = arguments.seconds("CheckpointManager(timeout=...)", timeout)
         work_timeout = arguments.seconds("CheckpointManager(work_timeout=...)", work_timeout)
@@ -201,13 +229,6 @@ class CheckpointManager(RankAgreement):
         allow_divergence = arguments.flag("CheckpointManager(allow_divergence=...)", allow_divergence)
         share_reads = arguments.flag("CheckpointManager(share_reads=...)", share_reads, optional=True)
         reuse = arguments.flag("CheckpointManager(reuse=...)", reuse)
-        defaulted = isinstance(durable_every, _Unset)
-        if defaulted:  # durable copies whenever there is a local tier
-            durable_every = DEFAULT_DURABLE_EVERY if local_root is not None else None
-        durable_every = arguments.count("CheckpointManager(durable_every=...)", durable_every)
-        if durable_every is not None and local_root is None:
-            raise ConfigurationError(f"durable_every={durable_every} needs local_root: without a local tier every "
-                                     "save already goes to the durable root")
         self.root, self.run_id = root, run_id
         self.storage_options = storage_options
         self.layout = RunLayout(open_storage(root, storage_options), run_id)
@@ -222,8 +243,7 @@ class CheckpointManager(RankAgreement):
         self.work_timeout = work_timeout
         self.callback_failures = 0
         self.thread_count = thread_count
-        self.on_saved, self.on_loaded, self.on_failed = on_saved, on_loaded, on_failed
-        self.on_drained = on_drained
+        self.callbacks = callbacks
         self.lease_seconds = lease_seconds
         self.share_reads = share_reads
         self.divergence = "warn" if allow_divergence else "raise"
@@ -238,6 +258,11 @@ class CheckpointManager(RankAgreement):
             self._group = dist.new_group(backend="gloo", timeout=pg_timeout)
             self._async_group = dist.new_group(backend="gloo", timeout=pg_timeout)
             self._owned_groups = [self._group, self._async_group]
+            if local is not None:
+                # the drain thread's own group (drain.py): created on the main thread, on every rank alike; it waits
+                # for every rank's upload, so it gets the work's limit, not the liveness one
+                self._owned_groups.append(dist.new_group(
+                    backend="gloo", timeout=timedelta(seconds=max(timeout, work_timeout))))
         self.rank = dist.get_rank(self._group) if self._distributed else 0
         self.world_size = dist.get_world_size(self._group) if self._distributed else 1
         self._inflight: _SaveFuture | None = None
@@ -251,18 +276,35 @@ class CheckpointManager(RankAgreement):
             self._heartbeat = Heartbeat(internals.default_store(),
                                         f"dcp_atomic/{run_id}/{self._instance}", dist.get_rank(),
                                         dist.get_process_group_ranks(self._group), timeout)
-        self.local_root, self.keep_local = local_root, keep_local
-        self.restored_from: dict[str, Any] | None = None  # after load(): which tier served (see load)
+        self.local = local
+        self.local_root = local.local_root if local is not None else None
         # the tiers' differences live in one policy, picked here; DurableOnly also until TwoTier is set up, so that
         # the _release() of a refused local tier finds one
         self._tier: TierPolicy = DurableOnly(root, run_id, storage_options)
-        if local_root is not None:
-            self._tier = TwoTier(self, TierOptions(local_root=local_root, replicas=replicas,
-                                                   durable_every=durable_every, durable_every_given=not defaulted,
-                                                   keep_local=keep_local, failure_domain=failure_domain),
-                                 own_groups=process_group is None)
+        if local is not None:
+            try:
+                self._tier = TwoTier(self._tier_context(), local)
+            except BaseException:  # refused (too few domains...): nothing of this manager may outlive it
+                self._release()
+                raise
         self.durable_every = self._tier.durable_every  # None where no drain can run
         self._closed = False
+
+    def _tier_context(self) -> TierContext:
+        """What the local tier uses of this manager (:class:`.TierContext`), built once."""
+        return TierContext(
+            rank=self.rank, world_size=self.world_size, run_id=self.run_id, root=self.root,
+            storage_options=self.storage_options, layout=self.layout, timeout=self.timeout,
+            work_timeout=self.work_timeout, parallelism=self.parallelism, thread_count=self.thread_count,
+            keep_last=self.keep_last, lease_seconds=self.lease_seconds, group=self._group,
+            drain_group=self._owned_groups[2] if len(self._owned_groups) > 2 else None, heartbeat=self._heartbeat,
+            callbacks=self.callbacks, translate=self._translate, on_rank0=self._on_rank0, watch=self._watch,
+            resumed=lambda: self._resumed, committed_marker=self._committed_marker, deliver=self._deliver)
+
+    @property
+    def restored_from(self) -> dict[str, Any] | None:
+        """After ``load()``: which tier served it (see :meth:`load`); None with one tier."""
+        return self._tier.restored_from
 
     # -- saving --------------------------------------------------------------------------
 
@@ -384,12 +426,6 @@ class CheckpointManager(RankAgreement):
             finally:
                 self._release()
 
-    def _exiting(self) -> None:
-        """The interpreter exits and ``close()`` was never called (``two_tier._exit_without_close``): the tier waits
-        for its work in flight and says what became of it."""
-        if not self._closed:
-            self._tier.wait_at_exit()
-
     def _release(self) -> None:
         if self._inflight is not None or self._tier.busy():
             return  # never destroy the groups under a running save or drain
@@ -464,12 +500,12 @@ class CheckpointManager(RankAgreement):
             try:
                 dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
             except BaseException as e:
-                _raise_typed(watch.verdict or self._translate(e, f"loading step {chosen}"))
+                raise_typed(watch.verdict or self._translate(e, f"loading step {chosen}"))
             watch.finish()
         self._resumed = resumed  # P14: later saves supersede the steps above it that this load abandoned
         seconds = time.perf_counter() - started
         log.info("loaded run %r step %d (save %s) in %.3fs", self.run_id, chosen, reader.save_id, seconds)
-        self._deliver(self.on_loaded, "on_loaded", LoadStats(
+        self._deliver(self.callbacks.on_loaded, "on_loaded", LoadStats(
             run_id=self.run_id, step=chosen, save_id=reader.save_id, world_size=self.world_size, rank=self.rank,
             seconds=seconds, bytes=reader.bytes_read, files=reader.files_read,
             gb_per_s=reader.bytes_read / max(seconds, 1e-9) / 1e9,
@@ -655,7 +691,7 @@ class CheckpointManager(RankAgreement):
         log.info("run %r step %d committed: %s", self.run_id, step,
                  ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in stats.to_dict().items() if k != "ranks"))
-        self._deliver(self.on_saved, "on_saved", stats)
+        self._deliver(self.callbacks.on_saved, "on_saved", stats)
 
     @contextlib.contextmanager
     def _failures_reported(self, operation: str, step: int | None, started: float):
@@ -670,7 +706,7 @@ class CheckpointManager(RankAgreement):
 
     def _report_failure(self, operation: str, step: int | None, error: BaseException, started: float) -> None:
         """Never raises: the failure itself must still reach the caller (an async save's future)."""
-        if self.on_failed is None:
+        if self.callbacks.on_failed is None:
             return
         try:
             stats = FailureStats.from_error(error, operation=operation, run_id=self.run_id, step=step,
@@ -679,7 +715,7 @@ class CheckpointManager(RankAgreement):
         except Exception:
             log.exception("could not describe the failure of %s step %s for on_failed", operation, step)
             return
-        self._deliver(self.on_failed, "on_failed", stats)
+        self._deliver(self.callbacks.on_failed, "on_failed", stats)
 
     def _deliver(self, callback: StatsCallback | None, name: str, stats: SaveStats | LoadStats | FailureStats) -> None:
         """Hand ``stats`` to a user callback; its failure is logged and counted, never the operation's."""
@@ -718,11 +754,11 @@ class CheckpointManager(RankAgreement):
                 marker = read_marker(self.layout, step, Deadline(min(self.timeout, 5.0)))
                 if marker.save_id == writer.save_id:
                     log.warning("step %d: DCP reported a failure (%s) after the commit; the marker names this "
-                                "save (%s), so the checkpoint IS committed", step, _first_line(error), writer.save_id)
+                                "save (%s), so the checkpoint IS committed", step, first_line(error), writer.save_id)
                     return
             except Exception:
                 pass
-        _raise_typed(watch.verdict or self._translate(error, f"saving step {step}"))
+        raise_typed(watch.verdict or self._translate(error, f"saving step {step}"))
 
 class _SaveFuture(concurrent.futures.Future):
     """An async save's future that knows whether its failure has been reported to anyone."""
