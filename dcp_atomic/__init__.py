@@ -33,7 +33,8 @@ from .version import __version__
 
 # What needs torch is imported on first use, so that `dcp-atomic --help`, `ls` and `show` (and anything that only
 # looks at a root) start without it: importing torch costs seconds, a minute on a loaded node.
-_LAZY = {"CheckpointManager": ".manager", "AtomicLoadPlanner": ".dcp.planners",
+_LAZY = {"CheckpointManager": ".manager", "LocalTierOptions": ".manager.options", "Callbacks": ".manager.options",
+         "AtomicLoadPlanner": ".dcp.planners",
          "AtomicSavePlanner": ".dcp.planners", "AtomicStorageReader": ".dcp.reader", "AtomicStorageWriter": ".dcp.writer"}
 
 # The modules' paths before the layers had packages (``dcp_atomic.writer``...), kept for one release: importing one
@@ -88,6 +89,8 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
+    "LocalTierOptions",
+    "Callbacks",
     "AtomicStorageWriter",
     "AtomicStorageReader",
     "AtomicSavePlanner",

@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dcp_atomic import CheckpointManager
+from dcp_atomic import CheckpointManager, LocalTierOptions
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -15,8 +15,8 @@ local_root = os.path.join(sys.argv[1], f"node{rank}-nvme")  # on a cluster: the 
 
 def manager():
     # Here each rank plays one node; on a cluster leave failure_domain out ($DCP_ATOMIC_FAILURE_DOMAIN, else the host).
-    return CheckpointManager(os.path.join(sys.argv[1], "durable"), "run1", local_root=local_root, replicas=1,
-                             keep_local=2, durable_every=2, failure_domain=f"node{rank}")
+    return CheckpointManager(os.path.join(sys.argv[1], "durable"), "run1", local=LocalTierOptions(
+        local_root, replicas=1, keep_local=2, durable_every=2, failure_domain=f"node{rank}"))
 
 
 torch.manual_seed(0)

@@ -11,19 +11,25 @@ A reader of the manager asks two questions this module answers:
   failed collective is a peer failure only when the heartbeat says a rank is dead or frozen, and then names it
   (P8); otherwise the error is reported as what it is (the user's own, DCP's check).
 
-``CheckpointManager`` mixes :class:`RankAgreement` in; the attributes it relies on are listed there.
+``CheckpointManager`` mixes :class:`RankAgreement` in; the attributes it relies on are listed there.  The free
+functions below it are the collectives the tiers and integrations share: :func:`gather` and :func:`from_rank0` turn
+gloo's untyped failure into a :class:`CollectiveFailed` naming the rank that saw it (the manager's translation then
+names the silent ranks), and :func:`agreed_phase` makes one rank's failure every rank's, so no rank is left waiting
+in the next collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import CheckpointError, RankConsistencyError, RankFailureError, shorten
+from ..errors import CheckpointError, RankConsistencyError, RankFailureError, StorageError, shorten
 from .liveness import STORE_SILENT
+from .transport import PeerLost
 
 
 class RankAgreement:
@@ -50,7 +56,7 @@ class RankAgreement:
             try:
                 dist.all_gather_object(outcomes, mine, group=self._group)
             except BaseException as e:
-                _raise_typed(self._translate(e, f"resolving step {step}"))
+                raise_typed(self._translate(e, f"resolving step {step}"))
         failed = [(rank, error) for rank, error in enumerate(outcomes) if error is not None]
         if not failed:
             return
@@ -82,7 +88,7 @@ class RankAgreement:
             try:
                 dist.all_gather_object(shared, (request, outcome), group=self._group)
             except BaseException as e:
-                _raise_typed(self._translate(e, what))
+                raise_typed(self._translate(e, what))
             watch.finish()
             requests: dict[str | None, list[int]] = {}
             for rank, (asked, _) in enumerate(shared):
@@ -103,6 +109,8 @@ class RankAgreement:
         """Our own error type for anything DCP or the process group raised.  A peer failure is told by type (gloo
         and c10d raise ``RuntimeError``s) and the liveness verdict (:meth:`_gone`), never by words in a message:
         a user's own ``RuntimeError`` (a ``Stateful`` that says "timed out") is reported as what it is."""
+        if isinstance(error, CollectiveFailed) and (gone := self._gone()) is not None:
+            return self._peer_failure(error.__cause__ or error, what, gone)
         if isinstance(error, CheckpointError):
             return error
         if isinstance(error, CheckpointException):
@@ -114,14 +122,14 @@ class RankAgreement:
             if collective and (gone := self._gone()) is not None:
                 return self._peer_failure(collective[0], what, gone)
             ranks = sorted(error.failures)
-            typed = CheckpointError(f"{what} failed on rank(s) {ranks}: {_first_line(inner[0])}", ranks=ranks)
+            typed = CheckpointError(f"{what} failed on rank(s) {ranks}: {first_line(inner[0])}", ranks=ranks)
             typed.__cause__ = inner[0] if isinstance(inner[0], BaseException) else None
             return typed
         if isinstance(error, RuntimeError) and (gone := self._gone()) is not None:
             return self._peer_failure(error, what, gone)
         if isinstance(error, Exception):  # DCP's own checks, a bug, the user's code: still typed (P8)
             typed = CheckpointError(f"{what} failed on rank {self.rank} ({socket.gethostname()}): "
-                                    f"{_first_line(error)}", rank=self.rank)
+                                    f"{first_line(error)}", rank=self.rank)
             typed.__cause__ = error
             return typed
         return error  # KeyboardInterrupt and the like are not ours
@@ -131,7 +139,7 @@ class RankAgreement:
             f"{what}: a peer died or stopped responding inside a collective (seen by rank {self.rank} on "
             f"{socket.gethostname()}); silent rank(s): {silent}. Nothing new is committed unless the step's "
             f"marker names this save; restart the job and resume from the latest committed step. "
-            f"Cause: {_first_line(error)}",
+            f"Cause: {first_line(error)}",
             rank=self.rank,
             silent=silent,
         )
@@ -147,7 +155,7 @@ class RankAgreement:
         return ", ".join(map(str, silent)) or None
 
 
-def _raise_typed(error: BaseException) -> NoReturn:
+def raise_typed(error: BaseException) -> NoReturn:
     """Raise what ``_translate`` made, chained only to the cause it kept (DCP's wrapping is noise)."""
     raise error from error.__cause__
 
@@ -156,6 +164,75 @@ def _rank_list(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """``Type: last line`` of an error, shortened: what a message about another error quotes of it."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return f"{type(error).__name__}: {shorten(lines[-1], 300) if lines else ''}"
+
+
+class CollectiveFailed(RankFailureError):
+    """A collective broke on this rank: gloo raises an untyped ``RuntimeError`` when a peer dies, freezes or loses
+    its connection.  The manager's :meth:`RankAgreement._translate` replaces it with the heartbeat's verdict, which
+    names the silent ranks."""
+
+
+def world_of(group: dist.ProcessGroup | None) -> int:
+    """The number of ranks in ``group`` (the default group for None); 1 without torch.distributed."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def gather(group: dist.ProcessGroup | None, mine: Any, what: str) -> list[Any]:
+    """Every rank's ``mine`` by group rank, on every rank; ``[mine]`` in a world of one.  A broken collective raises
+    :class:`CollectiveFailed` saying ``what`` was exchanged."""
+    world = world_of(group)
+    if world == 1:
+        return [mine]
+    everyone: list[Any] = [None] * world
+    try:
+        dist.all_gather_object(everyone, mine, group=group)
+    except RuntimeError as e:
+        _collective_failed(e, what)
+    return everyone
+
+
+def from_rank0(group: dist.ProcessGroup | None, value: Any, what: str) -> Any:
+    """Global rank 0's ``value`` on every rank (the others pass anything); ``value`` itself in a world of one.  A
+    broken collective raises :class:`CollectiveFailed` saying ``what`` was shared."""
+    if world_of(group) == 1:
+        return value
+    box = [value]
+    try:
+        dist.broadcast_object_list(box, src=0, group=group)
+    except RuntimeError as e:
+        _collective_failed(e, what)
+    return box[0]
+
+
+def _collective_failed(error: RuntimeError, what: str) -> NoReturn:
+    rank = dist.get_rank()
+    raise CollectiveFailed(
+        f"{what}: the collective failed on rank {rank} ({socket.gethostname()}): a peer died, froze or lost its "
+        f"connection. Restart the job: it resumes from the latest committed step. Cause: {first_line(error)}",
+        rank=rank) from error
+
+
+@contextlib.contextmanager
+def agreed_phase(group: dist.ProcessGroup | None, where: str, failing: str, *, then: str,
+                 **details: Any) -> Iterator[list[str]]:
+    """One phase that every rank goes through alike, ending in agreement: an ``OSError`` or ``CheckpointError`` the
+    block raises is recorded as this rank's failure (``"{failing}: {error}"``) instead of leaving the others waiting
+    in the next collective; on exit every rank learns every rank's failure and raises the same
+    :class:`StorageError` (``"{where} failed: ... {then}"``, with ``details``), or none does.  The block may append a
+    failure it finds without an exception to the yielded list (the first one recorded is this rank's).  A lost peer
+    (:class:`PeerLost`) is raised at once: the group is broken, the agreement's gather would only wait out its
+    timeout."""
+    failures: list[str] = []
+    try:
+        yield failures
+    except PeerLost:
+        raise
+    except (OSError, CheckpointError) as e:
+        failures.append(f"{failing}: {e}")
+    everyone = [why for why in gather(group, failures[0] if failures else None, where) if why]
+    if everyone:
+        raise StorageError(f"{where} failed: " + "; ".join(everyone[:4]) + f". {then}", **details)

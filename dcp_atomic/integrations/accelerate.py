@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import ConfigurationError, CorruptCheckpointError, UnsafeItemError
+from ..exchange.collective import gather
 from ..manager import CheckpointManager
 from ..format.safe_pickle import load_refusal
 
@@ -138,11 +139,7 @@ class AcceleratorCheckpoint:
     def _gathered(self, mine: Any) -> tuple[Any, ...]:
         """Every rank's ``mine``, by rank: a tuple, which DCP stores as one object (a list or dict it would
         flatten into keys that depend on the world size)."""
-        if self._group is None:
-            return (mine,)
-        everyone: list[Any] = [None] * dist.get_world_size(self._group)
-        dist.all_gather_object(everyone, mine, group=self._group)
-        return tuple(everyone)
+        return tuple(gather(self._group, mine, f"gathering the ranks' state for run {self.manager.run_id!r}"))
 
     def _state(self, *, saving: bool) -> dict[str, Any]:
         """The step's state dict.  Schedulers and registered objects go in whole, as one object each (their

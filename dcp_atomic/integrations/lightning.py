@@ -75,6 +75,7 @@ from ..protocol.catalog import DEFAULT_TIMEOUT
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, shorten
 from ..format.layout import RunLayout, parse_checkpoint_id
 from ..manager import CheckpointManager
+from ..manager.options import Callbacks, LocalTierOptions
 from ..format.parallelism import Parallelism
 from ..dcp.planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..dcp.reader import AtomicStorageReader
@@ -393,15 +394,20 @@ class _AtomicCheckpointing:
                 log.error("closing the local tier of %s: %s: %s", tier.directory, type(e).__name__, e)
         super().teardown()
 
+    def _local_tier(self) -> LocalTierOptions | None:
+        if self.local_root is None:
+            return None
+        return LocalTierOptions(self.local_root, replicas=self.replicas, keep_local=self.keep_local,
+                                failure_domain=self.failure_domain)
+
     def _tier(self, root: str, run_id: str, directory: str) -> _Tier:
         """The manager of one directory's tier run, built on first use (its process groups: every rank, in order)."""
         tier = self._tiers.get((root, run_id))
         if tier is None:
             tier = _Tier(None, directory)  # type: ignore[arg-type]
             tier.manager = CheckpointManager(root, run_id, parallelism=self.parallelism, compression=self.compression,
-                                             timeout=self.timeout, local_root=self.local_root,
-                                             replicas=self.replicas, keep_local=self.keep_local,
-                                             failure_domain=self.failure_domain, on_saved=tier.saved)
+                                             timeout=self.timeout, local=self._local_tier(),
+                                             callbacks=Callbacks(on_saved=tier.saved))
             self._tiers[(root, run_id)] = tier
         return tier
 

@@ -51,6 +51,7 @@ from ..dcp.reader import AtomicStorageReader
 from .._base.retry import Deadline
 from ..protocol.retention import apply_gc, plan_gc
 from ..manager import CheckpointManager as TierManager
+from ..manager.options import LocalTierOptions
 from ..dcp.writer import AtomicStorageWriter
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,9 @@ class AtomicCheckpointManager(CheckpointManager):
         self._saving_last = False
         self.tier: TierManager | None = None  # the two-tier manager, with local_root
         if config.local_root is not None:  # its own groups (not self.pg): the drain needs one of its own
-            self.tier = TierManager(self.root, self.run_id, local_root=config.local_root, replicas=config.replicas,
-                                    keep_local=config.keep_local, keep_last=config.keep_latest_k or None,
+            self.tier = TierManager(self.root, self.run_id, local=LocalTierOptions(
+                                        config.local_root, replicas=config.replicas, keep_local=config.keep_local),
+                                    keep_last=config.keep_latest_k or None,
                                     compression=config.compression, timeout=config.timeout)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:

@@ -11,15 +11,57 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import os
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 from ..dcp.watched import WatchedWriter
 from ..dcp.writer import AtomicStorageWriter
 from ..errors import ConfigurationError
+from ..exchange.liveness import Heartbeat, OpWatch
+from ..format.layout import RunLayout
+from ..format.manifest import Marker
+from ..format.parallelism import Parallelism
 from ..protocol.commit import ResumePoint
+from .options import Callbacks
 
 NO_DRAIN = "queue_drain needs local_root (and, in a world, the manager's own groups)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TierContext:
+    """What a tier policy uses of its manager, built once by the manager's ``__init__``: the settings, the process
+    groups, and the manager's ways of agreeing across ranks and of reporting, so that both tiers decide and report
+    through one place (the policy holds no reference to the manager)."""
+
+    rank: int
+    world_size: int
+    run_id: str
+    root: str | os.PathLike
+    storage_options: dict[str, Any] | None
+    layout: RunLayout  # the durable root's
+    timeout: float
+    work_timeout: float
+    parallelism: Parallelism | None
+    thread_count: int | None
+    keep_last: int | None
+    lease_seconds: float
+    group: Any  # the manager's process group (None without torch.distributed)
+    drain_group: Any  # the drain thread's own group; None where the manager could not create one (process_group=)
+    heartbeat: Heartbeat | None
+    callbacks: Callbacks
+    #: our own error type for what DCP or the process group raised (:meth:`.RankAgreement._translate`)
+    translate: Callable[[BaseException, str], BaseException]
+    #: compute on global rank 0, share the outcome or its error (:meth:`.RankAgreement._on_rank0`)
+    on_rank0: Callable[..., Any]
+    #: a liveness watch of the current operation's work
+    watch: Callable[[str], OpWatch]
+    #: the resume point of the manager's last load (P14), None before one
+    resumed: Callable[[], ResumePoint | None]
+    #: rank 0: a layout's marker of a step, or None (a read failure is a typed error)
+    committed_marker: Callable[[RunLayout, int], Marker | None]
+    #: hand statistics to a user callback; its failure is logged and counted, never the operation's
+    deliver: Callable[[Any, str, Any], None]
 
 
 class TierPolicy(abc.ABC):
@@ -31,6 +73,8 @@ class TierPolicy(abc.ABC):
     commits_in_dcp: bool
     #: the effective ``durable_every`` (the manager's attribute of that name)
     durable_every: int | None
+    #: after a load, which tier served it (the manager's ``restored_from``); None where only the durable root can
+    restored_from: dict[str, Any] | None = None
 
     # -- saving
     @abc.abstractmethod

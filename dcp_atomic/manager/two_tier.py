@@ -3,21 +3,19 @@ the durable root, restores from whichever tier holds the newest complete step, a
 
 The rules live in :mod:`dcp_atomic.tiers` (what a local commit, a drain, a restore choice is); this module only
 schedules them for the manager: which step is queued for the drain, what local retention must keep, which tier a
-load reads.  :class:`TwoTier` uses its manager's rank agreement (``_on_rank0``, ``_translate``, ``_watch``), its
-settings and its callbacks, so both tiers report through one place.
+load reads.  :class:`TwoTier` gets what it uses of its manager as a :class:`~.tiering.TierContext` (the settings,
+the groups, the manager's rank agreement and reporting), so both tiers report through one place.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
 import weakref
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
@@ -26,7 +24,7 @@ from .._base.stats import DrainStats, FailureStats
 from ..dcp.writer import AtomicStorageWriter
 from ..errors import (CheckpointError, CheckpointNotFoundError, CommitConflictError, ConfigurationError,
                       RankConsistencyError, StorageError)
-from ..exchange.collective import _first_line, _raise_typed
+from ..exchange.collective import first_line, from_rank0, gather, raise_typed
 from ..exchange.stall import StallClock
 from ..format.manifest import Marker
 from ..protocol.catalog import latest_step as scan_latest_step
@@ -39,34 +37,17 @@ from ..tiers.local_tier import (LocalWriter, Topology, commit_local, local_marke
                                 remove_failed_attempt, remove_local_step, retain_local, scan_root, sweep_spool)
 from ..tiers.placement import failure_domain as resolve_failure_domain
 from ..tiers.tier_restore import DurableCandidate, assemble_step, choose_restore, restore_not_found
-from .tiering import NO_DRAIN, TierPolicy
-
-if TYPE_CHECKING:
-    from . import CheckpointManager
+from .options import DEFAULT_DURABLE_EVERY, LocalTierOptions
+from .tiering import NO_DRAIN, TierContext, TierPolicy
 
 log = logging.getLogger("dcp_atomic.manager")  # the manager's logger: these were its messages, and stay so
 
-DEFAULT_DURABLE_EVERY = 1  # with a local tier: every save is also drained (in the background), as torchtitan's
-
-
-@dataclasses.dataclass(frozen=True)
-class TierOptions:
-    """The manager's keywords that only the local tier reads (checked by the manager)."""
-
-    local_root: str | os.PathLike
-    replicas: int
-    durable_every: int | None
-    durable_every_given: bool  # an explicit one is refused without a drain group; the default is dropped, warned
-    keep_local: int
-    failure_domain: str | None
-
-
-def _exit_without_close(manager: "weakref.ref[CheckpointManager]") -> None:
+def _exit_without_close(tier: "weakref.ref[TwoTier]") -> None:
     """atexit: a two-tier manager never closed must not lose its drain in flight silently."""
-    alive = manager()
-    if alive is not None:
+    alive = tier()
+    if alive is not None and not alive.closed:
         try:
-            alive._exiting()
+            alive.wait_at_exit()
         except Exception:  # noqa: BLE001 - at exit: log, never raise past the interpreter's shutdown
             log.exception("dcp_atomic: the exit-time wait for a drain failed")
 
@@ -83,8 +64,11 @@ class TwoTier(TierPolicy):
 
     commits_in_dcp = False  # a local save has no marker until commit_local, after DCP returns
 
-    def __init__(self, manager: "CheckpointManager", options: TierOptions, own_groups: bool) -> None:
-        m = self._m = manager
+    def __init__(self, ctx: TierContext, options: LocalTierOptions) -> None:
+        """Raises when the tier cannot be set up (too few failure domains...); the manager then releases what it
+        holds, the groups it made for this tier included."""
+        self._ctx = ctx
+        self.closed = False
         self.local_root, self.keep_local = options.local_root, options.keep_local
         self.durable_every = options.durable_every
         self._saves = 0  # counts saves for durable_every (identical on every rank: SPMD)
@@ -99,46 +83,35 @@ class TwoTier(TierPolicy):
         self._durable_listed: set[int] | None = None  # rank 0: the durable root's steps (listed once)
         self._sequence = 0  # the newest commit sequence this process knows of, both tiers (rank 0 decides)
         self._sequence_known = False
-        drain_group = None
-        self.local = open_local(os.fspath(options.local_root), m.run_id)
-        try:
-            if m._distributed and own_groups:
-                # the drain thread's own group (drain.py): created on the main thread, on every rank alike; it waits
-                # for every rank's upload, so it gets the work's limit, not the liveness one
-                drain_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(m.timeout, m.work_timeout)))
-                m._owned_groups.append(drain_group)
-            self.topology = Topology.learn(m.rank, m.world_size, resolve_failure_domain(options.failure_domain),
-                                           os.fspath(options.local_root), options.replicas, m._group)
-            recorded = self._gathered(self._provisional_lineages())
-            self._lineage, self._provisional_for = m._on_rank0(lambda: self._read_lineage(recorded),
-                                                               "read the run's lineage")
-        except BaseException:  # refused (too few domains...): nothing of this manager may outlive it
-            m._release()
-            raise
-        if not m._distributed or m.world_size == 1 or drain_group is not None:
-            self.drainer = Drainer(rank=m.rank, world_size=m.world_size, group=drain_group, local=self.local,
-                                   durable=m.layout, timeout=m.timeout, where=m.layout.storage.describe(),
-                                   resumed=lambda: m._resumed, committed=self._drained, failed=self._drain_failed,
-                                   threads=m.thread_count, clock=StallClock(m.timeout, m._heartbeat))
-            atexit.register(_exit_without_close, weakref.ref(m))
+        self.local = open_local(os.fspath(options.local_root), ctx.run_id)
+        self.topology = Topology.learn(ctx.rank, resolve_failure_domain(options.failure_domain),
+                                       os.fspath(options.local_root), options.replicas, ctx.group)
+        recorded = self._gathered(self._provisional_lineages())
+        self._lineage, self._provisional_for = ctx.on_rank0(lambda: self._read_lineage(recorded),
+                                                          "read the run's lineage")
+        if ctx.world_size == 1 or ctx.drain_group is not None:
+            self.drainer = Drainer(rank=ctx.rank, world_size=ctx.world_size, group=ctx.drain_group, local=self.local,
+                                   durable=ctx.layout, timeout=ctx.timeout, where=ctx.layout.storage.describe(),
+                                   resumed=ctx.resumed, committed=self._drained, failed=self._drain_failed,
+                                   threads=ctx.thread_count, clock=StallClock(ctx.timeout, ctx.heartbeat))
+            atexit.register(_exit_without_close, weakref.ref(self))
         if self.drainer is None:  # given process_group= in a world: no drain group
             if options.durable_every_given and self.durable_every is not None:
-                m._release()
                 raise ConfigurationError(f"durable_every={self.durable_every} needs a process group of the drain's "
                                          "own, which the manager cannot create when it is given process_group=; leave "
                                          "process_group out, or save durable steps with a manager without local_root")
             self.durable_every = None
-            if m.rank == 0:
+            if ctx.rank == 0:
                 log.warning("CheckpointManager(local_root=%r, process_group=...): the drain needs a process group of "
                             "its own, so no step reaches the durable root %s; every step lives only on the nodes' "
                             "local disks. Leave process_group out to keep durable copies.",
-                            os.fspath(options.local_root), m.layout.storage.describe())
-        elif self.durable_every is None and m.rank == 0:
+                            os.fspath(options.local_root), ctx.layout.storage.describe())
+        elif self.durable_every is None and ctx.rank == 0:
             log.warning("CheckpointManager(local_root=%r, durable_every=None): only saves with durable=True reach the "
                         "durable root %s; every other step lives only on the nodes' local disks, which are usually "
                         "wiped when the allocation ends. Leave durable_every at its default (%d: every save drains in "
                         "the background) or set it to N to keep durable copies.", os.fspath(options.local_root),
-                        m.layout.storage.describe(), DEFAULT_DURABLE_EVERY)
+                        ctx.layout.storage.describe(), DEFAULT_DURABLE_EVERY)
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -156,25 +129,25 @@ class TwoTier(TierPolicy):
 
     def refuse_conflicts(self, step: int) -> None:
         """The local root's commit of ``step``: another lineage's is never replaced, this job's by the commit rule."""
-        m, where = self._m, f"the local root {self.local_root}"
-        marker = m._committed_marker(self.local, step)
+        ctx, where = self._ctx, f"the local root {self.local_root}"
+        marker = ctx.committed_marker(self.local, step)
         if marker is not None and of_lineage([marker], self._lineage, foreign=True):
             step_dir = self.local.step_dir(step)
             raise CommitConflictError(
-                f"step {step} of run {m.run_id!r} on {where} was saved for another durable root or "
+                f"step {step} of run {ctx.run_id!r} on {where} was saved for another durable root or "
                 f"experiment ({describe_lineage(marker.lineage)}; this job's: "
-                f"{describe_lineage(self._lineage)}, {lineage_path(m.layout)}): it is not this job's to replace, and "
+                f"{describe_lineage(self._lineage)}, {lineage_path(ctx.layout)}): it is not this job's to replace, and "
                 f"nothing was written. Save another step, use another run_id, or, if nothing needs it, remove it on "
                 f"every node: rm -rf {step_dir}", step=step, committed=marker.save_id)
         if marker is not None:
-            refuse_committed(marker, step, m.run_id, m._resumed, where)
+            refuse_committed(marker, step, ctx.run_id, ctx.resumed(), where)
 
     def durable_may_hold(self, step: int) -> bool:
         """The durable root is listed once per manager (saves must not wait for the durable store each time), and
         its marker read only for a step that listing (or a drain of this manager since) names; an unreadable root
         is warned about and counts as "not committed" (the drain's commit still refuses a conflict)."""
         if self._durable_listed is None:
-            layout = self._m.layout
+            layout = self._ctx.layout
             try:
                 self._durable_listed = set(listed_steps(layout))
             except (OSError, CheckpointError) as e:
@@ -184,7 +157,7 @@ class TwoTier(TierPolicy):
         return step in self._durable_listed
 
     def writer(self, step: int, **options: Any) -> AtomicStorageWriter:
-        writer = LocalWriter(os.fspath(self.local_root), self._m.run_id, step, **options)
+        writer = LocalWriter(os.fspath(self.local_root), self._ctx.run_id, step, **options)
         writer.topology = self.topology
         writer.provisional_for = self._provisional_for
         return writer
@@ -200,7 +173,7 @@ class TwoTier(TierPolicy):
             yield
         except BaseException as e:
             if writer.save_id is not None:
-                remove_failed_attempt(self.local, step, writer.save_id, self.topology.describe(self._m.rank))
+                remove_failed_attempt(self.local, step, writer.save_id, self.topology.describe(self._ctx.rank))
             if self._held_back is not None and isinstance(e, CheckpointError) and _out_of_space(e):
                 raise type(e)(f"{e.message.rstrip()} {self._held_back_note()}", **e.details) from e
             raise
@@ -208,10 +181,10 @@ class TwoTier(TierPolicy):
     def _held_back_note(self) -> str:
         """What a save that failed for space must also say: the step local retention keeps for its durable copy
         takes that space, and what to do about it (every rank alike: ``_held_back`` is rank 0's, handed out)."""
-        step, m = self._held_back, self._m
+        step, ctx = self._held_back, self._ctx
         return (f"Step {step} is kept on every node's local root, past keep_local={self.keep_local} if need be, "
                 f"because it was saved for a durable copy and is not durable yet (its drain to "
-                f"{m.layout.storage.describe()} failed). Make the durable root writable again (a later save queues "
+                f"{ctx.layout.storage.describe()} failed). Make the durable root writable again (a later save queues "
                 f"step {step} for the drain again, or call queue_drain({step})), or free space on the node; to give "
                 f"up its durable copy, remove it on every node: rm -rf {self.local.step_dir(step)}")
 
@@ -219,28 +192,26 @@ class TwoTier(TierPolicy):
                drain: bool | None) -> None:
         """After DCP's save: replicas, rank 0's decision, the local markers, the drain's queue, then local
         retention (which keeps what the drain still needs)."""
-        m = self._m
+        ctx = self._ctx
         try:
             drainer, pending, again, protected = self.drainer, None, False, None
             if drainer is not None:
-                protected = drainer.protected() if m.rank == 0 else None
+                protected = drainer.protected() if ctx.rank == 0 else None
                 pending, again = self._durable_pending(protected, group, may_queue=not drain)
                 if pending is not None:
                     protected |= {pending.step}
             committed = commit_local(self.topology, self.local, writer, step, group, self._sequence_floor(),
-                                     protected, drain=bool(drain), lineage=self._lineage, timeout=m.timeout)
+                                     protected, drain=bool(drain), lineage=self._lineage, timeout=ctx.timeout)
             if drainer is not None:
-                pending, again = self._gathered((pending, again), group)[0]
-        except CheckpointError:
-            raise
-        except BaseException as e:
-            _raise_typed(m._translate(e, f"committing step {step} to the local tier"))
+                pending, again = from_rank0(group, (pending, again), "sharing the durable-pending step")
+        except BaseException as e:  # ours pass as they are; a broken collective gets the liveness verdict
+            raise_typed(ctx.translate(e, f"committing step {step} to the local tier"))
         marker, protected = committed.marker, committed.kept
         self._sequence = max(self._sequence, marker.sequence or 0)
         self._held_back = pending.step if pending is not None else None
         writer.last_local_commit = committed
-        log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)%s", m.run_id, step,
-                 marker.sequence, len(self.topology.placement.holders[m.rank]),
+        log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)%s", ctx.run_id, step,
+                 marker.sequence, len(self.topology.placement.holders[ctx.rank]),
                  "; queued for the drain" if drain else "")
         self._last_undrained = (step, marker) if drain is None else None  # an explicit durable=False is kept local
         if drain:
@@ -259,9 +230,9 @@ class TwoTier(TierPolicy):
     def _sequence_floor(self) -> int:
         """Rank 0: the newest commit sequence of either tier it knows; the durable root's ``LATEST`` is read once
         per manager (P10 across tiers: a local commit never sorts below a durable one made before it)."""
-        if self._m.rank == 0 and not self._sequence_known:
+        if self._ctx.rank == 0 and not self._sequence_known:
             try:
-                self._sequence = max(self._sequence, next_sequence(self._m.layout) - 1)
+                self._sequence = max(self._sequence, next_sequence(self._ctx.layout) - 1)
             except (OSError, CheckpointError) as e:
                 log.warning("local tier: could not read the durable root's commit sequence (%s); local commits "
                             "number from the local roots alone", e)
@@ -276,14 +247,14 @@ class TwoTier(TierPolicy):
         Each root reports its own newest such step: global rank 0's node may have been replaced since (an empty
         disk), and the step's files then sit on the other nodes alone.  An unreadable durable root counts as "not
         durable" (kept, retried)."""
-        m, mine = self._m, None
+        ctx, mine = self._ctx, None
         if self.topology.is_leader:
-            resumed = m._resumed
+            resumed = ctx.resumed()
             wanted = [mk for mk in of_lineage(local_markers(self.local), self._lineage)  # nor a rolled-back branch's
                       if mk.drain and (resumed is None or not resumed.supersedes(mk))]
             mine = wanted[-1] if wanted else None
         reported = [mk for mk in self._gathered(mine, group) if mk is not None]
-        if m.rank != 0 or not reported:
+        if ctx.rank != 0 or not reported:
             return None, False
         newest = max(reported, key=commit_order)
         if newest.save_id in self._durable_saves or (newest.sequence or 0) < self._drained_sequence:
@@ -293,7 +264,7 @@ class TwoTier(TierPolicy):
         again = may_queue and not queued and self._queue_again_due(newest.save_id)
         if again or newest.save_id not in self._requeues:  # not asked since its last drain here failed: read
             try:
-                durable = read_marker(m.layout, newest.step, Deadline(m.timeout), missing_ok=True)
+                durable = read_marker(ctx.layout, newest.step, Deadline(ctx.timeout), missing_ok=True)
                 if durable.save_id == newest.save_id:
                     self._durable_saves.add(newest.save_id)  # one durable read per drained step, not per save
                     return None, False
@@ -310,13 +281,13 @@ class TwoTier(TierPolicy):
 
     def _queue_again(self, pending: Marker) -> None:
         """Every rank alike: the durable-pending step goes to the drain again (rank 0 counts it)."""
-        m = self._m
-        if m.rank == 0:
+        ctx = self._ctx
+        if ctx.rank == 0:
             times = self._requeues.get(pending.save_id, (0, 0))[0] + 1
             self._requeues[pending.save_id] = (times, self._saves)
             log.warning("run %r: step %d was saved for a durable copy that never committed (its drain failed or the "
                         "job stopped first); it is kept on the local tier and queued for the drain again (time %d; "
-                        "next after %d more saves if this drain fails too)", m.run_id, pending.step, times,
+                        "next after %d more saves if this drain fails too)", ctx.run_id, pending.step, times,
                         2 ** times)
         self.drainer.submit(pending.step, pending)
 
@@ -324,39 +295,39 @@ class TwoTier(TierPolicy):
 
     def _drained(self, drained: Drained) -> None:
         """Rank 0: a step reached the durable root; durable retention, then ``on_drained``."""
-        m, job, marker = self._m, drained.job, drained.marker
+        ctx, job, marker = self._ctx, drained.job, drained.marker
         self._confirm_lineage()
         self._durable_saves.add(job.save_id)
         self._drained_sequence = max(self._drained_sequence, marker.sequence or 0)
         if self._durable_listed is not None:
             self._durable_listed.add(job.step)
-        log.info("run %r step %d drained to %s (sequence %s, %.1f MiB in %.3fs, attempt %d%s)", m.run_id,
-                 job.step, m.layout.storage.describe(), marker.sequence, drained.bytes / 2**20, drained.seconds,
+        log.info("run %r step %d drained to %s (sequence %s, %.1f MiB in %.3fs, attempt %d%s)", ctx.run_id,
+                 job.step, ctx.layout.storage.describe(), marker.sequence, drained.bytes / 2**20, drained.seconds,
                  drained.attempts, f"; skipped step(s) {drained.skipped}" if drained.skipped else "")
-        if m.keep_last is not None:
+        if ctx.keep_last is not None:
             try:
-                retain_after_commit(m.layout, marker, m.keep_last, lease_seconds=m.lease_seconds)
+                retain_after_commit(ctx.layout, marker, ctx.keep_last, lease_seconds=ctx.lease_seconds)
             except Exception as e:  # the drain is committed; the next one retries
                 log.warning("run %r: durable retention after draining step %d failed (the next drain retries it): "
-                            "%s", m.run_id, job.step, e)
-        m._deliver(m.on_drained, "on_drained", DrainStats(
-            run_id=m.run_id, step=job.step, save_id=job.save_id, sequence=marker.sequence,
-            world_size=m.world_size, seconds=drained.seconds, queued_seconds=drained.queued_seconds,
+                            "%s", ctx.run_id, job.step, e)
+        ctx.deliver(ctx.callbacks.on_drained, "on_drained", DrainStats(
+            run_id=ctx.run_id, step=job.step, save_id=job.save_id, sequence=marker.sequence,
+            world_size=ctx.world_size, seconds=drained.seconds, queued_seconds=drained.queued_seconds,
             bytes=drained.bytes, files=drained.files, gb_per_s=drained.bytes / max(drained.seconds, 1e-9) / 1e9,
             attempts=drained.attempts, skipped_steps=list(drained.skipped), bytes_reused=drained.bytes_reused))
 
     def _drain_failed(self, job: DrainJob, error: CheckpointError, seconds: float) -> None:
         """Every rank: a drain failed for good (``wait()`` raises it)."""
-        m = self._m
-        if m.on_failed is None:
+        ctx = self._ctx
+        if ctx.callbacks.on_failed is None:
             return
         try:
-            stats = FailureStats.from_error(error, operation="drain", run_id=m.run_id, step=job.step,
-                                            world_size=m.world_size, rank=m.rank, seconds=seconds)
+            stats = FailureStats.from_error(error, operation="drain", run_id=ctx.run_id, step=job.step,
+                                            world_size=ctx.world_size, rank=ctx.rank, seconds=seconds)
         except Exception:
             log.exception("could not describe the failure of the drain of step %s for on_failed", job.step)
             return
-        m._deliver(m.on_failed, "on_failed", stats)
+        ctx.deliver(ctx.callbacks.on_failed, "on_failed", stats)
 
     # -- loading and listing --------------------------------------------------------------
 
@@ -365,10 +336,10 @@ class TwoTier(TierPolicy):
         """Choose the step to restore (both tiers); for a local one, each rank receives into its root what its
         load of ``state_dict`` reads there and the root lacks.  Returns (local root, step, save_id, resume point)
         to load from the local root, or None to load the durable tier's choice."""
-        m, tier = self._m, self.topology
-        watch = m._watch("scanning the local tier")
-        mates = [r for r in range(m.world_size) if tier.leader(r) == tier.leader(m.rank)]
-        share = (mates.index(m.rank), len(mates))  # the ranks of a root verify it in parallel, a share each
+        ctx, tier = self._ctx, self.topology
+        watch = ctx.watch("scanning the local tier")
+        mates = [r for r in range(ctx.world_size) if tier.leader(r) == tier.leader(ctx.rank)]
+        share = (mates.index(ctx.rank), len(mates))  # the ranks of a root verify it in parallel, a share each
         if tier.is_leader:
             swept = sweep_spool(self.local)
             if swept:
@@ -379,26 +350,26 @@ class TwoTier(TierPolicy):
                    if tier.is_leader else [])
         gathered = self._gathered((step, held, foreign))
         watch.finish()
-        if m.rank == 0:
+        if ctx.rank == 0:
             self._report_foreign({rank: steps for rank, (_, _, steps) in enumerate(gathered) if steps})
         gathered = [(request, held) for request, held, _ in gathered]
         asked = {request for request, _ in gathered}
         if len(asked) > 1:
-            raise RankConsistencyError(f"restoring run {m.run_id!r}: the ranks asked for different steps "
+            raise RankConsistencyError(f"restoring run {ctx.run_id!r}: the ranks asked for different steps "
                                        f"({sorted(asked, key=str)}), so none loads. Every rank must call load alike.")
         reports = {leader: merge_held([held for rank, (_, held) in enumerate(gathered) if tier.leader(rank) == leader])
                    for leader in tier.leaders}
         outcome = None
-        if m.rank == 0:
-            declared = m.parallelism.to_dict() if m.parallelism is not None else None
+        if ctx.rank == 0:
+            declared = ctx.parallelism.to_dict() if ctx.parallelism is not None else None
             try:
-                outcome = ("ok", choose_restore(tier, reports, self._durable_candidate(step), m.world_size, declared,
+                outcome = ("ok", choose_restore(tier, reports, self._durable_candidate(step), ctx.world_size, declared,
                                                 step, save_id))
             except CheckpointError as e:
                 outcome = ("error", e)
             except Exception as e:  # the durable root's storage, say: every rank must hear of it
                 outcome = ("error", StorageError(f"global rank 0 could not choose the step to restore: "
-                                                 f"{_first_line(e)}", rank=0))
+                                                 f"{first_line(e)}", rank=0))
         status, choice = self._gathered(outcome)[0]
         if status == "error":
             raise choice
@@ -406,41 +377,39 @@ class TwoTier(TierPolicy):
                      + [h.sequence or 0 for held in reports.values() for h in held])
         self._sequence = newest  # a save after this restore numbers above everything seen (P10, P14)
         for why in choice.skipped:
-            log.warning("restore of run %r: %s", m.run_id, why)
+            log.warning("restore of run %r: %s", ctx.run_id, why)
         if choice.tier == "none":
-            raise restore_not_found(m.run_id, choice, m.layout.storage.describe())
+            raise restore_not_found(ctx.run_id, choice, ctx.layout.storage.describe())
         if choice.tier == "durable":
-            m.restored_from = {"tier": "durable", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": 0,
+            self.restored_from = {"tier": "durable", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": 0,
                                "bytes_fetched": 0}
-            log.info("run %r: restoring step %d from the durable tier (%s)%s", m.run_id, choice.step,
-                     m.layout.storage.describe(), " because no newer local step is complete" if choice.skipped else "")
+            log.info("run %r: restoring step %d from the durable tier (%s)%s", ctx.run_id, choice.step,
+                     ctx.layout.storage.describe(), " because no newer local step is complete" if choice.skipped else "")
             return None
         try:
-            fetched, fetched_bytes = assemble_step(tier, self.local, choice, m._group, state_dict, timeout=m.timeout)
-        except CheckpointError:
-            raise
-        except BaseException as e:
-            _raise_typed(m._translate(e, f"assembling local step {choice.step}"))
-        m.restored_from = {"tier": "local", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": fetched,
+            fetched, fetched_bytes = assemble_step(tier, self.local, choice, ctx.group, state_dict, timeout=ctx.timeout)
+        except BaseException as e:  # ours pass as they are; a broken collective gets the liveness verdict
+            raise_typed(ctx.translate(e, f"assembling local step {choice.step}"))
+        self.restored_from = {"tier": "local", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": fetched,
                            "bytes_fetched": fetched_bytes}
         log.info("run %r: restoring step %d from the local tier (sequence %s; this rank received %d byte(s) of %d "
-                 "rank(s)' files it reads)", m.run_id, choice.step, choice.sequence, fetched_bytes, fetched)
+                 "rank(s)' files it reads)", ctx.run_id, choice.step, choice.sequence, fetched_bytes, fetched)
         return os.fspath(self.local_root), choice.step, choice.save_id, ResumePoint(step=choice.step, sequence=newest)
 
     def _durable_candidate(self, step: int | None) -> DurableCandidate | None:
         """Rank 0: the durable tier's newest commit (or ``step``'s), None when it has none."""
-        m = self._m
+        ctx = self._ctx
         try:
             asked = step is not None
             if step is None:
-                step = scan_latest_step(m.root, m.run_id, m.storage_options, timeout=m.timeout, missing_root_ok=True)
+                step = scan_latest_step(ctx.root, ctx.run_id, ctx.storage_options, timeout=ctx.timeout, missing_root_ok=True)
                 if step is None:
                     return None
-            elif not m.layout.storage.is_dir(m.layout.step_dir(step)):
+            elif not ctx.layout.storage.is_dir(ctx.layout.step_dir(step)):
                 return None
             # A step asked for by number may hold only an attempt a failed or killed drain left, never marked: not
             # waited for.  The step LATEST names has a marker: waited for (visibility lag on NFS).
-            marker = read_marker(m.layout, step, Deadline(m.timeout), missing_ok=asked)
+            marker = read_marker(ctx.layout, step, Deadline(ctx.timeout), missing_ok=asked)
         except (CheckpointNotFoundError, FileNotFoundError):
             return None
         return DurableCandidate(step=step, save_id=marker.save_id, sequence=marker.sequence)
@@ -450,7 +419,7 @@ class TwoTier(TierPolicy):
         is provisional for this job's durable root: saved while that root's ``LINEAGE`` could not be created."""
         if not self.topology.is_leader:
             return []
-        durable = self._m.layout.storage.describe()
+        durable = self._ctx.layout.storage.describe()
         return [(mk.lineage, mk.sequence or 0, mk.step) for mk in local_markers(self.local)
                 if mk.provisional_for == durable and mk.lineage is not None]
 
@@ -461,7 +430,7 @@ class TwoTier(TierPolicy):
         made; ``LINEAGE`` is created with it.  A root that cannot be written now (full, read-only: ``refuses_writes``)
         must not stop local saves nor orphan them: the id stays provisional, recorded in every local marker, and
         ``LINEAGE`` is created with it at the first drain that reaches the root (:meth:`_confirm_lineage`)."""
-        m, layout = self._m, self._m.layout
+        ctx, layout = self._ctx, self._ctx.layout
         where = layout.storage.describe()
         newest = max((found for per_rank in recorded for found in per_rank), key=lambda c: c[1:], default=None)
         lineage = newest[0] if newest is not None else new_lineage()
@@ -483,14 +452,14 @@ class TwoTier(TierPolicy):
                         "record lineage %s%s as provisional for %s: local saves go on, global rank 0 creates the file "
                         "with this id at the first drain that reaches the root, and a later job of this root and run "
                         "adopts it from the local steps if none did. Free space or restore write access on %s to get "
-                        "durable copies.", m.run_id, where, cause, lineage_path(layout), lineage, adopted,
+                        "durable copies.", ctx.run_id, where, cause, lineage_path(layout), lineage, adopted,
                         where, where)
             return lineage, where
         if newest is not None and created == lineage:
             log.warning("run %r: %s did not exist; created it with lineage %s%s, so those steps are restored as this "
                         "run's. If this job is a new experiment rather than a continuation of that one, use another "
                         "run_id.",
-                        m.run_id, lineage_path(layout), lineage, adopted)
+                        ctx.run_id, lineage_path(layout), lineage, adopted)
         return created, None
 
     def _steps_of(self, recorded: list[list[tuple[str, int, int]]], lineage: str) -> str:
@@ -499,44 +468,44 @@ class TwoTier(TierPolicy):
         for rank, per_rank in enumerate(recorded):
             steps = sorted(step for found, _, step in per_rank if found == lineage)
             if steps:
-                held[f"{tier.hosts[rank]}:{os.path.join(tier.roots[rank], self._m.run_id)}"] = steps
+                held[f"{tier.hosts[rank]}:{os.path.join(tier.roots[rank], self._ctx.run_id)}"] = steps
         return "; ".join(f"{steps} on {root}" for root, steps in held.items())
 
     def _confirm_lineage(self) -> None:
         """Rank 0, after a drain reached the durable root: create its ``LINEAGE`` with this job's provisional lineage
         (once), so every later job takes this job's local steps as the run's."""
-        where, m = self._provisional_for, self._m
+        where, ctx = self._provisional_for, self._ctx
         if where is None:
             return
-        path = lineage_path(m.layout)
+        path = lineage_path(ctx.layout)
         try:
-            lineage = ensure_lineage(m.layout, self._lineage)
+            lineage = ensure_lineage(ctx.layout, self._lineage)
         except (OSError, CheckpointError) as e:
             log.warning("run %r: could not create %s with this job's provisional lineage %s (%s); the next drain "
-                        "tries again", m.run_id, path, self._lineage, _first_line(e))
+                        "tries again", ctx.run_id, path, self._lineage, first_line(e))
             return
         self._provisional_for = None
         if lineage == self._lineage:
-            log.info("run %r: created %s with lineage %s, which this job's local steps record", m.run_id, path,
+            log.info("run %r: created %s with lineage %s, which this job's local steps record", ctx.run_id, path,
                      lineage)
             return
         log.error("run %r: %s names lineage %s, not this job's provisional %s (another job created it while %s could "
                   "not be written, or it could not be read when this job started): later jobs of this run restore "
                   "this job's durable steps, but not its local-only ones (they are named, not deleted). Drain the "
-                  "local steps you need (manager.queue_drain(step)) before this job ends.", m.run_id, path, lineage,
+                  "local steps you need (manager.queue_drain(step)) before this job ends.", ctx.run_id, path, lineage,
                   self._lineage, where)
 
     def _report_foreign(self, foreign: dict[int, list[int]]) -> None:
         """Rank 0: local steps another lineage left on the nodes (another experiment with this run id, another
         durable root): named, never loaded, never deleted."""
-        m, tier = self._m, self.topology
+        ctx, tier = self._ctx, self.topology
         for leader, steps in foreign.items():
-            root = f"{tier.hosts[leader]}:{os.path.join(tier.roots[leader], m.run_id)}"
+            root = f"{tier.hosts[leader]}:{os.path.join(tier.roots[leader], ctx.run_id)}"
             log.warning(
                 "local tier %s holds step(s) %s of run %r saved for another durable root or experiment (this job's is "
                 "%s, %s): they are not loaded and not deleted. If nothing needs them, remove them on that node: "
-                "rm -rf %s", root, steps, m.run_id, describe_lineage(self._lineage), lineage_path(m.layout),
-                " ".join(os.path.join(tier.roots[leader], m.run_id, f"step_{s:010d}") for s in steps[:8]))
+                "rm -rf %s", root, steps, ctx.run_id, describe_lineage(self._lineage), lineage_path(ctx.layout),
+                " ".join(os.path.join(tier.roots[leader], ctx.run_id, f"step_{s:010d}") for s in steps[:8]))
 
     def local_steps(self) -> set[int]:
         """Every root's leader lists its local commits of this lineage; every rank gets the union (a collective)."""
@@ -552,11 +521,11 @@ class TwoTier(TierPolicy):
 
     def queue_drain(self, step: int) -> None:
         """Global rank 0 reads the step's local marker and tells the others; every rank submits it."""
-        m = self._m
+        ctx = self._ctx
         if self.drainer is None:
             raise ConfigurationError(NO_DRAIN)
         marker = None
-        if m.rank == 0:
+        if ctx.rank == 0:
             try:
                 marker = Marker.from_json(self.local.storage.read_file(self.local.marker(step)),
                                           where=self.local.marker(step))
@@ -568,20 +537,17 @@ class TwoTier(TierPolicy):
                                       f"or experiment ({describe_lineage(marker.lineage)}; this job's: "
                                       f"{describe_lineage(self._lineage)}): not drained", step=step)
         if not isinstance(marker, Marker):
-            raise CheckpointNotFoundError(f"step {step} of run {m.run_id!r} cannot be drained: global rank 0 has "
+            raise CheckpointNotFoundError(f"step {step} of run {ctx.run_id!r} cannot be drained: global rank 0 has "
                                           f"no local marker of it ({marker})", step=step)
         self.drainer.submit(step, marker)
 
     def _gathered(self, mine: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-        m = self._m
-        if not m._distributed or m.world_size == 1:
-            return [mine]
-        everyone: list[Any] = [None] * m.world_size
+        """Every rank's ``mine`` over the save's ``group`` (default: the manager's), a broken collective typed as the
+        manager types it (naming the silent ranks)."""
         try:
-            dist.all_gather_object(everyone, mine, group=group or m._group)
+            return gather(group or self._ctx.group, mine, "exchanging the local tier's state")
         except BaseException as e:
-            _raise_typed(m._translate(e, "exchanging the local tier's state"))
-        return everyone
+            raise_typed(self._ctx.translate(e, "exchanging the local tier's state"))
 
     # -- the drain in the background --------------------------------------------------------
 
@@ -602,36 +568,37 @@ class TwoTier(TierPolicy):
         if last is None or self.durable_every is None:
             return
         step, marker = last
-        m = self._m
-        if m.rank == 0:
-            log.info("run %r: closing; draining the last local step %d to %s", m.run_id, step,
-                     m.layout.storage.describe())
+        ctx = self._ctx
+        if ctx.rank == 0:
+            log.info("run %r: closing; draining the last local step %d to %s", ctx.run_id, step,
+                     ctx.layout.storage.describe())
         self.drainer.submit(step, marker)
 
     def wait_at_exit(self) -> None:
         """Wait for a drain in flight, bounded by the stall deadline, and say what became of it; nothing new is
         started (the peers may be gone).  Every rank's exit waits alike, so the drain's collectives still meet."""
-        drainer, m = self.drainer, self._m
+        drainer, ctx = self.drainer, self._ctx
         if drainer is None or not drainer.busy():
             return
         steps = sorted(drainer.protected())
-        where = m.layout.storage.describe()
+        where = ctx.layout.storage.describe()
         log.warning("run %r: the process exits without close() while step(s) %s drain to %s; waiting for the drain "
-                    "(stall deadline %.0fs)", m.run_id, steps, where, m.timeout)
+                    "(stall deadline %.0fs)", ctx.run_id, steps, where, ctx.timeout)
         try:
             drainer.wait()
         except CheckpointError as e:
             log.error("run %r: exiting without close(): step(s) %s did not reach %s (%s: %s). They stay on these "
                       "nodes' local roots; the next job of this run on them drains the newest such step again (or "
                       "a newer durable save supersedes it). Call close() before exiting to be told in time.",
-                      m.run_id, steps, where, type(e).__name__, e)
+                      ctx.run_id, steps, where, type(e).__name__, e)
         else:
-            log.warning("run %r: exiting without close(): step(s) %s drained to %s before exit", m.run_id,
+            log.warning("run %r: exiting without close(): step(s) %s drained to %s before exit", ctx.run_id,
                         steps, where)
 
     def busy(self) -> bool:
         return self.drainer is not None and self.drainer.busy()
 
     def close(self) -> None:
+        self.closed = True
         if self.drainer is not None:
             self.drainer.close()

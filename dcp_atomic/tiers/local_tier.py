@@ -33,15 +33,13 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import torch.distributed as dist
 
 from .._base import failpoints
 from ..protocol.commit import (Evidence, commit_order, copy_control, listed_steps, publish_control,
                                record_local_marker, require_complete)
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
 from ..exchange.file_transfer import Part, Received, Spooled, discard, transfer
+from ..exchange.collective import agreed_phase, from_rank0, gather
 from ..exchange.transport import PeerLost
 from ..format.blocks import verify_item, verify_stored_file
 from ..format.integrity import sha256_hex
@@ -69,14 +67,11 @@ class Topology:
     placement: Placement
 
     @classmethod
-    def learn(cls, rank: int, world: int, domain: str, root: str, replicas: int, group) -> "Topology":
+    def learn(cls, rank: int, domain: str, root: str, replicas: int, group) -> "Topology":
         import socket
 
         mine = (domain, os.path.realpath(root), socket.gethostname())
-        everyone: list[Any] = [mine]
-        if world > 1:
-            everyone = [None] * world
-            dist.all_gather_object(everyone, mine, group=group)
+        everyone = gather(group, mine, "learning the local tier's topology")
         roots, hosts = tuple(r for _, r, _ in everyone), tuple(h for _, _, h in everyone)
         domains, merged = one_domain_per_disk([d for d, _, _ in everyone], hosts, roots)
         if merged and rank == 0:
@@ -214,15 +209,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def gather_failures(failure: str | None, world: int, group) -> list[str]:
-    """Every rank's failure (None: none), on every rank: each raises the same error, or none does."""
-    outcomes: list[Any] = [failure]
-    if world > 1:
-        outcomes = [None] * world
-        dist.all_gather_object(outcomes, failure, group=group)
-    return [why for why in outcomes if why]
 
 
 # -- verification ------------------------------------------------------------------------------------------
@@ -541,16 +527,14 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     :class:`.transport.PeerLost` (naming it, within ``timeout``) on the ranks that exchanged with it, at once.
     """
     started = time.perf_counter()
-    rank, world = topology.rank, len(topology.domains)
-    staged = [writer.staged if rank == 0 else None]
-    if world > 1:
-        dist.broadcast_object_list(staged, src=0, group=group)
-    if staged[0] is None:
+    rank = topology.rank
+    staged = from_rank0(group, writer.staged if rank == 0 else None, f"sharing step {step}'s control files")
+    if staged is None:
         raise CheckpointError(f"step {step}: global rank 0 staged no control files for the local commit", step=step)
-    control = {MANIFEST: staged[0].manifest, DCP_METADATA: staged[0].metadata}
-    if staged[0].ranks is not None:
-        control[RANKS_FILE] = staged[0].ranks
-    manifest = Manifest.from_json(staged[0].manifest, where=f"step {step} manifest from rank 0")
+    control = {MANIFEST: staged.manifest, DCP_METADATA: staged.metadata}
+    if staged.ranks is not None:
+        control[RANKS_FILE] = staged.ranks
+    manifest = Manifest.from_json(staged.manifest, where=f"step {step} manifest from rank 0")
     placement = topology.placement
 
     failure: str | None = None
@@ -587,10 +571,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     newest = (max((m.sequence or 0 for m in of_lineage(local_markers(layout), lineage)), default=0)
               if topology.is_leader else 0)
     sent = sum(part.size for part in own) * len(placement.holders[rank])
-    reports: list[Any] = [(failure, newest, sent, verified)]
-    if world > 1:
-        reports = [None] * world
-        dist.all_gather_object(reports, (failure, newest, sent, verified), group=group)
+    reports = gather(group, (failure, newest, sent, verified), f"reporting step {step}'s replicas")
     failures = [why for why, _, _, _ in reports if why]
     evidence = Evidence.on_roots({name: who for *_, held in reversed(reports) for name, who in held.items()},
                                  [topology.describe(r) for r in topology.leaders])
@@ -599,36 +580,27 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
             require_complete(manifest, evidence, f"local commit of step {step}")
         except CheckpointError as e:
             failures = [e.message]
-    decision: list[Any] = [None]
+    decision = None
     if rank == 0 and not failures:
-        marker = Marker.for_manifest(layout.run_id, manifest, sha256_hex(staged[0].manifest),
+        marker = Marker.for_manifest(layout.run_id, manifest, sha256_hex(staged.manifest),
                                      max([sequence_floor] + [n for _, n, _, _ in reports]) + 1, drain=drain or None,
                                      lineage=lineage, provisional_for=writer.provisional_for)
-        decision = [(marker.to_json(), sorted(protected or ()))]
+        decision = (marker.to_json(), sorted(protected or ()))
     if failures:
         raise StorageError(
             f"step {step} was not committed to the local tier: {len(failures)} rank(s) failed to replicate: "
             + "; ".join(failures[:4]) + ". The previous local step is intact; check the named nodes' local_root "
             "(space, permissions) or lower replicas.", step=step)
-    if world > 1:
-        dist.broadcast_object_list(decision, src=0, group=group)
-    marker_bytes, kept = decision[0]
+    marker_bytes, kept = from_rank0(group, decision, f"sharing step {step}'s local marker")
     marker = Marker.from_json(marker_bytes, where=f"step {step} local marker from rank 0")
-    failure = None
-    if topology.is_leader:
-        try:
+    with agreed_phase(group, f"step {step} is local-committed (sequence {marker.sequence}) but recording its "
+                      "marker on every local root", topology.describe(rank),
+                      then="The step stays restorable from the other roots; check the named local_root.", step=step):
+        if topology.is_leader:
             if topology.store(rank) != topology.store(0):
                 write_control(layout, manifest, control, topology.describe(0))
             record_local_marker(layout, marker_bytes, manifest, evidence, f"local commit on {topology.describe(rank)}",
                                 rank)
-        except (OSError, CheckpointError) as e:
-            failure = f"{topology.describe(rank)}: {e}"
-    missed = gather_failures(failure, world, group)
-    if missed:
-        raise StorageError(
-            f"step {step} is local-committed (sequence {marker.sequence}) but its marker could not be recorded on "
-            f"every local root: " + "; ".join(missed[:4]) + ". The step stays restorable from the other roots; "
-            "check the named local_root.", step=step)
     return LocalCommit(marker=marker, kept={step, *kept}, replica_bytes=sum(n for _, _, n, _ in reports),
                        seconds=time.perf_counter() - started)
 

@@ -39,17 +39,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
 from ..protocol.commit import Evidence, record_local_marker
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..exchange.file_transfer import Part, Received, discard, transfer
-from ..exchange.transport import PeerLost
+from ..exchange.collective import agreed_phase, gather
 from .._base.gc_pause import gc_paused
 from ..format.integrity import sha256_hex
 from ..format.layout import DCP_METADATA, MANIFEST, MARKER, RunLayout
 from ..format.blocks import verify_item
-from .local_tier import (Held, Topology, check_received, check_shard, gather_failures, keep, keep_extents,
+from .local_tier import (Held, Topology, check_received, check_shard, keep, keep_extents,
                          partial_note, spool_dir, write_control)
 from ..format.manifest import Manifest, ManifestShard, Marker, shard_name
 
@@ -235,25 +233,15 @@ def assemble_step(topology: Topology, layout: RunLayout, choice: Choice, group,
     bytes it received (control files included).  Raises the same typed error on every rank on failure; a peer
     lost while files move raises :class:`.transport.PeerLost` (naming it, within ``timeout``) on the ranks that
     exchanged with it, at once, without another collective on the broken group."""
-    rank, world = topology.rank, len(topology.domains)
+    rank, here = topology.rank, topology.describe(topology.rank)
     where = f"restoring local step {choice.step} (save {choice.save_id})"
     moving = _Moving(where, timeout, f"restore/{choice.save_id}")
+    then = ("Nothing was loaded; restart to retry (a copy found damaged is then passed over), or load from the durable "
+            "tier.")
 
-    def settle(failure: str | None) -> None:
-        failed = gather_failures(failure, world, group)
-        if failed:
-            raise StorageError(f"{where} failed: " + "; ".join(failed[:4]) + ". Nothing was loaded; restart to "
-                               "retry (a copy found damaged is then passed over), or load from the durable tier.",
-                               step=choice.step)
-
-    control_bytes, failure = 0, None
-    try:
+    control_bytes = 0
+    with agreed_phase(group, where, f"{here} could not copy the step's control files", then=then, step=choice.step):
         control_bytes = _share_control(topology, layout, choice, group, moving)
-    except PeerLost:
-        raise
-    except (OSError, CheckpointError) as e:
-        failure = f"{topology.describe(rank)} could not copy the step's control files: {e}"
-    settle(failure)
 
     manifest: Manifest | None = None
     need: Any = None
@@ -278,47 +266,38 @@ def assemble_step(topology: Topology, layout: RunLayout, choice: Choice, group,
             for name, extents in reads.items():
                 need.setdefault(name, sorted(extents))
     except (OSError, CheckpointError) as e:
-        need = f"{topology.describe(rank)} could not open the step in its own root: {e}"
-    needs: list[Any] = [need]
-    if world > 1:
-        needs = [None] * world
-        dist.all_gather_object(needs, need, group=group)
-    failed = [n for n in needs if isinstance(n, str)]
-    if failed:
-        settle(failed[0] if isinstance(need, str) else None)
+        need = f"{here} could not open the step in its own root: {e}"
+    needs = gather(group, need, where)
+    if any(isinstance(n, str) for n in needs):
+        with agreed_phase(group, where, here, then=then, step=choice.step) as failures:
+            if isinstance(need, str):
+                failures.append(need)
 
     fetches = plan_fetches(topology, choice, needs)
     received: dict[int, dict[str, Received]] = {}
-    got_bytes, failure = 0, None
+    got_bytes = 0
     sending = [f for f in fetches if f.source == rank]
-    try:
-        outgoing = _outgoing(layout, manifest, sending)
-    except (OSError, CheckpointError) as e:  # the stream must still run: its targets wait for an index
-        failure = f"{topology.describe(rank)} could not read what it was to send: {e}"
-        outgoing = {f.target: [] for f in sending}  # an empty index: the target reports what is missing
-    try:
-        mine = [f for f in fetches if f.target == rank]
-        received = moving.transfer(outgoing, {s: topology.describe(s) for s in sorted({f.source for f in mine})},
-                                   group, spool_dir(layout))
-        got_bytes = sum(len(p) if isinstance(p, bytes) else p.size for parts in received.values()
-                        for p in parts.values())
-        _keep(topology, layout, manifest, mine, received)
-    except PeerLost:
-        raise
-    except (OSError, CheckpointError) as e:
-        failure = failure or f"{topology.describe(rank)} could not receive the files it reads: {e}"
-    finally:
-        discard(received)
-    settle(failure)
-
-    failure = None
-    if rank in choice.unmarked:  # last: the marker says the root holds the step (file by file, as scanned)
+    with agreed_phase(group, where, f"{here} could not receive the files it reads", then=then,
+                      step=choice.step) as failures:
         try:
+            outgoing = _outgoing(layout, manifest, sending)
+        except (OSError, CheckpointError) as e:  # the stream must still run: its targets wait for an index
+            failures.append(f"{here} could not read what it was to send: {e}")
+            outgoing = {f.target: [] for f in sending}  # an empty index: the target reports what is missing
+        try:
+            mine = [f for f in fetches if f.target == rank]
+            received = moving.transfer(outgoing, {s: topology.describe(s) for s in sorted({f.source for f in mine})},
+                                       group, spool_dir(layout))
+            got_bytes = sum(len(p) if isinstance(p, bytes) else p.size for parts in received.values()
+                            for p in parts.values())
+            _keep(topology, layout, manifest, mine, received)
+        finally:
+            discard(received)
+
+    with agreed_phase(group, where, f"{here} could not record the step's marker", then=then, step=choice.step):
+        if rank in choice.unmarked:  # last: the marker says the root holds the step (file by file, as scanned)
             record_local_marker(layout, _marker_bytes(layout, choice), manifest, _evidence(topology, choice),
-                                f"restore of local step {choice.step} on {topology.describe(rank)}", rank)
-        except (OSError, CheckpointError) as e:
-            failure = f"{topology.describe(rank)} could not record the step's marker: {e}"
-    settle(failure)
+                                f"restore of local step {choice.step} on {here}", rank)
     return len({f.rank for f in fetches if f.target == rank and f.name is not None}), got_bytes + control_bytes
 
 

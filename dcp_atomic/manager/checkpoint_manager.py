@@ -1,0 +1,777 @@
+"""``CheckpointManager``: save every N steps in the background, keep the last K, resume.
+
+What it adds over the storage writer and reader:
+
+* one gloo process group of its own, created with ``timeout`` (plus a second
+  one for background saves: DCP's ``async_save`` deadlocks when it shares a
+  group with collectives on the main thread), so a dead or frozen peer inside
+  DCP's collectives ends in bounded time and becomes a :class:`RankFailureError`
+  naming the silent ranks (P8);
+* slow is not dead (P8): each rank's share of the work (planning, writing,
+  reading) ends at a barrier on the rendezvous store where peers are judged by
+  heartbeat within ``timeout`` and waited for up to ``work_timeout``, so DCP's
+  collectives start only when every rank is there (:mod:`.liveness`);
+* step resolution by global rank 0 alone (``LATEST``, else a scan) shared with
+  the others, so all ranks load one version without every rank listing, and
+  ranks that ask for different steps all fail;
+* rollbacks (P14): after ``load(step=k)``, saving a step above ``k`` that the abandoned branch
+  committed supersedes it (a new attempt with the next commit sequence), where a plain re-save
+  is refused;
+* one save in flight; ``LATEST`` and retention move only after a save has
+  *committed* (never when ``async_save`` merely returned);
+* typed errors: DCP's ``CheckpointException`` is unwrapped to our own classes,
+  and a save DCP reports as failed after ``finish`` may have committed is
+  settled by reading the marker;
+* a committed save is never reported as failed (retention and callback
+  errors are logged and counted), and a failed one is never swallowed (see
+  ``async_save``);
+* statistics of every save, load and failure for ``on_saved`` / ``on_loaded`` /
+  ``on_failed``, in the versioned schema of :mod:`.stats` (docs/statistics.md).
+
+What one tier or two change is a policy picked once, in ``__init__`` (:mod:`.tiering`: ``DurableOnly``;
+:mod:`.two_tier`: the local tier and its drain), which each operation consults at fixed points.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..stores.backends import open_storage
+from .._base import arguments
+from ..protocol.catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
+from ..exchange.collective import RankAgreement, first_line, raise_typed
+from ..protocol.commit import (ResumePoint, read_committed, read_marker, refuse_committed, resume_point,
+                               scan_markers)
+from ..errors import ArgumentError, CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
+from ..format.layout import RunLayout, validate_step
+from ..exchange.liveness import Heartbeat, OpWatch
+from ..format.manifest import Marker
+from ..format.parallelism import Parallelism
+from ..dcp.planners import AtomicLoadPlanner, AtomicSavePlanner
+from ..protocol.retention import DEFAULT_LEASE_SECONDS, remove_step, retain_after_commit
+from .._base.retry import Deadline
+from .._base.stats import FailureStats, LoadStats, SaveStats
+from .._base import internals
+from ..dcp.watched import WatchedReader, WatchedSavePlanner
+from ..dcp.reuse import refuse_unsupported
+from ..dcp.writer import AtomicStorageWriter
+from .options import Callbacks, LocalTierOptions, StatsCallback
+from .tiering import DurableOnly, TierContext, TierPolicy
+from .two_tier import TwoTier
+
+log = logging.getLogger("dcp_atomic.manager")  # the package's name: callers filter on it
+
+DEFAULT_WORK_TIMEOUT = 2 * 3600.0  # 100+ GB per rank on busy storage must fit; a dead peer is found far sooner
+
+
+def _operation(method: Callable) -> Callable:
+    """A public call: one operation number, identical on every rank (SPMD); peers see it in the heartbeat
+    while it runs, and a failure is posted so that peers waiting for this rank at a barrier stop at once."""
+
+    @functools.wraps(method)
+    def run(self: "CheckpointManager", *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise ConfigurationError("this CheckpointManager is closed")
+        self._ops += 1
+        op, heartbeat = self._ops, self._heartbeat
+        if heartbeat is None:
+            return method(self, *args, **kwargs)
+        heartbeat.started(op)
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            heartbeat.gave_up(op)
+            raise
+        finally:
+            heartbeat.idle()
+
+    return run
+
+
+class _Unset:
+    """The type of a deprecated flat keyword's "not given" (:data:`_FLAT`)."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_UNSET: Any = _Unset()
+
+# the flat keywords of the options objects, deprecated: keyword -> the options object that holds it now
+_FLAT = {**dict.fromkeys(("local_root", "replicas", "durable_every", "keep_local", "failure_domain"), "local"),
+         **dict.fromkeys(("on_saved", "on_loaded", "on_failed", "on_drained"), "callbacks")}
+
+
+def _grouped(local: LocalTierOptions | None, callbacks: Callbacks | None,
+             flat: dict[str, Any]) -> tuple[LocalTierOptions | None, Callbacks]:
+    """The options objects, built from the deprecated flat keywords given (``flat``) where the caller passed those:
+    each warns, naming the new form; a group given both ways is an ``ArgumentError``."""
+    given = {name: value for name, value in flat.items() if value is not _UNSET}
+    for name, value in given.items():
+        new = ("local=LocalTierOptions(...)" if _FLAT[name] == "local" else "callbacks=Callbacks(...)")
+        warnings.warn(f"CheckpointManager({name}=...) is deprecated and goes in the next minor release: pass "
+                      f"{new} with {name}={value!r} in it", DeprecationWarning, stacklevel=3)
+    groups = {"local": local, "callbacks": callbacks}
+    for group, passed in groups.items():
+        mixed = sorted(name for name in given if _FLAT[name] == group)
+        if passed is not None and mixed:
+            raise ArgumentError(f"CheckpointManager got {group}= and the deprecated keyword(s) {', '.join(mixed)}: "
+                                f"pass them in {group}= only", argument=group)
+    local_flat = {name: value for name, value in given.items() if _FLAT[name] == "local"}
+    if local is None and local_flat:
+        if local_flat.get("local_root") is not None:
+            local = LocalTierOptions(**local_flat)
+        else:  # no local tier: only the keywords that mean something without one are accepted (as before)
+            extra = {name: value for name, value in local_flat.items()
+                     if name != "local_root" and not (name == "durable_every" and value is None)}
+            if "durable_every" in extra:
+                raise ConfigurationError(f"durable_every={extra['durable_every']} needs local_root: without a local "
+                                         "tier every save already goes to the durable root")
+            if "keep_local" in extra:
+                arguments.count("CheckpointManager(keep_local=...)", extra["keep_local"], optional=False)
+    if callbacks is None:
+        callbacks = Callbacks(**{name: value for name, value in given.items() if _FLAT[name] == "callbacks"})
+    return local, callbacks
+
+
+class CheckpointManager(RankAgreement):
+    """Args:
+        root, run_id, storage_options: where checkpoints live (see AtomicStorageWriter).
+        parallelism: this job's layout (None: inferred from DTensor meshes where possible).
+        keep_last: keep this many most recently committed steps (None: keep all).
+        compression: passed to the writer.
+        timeout: seconds for every wait of the library, the timeout of the manager's process
+            groups, and the liveness deadline: a peer whose heartbeat stops for this long is
+            dead or frozen (RankFailureError naming it).  Every rank must enter each manager
+            call within ``timeout`` of the others: a rank that arrives later fails the call
+            on every rank (it is told that it was the late one, its peers name it).
+        work_timeout: seconds one save or load may spend on its work (planning, writing,
+            reading; from the call on this rank) while every rank is alive: a peer that is
+            slow but alive is waited for this long, then named in a RankFailureError
+            (default 2 hours).
+        process_group: use this group instead of creating one (the manager then cannot
+            create a separate group for background saves and uses this one for both).
+        callbacks: where each operation's statistics go (:class:`~.options.Callbacks`: ``on_saved``,
+            ``on_loaded``, ``on_failed``, ``on_drained``).  An exception in any callback is logged and counted in
+            ``callback_failures``; the operation's outcome stands.
+        lease_seconds: age after which an uncommitted attempt counts as abandoned.
+        share_reads: read each stored item once and send it to the other ranks that need it
+            (``AtomicStorageReader(share_reads=...)``; default: on for object stores and for ranks on
+            several hosts).
+        local: the local tier (:class:`~.options.LocalTierOptions`: ``local_root``, ``replicas``,
+            ``durable_every``, ``keep_local``, ``failure_domain``): saves go to each node's own storage first, are
+            replicated to other failure domains and drained to ``root`` in the background; ``load`` restores from the
+            newest step assemblable from local roots, replicas or ``root`` (README, "Two tiers").  None: one tier,
+            ``root``.
+        local_root, replicas, durable_every, keep_local, failure_domain, on_saved, on_loaded, on_failed, on_drained:
+            deprecated (a ``DeprecationWarning`` each; they go in the next minor release): the flat form of
+            ``local`` and ``callbacks``.  Passing a group both ways is an ``ArgumentError``.
+        reuse: each save stores only what changed since the run's latest committed step below it; what did not
+            is linked from that step (hard links on POSIX roots, server-side copies on S3 and GCS;
+            ``AtomicStorageWriter(reuse=True)``, README "Reuse"); with ``local_root`` in the local roots, and the
+            drain links what the durable root's previous step holds instead of uploading it. Refused with
+            ``compression``. Default off.
+    """
+
+    _instances = 0
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        run_id: str,
+        *,
+        parallelism: Parallelism | None = None,
+        keep_last: int | None = None,
+        compression: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        work_timeout: float = DEFAULT_WORK_TIMEOUT,
+        storage_options: dict[str, Any] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        thread_count: int | None = None,
+        local: LocalTierOptions | None = None,
+        callbacks: Callbacks | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        allow_divergence: bool = False,
+        share_reads: bool | None = None,
+        reuse: bool = False,
+        # deprecated: the flat form of ``local`` and ``callbacks`` (for one release)
+        local_root: str | os.PathLike | None = _UNSET,
+        replicas: int = _UNSET,
+        durable_every: int | None = _UNSET,
+        keep_local: int = _UNSET,
+        failure_domain: str | None = _UNSET,
+        on_saved: StatsCallback | None = _UNSET,
+        on_loaded: StatsCallback | None = _UNSET,
+        on_failed: StatsCallback | None = _UNSET,
+        on_drained: StatsCallback | None = _UNSET,
+    ) -> None:
+        local, callbacks = _grouped(local, callbacks, {
+            "local_root": local_root, "replicas": replicas, "durable_every": durable_every, "keep_local": keep_local,
+            "failure_domain": failure_domain, "on_saved": on_saved, "on_loaded": on_loaded, "on_failed": on_failed,
+            "on_drained": on_drained})
+        keep_last = arguments.count("CheckpointManager(keep_last=...)", keep_last)
+        thread_count = arguments.count("CheckpointManager(thread_count=...)", thread_count)
+        timeout = arguments.seconds("CheckpointManager(timeout=...)", timeout)
+        work_timeout = arguments.seconds("CheckpointManager(work_timeout=...)", work_timeout)
+        lease_seconds = arguments.seconds("CheckpointManager(lease_seconds=...)", lease_seconds)
+        allow_divergence = arguments.flag("CheckpointManager(allow_divergence=...)", allow_divergence)
+        share_reads = arguments.flag("CheckpointManager(share_reads=...)", share_reads, optional=True)
+        reuse = arguments.flag("CheckpointManager(reuse=...)", reuse)
+        self.root, self.run_id = root, run_id
+        self.storage_options = storage_options
+        self.layout = RunLayout(open_storage(root, storage_options), run_id)
+        self.reuse = reuse
+        if reuse:  # the writer's own refusals (object stores, compression), before any process group is made
+            refuse_unsupported(self.layout.storage, compression=compression, stock_readable=False,
+                               who="CheckpointManager")
+        self.parallelism = parallelism
+        self.keep_last = keep_last
+        self.compression = compression
+        self.timeout = timeout
+        self.work_timeout = work_timeout
+        self.callback_failures = 0
+        self.thread_count = thread_count
+        self.callbacks = callbacks
+        self.lease_seconds = lease_seconds
+        self.share_reads = share_reads
+        self.divergence = "warn" if allow_divergence else "raise"
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._owned_groups: list[dist.ProcessGroup] = []
+        if not self._distributed:
+            self._group = self._async_group = None
+        elif process_group is not None:
+            self._group = self._async_group = process_group
+        else:
+            pg_timeout = timedelta(seconds=timeout)
+            self._group = dist.new_group(backend="gloo", timeout=pg_timeout)
+            self._async_group = dist.new_group(backend="gloo", timeout=pg_timeout)
+            self._owned_groups = [self._group, self._async_group]
+            if local is not None:
+                # the drain thread's own group (drain.py): created on the main thread, on every rank alike; it waits
+                # for every rank's upload, so it gets the work's limit, not the liveness one
+                self._owned_groups.append(dist.new_group(
+                    backend="gloo", timeout=timedelta(seconds=max(timeout, work_timeout))))
+        self.rank = dist.get_rank(self._group) if self._distributed else 0
+        self.world_size = dist.get_world_size(self._group) if self._distributed else 1
+        self._inflight: _SaveFuture | None = None
+        self._resumed: ResumePoint | None = None  # set by load(): see AtomicStorageWriter(resumed_from=)
+        self._lock = threading.Lock()
+        self._ops = 0  # operation counter: identical on all ranks (SPMD), names liveness keys
+        CheckpointManager._instances += 1
+        self._instance = CheckpointManager._instances
+        self._heartbeat: Heartbeat | None = None
+        if self._distributed and self.world_size > 1:
+            self._heartbeat = Heartbeat(internals.default_store(),
+                                        f"dcp_atomic/{run_id}/{self._instance}", dist.get_rank(),
+                                        dist.get_process_group_ranks(self._group), timeout)
+        self.local = local
+        self.local_root = local.local_root if local is not None else None
+        # the tiers' differences live in one policy, picked here; DurableOnly also until TwoTier is set up, so that
+        # the _release() of a refused local tier finds one
+        self._tier: TierPolicy = DurableOnly(root, run_id, storage_options)
+        if local is not None:
+            try:
+                self._tier = TwoTier(self._tier_context(), local)
+            except BaseException:  # refused (too few domains...): nothing of this manager may outlive it
+                self._release()
+                raise
+        self.durable_every = self._tier.durable_every  # None where no drain can run
+        self._closed = False
+
+    def _tier_context(self) -> TierContext:
+        """What the local tier uses of this manager (:class:`.TierContext`), built once."""
+        return TierContext(
+            rank=self.rank, world_size=self.world_size, run_id=self.run_id, root=self.root,
+            storage_options=self.storage_options, layout=self.layout, timeout=self.timeout,
+            work_timeout=self.work_timeout, parallelism=self.parallelism, thread_count=self.thread_count,
+            keep_last=self.keep_last, lease_seconds=self.lease_seconds, group=self._group,
+            drain_group=self._owned_groups[2] if len(self._owned_groups) > 2 else None, heartbeat=self._heartbeat,
+            callbacks=self.callbacks, translate=self._translate, on_rank0=self._on_rank0, watch=self._watch,
+            resumed=lambda: self._resumed, committed_marker=self._committed_marker, deliver=self._deliver)
+
+    @property
+    def restored_from(self) -> dict[str, Any] | None:
+        """After ``load()``: which tier served it (see :meth:`load`); None with one tier."""
+        return self._tier.restored_from
+
+    # -- saving --------------------------------------------------------------------------
+
+    @_operation
+    def save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None = None,
+             durable: bool | None = None) -> int:
+        """Save and commit ``step`` synchronously; returns the step.  ``metadata``: a small JSON dict kept with
+        the checkpoint (global rank 0's; see :meth:`metadata`).
+
+        Raises the typed error if the save failed.  Before saving, raises the failure of an
+        earlier ``async_save`` that nothing has reported yet (see ``async_save``).  With ``local_root``
+        the step is committed to the local tier (replicas verified, README "Two tiers"), and queued for the
+        background drain to ``root`` if ``durable`` says so (None: the ``durable_every`` policy); the save
+        never waits for a drain.  Without ``local_root`` every save is durable and ``durable`` is ignored.
+        """
+        drain = self._wants_drain(durable)
+        self._wait_for_async_save()
+        started = time.perf_counter()
+        with self._failures_reported("save", step, started):
+            self._refuse_conflicts(step)
+            watch = self._watch(f"saving step {step}")
+            writer = self._writer(step, watch, metadata)
+            with self._tier.failed_attempt_removed(step, writer):
+                try:
+                    dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
+                             process_group=self._group)
+                except BaseException as e:  # CheckpointException is a BaseException
+                    self._settle_failed_save(e, step, writer, self._ops, watch)
+                else:
+                    watch.finish()
+                self._tier.commit(step, writer, self._group, drain)
+        self._after_commit(step, writer, time.perf_counter() - started, stage_seconds=0.0, asynchronous=False)
+        return step
+
+    @_operation
+    def async_save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None = None,
+                   durable: bool | None = None) -> concurrent.futures.Future:
+        """Stage ``state_dict`` to host memory now, write and commit in the background (``metadata``: as ``save``).
+
+        Returns a future that resolves to ``step`` once the save has *committed*
+        (and retention ran), or raises the typed error.  A second call first
+        waits for the previous save.
+
+        A failure is never swallowed: it is raised once, by the first of the
+        returned future's ``result()`` / ``exception()``, ``wait()``, ``close()``,
+        or the next ``save`` / ``async_save`` / ``load`` (which then does
+        nothing else).  Every rank sees the same failure; call these the same
+        way on every rank.  With ``local_root`` the future resolves once the step is local-committed (and
+        queued for the drain, ``durable`` as for ``save``), not once it is drained.
+        """
+        drain = self._wants_drain(durable)
+        self._wait_for_async_save()
+        op = self._ops
+        result = _SaveFuture()
+        started = time.perf_counter()
+        with self._failures_reported("async_save", step, started):
+            self._refuse_conflicts(step)
+            watch = self._watch(f"saving step {step}")
+            writer = self._writer(step, watch, metadata)
+            try:
+                pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
+                                         process_group=self._async_group)
+            except BaseException as e:
+                self._settle_failed_save(e, step, writer, op, watch)
+        stage_seconds = time.perf_counter() - started
+        pending = getattr(pending, "upload_completion", pending)  # AsyncSaveResponse in some torch versions
+
+        def finished(done) -> None:
+            try:
+                with self._tier.failed_attempt_removed(step, writer):
+                    try:
+                        done.result()
+                    except BaseException as e:
+                        if self._heartbeat is not None:
+                            self._heartbeat.gave_up(op)
+                        self._settle_failed_save(e, step, writer, op, watch)
+                    else:
+                        watch.finish()
+                    self._tier.commit(step, writer, self._async_group, drain)
+                self._after_commit(step, writer, time.perf_counter() - started, stage_seconds, asynchronous=True)
+                result.set_result(step)
+            except BaseException as e:
+                self._report_failure("async_save", step, e, started)
+                result.set_exception(e)
+
+        pending.add_done_callback(finished)
+        with self._lock:
+            self._inflight = result
+        return result
+
+    def wait(self) -> int | None:
+        """Wait for the in-flight save, then for the drains in flight or waiting; return the save's step (None if
+        there is none).
+
+        Raises the save's failure unless it was already reported (see ``async_save``), then a drain's
+        failure that nothing has raised yet (once, on every rank).
+        """
+        step = self._wait_for_async_save()
+        self._tier.wait()
+        return step
+
+    def close(self) -> None:
+        """Wait for the in-flight save and release the manager's process groups.
+
+        Then raises the save's failure unless it was already reported (see
+        ``async_save``), so a training loop that ends with ``close()`` cannot exit
+        cleanly without its last checkpoint.  Closing twice does nothing.  An
+        interrupted close (Ctrl-C) releases nothing: the save keeps its process
+        groups, and the next ``close()`` waits for it again.
+        """
+        if self._closed:
+            return
+        try:
+            self._wait_for_async_save()
+        finally:
+            try:
+                if self._inflight is None:
+                    self._tier.drain_last_and_wait()
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        if self._inflight is not None or self._tier.busy():
+            return  # never destroy the groups under a running save or drain
+        self._tier.close()
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+        for group in self._owned_groups:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # a dead peer can make teardown fail; nothing to save anymore
+                pass
+        self._owned_groups = []
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is already on its way: report a failed save beside it, do not replace it
+            self.close()
+        except Exception as failure:
+            log.error("closing the checkpoint manager during %s: the last save failed: %s", exc_type.__name__, failure)
+
+    # -- loading and listing -------------------------------------------------------------
+
+    @_operation
+    def load(self, state_dict: dict[str, Any], step: int | None = None, allow_reshard: bool = False,
+             save_id: str | None = None) -> int:
+        """Load ``step`` (default: the most recent commit) into ``state_dict``; returns the step loaded.
+        ``save_id`` (with ``step``): exactly that save of the step, from either tier, or
+        :class:`CheckpointNotFoundError` before anything is read (for a record that names one save).
+
+        With ``local_root``: the most recent step (both tiers, by commit sequence) that can be assembled
+        completely from the local roots, peers' replicas or the durable root; ``restored_from`` then says
+        which tier served (``{"tier", "step", "save_id", "ranks_fetched", "bytes_fetched"}``, every rank its own:
+        how many ranks' files (whole, or the items it reads of them) this rank received into its local root from
+        another root first, and their stored bytes).
+
+        Before loading, raises the failure of an earlier ``async_save`` that nothing has reported yet.
+        """
+        if save_id is not None and step is None:
+            raise ValueError(f"load(save_id={save_id!r}) needs the step that save belongs to")
+        self._wait_for_async_save()
+        started = time.perf_counter()
+        with self._failures_reported("load", step, started) as attempt:
+            root, storage_options, wanted = self.root, self.storage_options, save_id
+            local = self._tier.restore(step, state_dict, wanted)
+            if local is not None:  # a local root's path: no storage options
+                root, chosen, save_id, resumed = local
+                storage_options = None
+            else:
+                chosen, save_id, resumed = self._on_rank0(
+                    lambda: self._resolve_step(step, wanted), "resolve the step to load",
+                    request="the latest step" if step is None else f"step {step}")
+            if chosen is None:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint for run {self.run_id!r} under {self.layout.storage.describe()}",
+                    run_id=self.run_id,
+                )
+            attempt["step"] = chosen
+            # Visibility waits get half the group timeout: the manifest shards read while DCP plans (no
+            # barrier there) must give up before the peers' gather of plans times out.
+            watch = self._watch(f"loading step {chosen}")
+            reader = WatchedReader(root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
+                                    allow_reshard=allow_reshard, timeout=self.timeout / 2,
+                                    storage_options=storage_options, thread_count=self.thread_count,
+                                    share_reads=self.share_reads, process_group=self._group, watch=watch)
+            self._resolve_everywhere(reader, chosen)
+            try:
+                dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
+            except BaseException as e:
+                raise_typed(watch.verdict or self._translate(e, f"loading step {chosen}"))
+            watch.finish()
+        self._resumed = resumed  # P14: later saves supersede the steps above it that this load abandoned
+        seconds = time.perf_counter() - started
+        log.info("loaded run %r step %d (save %s) in %.3fs", self.run_id, chosen, reader.save_id, seconds)
+        self._deliver(self.callbacks.on_loaded, "on_loaded", LoadStats(
+            run_id=self.run_id, step=chosen, save_id=reader.save_id, world_size=self.world_size, rank=self.rank,
+            seconds=seconds, bytes=reader.bytes_read, files=reader.files_read,
+            gb_per_s=reader.bytes_read / max(seconds, 1e-9) / 1e9,
+            bytes_from_storage=reader.read_stats.storage_bytes, bytes_from_peers=reader.read_stats.peer_bytes_received,
+            bytes_to_peers=reader.read_stats.peer_bytes_sent, storage_seconds=reader.read_stats.storage_seconds,
+            exchange_seconds=reader.read_stats.exchange_seconds,
+            tier=(self.restored_from or {}).get("tier"),  # None with one tier: only TwoTier.restore sets it
+            bytes_from_replicas=(self.restored_from or {}).get("bytes_fetched", 0)))
+        return chosen
+
+    @_operation
+    def latest_step(self) -> int | None:
+        """The most recently committed step (global rank 0 scans, the others are told)."""
+        return self._on_rank0(
+            lambda: scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
+                                     missing_root_ok=True),
+            "find the latest step")
+
+    @_operation
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The metadata saved with ``step`` (default: the most recent commit); ``{}`` when none was given.
+        Global rank 0 reads the verified manifest and tells the others."""
+        def read() -> dict[str, Any]:
+            chosen, _, _ = self._resolve_step(step)
+            if chosen is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint for run {self.run_id!r} under "
+                                              f"{self.layout.storage.describe()}", run_id=self.run_id)
+            return read_committed(self.layout, chosen, Deadline(self.timeout)).manifest.user_metadata or {}
+
+        return self._on_rank0(read, "read a step's metadata",
+                              request="the latest step" if step is None else f"step {step}")
+
+    @_operation
+    def queue_drain(self, step: int) -> None:
+        """Queue the local-committed ``step`` for the drain to ``root`` (again): every rank alike.  For a step whose
+        drain failed or whose job stopped before it, that a record still names (Lightning's files); ``wait()``
+        then says whether it committed.  Global rank 0 reads the step's local marker and tells the others."""
+        self._tier.queue_drain(step)
+
+    @_operation
+    def retire(self, steps: list[int]) -> list[int]:
+        """Remove ``steps`` from both tiers; every rank calls it alike (each local root's leader drops that root's
+        copies, global rank 0 the durable ones), no collective inside.  For an integration whose own records name
+        steps (Lightning's files): a step no record names any more.  It first waits for the drains (raising a
+        failed one's error, as ``wait()`` does: on every rank alike).  Removal failures are logged, not raised, so
+        the ranks never part ways; returns the steps this rank could not remove (a later call retries them, or
+        ``dcp-atomic rm``)."""
+        self._tier.wait()  # every rank alike: a drain's outcome reaches every rank (drain.py, step 4)
+        failed = []
+        for step in steps:
+            try:
+                self._tier.retire(step)
+                if self.rank == 0:
+                    try:
+                        remove_step(self.layout, step)
+                    except CheckpointNotFoundError:
+                        pass  # never drained, or retired already
+            except (OSError, CheckpointError) as e:
+                failed.append(step)
+                log.warning("could not retire step %d of run %r (%s: %s); a later retire or `dcp-atomic rm` removes "
+                            "it", step, self.run_id, type(e).__name__, e)
+        return failed
+
+    @_operation
+    def steps(self, tier: str | None = None) -> list[int]:
+        """Committed steps, ascending (global rank 0 scans, the others are told).  ``tier``: ``"durable"``
+        (the durable root's), ``"local"`` (local-committed on any local root), or None (either)."""
+        if tier not in (None, "local", "durable"):
+            raise ValueError(f"tier must be None, 'local' or 'durable', got {tier!r}")
+        found: set[int] = set()
+        if tier != "local":
+            found |= set(self._on_rank0(lambda: [m.step for m in scan_markers(self.layout)], "list committed steps"))
+        if tier != "durable":
+            found |= self._tier.local_steps()
+        return sorted(found)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _wants_drain(self, durable: bool | None) -> bool | None:
+        """Whether this save is also drained to the durable root (:meth:`.TierPolicy.drain_decision`)."""
+        if durable is not None and not isinstance(durable, bool):
+            raise ValueError(f"durable must be True, False or None, got {durable!r}")
+        return self._tier.drain_decision(durable)
+
+    def _refuse_conflicts(self, step: int) -> None:
+        """Before a save writes anything, on every rank alike: global rank 0 applies the commit rule
+        (:func:`~.commit.refuse_committed`: only a step this job abandoned by resuming below it may be saved again)
+        to the step's commit in each tier the save reaches (the local one first, :meth:`.TierPolicy.refuse_conflicts`),
+        and every rank raises the same ``CommitConflictError`` -- from ``save``/``async_save`` itself, not later from
+        a drain.  The writers check again as they plan."""
+        def check() -> None:
+            validate_step(step)
+            self._tier.refuse_conflicts(step)
+            if self._tier.durable_may_hold(step):
+                marker = self._committed_marker(self.layout, step)
+                if marker is not None:
+                    refuse_committed(marker, step, self.run_id, self._resumed,
+                                     f"the durable root {self.layout.storage.describe()}")
+
+        self._on_rank0(check, "check that the step is not committed yet", request=f"save step {step}")
+
+    def _committed_marker(self, layout: RunLayout, step: int) -> Marker | None:
+        """Rank 0: ``layout``'s marker of ``step``, or None."""
+        try:
+            return read_marker(layout, step, Deadline(self.timeout), missing_ok=True)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StorageError(f"could not read the marker of step {step} in {layout.storage.describe()} to check "
+                               f"that the step is not committed yet: {e}", step=step, path=layout.marker(step)) from e
+
+    def _writer(self, step: int, watch: OpWatch, metadata: dict[str, Any] | None = None) -> AtomicStorageWriter:
+        validate_step(step)
+        return self._tier.writer(step, parallelism=self.parallelism, metadata=metadata, compression=self.compression,
+                                 thread_count=self.thread_count, resumed_from=self._resumed, timeout=self.timeout,
+                                 watch=watch, **({"reuse": True} if self.reuse else {}))
+
+    def _save_planner(self, watch: OpWatch) -> AtomicSavePlanner:
+        return WatchedSavePlanner(watch, divergence=self.divergence)
+
+    def _watch(self, what: str) -> OpWatch:
+        return OpWatch(self._heartbeat, self._ops, self.work_timeout, what)
+
+    def _wait_for_async_save(self) -> int | None:
+        """Wait for the in-flight ``async_save``; raise its failure unless already reported. Returns its step.
+
+        The save stays in flight until the wait is over: interrupted (Ctrl-C), it is still there for
+        ``close()`` to wait for, and its failure still gets raised."""
+        inflight = self._inflight
+        if inflight is None:
+            return None
+        concurrent.futures.wait([inflight])
+        with self._lock:
+            if self._inflight is inflight:
+                self._inflight = None
+        error = concurrent.futures.Future.exception(inflight)  # the base method: reading it here is not a report
+        if error is None:
+            return concurrent.futures.Future.result(inflight)
+        if inflight.reported:
+            return None
+        inflight.reported = True
+        raise error
+
+    def _resolve_step(self, step: int | None,
+                      wanted: str | None = None) -> tuple[int | None, str | None, ResumePoint | None]:
+        """(step, save_id, resume point) to load, decided by rank 0: every rank then waits for that exact
+        attempt, and the resume point says which later steps this job's saves may supersede (P14)."""
+        if step is None:
+            step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
+                                    missing_root_ok=True)
+            if step is None:
+                return None, None, None
+        validate_step(step)
+        if not self.layout.storage.is_dir(self.layout.step_dir(step)):  # no trace of it: nothing to wait for (P9)
+            raise CheckpointNotFoundError(
+                f"run {self.run_id!r} has no step {step} ({self.layout.step_dir(step)} does not exist); "
+                "manager.steps() lists the committed ones", step=step)
+        save_id = read_marker(self.layout, step, Deadline(self.timeout)).save_id
+        if wanted is not None and save_id != wanted:
+            raise CheckpointNotFoundError(
+                f"step {step} of run {self.run_id!r} holds save {save_id}, not the requested save {wanted} (the step "
+                "was saved again since); nothing was loaded", step=step, save_id=wanted)
+        return step, save_id, resume_point(self.layout, step)
+
+    def _after_commit(self, step: int, writer: AtomicStorageWriter, seconds: float, stage_seconds: float,
+                      asynchronous: bool) -> None:
+        """Rank 0's bookkeeping once ``step`` is committed; nothing here may fail the save (it is durable,
+        and the other ranks have already returned): errors are logged and counted instead."""
+        if self.rank != 0:
+            return
+        stats = SaveStats.from_writer(writer.last_stats, run_id=self.run_id, step=step, save_id=writer.save_id,
+                                      world_size=self.world_size, asynchronous=asynchronous, seconds=seconds,
+                                      stage_seconds=stage_seconds)
+        local = getattr(writer, "last_local_commit", None)
+        if local is not None:
+            stats.tier, stats.local_commit_seconds, stats.replica_bytes = "local", local.seconds, local.replica_bytes
+        try:
+            self._retention(step, writer, stats)
+        except Exception as e:  # EBUSY on NFS .nfsXXXX files, EIO, throttled deletes: the next save retries
+            stats.retention_error = f"{type(e).__name__}: {e}"
+            log.warning("run %r step %d is committed, but retention failed (the next save retries it): %s",
+                        self.run_id, step, stats.retention_error, exc_info=True)
+        log.info("run %r step %d committed: %s", self.run_id, step,
+                 ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in stats.to_dict().items() if k != "ranks"))
+        self._deliver(self.callbacks.on_saved, "on_saved", stats)
+
+    @contextlib.contextmanager
+    def _failures_reported(self, operation: str, step: int | None, started: float):
+        """Report a failure of the enclosed work to ``on_failed``; yields a dict whose ``step`` the work
+        may fill in once it knows it (a load of the latest step)."""
+        attempt = {"step": step}
+        try:
+            yield attempt
+        except Exception as error:
+            self._report_failure(operation, attempt["step"], error, started)
+            raise
+
+    def _report_failure(self, operation: str, step: int | None, error: BaseException, started: float) -> None:
+        """Never raises: the failure itself must still reach the caller (an async save's future)."""
+        if self.callbacks.on_failed is None:
+            return
+        try:
+            stats = FailureStats.from_error(error, operation=operation, run_id=self.run_id, step=step,
+                                            world_size=self.world_size, rank=self.rank,
+                                            seconds=time.perf_counter() - started)
+        except Exception:
+            log.exception("could not describe the failure of %s step %s for on_failed", operation, step)
+            return
+        self._deliver(self.callbacks.on_failed, "on_failed", stats)
+
+    def _deliver(self, callback: StatsCallback | None, name: str, stats: SaveStats | LoadStats | FailureStats) -> None:
+        """Hand ``stats`` to a user callback; its failure is logged and counted, never the operation's."""
+        if callback is None:
+            return
+        try:
+            callback(stats.to_dict())
+        except Exception:
+            with self._lock:
+                self.callback_failures += 1
+            log.exception("the %s callback failed for run %r step %s; the %s's outcome stands", name, self.run_id,
+                          stats.step, stats.kind)
+
+    def _retention(self, step: int, writer: AtomicStorageWriter, stats: SaveStats) -> None:
+        """Applies ``keep_last`` reading only the journal and the markers of steps it may delete, so a commit
+        costs the same at step 100,000 as at step 10 (no scan of every marker; see retain_after_commit)."""
+        if self.keep_last is None or writer.last_marker is None:  # a local commit: retained per root (keep_local)
+            return
+        plan = retain_after_commit(self.layout, writer.last_marker, self.keep_last, lease_seconds=self.lease_seconds)
+        if plan.unreadable_steps:
+            stats.unreadable_steps = [s for s, _ in plan.unreadable_steps]
+            log.warning("retention keeps step(s) whose marker cannot be validated: %s",
+                        "; ".join(f"step {s}: {why}" for s, why in plan.unreadable_steps))
+        above = sorted(s for s in {*plan.kept_steps, *plan.delete_steps} if s > step)  # every step the journal knows
+        if above:
+            log.info("step %d saved below committed step(s) %s: a new branch starts (rollback restart)", step,
+                     above[:5])
+
+    def _settle_failed_save(self, error: BaseException, step: int, writer: AtomicStorageWriter, op: int,
+                            watch: OpWatch) -> None:
+        """DCP said the save failed; if our marker exists anyway, it committed (returns), else raise typed
+        (a liveness verdict first: the gloo error that followed it names nobody).  A local save has no marker
+        until after DCP returns (``commits_in_dcp``), so there is nothing to settle."""
+        if writer.save_id is not None and self._tier.commits_in_dcp:
+            try:  # rank 0 may have just created it on another client: allow for visibility lag
+                marker = read_marker(self.layout, step, Deadline(min(self.timeout, 5.0)))
+                if marker.save_id == writer.save_id:
+                    log.warning("step %d: DCP reported a failure (%s) after the commit; the marker names this "
+                                "save (%s), so the checkpoint IS committed", step, first_line(error), writer.save_id)
+                    return
+            except Exception:
+                pass
+        raise_typed(watch.verdict or self._translate(error, f"saving step {step}"))
+
+class _SaveFuture(concurrent.futures.Future):
+    """An async save's future that knows whether its failure has been reported to anyone."""
+
+    reported = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        finally:
+            self.reported |= self.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        error = super().exception(timeout)
+        self.reported = True
+        return error

@@ -1,0 +1,85 @@
+"""What a user configures as a group: the local tier (:class:`LocalTierOptions`) and the statistics callbacks
+(:class:`Callbacks`).
+
+``CheckpointManager`` took these as flat keywords; grouped, each group checks itself once, where it is built
+(``__post_init__``), and the manager passes it on whole (the local tier reads :class:`LocalTierOptions`, the save,
+load and drain reports read :class:`Callbacks`).  The flat keywords stay for one release (deprecated)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+from .._base import arguments
+
+StatsCallback = Callable[[dict[str, Any]], None]  # receives a stats.*.to_dict() (docs/statistics.md)
+
+DEFAULT_DURABLE_EVERY = 1  # with a local tier: every save is also drained (in the background), as torchtitan's
+
+
+class _Default:
+    """The type of ``durable_every``'s "not given": an explicit value is refused where no drain can run, the default
+    is dropped with a warning (:class:`~.two_tier.TwoTier`)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_DEFAULT = _Default()
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTierOptions:
+    """The local tier (README "Two tiers"): saves go to ``local_root`` first.
+
+    Args:
+        local_root: this node's own storage (a local path; each rank passes its node's): saves go there first, with
+            ``replicas`` copies of each rank's files on ranks of other failure domains, and ``load`` restores from
+            the newest step assemblable from local roots, replicas or the durable root.
+        replicas: copies of each rank's files on other failure domains.
+        durable_every: every N-th local save is also drained to the durable root in the background
+            (``save(durable=)`` decides per save), and ``close()`` drains the last local step if it was not (default
+            1: every save, as torchtitan's integration; training never waits for it).  None: only saves with
+            ``durable=True`` -- warned at construction, since node-local disks rarely outlive the allocation.
+        keep_local: local steps kept per local root (a step being drained, or the newest one waiting for its drain,
+            is kept besides).
+        failure_domain: this rank's failure domain (default ``$DCP_ATOMIC_FAILURE_DOMAIN``, else the host name).
+    """
+
+    local_root: str | os.PathLike
+    replicas: int = 1
+    durable_every: int | None = _DEFAULT  # type: ignore[assignment]
+    keep_local: int = 2
+    failure_domain: str | None = None
+    #: whether ``durable_every`` was given (an explicit one is refused where no drain can run)
+    durable_every_given: bool = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = not isinstance(self.durable_every, _Default)
+        object.__setattr__(self, "durable_every_given", given)
+        object.__setattr__(self, "durable_every", arguments.count(
+            "LocalTierOptions(durable_every=...)", self.durable_every if given else DEFAULT_DURABLE_EVERY))
+        arguments.count("LocalTierOptions(keep_local=...)", self.keep_local, optional=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Callbacks:
+    """Where the statistics of each operation go (fields: docs/statistics.md).  An exception in any callback is
+    logged and counted in ``CheckpointManager.callback_failures``; the operation's outcome stands.
+
+    Args:
+        on_saved: a save's statistics (``stats.SaveStats`` as a dict; rank 0 only, once committed).
+            ``stats["retention_error"]`` says retention failed after the commit (logged; the next save retries it).
+        on_loaded: a load's statistics (``stats.LoadStats``; every rank, its own share).
+        on_failed: a failed save's, load's or drain's statistics (``stats.FailureStats``: error class, message,
+            ranks named); every rank that raises it, before it raises.
+        on_drained: a drain's statistics (``stats.DrainStats``; rank 0, once the step is committed to the durable
+            root).  A failed drain goes to ``on_failed`` (operation ``"drain"``) on every rank and is raised once by
+            ``wait()`` / ``close()``.
+    """
+
+    on_saved: StatsCallback | None = None
+    on_loaded: StatsCallback | None = None
+    on_failed: StatsCallback | None = None
+    on_drained: StatsCallback | None = None
