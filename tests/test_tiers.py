@@ -486,6 +486,8 @@ def _drain_then_die_before_the_marker(ctx):
 def test_a_kill_before_the_durable_marker_leaves_the_previous_durable_step(root, nodes):
     outcomes = _run(_drain_then_die_before_the_marker, root, nodes)
     assert outcomes[0].killed and not any(out.ok for out in outcomes), outcomes
+    for out in outcomes[1:]:  # rank 0 died deciding: its peers cannot know whether it committed, and say so
+        assert "may have committed it" in out.error and "dcp-atomic ls" in out.error, out.error
     assert _durable_markers(root) == [10]  # step 20's files were all uploaded, but it is not visible
     assert glob.glob(os.path.join(root, RUN, f"step_{20:010d}", "*", "__3_0.distcp"))
     import json

@@ -66,6 +66,7 @@ from .._base import failpoints
 from ..dcp.identity import default_thread_count
 from ..errors import (CheckpointError, CommitConflictError, DrainStalledError, IncompleteStepError,
                       StorageError)
+from ..exchange.collective import CollectiveFailed, first_line, from_rank0, gather
 from ..exchange.stall import SILENT, STALLED, StallClock
 from ..format.layout import DCP_METADATA, MANIFEST, RunLayout
 from ..format.manifest import Marker, now
@@ -146,6 +147,7 @@ class Drainer:
         self._closed = False
         self._io_since: float | None = None  # this rank works on the stores (not in a collective) since, or None
         self._verdict: DrainStalledError | None = None  # the stall this rank's wait() declared: raised again
+        self._phase = "idle"  # where the round in flight is (what a failure can say of its step: _stopped)
         self.drained = self.failed = self.skipped = 0  # counters (every rank; ``skipped`` on rank 0)
 
     # -- the training side
@@ -290,11 +292,7 @@ class Drainer:
             try:
                 self._round(planned)
             except BaseException as e:  # the group failed (a peer died), or a bug: every waiter must hear of it
-                error = e if isinstance(e, CheckpointError) else StorageError(
-                    f"the drain to {self.where} stopped on rank {self.rank}: {type(e).__name__}: {e}. No durable "
-                    "marker was written for the step in flight (the durable root's previous step is intact; gc "
-                    "collects the partial attempt); later steps stay local until the job restarts.",
-                    rank=self.rank)
+                error = self._stopped(e)
                 with self._cond:
                     job = self._inflight
                     self._broken = error
@@ -306,6 +304,27 @@ class Drainer:
                 if job is not None:
                     self._failed(job, error, 0.0)
                 return
+
+    def _stopped(self, e: BaseException) -> CheckpointError:
+        """The error of a round that stopped on this rank: ours as they are; a broken collective (a peer died) or a
+        bug says what this rank knows of the step in flight (``_phase``: rank 0 knows whether it committed; the
+        others, once every share was gathered, cannot)."""
+        if isinstance(e, CheckpointError) and not isinstance(e, CollectiveFailed):
+            return e
+        job = self._inflight
+        step = f"step {job.step}" if job is not None else "the step in flight"
+        if self._phase == "committed":
+            known = f"{step} was committed to the durable root before the group failed"
+        elif self._phase == "outcome":
+            known = (f"whether {step} became durable is unknown on this rank: global rank 0 may have committed it "
+                     f"before the group failed (`dcp-atomic ls {self.durable.storage.describe()} "
+                     f"{self.durable.run_id}` tells)")
+        else:
+            known = (f"no durable marker was written for {step} (the durable root's previous step is intact; gc "
+                     "collects the partial attempt)")
+        return StorageError(f"the drain to {self.where} stopped on rank {self.rank} ({first_line(e)}): {known}; later "
+                            "steps stay local until the job restarts.", rank=self.rank,
+                            step=job.step if job is not None else None)
 
     def _plan(self) -> tuple[DrainJob, int]:
         """Rank 0, under the lock: the newest waiting step, else the retry."""
@@ -326,6 +345,7 @@ class Drainer:
         started = time.perf_counter()
         tick = self.clock.tick  # each phase passed is progress of the whole drain, seen by every rank's waiter
         tick()
+        self._phase = "round"
         job, attempt = self._share(planned)
         tick()
         with self._cond:
@@ -343,10 +363,12 @@ class Drainer:
                 else self._upload(job, plan.sources.get(self.rank, []), control=plan.control == self.rank))
         shares = self._gathered(dataclasses.replace(mine, manifest=None))
         tick()
+        self._phase = "outcome"  # rank 0 decides (and may commit): the others cannot know until it says
         outcome: Any = None
         if self.rank == 0:
             outcome = self._decide(job, attempt, shares, mine.manifest, plan, started, queued,
                                    [where for _, where in holdings])
+            self._phase = "committed" if outcome[0] == "ok" else "decided"
         status, error, again = self._share(outcome[:3] if outcome is not None else None)
         tick()
         drained = outcome[3] if outcome is not None else None
@@ -464,13 +486,9 @@ class Drainer:
         """Rank 0's value on every rank, over the drain's own group."""
         if self.world_size == 1 or self.group is None:
             return mine
-        box = [mine]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return from_rank0(self.group, mine, f"the drain to {self.where}")
 
     def _gathered(self, mine: Any) -> list[Any]:
         if self.world_size == 1 or self.group is None:
             return [mine]
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        return everyone
+        return gather(self.group, mine, f"the drain to {self.where}")
