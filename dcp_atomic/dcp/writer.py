@@ -14,7 +14,7 @@ Lifecycle, as DCP calls it (names follow DCP's hooks):
   and publishes its own manifest shard (items and block digests); only the shard's
   digest and each item's (file, offset, length) travel to the coordinator;
 * ``finish`` (coordinator, only if every rank succeeded) runs the commit
-  protocol of :mod:`dcp_atomic.commit`.
+  protocol of :mod:`dcp_atomic.protocol.commit`.
 
 Tensor items are raw blocks by default (:mod:`.codec`: the faster format, optionally
 zstd-compressed); with ``stock_readable=True`` they are ``torch.save`` containers, exactly
