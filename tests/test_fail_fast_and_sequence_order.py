@@ -17,7 +17,7 @@ from dcp_atomic import (AtomicStorageReader, AtomicStorageWriter, CheckpointMana
 from dcp_atomic._base import failpoints
 from dcp_atomic.protocol.catalog import most_recent, scan_markers
 from dcp_atomic.format.layout import RunLayout
-from dcp_atomic.format.manifest import _sealed_json
+from dcp_atomic.format.manifest import sealed_json
 from dcp_atomic.protocol.retention import apply_gc, plan_gc
 from dcp_atomic.stores.backends import open_storage
 from tests.fault_fixtures import ReadLog, watched_reads
@@ -58,7 +58,7 @@ def _reseal(path, **changes) -> None:
     body.update(changes)
     body = {k: v for k, v in body.items() if v is not None}
     with open(path, "wb") as f:
-        f.write(_sealed_json(body))
+        f.write(sealed_json(body))
 
 
 def _as_old_format(root, steps) -> None:

@@ -50,7 +50,7 @@ class RankAgreement:
             try:
                 dist.all_gather_object(outcomes, mine, group=self._group)
             except BaseException as e:
-                _raise_typed(self._translate(e, f"resolving step {step}"))
+                raise_typed(self._translate(e, f"resolving step {step}"))
         failed = [(rank, error) for rank, error in enumerate(outcomes) if error is not None]
         if not failed:
             return
@@ -82,7 +82,7 @@ class RankAgreement:
             try:
                 dist.all_gather_object(shared, (request, outcome), group=self._group)
             except BaseException as e:
-                _raise_typed(self._translate(e, what))
+                raise_typed(self._translate(e, what))
             watch.finish()
             requests: dict[str | None, list[int]] = {}
             for rank, (asked, _) in enumerate(shared):
@@ -114,14 +114,14 @@ class RankAgreement:
             if collective and (gone := self._gone()) is not None:
                 return self._peer_failure(collective[0], what, gone)
             ranks = sorted(error.failures)
-            typed = CheckpointError(f"{what} failed on rank(s) {ranks}: {_first_line(inner[0])}", ranks=ranks)
+            typed = CheckpointError(f"{what} failed on rank(s) {ranks}: {first_line(inner[0])}", ranks=ranks)
             typed.__cause__ = inner[0] if isinstance(inner[0], BaseException) else None
             return typed
         if isinstance(error, RuntimeError) and (gone := self._gone()) is not None:
             return self._peer_failure(error, what, gone)
         if isinstance(error, Exception):  # DCP's own checks, a bug, the user's code: still typed (P8)
             typed = CheckpointError(f"{what} failed on rank {self.rank} ({socket.gethostname()}): "
-                                    f"{_first_line(error)}", rank=self.rank)
+                                    f"{first_line(error)}", rank=self.rank)
             typed.__cause__ = error
             return typed
         return error  # KeyboardInterrupt and the like are not ours
@@ -131,7 +131,7 @@ class RankAgreement:
             f"{what}: a peer died or stopped responding inside a collective (seen by rank {self.rank} on "
             f"{socket.gethostname()}); silent rank(s): {silent}. Nothing new is committed unless the step's "
             f"marker names this save; restart the job and resume from the latest committed step. "
-            f"Cause: {_first_line(error)}",
+            f"Cause: {first_line(error)}",
             rank=self.rank,
             silent=silent,
         )
@@ -147,7 +147,7 @@ class RankAgreement:
         return ", ".join(map(str, silent)) or None
 
 
-def _raise_typed(error: BaseException) -> NoReturn:
+def raise_typed(error: BaseException) -> NoReturn:
     """Raise what ``_translate`` made, chained only to the cause it kept (DCP's wrapping is noise)."""
     raise error from error.__cause__
 
@@ -156,6 +156,8 @@ def _rank_list(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """The error's type and its last non-blank line, shortened: the cause, in the one line a message naming a rank
+    or a step has room for (a DCP traceback's last line is the error itself)."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return f"{type(error).__name__}: {shorten(lines[-1], 300) if lines else ''}"

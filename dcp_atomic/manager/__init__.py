@@ -50,7 +50,7 @@ import torch.distributed.checkpoint as dcp
 from ..stores.backends import open_storage
 from .._base import arguments
 from ..protocol.catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
-from ..exchange.collective import RankAgreement, _first_line, _raise_typed
+from ..exchange.collective import RankAgreement, first_line, raise_typed
 from ..protocol.commit import (ResumePoint, read_committed, read_marker, refuse_committed, resume_point,
                                scan_markers)
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
@@ -464,7 +464,7 @@ class CheckpointManager(RankAgreement):
             try:
                 dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
             except BaseException as e:
-                _raise_typed(watch.verdict or self._translate(e, f"loading step {chosen}"))
+                raise_typed(watch.verdict or self._translate(e, f"loading step {chosen}"))
             watch.finish()
         self._resumed = resumed  # P14: later saves supersede the steps above it that this load abandoned
         seconds = time.perf_counter() - started
@@ -718,11 +718,11 @@ class CheckpointManager(RankAgreement):
                 marker = read_marker(self.layout, step, Deadline(min(self.timeout, 5.0)))
                 if marker.save_id == writer.save_id:
                     log.warning("step %d: DCP reported a failure (%s) after the commit; the marker names this "
-                                "save (%s), so the checkpoint IS committed", step, _first_line(error), writer.save_id)
+                                "save (%s), so the checkpoint IS committed", step, first_line(error), writer.save_id)
                     return
             except Exception:
                 pass
-        _raise_typed(watch.verdict or self._translate(error, f"saving step {step}"))
+        raise_typed(watch.verdict or self._translate(error, f"saving step {step}"))
 
 class _SaveFuture(concurrent.futures.Future):
     """An async save's future that knows whether its failure has been reported to anyone."""
@@ -739,3 +739,6 @@ class _SaveFuture(concurrent.futures.Future):
         error = super().exception(timeout)
         self.reported = True
         return error
+
+
+__all__ = ["CheckpointManager"]  # the face: what the other layers import from here (tests/test_layers.py)

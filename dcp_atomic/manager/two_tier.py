@@ -26,7 +26,7 @@ from .._base.stats import DrainStats, FailureStats
 from ..dcp.writer import AtomicStorageWriter
 from ..errors import (CheckpointError, CheckpointNotFoundError, CommitConflictError, ConfigurationError,
                       RankConsistencyError, StorageError)
-from ..exchange.collective import _first_line, _raise_typed
+from ..exchange.collective import first_line, raise_typed
 from ..exchange.stall import StallClock
 from ..format.manifest import Marker
 from ..protocol.catalog import latest_step as scan_latest_step
@@ -234,7 +234,7 @@ class TwoTier(TierPolicy):
         except CheckpointError:
             raise
         except BaseException as e:
-            _raise_typed(m._translate(e, f"committing step {step} to the local tier"))
+            raise_typed(m._translate(e, f"committing step {step} to the local tier"))
         marker, protected = committed.marker, committed.kept
         self._sequence = max(self._sequence, marker.sequence or 0)
         self._held_back = pending.step if pending is not None else None
@@ -398,7 +398,7 @@ class TwoTier(TierPolicy):
                 outcome = ("error", e)
             except Exception as e:  # the durable root's storage, say: every rank must hear of it
                 outcome = ("error", StorageError(f"global rank 0 could not choose the step to restore: "
-                                                 f"{_first_line(e)}", rank=0))
+                                                 f"{first_line(e)}", rank=0))
         status, choice = self._gathered(outcome)[0]
         if status == "error":
             raise choice
@@ -420,7 +420,7 @@ class TwoTier(TierPolicy):
         except CheckpointError:
             raise
         except BaseException as e:
-            _raise_typed(m._translate(e, f"assembling local step {choice.step}"))
+            raise_typed(m._translate(e, f"assembling local step {choice.step}"))
         m.restored_from = {"tier": "local", "step": choice.step, "save_id": choice.save_id, "ranks_fetched": fetched,
                            "bytes_fetched": fetched_bytes}
         log.info("run %r: restoring step %d from the local tier (sequence %s; this rank received %d byte(s) of %d "
@@ -513,7 +513,7 @@ class TwoTier(TierPolicy):
             lineage = ensure_lineage(m.layout, self._lineage)
         except (OSError, CheckpointError) as e:
             log.warning("run %r: could not create %s with this job's provisional lineage %s (%s); the next drain "
-                        "tries again", m.run_id, path, self._lineage, _first_line(e))
+                        "tries again", m.run_id, path, self._lineage, first_line(e))
             return
         self._provisional_for = None
         if lineage == self._lineage:
@@ -580,7 +580,7 @@ class TwoTier(TierPolicy):
         try:
             dist.all_gather_object(everyone, mine, group=group or m._group)
         except BaseException as e:
-            _raise_typed(m._translate(e, "exchanging the local tier's state"))
+            raise_typed(m._translate(e, "exchanging the local tier's state"))
         return everyone
 
     # -- the drain in the background --------------------------------------------------------
