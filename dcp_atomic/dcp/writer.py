@@ -64,6 +64,12 @@ DCP_METADATA_VERSION = "1.0.0"  # the .metadata version stock FileSystemReader e
 _STATS_FQN = "__dcp_atomic_rank_stats__"  # sentinel WriteResult carrying per-rank stats to finish()
 
 
+def rank_stats_result(rank: int, stats: RankStats) -> WriteResult:
+    """The sentinel result that carries ``rank``'s statistics to the coordinator's ``finish``, after its items' results
+    (DCP gathers only ``WriteResult`` lists; benchmarks build the coordinator's input with it too)."""
+    return WriteResult(index=MetadataIndex(f"{_STATS_FQN}/{rank}"), size_in_bytes=0, storage_data=stats)
+
+
 @dataclass
 class _LocalPlanData:
     """What a rank tells the coordinator about itself (travels in ``SavePlan.storage_data``)."""
@@ -347,9 +353,8 @@ class AtomicStorageWriter(StorageWriter):
                                                                         r.storage_data.offset, r.storage_data.length))
             for r in results
         ]
-        stats_result = WriteResult(index=MetadataIndex(f"{_STATS_FQN}/{self.rank}"), size_in_bytes=0, storage_data=stats)
         future: Future[list[WriteResult]] = Future()
-        future.set_result(results + [stats_result])
+        future.set_result(results + [rank_stats_result(self.rank, stats)])
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
