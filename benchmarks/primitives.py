@@ -22,7 +22,7 @@ import xxhash
 import zstandard
 
 from benchmarks.compression import minilm_weights
-from dcp_atomic.format.codec import _default_params, tensor_bytes, to_planes
+from dcp_atomic.format.codec import default_zstd_params, tensor_bytes, to_planes
 
 BLOCK = 4 << 20
 
@@ -61,7 +61,7 @@ def run(repeats: int, blocks: int) -> dict:
     result["sha256_gbps"] = _speed(lambda b: hashlib.sha256(b).digest(), random_block, repeats)
     chunks, source = bf16_blocks(blocks)
     result["zstd_source"] = source
-    fast = zstandard.ZstdCompressor(compression_params=_default_params())
+    fast = zstandard.ZstdCompressor(compression_params=default_zstd_params())
     level1 = zstandard.ZstdCompressor(level=1)
     for plane_name, plane_index in (("exponent", 1), ("mantissa", 0)):  # little-endian bf16: byte 1 is sign+exponent
         for profile, compressor in (("fast", fast), ("level1", level1)):

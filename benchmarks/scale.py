@@ -39,7 +39,7 @@ from dcp_atomic.protocol.commit import read_committed
 from dcp_atomic.format.manifest import FileEntry, ItemExtent, ManifestShard, ShardRef
 from dcp_atomic._base.retry import Deadline
 from dcp_atomic.dcp.rank_write import RankStats
-from dcp_atomic.dcp.writer import _STATS_FQN
+from dcp_atomic.dcp.writer import rank_stats_result
 
 PROPS = TensorProperties(dtype=torch.float32)
 
@@ -72,7 +72,7 @@ def _ours_results(stock: list[list[WriteResult]], save_id: str, step: int) -> li
         name = f"__{rank}_0.distcp"
         stats = RankStats(rank=rank, host="bench", files={name: 64 * len(results)}, items=len(results),
                           shard=ShardRef(rank, f"manifest.{rank}.json", 1000, "0" * 64), step=step, save_id=save_id)
-        out.append(results + [WriteResult(MetadataIndex(f"{_STATS_FQN}/{rank}"), 0, stats)])
+        out.append(results + [rank_stats_result(rank, stats)])
     return out
 
 

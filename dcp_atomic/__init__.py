@@ -29,13 +29,16 @@ from .errors import (
     UnsafeItemError,
 )
 from .format.parallelism import Parallelism
+from ._base.faces import face
 from .version import __version__
 
 # What needs torch is imported on first use, so that `dcp-atomic --help`, `ls` and `show` (and anything that only
 # looks at a root) start without it: importing torch costs seconds, a minute on a loaded node.
-_LAZY = {"CheckpointManager": ".manager", "LocalTierOptions": ".manager.options", "Callbacks": ".manager.options",
-         "AtomicLoadPlanner": ".dcp.planners",
-         "AtomicSavePlanner": ".dcp.planners", "AtomicStorageReader": ".dcp.reader", "AtomicStorageWriter": ".dcp.writer"}
+_lazy, __getattr__, __dir__ = face(__name__, {"manager": ("CheckpointManager",),
+                                              "manager.options": ("LocalTierOptions", "Callbacks"),
+                                              "dcp.planners": ("AtomicLoadPlanner", "AtomicSavePlanner"),
+                                              "dcp.reader": ("AtomicStorageReader",),
+                                              "dcp.writer": ("AtomicStorageWriter",)})
 
 # The modules' paths before the layers had packages (``dcp_atomic.writer``...), kept for one release: importing one
 # gives the module itself (so ``monkeypatch`` and ``mock.patch`` of an old path reach the code that runs).  The former
@@ -76,17 +79,6 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 sys.meta_path.insert(0, _MovedModules())
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "LocalTierOptions",

@@ -20,7 +20,7 @@ def root():
 
 @pytest.fixture(autouse=True)
 def _no_failpoints_leak():
-    from dcp_atomic import failpoints
+    from dcp_atomic._base import failpoints
 
     yield
     failpoints.disarm_all()

@@ -513,7 +513,7 @@ def watched_reads(on_miss: Callable[[str], None] | None = None) -> Iterator[Read
     """Record every whole-file read of the POSIX backend in this process; ``on_miss(path)`` runs after a read
     that found no file (from the reading thread, before the library sees the error).  The real read runs
     unchanged: a spy, not a stub."""
-    from dcp_atomic.storage import LocalStorage
+    from dcp_atomic.stores.storage import LocalStorage
 
     log, lock = ReadLog(), threading.Lock()
     real = LocalStorage.read_file
@@ -588,6 +588,6 @@ def debris(run_dir: str) -> list[str]:
 
 def gc_all_debris(root: str, run_id: str) -> int:
     """The operator's cleanup: ``dcp-atomic gc ROOT RUN --keep-last <all> --lease-hours 0``."""
-    from dcp_atomic.cli import main
+    from dcp_atomic.tools.cli import main
 
     return main(["gc", root, run_id, "--keep-last", "1000000", "--lease-hours", "0"])

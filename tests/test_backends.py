@@ -14,7 +14,7 @@ import dcp_atomic
 from dcp_atomic import ConfigurationError
 from dcp_atomic.stores import backends
 from dcp_atomic.stores.backends import BACKENDS, missing_backend_message, open_storage, register_backend
-from dcp_atomic.storage import FsspecStorage, LocalStorage, Storage
+from dcp_atomic.stores.storage import FsspecStorage, LocalStorage, Storage
 
 PACKAGE = pathlib.Path(dcp_atomic.__file__).parent
 BACKEND_MODULES = {"storage", "s3", "gcs"}  # the primitives and the backends built on them
@@ -54,8 +54,8 @@ def test_every_caller_opens_storage_through_the_backend_table():
 
 
 def test_each_root_form_gets_its_backend(root):
-    from dcp_atomic.gcs import GCSStorage
-    from dcp_atomic.s3 import S3Storage
+    from dcp_atomic.stores.gcs import GCSStorage
+    from dcp_atomic.stores.s3 import S3Storage
 
     s3_options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
     assert type(open_storage(root)) is LocalStorage

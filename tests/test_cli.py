@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_atomic import AtomicStorageWriter
-from dcp_atomic.cli import main
+from dcp_atomic.tools.cli import main
 
 RUN = "exp"
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from dcp_atomic.cli import main
+from dcp_atomic.tools.cli import main
 from tests import manifest_view
 from tests.helpers.steps import RUN, _reseal, _save, _step_paths
 
@@ -20,7 +20,7 @@ CLI = os.path.join(os.path.dirname(sys.executable), "dcp-atomic")
 
 def test_gc_reports_unreadable_steps_and_exits_nonzero(root, capsys, monkeypatch):
     """The CLI side alone: a plan carrying unreadable steps is printed and fails the command."""
-    from dcp_atomic.retention import GcPlan
+    from dcp_atomic.protocol.retention import GcPlan
     from dcp_atomic.tools.cli import commands
 
     _save(root, 1)

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_atomic
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, ConfigurationError, CorruptCheckpointError
-from dcp_atomic.cli import main
+from dcp_atomic.tools.cli import main
 
 RUN = "exp"
 
@@ -35,7 +35,7 @@ def _marker(root, step, run=RUN):
 
 
 def test_refused_item_is_unsafe_item_error_not_corruption(root):
-    from dcp_atomic.safe_pickle import safe_byte_item
+    from dcp_atomic.format.safe_pickle import safe_byte_item
 
     buffer = io.BytesIO()
     torch.save({"when": datetime.datetime(2024, 1, 1)}, buffer)

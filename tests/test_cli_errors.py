@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_atomic import AtomicStorageWriter
-from dcp_atomic.cli import JSON_SCHEMA, main
+from dcp_atomic.tools.cli import JSON_SCHEMA, main
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(os.path.dirname(sys.executable), "dcp-atomic")

@@ -12,12 +12,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointManager, CheckpointNotFoundError
-from dcp_atomic.backends import open_storage
-from dcp_atomic.commit import read_latest
-from dcp_atomic.layout import RunLayout
-from dcp_atomic.retention import _read_journal, remove_run, remove_step
-from dcp_atomic.retry import Deadline
-from dcp_atomic.cli import main
+from dcp_atomic.stores.backends import open_storage
+from dcp_atomic.protocol.commit import read_latest
+from dcp_atomic.format.layout import RunLayout
+from dcp_atomic.protocol.retention import _read_journal, remove_run, remove_step
+from dcp_atomic._base.retry import Deadline
+from dcp_atomic.tools.cli import main
 
 RUN, SIBLING = "exp1", "exp10"  # the sibling's name starts with the run's: a prefix match would reach it
 

@@ -12,7 +12,7 @@ import shutil
 
 import torch
 
-from dcp_atomic import failpoints
+from dcp_atomic._base import failpoints
 from tests.harness import assert_all_ok, run_world
 
 RUN = "paths"

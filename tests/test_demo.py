@@ -21,7 +21,7 @@ from dcp_atomic import AtomicStorageReader, latest_step, list_steps
 
 pytestmark = pytest.mark.slow
 
-RUN = "demo"  # dcp_atomic.demo.RUN_ID
+RUN = "demo"  # dcp_atomic.tools.demo.RUN_ID
 
 
 def _cli(*args: str) -> list[str]:

@@ -96,8 +96,8 @@ def test_a_node_wiped_before_its_drain_the_restarted_job_drains_the_step_from_th
 
 
 def test_ranks_sharing_one_local_root_are_one_failure_domain_whatever_they_declare():
-    from dcp_atomic.local_tier import one_domain_per_disk
-    from dcp_atomic.placement import place_replicas
+    from dcp_atomic.tiers.local_tier import one_domain_per_disk
+    from dcp_atomic.tiers.placement import place_replicas
 
     # Four ranks per node told failure_domain=f"node{rank}": each node's ranks merge into one domain per disk.
     declared = [f"node{r}" for r in range(8)]
@@ -168,7 +168,8 @@ def test_the_two_tier_manager_works_in_one_process_without_torch_distributed(roo
 
 def _experiment(ctx, durable_root, step, seed):
     """Save ``step`` local-only into ``durable_root``'s run (the nodes' local roots shared by every experiment)."""
-    from dcp_atomic import CheckpointManager, file_transfer
+    from dcp_atomic import CheckpointManager
+    from dcp_atomic.exchange import file_transfer
 
     file_transfer.CHUNK_BYTES = 64 << 10
     model, optim = _fsdp_app(ctx.world_size, seed)
@@ -244,7 +245,7 @@ def test_a_new_experiment_reusing_a_run_id_starts_fresh_and_is_told_of_the_other
 
 def _strip_lineage(node_root, step):
     """The step's local marker as a version before lineages wrote it (no ``lineage``; re-sealed)."""
-    from dcp_atomic.manifest import Marker
+    from dcp_atomic.format.manifest import Marker
 
     path = os.path.join(node_root, RUN, f"step_{step:010d}", "COMMITTED")
     with open(path, "rb") as f:

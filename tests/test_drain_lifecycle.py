@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from dcp_atomic import failpoints
+from dcp_atomic._base import failpoints
 
 from tests.harness import assert_all_ok
 from tests.helpers.drain import _one_node_each
@@ -94,7 +94,7 @@ def test_a_frozen_durable_store_fails_wait_and_close_after_the_stall_deadline(no
             for kind, seconds, message, _ in out["seen"]:
                 assert kind == "DrainStalledError", (rank, out["seen"])
                 assert "step 1 " in message and durable in message and "no progress" in message, message
-        from dcp_atomic.layout import MARKER
+        from dcp_atomic.format.layout import MARKER
 
         assert not os.path.exists(os.path.join(clients.backing, RUN, "step_0000000001", MARKER))
 
@@ -186,7 +186,7 @@ def _one_rank_hangs(ctx, signal_dir, point, hang_rank, hang_seconds):
 
 
 def _durable_marker(durable_root):
-    from dcp_atomic.layout import MARKER
+    from dcp_atomic.format.layout import MARKER
 
     return os.path.exists(os.path.join(durable_root, RUN, "step_0000000001", MARKER))
 

@@ -13,13 +13,13 @@ import os
 
 import pytest
 
-from dcp_atomic import drain
+from dcp_atomic.tiers import drain
 from dcp_atomic.tiers import drain_plan, verified_copy
 from dcp_atomic.errors import CorruptCheckpointError
-from dcp_atomic.integrity import block_digest
-from dcp_atomic.manifest import FileEntry, ItemExtent
-from dcp_atomic.storage import LocalStorage
-from dcp_atomic import failpoints
+from dcp_atomic.format.integrity import block_digest
+from dcp_atomic.format.manifest import FileEntry, ItemExtent
+from dcp_atomic.stores.storage import LocalStorage
+from dcp_atomic._base import failpoints
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.tiers import RUN, _exact, _manager, _node_env, _state
 

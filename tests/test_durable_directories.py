@@ -10,8 +10,8 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_atomic.errors import ConfigurationError
-from dcp_atomic.backends import open_storage
-from dcp_atomic.storage import FsspecStorage, LocalStorage
+from dcp_atomic.stores.backends import open_storage
+from dcp_atomic.stores.storage import FsspecStorage, LocalStorage
 from tests.helpers.steps import _save
 
 def test_makedirs_fsyncs_the_parent_of_every_directory_it_creates(root, monkeypatch):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dcp_atomic import CheckpointManager
-from dcp_atomic.cli import main
+from dcp_atomic.tools.cli import main
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' (transformers is a test extra)")
 from safetensors import safe_open  # noqa: E402 - after the skip: both come with the test extra

@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CommitConflictError, CorruptCheckpointError
-from dcp_atomic.cli import main
+from dcp_atomic.tools.cli import main
 from tests import manifest_view
 from tests.harness import assert_all_ok, run_world
 
@@ -290,10 +290,10 @@ def test_kill_matrix_an_import_killed_in_its_commit_leaves_the_previous_step_and
     before its marker, the run's previous step stays the latest and the attempt is gc's; killed after it, the
     imported step is committed and loads exactly (a manager's load takes it; a plain step=None reader follows LATEST,
     which a kill before its write leaves on step 4 until the next commit)."""
-    from dcp_atomic.commit import scan_markers
-    from dcp_atomic.layout import RunLayout
-    from dcp_atomic.retention import apply_gc, plan_gc
-    from dcp_atomic.storage import LocalStorage
+    from dcp_atomic.protocol.commit import scan_markers
+    from dcp_atomic.format.layout import RunLayout
+    from dcp_atomic.protocol.retention import apply_gc, plan_gc
+    from dcp_atomic.stores.storage import LocalStorage
 
     stock, root = saved["stock"], str(tmp_path / "root")
     assert main(["import", stock, root, "run", "4"]) == 0
@@ -365,7 +365,7 @@ class _Boom:
 
 
 def test_import_refusals_leave_nothing_behind(saved, tmp_path, capsys):
-    from dcp_atomic.importer import import_stock
+    from dcp_atomic.tools.importer import import_stock
 
     stock, root = saved["stock"], str(tmp_path / "root")
     assert main(["import", stock, root, "run", "1"]) == 0

@@ -12,20 +12,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_atomic import (
-    AtomicStorageReader,
-    AtomicStorageWriter,
-    CheckpointManager,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    failpoints,
-    latest_step,
-)
-from dcp_atomic.catalog import most_recent, scan_markers
-from dcp_atomic.layout import RunLayout
-from dcp_atomic.manifest import _sealed_json
-from dcp_atomic.retention import apply_gc, plan_gc
-from dcp_atomic.backends import open_storage
+from dcp_atomic import (AtomicStorageReader, AtomicStorageWriter, CheckpointManager, CheckpointNotFoundError,
+                        CorruptCheckpointError, latest_step)
+from dcp_atomic._base import failpoints
+from dcp_atomic.protocol.catalog import most_recent, scan_markers
+from dcp_atomic.format.layout import RunLayout
+from dcp_atomic.format.manifest import sealed_json
+from dcp_atomic.protocol.retention import apply_gc, plan_gc
+from dcp_atomic.stores.backends import open_storage
 from tests.fault_fixtures import ReadLog, watched_reads
 
 RUN = "exp"
@@ -64,12 +58,12 @@ def _reseal(path, **changes) -> None:
     body.update(changes)
     body = {k: v for k, v in body.items() if v is not None}
     with open(path, "wb") as f:
-        f.write(_sealed_json(body))
+        f.write(sealed_json(body))
 
 
 def _as_old_format(root, steps) -> None:
     """Markers and LATEST as dcp_atomic wrote them before sequence numbers existed (in another process)."""
-    from dcp_atomic import commit
+    from dcp_atomic.protocol import commit
 
     commit._last_sequence.clear()
     for step in steps:
@@ -290,7 +284,7 @@ def _sequence(root, step) -> int:
 
 
 def test_sequence_numbers_increase_when_latest_lags(root):
-    from dcp_atomic import commit
+    from dcp_atomic.protocol import commit
 
     _save(root, 1)
     _save(root, 2)
@@ -327,7 +321,7 @@ def test_sequence_numbers_increase_when_latest_lags(root):
 
 def test_old_dcp_atomic_still_reads_new_markers_and_latest(root):
     """What the released Marker/Latest.from_json check: the seal over every field, schema 1, and the old fields."""
-    from dcp_atomic.integrity import sha256_hex
+    from dcp_atomic.format.integrity import sha256_hex
 
     _save(root, 1)
     old_fields = {"marker": ["run_id", "step", "save_id", "manifest", "manifest_sha256", "committed_at",

@@ -139,7 +139,7 @@ def _prepare_fault(prepare: dict) -> None:
         SmallTmpfs(prepare["path"], 0, 0).fill_bytes(leave=prepare["leave"])
     elif kind == "fill_bytes_at":
         # The disk fills up exactly when this rank reaches the named failpoint of step 2.
-        from dcp_atomic import failpoints
+        from dcp_atomic._base import failpoints
 
         original = failpoints.hit
 

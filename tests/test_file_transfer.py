@@ -1,4 +1,4 @@
-"""Stored files moved between ranks in bounded memory (dcp_atomic/file_transfer.py): the local tier's replicas
+"""Stored files moved between ranks in bounded memory (dcp_atomic/exchange/file_transfer.py): the local tier's replicas
 and restores.  Real gloo worlds; chunks made small so every stream crosses part and chunk boundaries."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def _ring(ctx, sizes, truncate_after_index=False, fault_on_rank1=None):
 
     import torch.distributed as dist
 
-    from dcp_atomic import file_transfer
-    from dcp_atomic.file_transfer import Part, Spooled, transfer
+    from dcp_atomic.exchange import file_transfer
+    from dcp_atomic.exchange.file_transfer import Part, Spooled, transfer
 
     file_transfer.CHUNK_BYTES = CHUNK
     sent_sizes = []
@@ -107,8 +107,8 @@ def _overlapped(ctx, kill_rank0_after=None):
 
     import torch.distributed as dist
 
-    from dcp_atomic import file_transfer
-    from dcp_atomic.file_transfer import Part, transfer
+    from dcp_atomic.exchange import file_transfer
+    from dcp_atomic.exchange.file_transfer import Part, transfer
 
     file_transfer.CHUNK_BYTES = CHUNK
     events, buffers = [], {"recv": set(), "send": set()}
@@ -179,8 +179,8 @@ def _ring_with_a_frozen_rank(ctx):
 
     import torch.distributed as dist
 
-    from dcp_atomic import file_transfer
-    from dcp_atomic.file_transfer import Part, transfer
+    from dcp_atomic.exchange import file_transfer
+    from dcp_atomic.exchange.file_transfer import Part, transfer
 
     file_transfer.CHUNK_BYTES = CHUNK
     mine = os.path.join(ctx.root, f"rank{ctx.rank}")

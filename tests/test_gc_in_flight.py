@@ -10,9 +10,10 @@ import threading
 
 import torch
 
-from dcp_atomic import CheckpointManager, StorageError, failpoints, list_steps
-from dcp_atomic.cli import main
-from dcp_atomic.backends import open_storage
+from dcp_atomic import CheckpointManager, StorageError, list_steps
+from dcp_atomic._base import failpoints
+from dcp_atomic.tools.cli import main
+from dcp_atomic.stores.backends import open_storage
 from dcp_atomic.format.layout import RunLayout
 from dcp_atomic.protocol.retention import apply_gc, plan_gc
 

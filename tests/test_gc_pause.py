@@ -1,4 +1,4 @@
-"""The cyclic GC's pause spans a whole save or load, and never outlives it (:mod:`dcp_atomic.gc_pause`).
+"""The cyclic GC's pause spans a whole save or load, and never outlives it (:mod:`dcp_atomic._base.gc_pause`).
 
 Real gloo worlds of 2 ranks: the collector is paused while DCP's collectives unpickle plans between our hooks,
 and it is on again after a successful save and load, after a save that fails between hooks (a peer raising in
@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from dcp_atomic import gc_pause
+from dcp_atomic._base import gc_pause
 from tests.harness import assert_all_ok, run_world
 
 RUN = "gc"
@@ -111,7 +111,8 @@ def _save_and_load(ctx):
 def _failed_save_then_wait(ctx, failure: str, lease_seconds: float):
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from dcp_atomic import AtomicSavePlanner, failpoints
+    from dcp_atomic import AtomicSavePlanner
+    from dcp_atomic._base import failpoints
 
     gc_pause.LEASE_SECONDS = lease_seconds
     planner = _raising_planner(ctx.rank) if failure == "planner" else AtomicSavePlanner()

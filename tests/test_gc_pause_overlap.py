@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from dcp_atomic.gc_pause import gc_paused
+from dcp_atomic._base.gc_pause import gc_paused
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from dcp_atomic import (AtomicStorageReader, AtomicStorageWriter, CommitConflictError, ConfigurationError,  # noqa: E402
                         StorageError, latest_step, list_steps)
-from dcp_atomic.backends import open_storage  # noqa: E402
-from dcp_atomic.gcs import GCSStorage  # noqa: E402
-from dcp_atomic.layout import MARKER  # noqa: E402
+from dcp_atomic.stores.backends import open_storage  # noqa: E402
+from dcp_atomic.stores.gcs import GCSStorage  # noqa: E402
+from dcp_atomic.format.layout import MARKER  # noqa: E402
 from tests.harness import assert_all_ok, run_world  # noqa: E402
 from tests.s3_servers import _die_with_parent, _free_ports, _wait_http  # noqa: E402
 from tests.helpers.s3_jobs import RUN, _inner, _job_state, _load_steps, _racing_job, _save_steps  # noqa: E402

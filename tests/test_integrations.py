@@ -170,7 +170,7 @@ def test_lightning_retirement_skips_foreign_files_without_unpickling_them(root):
 
     from dcp_atomic import AtomicStorageWriter
     from dcp_atomic.integrations.lightning import _pointer, _retire_if_unreferenced, _write_pointer, checkpoint_id_for
-    from dcp_atomic.layout import parse_checkpoint_id
+    from dcp_atomic.format.layout import parse_checkpoint_id
 
     canary = os.path.join(root, "pwned")
     _plant_foreign_files(root, canary)

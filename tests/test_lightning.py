@@ -119,7 +119,7 @@ def test_ckpt_path_last_resumes_from_the_last_commit(root):
 
 def test_checkpoint_ids_keep_names_apart():
     from dcp_atomic.integrations.lightning import checkpoint_id_for
-    from dcp_atomic.layout import parse_checkpoint_id
+    from dcp_atomic.format.layout import parse_checkpoint_id
 
     ids = {checkpoint_id_for(f"/ckpts/{name}", 4) for name in ("epoch=0-step=4.ckpt", "epoch_0-step_4.ckpt",
                                                                "last.ckpt", "last-v1.ckpt", "a" * 300)}

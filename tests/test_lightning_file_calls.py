@@ -25,7 +25,7 @@ def _resave_non_ckpt_name(ctx):
     """``trainer.save_checkpoint("final.pt")`` at step 2, then again at step 4 (a later fit): the name moves on."""
     from dcp_atomic import list_steps
     from dcp_atomic.integrations.lightning import _pointer
-    from dcp_atomic.layout import parse_checkpoint_id
+    from dcp_atomic.format.layout import parse_checkpoint_id
     from tests.helpers.lightning import _resumed_weights, _same, _trainer, _weights
 
     pl, Module = _lightning_module()

@@ -59,7 +59,7 @@ def _from_stock(ctx, package):
 
     from dcp_atomic import CheckpointError
     from dcp_atomic.integrations.lightning import _pointer_record, checkpoint_id_of
-    from dcp_atomic.layout import MARKER, parse_checkpoint_id, step_dir_name
+    from dcp_atomic.format.layout import MARKER, parse_checkpoint_id, step_dir_name
 
     pl, Module = _module_class(package)
     ModelCheckpoint = importlib.import_module(f"{package}.callbacks").ModelCheckpoint

@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from dcp_atomic import failpoints
+from dcp_atomic._base import failpoints
 
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.lightning import _module_class, _same, _weights
@@ -100,7 +100,7 @@ def _tier_steps(ctx, dirpath):
     from dcp_atomic.integrations.lightning import _pointer, tier_run_for
 
     dist.barrier()
-    from dcp_atomic.layout import parse_checkpoint_id
+    from dcp_atomic.format.layout import parse_checkpoint_id
 
     root, run = tier_run_for(dirpath)
 
@@ -146,7 +146,7 @@ def _global_step(path) -> int:
 def _every_file_exact_and_no_unnamed_step(ctx):
     import time
 
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     pl, Module = _tracked_module()
     dirpath = os.path.join(ctx.root, "ckpts")
@@ -206,10 +206,10 @@ def _replaced_nodes(ctx):
     # another step in its place
     import torch.distributed as dist
 
-    from dcp_atomic.backends import open_storage
+    from dcp_atomic.stores.backends import open_storage
     from dcp_atomic.integrations.lightning import _pointer
-    from dcp_atomic.layout import RunLayout, parse_checkpoint_id
-    from dcp_atomic.retention import remove_step
+    from dcp_atomic.format.layout import RunLayout, parse_checkpoint_id
+    from dcp_atomic.protocol.retention import remove_step
 
     tier_root, run, step = parse_checkpoint_id(_pointer(last))
     _empty(ctx, ranks={0, 1})
@@ -246,9 +246,9 @@ def _rollback(ctx):
 
     import time
 
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
     from dcp_atomic.integrations.lightning import _pointer
-    from dcp_atomic.layout import parse_checkpoint_id
+    from dcp_atomic.format.layout import parse_checkpoint_id
 
     pl, Module = _tracked_module()
     dirpath = os.path.join(ctx.root, "ckpts")
@@ -300,7 +300,7 @@ def test_a_rollback_trains_on_saves_last_again_and_a_resume_loads_the_new_state(
 def _drain_fails_then_next_job_drains_it(ctx):
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     pl, Module = _tracked_module()
     dirpath = os.path.join(ctx.root, "ckpts")

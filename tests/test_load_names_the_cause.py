@@ -120,7 +120,8 @@ def _plain_shared_load_with_a_killed_peer(ctx):
 
     import torch.distributed.checkpoint as dcp
 
-    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, failpoints
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+    from dcp_atomic._base import failpoints
     from tests.helpers.read_once import _blank, _state, _survivors_barrier
 
     dcp.save(_state(ctx.rank, 1), storage_writer=AtomicStorageWriter(ctx.root, RUN, 1, timeout=30))
@@ -162,7 +163,8 @@ def _manager_load_with_rank1_killed(ctx, hook: str):
 
     import torch
 
-    from dcp_atomic import CheckpointManager, reader
+    from dcp_atomic import CheckpointManager
+    from dcp_atomic.dcp import reader
     from tests.helpers.read_once import _survivors_barrier
 
     manager = CheckpointManager(ctx.root, RUN, timeout=4)

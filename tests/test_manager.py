@@ -29,7 +29,7 @@ class _LatestWrites:
     exist and name the same attempt (P3: the marker first, ``LATEST`` last).  A spy on the real storage call."""
 
     def __init__(self, run_dir):
-        from dcp_atomic.storage import LocalStorage
+        from dcp_atomic.stores.storage import LocalStorage
 
         self.latest = os.path.join(run_dir, "LATEST")
         self.written = []  # (step, save_id, sequence) in write order
@@ -48,7 +48,7 @@ class _LatestWrites:
         LocalStorage.replace = replace_checked
 
     def restore(self):
-        from dcp_atomic.storage import LocalStorage
+        from dcp_atomic.stores.storage import LocalStorage
 
         LocalStorage.replace = self._replace
 
@@ -216,7 +216,8 @@ def test_retention_ignores_and_keeps_fresh_partial_attempts(root):
 
 
 def _count_marker_scans_per_save(ctx, steps, keep_last):
-    from dcp_atomic import CheckpointManager, catalog, manager as manager_module, retention
+    from dcp_atomic import CheckpointManager, manager as manager_module
+    from dcp_atomic.protocol import catalog, retention
 
     scans = []
 

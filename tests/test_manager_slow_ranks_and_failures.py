@@ -54,7 +54,8 @@ def test_a_rank_slower_than_timeout_but_alive_commits_and_loads(root):
 
 
 def _slow_retention_job(ctx, timeout):
-    from dcp_atomic import CheckpointManager, retention
+    from dcp_atomic import CheckpointManager
+    from dcp_atomic.protocol import retention
 
     if ctx.rank == 0:  # deleting an old step takes longer than timeout (a big step on a busy NFS server)
         apply_gc = retention.apply_gc
@@ -186,7 +187,7 @@ def _outcome(call):
 
 def _failing_async_save(manager, rank, step):
     """An async save that fails for real on rank 1 (an I/O error while writing its data)."""
-    from dcp_atomic import failpoints
+    from dcp_atomic._base import failpoints
 
     if rank == 1:
         failpoints.arm("write.mid_data", "raise", rank=1)

@@ -151,7 +151,7 @@ def _interrupted(call) -> str:
 
 
 def _interrupted_wait_job(ctx):
-    from dcp_atomic import failpoints
+    from dcp_atomic._base import failpoints
 
     seen: dict = {}
     failpoints.arm("write.mid_data", "sleep:4")

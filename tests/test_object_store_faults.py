@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_atomic import AtomicStorageWriter, ConfigurationError, StorageError, latest_step
-from dcp_atomic.backends import open_storage
+from dcp_atomic.stores.backends import open_storage
 
 RUN = "exp"
 pytestmark = pytest.mark.timeout(120)
@@ -187,7 +187,7 @@ def test_a_lost_create_multipart_reply_leaves_no_orphan_upload(s3_moto):
 def test_cli_takes_storage_options_from_a_file_or_the_environment(s3_moto, tmp_path, monkeypatch, capsys):
     import json
 
-    from dcp_atomic import cli
+    from dcp_atomic.tools import cli
 
     s3 = s3_moto
     _save(s3, 1, seed=1)

@@ -129,7 +129,8 @@ def _load_once(ctx, share):
 def _load_with_faults(ctx):
     """Save step 1; a load where rank 1 flips a byte of what it sends; then, through the manager, a load where
     rank 2 is killed mid-exchange (only the second part's outcome is returned)."""
-    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointManager, failpoints
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointManager
+    from dcp_atomic._base import failpoints
 
     dcp.save(_state(ctx.rank, 1), storage_writer=AtomicStorageWriter(ctx.root, RUN, 1, timeout=30))
     failpoints.arm("read.exchange_send", "flip", rank=1)

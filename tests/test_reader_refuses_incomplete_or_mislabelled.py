@@ -298,7 +298,7 @@ def test_coverage_check_finds_one_hole_or_overlap_among_thousands_of_chunks_quic
 
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Chunk
 
-    from dcp_atomic.read_checks import tiling_problem as _tiling_problem
+    from dcp_atomic.dcp.read_checks import tiling_problem as _tiling_problem
 
     def rows(n):  # FSDP Shard(0) over n ranks, uneven, with empty shards at the end
         step = 3

@@ -86,11 +86,12 @@ def _load(root: str, step: int) -> tuple[str, str]:
 
 def _side_tools(root: str, step: int, data: bytes, where: str) -> list[str]:
     """Parser, audit and ``show`` on the mutated manifest: only our typed errors may escape."""
-    from dcp_atomic import CheckpointError, cli
-    from dcp_atomic.audit import audit_step
-    from dcp_atomic.layout import RunLayout
-    from dcp_atomic.manifest import Manifest
-    from dcp_atomic.backends import open_storage
+    from dcp_atomic import CheckpointError
+    from dcp_atomic.tools import cli
+    from dcp_atomic.tools.audit import audit_step
+    from dcp_atomic.format.layout import RunLayout
+    from dcp_atomic.format.manifest import Manifest
+    from dcp_atomic.stores.backends import open_storage
 
     problems = []
     tools = {
@@ -295,7 +296,7 @@ class _SealedFiles:
 
 def _to_prefixed_schema(root: str, step: int, prefixes: int = 4) -> None:
     """Move a saved attempt's data under hashed prefixes and record it (schema 3, as S3 saves write it)."""
-    from dcp_atomic.layout import data_prefix
+    from dcp_atomic.format.layout import data_prefix
 
     ck = Sealed(root, step)
     save_id = ck.marker["save_id"]
@@ -605,7 +606,7 @@ def _save_world(ctx) -> None:
 
 def _verify_ok(root: str) -> bool:
     """``dcp-atomic verify ROOT RUN 1`` as a user runs it: exit status 0."""
-    from dcp_atomic import cli
+    from dcp_atomic.tools import cli
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return cli.main(["--timeout", "0.05", "verify", root, RUN, "1"]) == 0

@@ -300,7 +300,7 @@ def test_a_link_that_fails_falls_back_to_writing_the_file(tmp_path, monkeypatch,
 
 
 def test_show_prints_written_and_reused_bytes_and_verify_passes_a_linked_step(tmp_path, capsys):
-    from dcp_atomic.cli import main
+    from dcp_atomic.tools.cli import main
 
     root, base = str(tmp_path), _frozen()
     for step in (1, 2, 3):
@@ -467,7 +467,7 @@ def test_a_step_with_stable_files_is_schema_4_which_an_older_reader_refuses_as_n
 def test_export_of_a_step_with_linked_files_is_whole_after_its_base_steps_are_removed(tmp_path):
     """``dcp-atomic export`` reads a reused step as any other: every byte it references, verified, none from the
     removed base steps."""
-    from dcp_atomic.cli import main
+    from dcp_atomic.tools.cli import main
 
     root, base = str(tmp_path / "ckpt"), _frozen()
     for step in (1, 2, 3):
@@ -484,7 +484,7 @@ def test_export_of_a_step_with_linked_files_is_whole_after_its_base_steps_are_re
 def test_verify_names_every_step_that_shares_a_damaged_linked_file(tmp_path, capsys):
     """Steps 3 and 4 link step 2's stable file: one flipped byte fails all three, and each report names the other
     two; step 1 (its own copy of the base, in an ordinary file) still verifies."""
-    from dcp_atomic.cli import main
+    from dcp_atomic.tools.cli import main
 
     root, base = str(tmp_path), _frozen()
     for step in (1, 2, 3, 4):
@@ -511,8 +511,8 @@ def test_verify_names_every_step_that_shares_a_damaged_linked_file(tmp_path, cap
 def test_the_base_removed_between_planning_and_link_means_a_written_file_and_an_exact_step(tmp_path, caplog):
     """An operator's `dcp-atomic rm` (or another job's retention) takes the base step after rank 0 named it: the
     link fails, the stable file is written, the save commits and loads exactly."""
-    from dcp_atomic import failpoints
-    from dcp_atomic.cli import main
+    from dcp_atomic._base import failpoints
+    from dcp_atomic.tools.cli import main
 
     root, base = str(tmp_path), _frozen()
     for step in (1, 2):
@@ -625,7 +625,7 @@ def test_a_link_whose_directory_sync_fails_leaves_no_name_and_the_file_is_writte
     commits and loads exactly (it used to fail on the name the link left)."""
     import errno
 
-    from dcp_atomic import failpoints
+    from dcp_atomic._base import failpoints
     from dcp_atomic.stores.storage import LocalStorage
 
     root, base = str(tmp_path), _frozen()

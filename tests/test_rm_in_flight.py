@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, StorageError, failpoints, list_steps
-from dcp_atomic.cli import main
+from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, StorageError, list_steps
+from dcp_atomic._base import failpoints
+from dcp_atomic.tools.cli import main
 
 RUN = "exp"
 

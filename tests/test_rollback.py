@@ -134,7 +134,7 @@ def test_resume_point_is_picklable_and_says_where():
     import pickle
 
     from dcp_atomic import ResumePoint
-    from dcp_atomic.manifest import Marker
+    from dcp_atomic.format.manifest import Marker
 
     point = pickle.loads(pickle.dumps(ResumePoint(step=8, sequence=5)))
     marker = Marker(run_id=RUN, step=10, save_id="s", manifest="s/manifest.json", manifest_sha256="0" * 64,
@@ -146,8 +146,8 @@ def test_resume_point_is_picklable_and_says_where():
 
 
 def test_retention_keeps_the_live_branch_and_lets_the_abandoned_one_go_once_older_than_every_kept_step():
-    from dcp_atomic.manifest import Marker
-    from dcp_atomic.retention import retained
+    from dcp_atomic.format.manifest import Marker
+    from dcp_atomic.protocol.retention import retained
 
     def commits(*steps):  # in commit order: sequence 1, 2, ...
         return [Marker(run_id=RUN, step=step, save_id=f"s{n}", manifest="m", manifest_sha256="0" * 64,

@@ -20,22 +20,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_atomic import (
-    AtomicSavePlanner,
-    AtomicStorageReader,
-    AtomicStorageWriter,
-    CheckpointNotFoundError,
-    CommitConflictError,
-    ConfigurationError,
-    CorruptCheckpointError,
-    StorageError,
-    failpoints,
-    latest_step,
-    list_steps,
-)
-from dcp_atomic.layout import RunLayout
-from dcp_atomic.s3 import S3Storage, abort_stale_uploads
-from dcp_atomic.backends import open_storage
+from dcp_atomic import (AtomicSavePlanner, AtomicStorageReader, AtomicStorageWriter, CheckpointNotFoundError,
+                        CommitConflictError, ConfigurationError, CorruptCheckpointError, StorageError, latest_step,
+                        list_steps)
+from dcp_atomic._base import failpoints
+from dcp_atomic.format.layout import RunLayout
+from dcp_atomic.stores.s3 import S3Storage, abort_stale_uploads
+from dcp_atomic.stores.backends import open_storage
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.s3_jobs import RUN, _inner, _job_state, _load_steps, _racing_job, _save_steps, _world_state
 
@@ -397,7 +388,7 @@ def test_two_jobs_racing_to_commit_one_step_exactly_one_wins_entirely(s3_seaweed
 
 
 def test_cli_ls_verify_and_gc_work_on_s3(s3_moto, capsys):
-    from dcp_atomic.cli import main
+    from dcp_atomic.tools.cli import main
 
     s3 = s3_moto
     _save(s3, 1, seed=1)

@@ -18,12 +18,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, ConfigurationError, CorruptCheckpointError
-from dcp_atomic.audit import audit_step
-from dcp_atomic.backends import open_storage
-from dcp_atomic.cli import main
-from dcp_atomic.layout import RunLayout, data_prefix
-from dcp_atomic.manifest import Manifest, ShardRef
-from dcp_atomic.s3 import DATA_PREFIXES, DEFAULT_DATA_PREFIXES
+from dcp_atomic.tools.audit import audit_step
+from dcp_atomic.stores.backends import open_storage
+from dcp_atomic.tools.cli import main
+from dcp_atomic.format.layout import RunLayout, data_prefix
+from dcp_atomic.format.manifest import Manifest, ShardRef
+from dcp_atomic.stores.s3 import DATA_PREFIXES, DEFAULT_DATA_PREFIXES
 from tests.harness import assert_all_ok, run_world
 
 RUN = "exp"
@@ -111,7 +111,7 @@ def _data_keys(s3, save_id: str) -> list[str]:
 
 
 def test_gc_removes_prefixed_data_of_deleted_steps_crashed_attempts_and_stale_uploads(s3_moto, capsys):
-    from dcp_atomic import failpoints
+    from dcp_atomic._base import failpoints
 
     s3 = s3_moto
     orphan = _save(s3, 0, seed=0).save_id

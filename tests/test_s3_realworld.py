@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, ConfigurationError, StorageError, latest_step
-from dcp_atomic.layout import RunLayout
-from dcp_atomic.s3 import MIN_BOTOCORE, AdaptiveLimit, abort_stale_uploads
-from dcp_atomic.backends import open_storage
+from dcp_atomic.format.layout import RunLayout
+from dcp_atomic.stores.s3 import MIN_BOTOCORE, AdaptiveLimit, abort_stale_uploads
+from dcp_atomic.stores.backends import open_storage
 from tests.harness import assert_all_ok, run_world
 
 RUN = "exp"
@@ -251,7 +251,7 @@ def test_a_refused_probe_delete_is_harmless_and_the_probes_stay_in_the_attempt(s
 
 
 def test_a_botocore_that_drops_conditional_parameters_is_refused_at_start(monkeypatch):
-    monkeypatch.setattr("dcp_atomic.s3._put_object_parameters", {"IfNoneMatch"})
+    monkeypatch.setattr("dcp_atomic.stores.s3._put_object_parameters", {"IfNoneMatch"})
     options = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"}
     with pytest.raises(ConfigurationError, match=rf"does not know IfMatch on PutObject.*botocore >= {MIN_BOTOCORE}"):
         open_storage("s3://bucket/p", options)

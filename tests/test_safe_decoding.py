@@ -20,7 +20,7 @@ from tests.harness import assert_all_ok, run_world
 from tests.helpers.steps import RUN, _reseal, _save, _step_paths
 
 def test_object_fingerprint_is_canonical_for_sets_and_strict_otherwise():
-    from dcp_atomic.reshard import summarize_state_dict
+    from dcp_atomic.dcp.reshard import summarize_state_dict
 
     words = [f"word-{i:02d}" for i in range(20)] + [0, 1 << 20]  # 0 and 2**20 collide: order = insertion order
     forward, backward = set(), set()
@@ -126,7 +126,7 @@ def _torch_saved(value) -> bytes:
 
 
 def test_safe_byte_item_refuses_code_and_names_key_and_global(root):
-    from dcp_atomic.safe_pickle import safe_byte_item
+    from dcp_atomic.format.safe_pickle import safe_byte_item
 
     canary = os.path.join(root, "pwned")
     for payload in (_torch_saved({"x": _Exploit(canary)}), pickle.dumps(_Exploit(canary))):
@@ -143,7 +143,7 @@ def test_safe_byte_item_refuses_code_and_names_key_and_global(root):
 def test_safe_byte_item_accepts_what_dcp_state_dicts_hold():
     import numpy as np
 
-    from dcp_atomic.safe_pickle import safe_byte_item
+    from dcp_atomic.format.safe_pickle import safe_byte_item
 
     values = {
         "set": {"a", "b", 3},
@@ -177,7 +177,7 @@ def test_safe_byte_item_accepts_what_dcp_state_dicts_hold():
 
 
 def test_safe_byte_item_honours_users_safe_globals():
-    from dcp_atomic.safe_pickle import safe_byte_item
+    from dcp_atomic.format.safe_pickle import safe_byte_item
 
     data = _torch_saved({"config": _UserConfig(0.5)})
     with pytest.raises(UnsafeItemError, match="_UserConfig"):
@@ -194,7 +194,7 @@ def _replace_object_item(root, step, key, new_bytes):
     """Swap a BYTE_IO item's bytes, keeping .metadata, manifest and marker consistent (every digest recomputed)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    from dcp_atomic.integrity import BlockHasher
+    from dcp_atomic.format.integrity import BlockHasher
 
     _, attempt, _ = _step_paths(root, step)
     metadata_path = os.path.join(attempt, ".metadata")

@@ -36,7 +36,7 @@ def _template() -> dict:
 
 
 def test_schema_1_checkpoints_written_before_shards_load_and_verify_bit_exact(root):
-    from dcp_atomic import cli
+    from dcp_atomic.tools import cli
 
     shutil.copytree(make_v1.HERE, root, dirs_exist_ok=True)
     for step in make_v1.FORMATS:
@@ -54,7 +54,7 @@ def _sharded_save_and_loads(ctx):
     (b) after rank 1's shard is damaged, its own rows again (rank 0 must not notice), (c) everything."""
     import torch.distributed as dist
 
-    from dcp_atomic import commit
+    from dcp_atomic.protocol import commit
 
     rank = ctx.rank
     state = {"w": torch.arange(8.0).reshape(4, 2)[2 * rank: 2 * rank + 2].clone(), f"own{rank}": torch.ones(3) * rank}
@@ -122,7 +122,7 @@ def test_rank_identities_and_statistics_live_in_ranks_json_which_show_reads_and_
     """At 4,096 ranks the per-rank records were half of the 3.3 MB manifest every loading rank read: they move to
     ranks.json, sealed by the manifest; loads never open it, ``show`` and ``verify`` do (and check its digest: damage
     there is a warning of ``verify``, which passes exactly the steps a load takes)."""
-    from dcp_atomic import cli
+    from dcp_atomic.tools import cli
 
     dcp.save({"x": torch.ones(4)}, storage_writer=AtomicStorageWriter(root, RUN, 1), no_dist=True)
     attempt = _attempt(root, RUN, 1)
@@ -189,7 +189,7 @@ def _reseal_marker(root: str, attempt: str) -> None:
 
 
 def test_retention_after_a_commit_reads_only_the_markers_it_keeps_or_may_delete(root, monkeypatch):
-    from dcp_atomic import commit, retention
+    from dcp_atomic.protocol import commit, retention
     layout = AtomicStorageWriter(root, RUN, 1).layout
     for step in range(1, 9):
         dcp.save({"x": torch.ones(2) * step}, storage_writer=AtomicStorageWriter(root, RUN, step), no_dist=True)
@@ -223,7 +223,7 @@ def test_metadata_is_pickled_and_parsed_without_cyclic_gc_and_a_processs_own_gc_
     import pickle
     import types
 
-    from dcp_atomic import writer
+    from dcp_atomic.dcp import writer
     from dcp_atomic.dcp import read_checks  # where the reader (and verify) unpickle .metadata
 
     gc_during = []

@@ -12,22 +12,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_atomic import (
-    AtomicStorageReader,
-    AtomicStorageWriter,
-    CheckpointError,
-    CheckpointNotFoundError,
-    CommitConflictError,
-    ConfigurationError,
-    CorruptCheckpointError,
-    RankConsistencyError,
-    ReshardError,
-    StorageError,
-    failpoints,
-    latest_step,
-    list_steps,
-)
-from dcp_atomic.manifest import Marker
+from dcp_atomic import (AtomicStorageReader, AtomicStorageWriter, CheckpointError, CheckpointNotFoundError,
+                        CommitConflictError, ConfigurationError, CorruptCheckpointError, RankConsistencyError,
+                        ReshardError, StorageError, latest_step, list_steps)
+from dcp_atomic._base import failpoints
+from dcp_atomic.format.manifest import Marker
 
 RUN = "exp"
 
@@ -159,7 +148,7 @@ def test_metadata_that_would_execute_code_is_never_unpickled(root, tmp_path):
         _load(root)
     assert not canary.exists()
     # Even a .metadata whose digest matches is decoded with an allow-list.
-    from dcp_atomic.safe_pickle import load_dcp_metadata
+    from dcp_atomic.format.safe_pickle import load_dcp_metadata
 
     with pytest.raises(CorruptCheckpointError, match="refusing to load posix.system"):
         load_dcp_metadata(pickle.dumps(Exploit()), where="crafted")
@@ -167,7 +156,7 @@ def test_metadata_that_would_execute_code_is_never_unpickled(root, tmp_path):
 
 
 def test_manifest_naming_files_outside_the_attempt_is_refused(root):
-    from dcp_atomic.manifest import Manifest, ManifestShard
+    from dcp_atomic.format.manifest import Manifest, ManifestShard
 
     _save(root, 1)
     raw = json.load(open(os.path.join(_attempt(root, 1), "manifest.json")))
@@ -311,8 +300,8 @@ def test_marker_roundtrip_and_foreign_manifest_path_refused():
 def test_any_fsspec_filesystem_round_trips_through_the_fsspec_backend():
     import uuid
 
-    from dcp_atomic.backends import open_storage
-    from dcp_atomic.storage import FsspecStorage
+    from dcp_atomic.stores.backends import open_storage
+    from dcp_atomic.stores.storage import FsspecStorage
 
     root = f"memory://dcp-atomic-{uuid.uuid4().hex}"
     assert isinstance(open_storage(root), FsspecStorage)

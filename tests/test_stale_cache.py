@@ -26,7 +26,8 @@ import time
 import pytest
 import torch
 
-from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointNotFoundError, latest_step, failpoints
+from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointNotFoundError, latest_step
+from dcp_atomic._base import failpoints
 from tests.fault_fixtures import nfs_clients_ctx, watched_reads
 from tests.harness import assert_all_ok, run_world
 
@@ -138,7 +139,7 @@ def _count_refused_control_files() -> dict:
 
     ``counter["restore"]()`` puts the original parsers back.
     """
-    from dcp_atomic import manifest
+    from dcp_atomic.format import manifest
     from dcp_atomic.errors import CorruptCheckpointError
 
     originals = {cls: cls.__dict__["from_json"] for cls in (manifest.Latest, manifest.Marker)}
@@ -177,7 +178,7 @@ def _save_load_loop(ctx, iterations):
 
     from dcp_atomic import AtomicSavePlanner, AtomicStorageWriter, CheckpointManager
 
-    from dcp_atomic import failpoints
+    from dcp_atomic._base import failpoints
 
     root = ctx.extra["roots"][ctx.rank]
     manager = CheckpointManager(root, RUN, timeout=6)

@@ -21,7 +21,7 @@ RUN = "exp"
 
 
 def test_the_documented_schema_is_the_dataclasses_schema():
-    from dcp_atomic import stats
+    from dcp_atomic._base import stats
 
     for prefix, cls in [("Save", stats.SaveStats), ("Per rank", stats.RankSaveStats), ("Load", stats.LoadStats),
                         ("Failure", stats.FailureStats), ("Drain", stats.DrainStats)]:
@@ -41,7 +41,8 @@ def _state(rank: int, step: int) -> dict:
 
 
 def _observed_job(ctx):
-    from dcp_atomic import CheckpointManager, failpoints
+    from dcp_atomic import CheckpointManager
+    from dcp_atomic._base import failpoints
 
     seen: dict = {"saved": [], "loaded": [], "failed": []}
 
@@ -76,10 +77,10 @@ def _observed_job(ctx):
 
 
 def _save_ids(root: str, steps: tuple[int, ...]) -> dict[int, str]:
-    from dcp_atomic.commit import read_marker
-    from dcp_atomic.layout import RunLayout
-    from dcp_atomic.retry import Deadline
-    from dcp_atomic.backends import open_storage
+    from dcp_atomic.protocol.commit import read_marker
+    from dcp_atomic.format.layout import RunLayout
+    from dcp_atomic._base.retry import Deadline
+    from dcp_atomic.stores.backends import open_storage
 
     layout = RunLayout(open_storage(root), RUN)
     return {step: read_marker(layout, step, Deadline(5)).save_id for step in steps}
@@ -125,7 +126,8 @@ def test_callbacks_deliver_the_documented_schema_for_saves_loads_and_failures(ro
 
 def _confirmed_from_marker_job(ctx):
     """DCP reports a failure after rank 0's marker is visible (LATEST fails): the save committed."""
-    from dcp_atomic import CheckpointManager, failpoints
+    from dcp_atomic import CheckpointManager
+    from dcp_atomic._base import failpoints
 
     saved: list = []
     with CheckpointManager(ctx.root, RUN, timeout=20, thread_count=1, on_saved=saved.append) as manager:

@@ -22,7 +22,7 @@ from tests.helpers.tiers import RUN, _exact, _manager, _run, _state
 
 
 def _saves(ctx, steps, fail_at=None):
-    from dcp_atomic import failpoints
+    from dcp_atomic._base import failpoints
 
     model, optim = _fsdp_app(ctx.world_size, 0)
     outcome = {}
@@ -89,7 +89,7 @@ def _killed(ctx):
         import os as _os
 
         _os.environ["DCP_ATOMIC_FAILPOINTS"] = "write.after_data=kill"  # every rank dies mid-save: nobody cleans up
-        from dcp_atomic import failpoints
+        from dcp_atomic._base import failpoints
 
         failpoints.load_from_env()
         manager.save(2, _state(model, optim, 2))
@@ -100,7 +100,7 @@ def test_gc_local_root_collects_what_a_killed_job_left_and_keeps_the_local_steps
     import contextlib
     import io
 
-    from dcp_atomic import cli
+    from dcp_atomic.tools import cli
 
     outcomes = _run(_killed, root, nodes)
     assert all(o.exitcode != 0 or o.error_type for o in outcomes), outcomes

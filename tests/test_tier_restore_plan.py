@@ -58,7 +58,7 @@ def _save(ctx, steps, replicated=False, durable=()):
 def _load(ctx, replicated=False, step=None, spoil=None):
     """A fresh job's load; ``spoil``: (rank, path) where that rank flips a byte of a source file right after the
     restore's plan was made (after the scan verified it: only the receiver's check stands between it and a load)."""
-    from dcp_atomic import tier_restore
+    from dcp_atomic.tiers import tier_restore
 
     if spoil is not None and ctx.rank in (spoil[0] if isinstance(spoil[0], tuple) else (spoil[0],)):
         planned = tier_restore.plan_fetches
@@ -85,7 +85,7 @@ def _load(ctx, replicated=False, step=None, spoil=None):
 
 
 def _manifest(node_root, step):
-    from dcp_atomic.local_tier import local_markers, open_local, read_manifest
+    from dcp_atomic.tiers.local_tier import local_markers, open_local, read_manifest
 
     layout = open_local(node_root, RUN)
     [marker] = [m for m in local_markers(layout) if m.step == step]
@@ -137,13 +137,13 @@ def test_each_rank_of_a_replaced_node_receives_only_its_own_files_about_half_the
     assert _data_files(nodes[1], 10) == ["__2_0.distcp", "__3_0.distcp"]  # half the step, not all of it
     assert size["__2_0.distcp"] + size["__3_0.distcp"] <= 0.55 * manifest.total_bytes
     # The partly assembled root is seen for what it holds: ranks 2 and 3 whole, nothing damaged.
-    from dcp_atomic.local_tier import ANY_LINEAGE, scan_root
+    from dcp_atomic.tiers.local_tier import ANY_LINEAGE, scan_root
 
     layout, _ = _manifest(nodes[1], 10)
     [held] = scan_root(layout, lineage=ANY_LINEAGE)
     assert held.ranks == [2, 3] and held.damaged == {} and held.control and held.shards == [0, 1, 2, 3]
     assert held.intact == {"__2_0.distcp": 2, "__3_0.distcp": 3}
-    from dcp_atomic import cli  # `dcp-atomic show` on node B's disk reads every shard: there, and says what it is
+    from dcp_atomic.tools import cli  # `dcp-atomic show` on node B's disk reads every shard: there, and says what it is
 
     assert cli.main(["show", root, RUN, "10", "--local-root", nodes[1], "--json"]) == 0
 
@@ -175,7 +175,7 @@ def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_o
     assert received_on_b == (size["__2_0.distcp"] + size["__3_0.distcp"] + sum(shard.values())
                              + sum(i.length for _, items in shared.values() for i in items))
     attempt = _attempt(nodes[1], 10)
-    from dcp_atomic.local_tier import ANY_LINEAGE, scan_root
+    from dcp_atomic.tiers.local_tier import ANY_LINEAGE, scan_root
 
     [held] = scan_root(_manifest(nodes[1], 10)[0], lineage=ANY_LINEAGE)
     assert held.ranks == [2, 3] and held.damaged == {}
@@ -187,7 +187,7 @@ def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_o
     import contextlib
     import io
 
-    from dcp_atomic import cli
+    from dcp_atomic.tools import cli
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -205,8 +205,8 @@ def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_o
 
 def _entries(node_root, manifest):
     """Every data file's entry with its items, from the ranks' shards (verified against the manifest)."""
-    from dcp_atomic.local_tier import check_shard
-    from dcp_atomic.manifest import shard_name
+    from dcp_atomic.tiers.local_tier import check_shard
+    from dcp_atomic.format.manifest import shard_name
 
     attempt = _attempt(node_root, manifest.step)
     return [entry for rank in range(manifest.world_size) for entry in check_shard(
@@ -269,7 +269,7 @@ def test_after_a_partial_restore_losing_the_other_node_falls_back_to_durable_and
         assert (out["served"]["tier"], out["step"]) == ("durable", 10)
         _exact_locals(out["local"], saved[rank][10])
     # and with no durable step either (the run's lineage kept: a new durable root would make step 20 another
-    # experiment's, dcp_atomic/lineage.py): a typed error naming what is lost
+    # experiment's, dcp_atomic/protocol/lineage.py): a typed error naming what is lost
     shutil.rmtree(os.path.join(root, RUN, "step_0000000010"))
     os.unlink(os.path.join(root, RUN, "LATEST"))
     outcomes = _run(_load, root, nodes)
@@ -321,7 +321,7 @@ def test_the_spool_files_a_killed_restore_left_are_swept_and_nothing_in_use(tmp_
     leader removes them before the next restore scans, and leaves a live process's files and transfers' own."""
     import subprocess
 
-    from dcp_atomic.local_tier import open_local, spool_dir, sweep_spool
+    from dcp_atomic.tiers.local_tier import open_local, spool_dir, sweep_spool
 
     layout = open_local(str(tmp_path), RUN)
     spool = spool_dir(layout)

@@ -24,7 +24,7 @@ import traceback
 import pytest
 import torch
 
-from dcp_atomic.placement import place_replicas
+from dcp_atomic.tiers.placement import place_replicas
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import Outcome, assert_all_ok, run_world
 from tests.helpers.fsdp_app import _AppState, _fsdp_app, _full, _train_step
@@ -146,7 +146,8 @@ def _node_of(domain: str) -> int:
 
 def _manager(ctx, run: str, replicas: int, domains: list[str] | None, **kwargs):
     """``domains``: each rank's failure domain, passed as ``failure_domain=`` (None: the environment's)."""
-    from dcp_atomic import CheckpointManager, file_transfer
+    from dcp_atomic import CheckpointManager
+    from dcp_atomic.exchange import file_transfer
 
     file_transfer.CHUNK_BYTES = 64 << 10  # every replica and restore transfer crosses chunk boundaries
     domain = (domains or EVEN)[ctx.rank]

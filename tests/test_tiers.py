@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dcp_atomic.errors import ConfigurationError
-from dcp_atomic.placement import place_replicas
-from dcp_atomic import failpoints
+from dcp_atomic.tiers.placement import place_replicas
+from dcp_atomic._base import failpoints
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
@@ -54,7 +54,7 @@ def test_placement_is_the_same_whatever_rank_computes_it_and_uneven_domains_stil
 
 def test_a_domain_spanning_hosts_has_a_store_and_a_leader_per_host_even_at_one_local_root_path():
     """A rack as the failure domain: its nodes' disks are mounted at the same path, yet each is its own store."""
-    from dcp_atomic.local_tier import Topology
+    from dcp_atomic.tiers.local_tier import Topology
 
     domains = ("rackA", "rackA", "rackA", "rackB", "rackB", "rackB")
     hosts = ("h1", "h1", "h2", "h3", "h4", "h4")
@@ -119,7 +119,8 @@ def test_local_round_trip_is_exact_replicated_on_both_nodes_and_keeps_keep_local
         assert _data_files(node_root, 30) == everyone and _data_files(node_root, 20) == everyone
         assert not os.path.exists(os.path.join(node_root, RUN, f"step_{10:010d}"))  # keep_local=2
         assert os.path.exists(os.path.join(node_root, RUN, f"step_{30:010d}", "COMMITTED"))
-    # nothing reached the durable root but the run's lineage, written before the first save (dcp_atomic/lineage.py)
+    # nothing reached the durable root but the run's lineage, written before the first save
+    # (dcp_atomic/protocol/lineage.py)
     assert os.listdir(os.path.join(root, RUN)) == ["LINEAGE"]
     restored = assert_all_ok(_run(_restore, root, nodes, 30))
     for out in restored:
@@ -319,7 +320,7 @@ def test_durable_every_2_drains_every_second_step_bit_exact_for_plain_readers(ro
     assert _durable_markers(root) == [20, 40]
     import json
 
-    from dcp_atomic import cli
+    from dcp_atomic.tools import cli
 
     capsys.readouterr()
     assert cli.main(["ls", root, RUN, "--json", "--local-root", nodes[1]]) == 0  # the CLI on node B
@@ -370,7 +371,7 @@ def _hold_the_first_drain(ctx):
     """Step 10 drains, held on rank 0 by an event; steps 20-40 are saved meanwhile (keep_local=1), then released."""
     import threading
 
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     release, seen = threading.Event(), {}
     if ctx.rank == 0:
@@ -414,7 +415,7 @@ def _drain_into_a_full_disk(ctx, ballast):
     """Step 10's drain meets a full durable root (ENOSPC); space comes back; step 20's drain succeeds."""
     import torch.distributed as dist
 
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     drain.RETRY_BACKOFF = 0.2
     failures, drained = [], []
@@ -462,7 +463,7 @@ def _drain_then_die_before_the_marker(ctx):
     """Step 10 drained; step 20's drain uploads every rank's files, then rank 0 is SIGKILLed before its marker."""
     import signal
 
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     if ctx.rank == 0:
         failpoints.arm("drain.before_marker", lambda rank, step: step == 20 and os.kill(os.getpid(), signal.SIGKILL))
@@ -515,7 +516,7 @@ def _save_10_then_die_in_20(ctx, drain_kill):
     (hook, rank) SIGKILLs a rank during step 20.  Rank 1 keeps the full weights of both steps for the checks."""
     import signal
 
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     if drain_kill is not None and ctx.rank == drain_kill[1]:
         failpoints.arm(f"drain.{drain_kill[0]}", lambda rank, step: step == 20 and os.kill(os.getpid(), signal.SIGKILL))
@@ -531,7 +532,7 @@ def _save_10_then_die_in_20(ctx, drain_kill):
 
 
 def _attempts(layout, step):
-    from dcp_atomic.retention import plan_gc
+    from dcp_atomic.protocol.retention import plan_gc
 
     return [s for s, _ in plan_gc(layout, None, lease_seconds=0).delete_attempts if s == step]
 
@@ -551,11 +552,11 @@ KILLS = {  # cell -> (failpoint spec on the killed rank, drain hook, the killed 
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", sorted(KILLS))
 def test_kill_matrix_a_restart_loads_the_newest_local_commit_exactly_and_gc_collects_the_rest(root, nodes, cell):
-    from dcp_atomic.commit import scan_markers
-    from dcp_atomic.layout import RunLayout
-    from dcp_atomic.local_tier import local_markers, open_local
-    from dcp_atomic.retention import apply_gc, plan_gc
-    from dcp_atomic.storage import LocalStorage
+    from dcp_atomic.protocol.commit import scan_markers
+    from dcp_atomic.format.layout import RunLayout
+    from dcp_atomic.tiers.local_tier import local_markers, open_local
+    from dcp_atomic.protocol.retention import apply_gc, plan_gc
+    from dcp_atomic.stores.storage import LocalStorage
 
     spec, drain_kill, victim, expected = KILLS[cell]
 
@@ -710,7 +711,8 @@ def test_a_sender_lost_mid_restore_is_named_typed_and_the_next_restore_is_exact(
 
 def _drain_with_an_unreadable_latest(ctx):
     """World 1: the durable LATEST is a directory, so everything after the marker fails; returns close()'s error."""
-    from dcp_atomic import CheckpointManager, drain
+    from dcp_atomic import CheckpointManager
+    from dcp_atomic.tiers import drain
 
     drain.DRAIN_ATTEMPTS = 1
     durable, local = os.path.join(ctx.root, "durable"), os.path.join(ctx.root, "local")
@@ -739,7 +741,7 @@ def _flat(step: int) -> dict:
 
 
 def _drain_of_step_1_fails(ctx):
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     def full_disk(rank, step):
         raise OSError(28, "No space left on device (injected)")
@@ -787,7 +789,7 @@ def _one_rank_manager(ctx, **kwargs):
 
 
 def _rollback_past_an_undrained_step(ctx):
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     drain.RETRY_BACKOFF = 0.01
     with _one_rank_manager(ctx, keep_local=3) as manager:
@@ -811,7 +813,7 @@ def test_a_rollback_never_drains_the_abandoned_branchs_undrained_step(root):
 
 
 def _a_drain_that_always_fails(ctx):
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     drain.RETRY_BACKOFF = 0.01
     uploads = []
@@ -847,7 +849,7 @@ def _durable_root_full_then_healed(ctx):
     fills (a save fails for space), the store heals; returns what each phase showed."""
     import torch.distributed as dist
 
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     drain.RETRY_BACKOFF = 0.01
     failpoints.arm("drain.before_upload", lambda rank, step: (_ for _ in ()).throw(
@@ -926,7 +928,7 @@ def test_markers_and_the_commits_journal_carry_drain_only_where_set_as_earlier_v
     them drop the journal and rescan every marker."""
     import json
 
-    from dcp_atomic.manifest import Marker
+    from dcp_atomic.format.manifest import Marker
 
     marker = Marker(run_id="r", step=1, save_id="20260101T000000Z-0123abcd", manifest="20260101T000000Z-0123abcd/"
                     "manifest.json", manifest_sha256="0" * 64, committed_at=1.0, library_version="x", sequence=1)

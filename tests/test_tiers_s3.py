@@ -15,8 +15,8 @@ import re
 
 import pytest
 
-from dcp_atomic.drain import DRAIN_ATTEMPTS
-from dcp_atomic import failpoints
+from dcp_atomic.tiers.drain import DRAIN_ATTEMPTS
+from dcp_atomic._base import failpoints
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok
 from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
@@ -109,7 +109,7 @@ def test_a_step_drained_to_s3_loads_bit_exactly_for_plain_readers_with_its_local
         assert out["plain"]["step"] == 10 and out["latest"] == 10
         _exact(out["plain"]["full"], outcomes[0]["saved"][10])
         _exact(out["full"], outcomes[0]["saved"][10])
-    from dcp_atomic import cli
+    from dcp_atomic.tools import cli
 
     capsys.readouterr()
     cli_options = ["--storage-options", json.dumps(options)]
@@ -134,7 +134,7 @@ def _train_through_a_storm(ctx, options):
     waits until training is done, so a save that waited for the drain would hang it (``held`` says so)."""
     import threading
 
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     drain.RETRY_BACKOFF = 0.1
     trained, calls, held = threading.Event(), [], {}
@@ -186,7 +186,7 @@ def test_a_slowdown_storm_on_the_drain_never_blocks_local_saves_and_the_retry_co
 
 def _storm_outlasts_the_drain(ctx, options):
     """Step 10's drain fails for good; step 20 is saved locally meanwhile; step 30's drain, after the storm, commits."""
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     drain.RETRY_BACKOFF = 0.1
     model, optim = _fsdp_app(ctx.world_size, 0)
@@ -239,7 +239,7 @@ def test_a_storm_longer_than_the_retries_fails_the_drain_naming_step_and_key_and
 
 def _latest_refused_once(ctx, options):
     """Steps 10 and 20 drained; the storm refuses step 20's first ``LATEST`` write after its marker is placed."""
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     drain.RETRY_BACKOFF = 0.1
     lines = _Lines("dcp_atomic.drain")

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointError, CorruptCheckpointError
 from dcp_atomic import TorchVersionError
-from dcp_atomic.safe_pickle import load_dcp_metadata
+from dcp_atomic.format.safe_pickle import load_dcp_metadata
 from tests.harness import assert_all_ok, run_world
 from tests.helpers.torch_versions import RUN, _assert_loaded, _state, _zeros
 
@@ -86,7 +86,7 @@ def test_metadata_with_torch_215_strides_loads_exactly_and_verifies(root, monkey
     assert properties.strides == (1, 8) and properties.dtype == torch.float32
     assert properties.memory_format == torch.contiguous_format
 
-    from dcp_atomic.cli import main
+    from dcp_atomic.tools.cli import main
 
     assert main(["verify", root, RUN]) == 0
 

@@ -24,7 +24,8 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, cli
+from dcp_atomic import AtomicStorageReader, AtomicStorageWriter
+from dcp_atomic.tools import cli
 from tests.helpers.sealed import RUN, Sealed, seal
 from tests.test_resealed_mutations import (FORMATS, _every_path, _file_cases, _load, _mutate, _paths, _save,
                                            _SealedFiles)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, UnsafeItemError
-from dcp_atomic.cli import main
+from dcp_atomic.tools.cli import main
 from tests import manifest_view
 
 RUN = "exp"

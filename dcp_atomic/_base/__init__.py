@@ -1,3 +1,18 @@
 """Utilities every layer may use and that know nothing of checkpoints: fault points, retries and deadlines, the
 collector pause, progress logs, argument checks, statistics records, and the one module that touches private names
 of torch, s3fs and gcsfs (``internals``)."""
+
+from .faces import face
+
+# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
+__all__, __getattr__, __dir__ = face(__name__, {
+    "arguments": ("arguments",),
+    "faces": ("face",),
+    "failpoints": ("failpoints",),
+    "gc_pause": ("gc_paused", "hook", "leave", "PLANNER", "STORAGE"),
+    "internals": ("internals", "MEM_FORMAT_ENCODING"),
+    "key_prefixes": ("data_prefix", "DATA_PREFIX_PATTERN", "MAX_DATA_PREFIXES", "validate_data_prefixes"),
+    "progress": ("Progress",),
+    "retry": ("Deadline", "REREAD_SECONDS", "retry_until"),
+    "stats": ("DrainStats", "FailureStats", "LoadStats", "ReadStats", "SaveStats"),
+})

@@ -35,7 +35,7 @@ log = logging.getLogger("dcp_atomic.reader")
 
 
 class SharedReads:
-    """The shared-read path of :class:`~dcp_atomic.reader.AtomicStorageReader` (see the module docstring)."""
+    """The shared-read path of :class:`~dcp_atomic.dcp.reader.AtomicStorageReader` (see the module docstring)."""
 
     def _can_share(self) -> bool:
         """Whether this rank can take part in shared reads: DCP's collectives are on and the reader's group is

@@ -3,7 +3,7 @@
 DCP's collectives start as soon as the first rank arrives and give up at the process group's timeout, which
 is a *liveness* deadline: a rank that is slow but alive (100+ GB on busy storage, rank 0's retention after the
 previous save) must not fail the operation (P8).  These subclasses run each share under an
-:class:`~dcp_atomic.liveness.OpWatch`, so the collective that follows starts only once every rank is there,
+:class:`~dcp_atomic.exchange.liveness.OpWatch`, so the collective that follows starts only once every rank is there,
 peers are judged by heartbeat meanwhile, and a dead or frozen one is named.  ``CheckpointManager`` uses them.
 """
 

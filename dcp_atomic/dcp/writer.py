@@ -14,7 +14,7 @@ Lifecycle, as DCP calls it (names follow DCP's hooks):
   and publishes its own manifest shard (items and block digests); only the shard's
   digest and each item's (file, offset, length) travel to the coordinator;
 * ``finish`` (coordinator, only if every rank succeeded) runs the commit
-  protocol of :mod:`dcp_atomic.commit`.
+  protocol of :mod:`dcp_atomic.protocol.commit`.
 
 Tensor items are raw blocks by default (:mod:`.codec`: the faster format, optionally
 zstd-compressed); with ``stock_readable=True`` they are ``torch.save`` containers, exactly
@@ -62,6 +62,12 @@ log = logging.getLogger("dcp_atomic.writer")  # the name users filter on
 
 DCP_METADATA_VERSION = "1.0.0"  # the .metadata version stock FileSystemReader expects
 _STATS_FQN = "__dcp_atomic_rank_stats__"  # sentinel WriteResult carrying per-rank stats to finish()
+
+
+def rank_stats_result(rank: int, stats: RankStats) -> WriteResult:
+    """The sentinel result that carries ``rank``'s statistics to the coordinator's ``finish``, after its items' results
+    (DCP gathers only ``WriteResult`` lists; benchmarks build the coordinator's input with it too)."""
+    return WriteResult(index=MetadataIndex(f"{_STATS_FQN}/{rank}"), size_in_bytes=0, storage_data=stats)
 
 
 @dataclass
@@ -347,9 +353,8 @@ class AtomicStorageWriter(StorageWriter):
                                                                         r.storage_data.offset, r.storage_data.length))
             for r in results
         ]
-        stats_result = WriteResult(index=MetadataIndex(f"{_STATS_FQN}/{self.rank}"), size_in_bytes=0, storage_data=stats)
         future: Future[list[WriteResult]] = Future()
-        future.set_result(results + [stats_result])
+        future.set_result(results + [rank_stats_result(self.rank, stats)])
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

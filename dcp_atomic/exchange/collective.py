@@ -165,7 +165,8 @@ def _rank_list(ranks: list[int]) -> str:
 
 
 def first_line(error: BaseException) -> str:
-    """``Type: last line`` of an error, shortened: what a message about another error quotes of it."""
+    """The error's type and its last non-blank line, shortened: the cause, in the one line a message naming a rank
+    or a step has room for (a DCP traceback's last line is the error itself)."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return f"{type(error).__name__}: {shorten(lines[-1], 300) if lines else ''}"
 

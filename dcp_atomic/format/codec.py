@@ -89,7 +89,7 @@ def _scratch(cache: dict[int, torch.Tensor], width: int, n: int) -> torch.Tensor
     return buffer
 
 
-def _default_params() -> zstandard.ZstdCompressionParameters:
+def default_zstd_params() -> zstandard.ZstdCompressionParameters:
     """zstd's "fast" strategy with a tiny hash table and long minimum matches.
 
     Exponent planes are low-entropy but have few long matches, so zstd's level 1
@@ -117,7 +117,7 @@ class Encoder:
     def __init__(self, codec: str, level: int | None = None) -> None:
         self.codec = codec
         if codec == "zstd":
-            self._zstd = (zstandard.ZstdCompressor(compression_params=_default_params()) if level is None
+            self._zstd = (zstandard.ZstdCompressor(compression_params=default_zstd_params()) if level is None
                           else zstandard.ZstdCompressor(level=level))
         else:
             self._zstd = None

@@ -531,11 +531,11 @@ class Marker:
         return record
 
     def to_json(self) -> bytes:
-        return _sealed_json(self.record())
+        return sealed_json(self.record())
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> "Marker":
-        raw = _unseal(data, where, "dcp_atomic.commit")
+        raw = unseal(data, where, "dcp_atomic.commit")
         try:
             marker = cls(**_known_fields(cls, raw))
             validate_run_id(marker.run_id)
@@ -560,11 +560,11 @@ class Latest:
     sequence: int | None = None  # the marker's (see Marker.sequence)
 
     def to_json(self) -> bytes:
-        return _sealed_json(asdict(self))
+        return sealed_json(asdict(self))
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> "Latest":
-        raw = _unseal(data, where, "dcp_atomic.latest")
+        raw = unseal(data, where, "dcp_atomic.latest")
         try:
             latest = cls(**_known_fields(cls, raw))
             validate_run_id(latest.run_id)
@@ -589,7 +589,7 @@ def _known_fields(cls, raw: dict) -> dict:
     fields = {k: raw[k] for k in cls.__dataclass_fields__ if k not in optional}
     if isinstance(fields["committed_at"], bool) or not isinstance(fields["committed_at"], (int, float)):
         raise ValueError(f"committed_at {fields['committed_at']!r} is not a time")
-    for name in ("manifest", "library_version"):  # kind and schema: _unseal; run_id, step, save_id: the caller
+    for name in ("manifest", "library_version"):  # kind and schema: unseal; run_id, step, save_id: the caller
         if name in fields and not isinstance(fields[name], str):
             raise ValueError(f"{name} {fields[name]!r} is not a string")
     digest = fields.get("manifest_sha256", "0" * 64)
@@ -635,12 +635,15 @@ def _readable_json(body: dict[str, Any]) -> bytes:
     return ("{\n" + ",\n".join(lines) + "\n}").encode()
 
 
-def _sealed_json(body: dict) -> bytes:
+def sealed_json(body: dict) -> bytes:
+    """``body`` as JSON carrying its own checksum, so that a torn, stale or edited copy cannot pass for it."""
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return json.dumps({**body, "checksum": sha256_hex(canonical.encode())}, sort_keys=True, indent=1).encode() + b"\n"
 
 
-def _unseal(data: bytes, where: str, kind: str) -> dict:
+def unseal(data: bytes, where: str, kind: str) -> dict:
+    """The record :func:`sealed_json` wrote, once its checksum, ``kind`` and schema hold (else a
+    :class:`CorruptCheckpointError` naming ``where``)."""
     raw = _load_json(data, where)
     claimed = raw.pop("checksum", None)
     canonical = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()

@@ -1,2 +1,18 @@
 """The commit protocol over a store: attempts, markers, ``LATEST``, the commit journal, retention, catalogues of
 steps, locations and lineages.  What "committed" means is decided here and only here."""
+
+from .._base.faces import face
+
+# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
+__all__, __getattr__, __dir__ = face(__name__, {
+    # catalog's resume_point takes a root (the public one); commit's, which takes a layout, shares its name
+    "catalog": ("DEFAULT_TIMEOUT", "latest_step", "list_steps", "most_recent", "resolve", "resume_point"),
+    "commit": ("commit", "claim_attempt", "commit_order", "commit_step", "CommitPolicy", "Committed", "copy_control",
+               "Evidence", "listed_steps", "next_sequence", "publish_control", "read_committed", "read_marker",
+               "record_local_marker", "refuse_committed", "require_complete", "ResumePoint", "scan_markers"),
+    "lineage": ("create_lineage", "describe", "ensure_lineage", "lineage_path", "new_lineage", "read_lineage",
+                "refuses_writes"),
+    "links": ("Base", "base_stable_files", "choose_base", "link_verified", "load_base", "same_stored_file"),
+    "location": ("is_checkpoint_id", "open_location", "retarget"),
+    "retention": ("apply_gc", "DEFAULT_LEASE_SECONDS", "plan_gc", "remove_run", "remove_step", "retain_after_commit"),
+})

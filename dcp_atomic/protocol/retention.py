@@ -44,7 +44,7 @@ from .commit import SCAN_RETRY_SECONDS, commit_order, read_latest, read_marker, 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format.layout import (ATTEMPT, COMMITS, DATA_PREFIX_PATTERN, MARKER, RunLayout, parse_step_dir,
                              step_dir_name)
-from ..format.manifest import CONTROL_SCHEMA, Marker, _sealed_json, _unseal
+from ..format.manifest import CONTROL_SCHEMA, Marker, sealed_json, unseal
 from .._base.retry import Deadline
 
 log = logging.getLogger("dcp_atomic.retention")  # the name users filter on
@@ -439,7 +439,7 @@ def _latest_step_named(layout: RunLayout) -> int | None:
 def _read_journal(layout: RunLayout) -> list[Marker] | None:
     path = layout.storage.join(layout.run_dir, COMMITS)
     try:
-        raw = _unseal(layout.storage.read_file(path), path, "dcp_atomic.commits")
+        raw = unseal(layout.storage.read_file(path), path, "dcp_atomic.commits")
         return [Marker.from_json(Marker(**m).to_json(), where=path) for m in raw["commits"]]
     except Exception:  # noqa: BLE001 - missing, damaged or foreign: rebuilt from a scan
         return None
@@ -448,4 +448,4 @@ def _read_journal(layout: RunLayout) -> list[Marker] | None:
 def _write_journal(layout: RunLayout, markers: list[Marker]) -> None:
     body = {"kind": "dcp_atomic.commits", "schema_version": CONTROL_SCHEMA,
             "commits": [m.record() for m in sorted(markers, key=commit_order)]}
-    layout.storage.replace(layout.storage.join(layout.run_dir, COMMITS), _sealed_json(body))
+    layout.storage.replace(layout.storage.join(layout.run_dir, COMMITS), sealed_json(body))

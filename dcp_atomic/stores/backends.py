@@ -1,4 +1,4 @@
-"""Which :class:`~dcp_atomic.storage.Storage` serves a root: one table, one function.
+"""Which :class:`~dcp_atomic.stores.storage.Storage` serves a root: one table, one function.
 
 Backends sit below this module and never import it (``storage.py`` holds the
 primitives, each backend module builds on them), so there is no import cycle,

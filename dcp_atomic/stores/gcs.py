@@ -11,7 +11,7 @@ precondition on it in the same request, atomically, for every client:
   the marker it read.
 
 Every HTTP request gcsfs makes goes through one policy, the S3 backend's
-(:mod:`dcp_atomic.object_retry`), installed at gcsfs's single request function
+(:mod:`dcp_atomic.stores.object_retry`), installed at gcsfs's single request function
 in place of gcsfs's own loop (6 attempts, ~34 s, then a raw ``HttpError``, and
 no deadline: gcsfs passes ``timeout=None``, so a stalled request hung the rank):
 throttling (429), 5xx, dropped connections and stalls are retried for a time
@@ -50,7 +50,7 @@ _OBJECT_PATH = re.compile(r"(?:^|/)b/([^/?]+)/o/([^?]+)")
 
 
 class GCSErrors:
-    """What gcsfs's exceptions mean (see :class:`~dcp_atomic.object_retry.ErrorClassifier`).
+    """What gcsfs's exceptions mean (see :class:`~dcp_atomic.stores.object_retry.ErrorClassifier`).
 
     gcsfs turns most replies into ``HttpError`` with the status as ``code``, but a
     404 into ``FileNotFoundError``, a 412 into ``FileExistsError``, a 403 into

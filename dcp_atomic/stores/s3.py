@@ -22,10 +22,10 @@ type: s3fs maps the same 412 to ``FileExistsError`` on one server and to
 ``OSError(EINVAL)`` on another.
 
 Where the rest lives: the probe that proves a store enforces those conditions
-before a save writes a byte is :mod:`dcp_atomic.s3_probe`; multipart uploads
-and their cleanup are :mod:`dcp_atomic.s3_multipart`; the retry budget, stall
+before a save writes a byte is :mod:`dcp_atomic.stores.s3_probe`; multipart uploads
+and their cleanup are :mod:`dcp_atomic.stores.s3_multipart`; the retry budget, stall
 deadlines and adaptive concurrency, shared with GCS, are
-:mod:`dcp_atomic.object_retry`.  This module is the operations: one request
+:mod:`dcp_atomic.stores.object_retry`.  This module is the operations: one request
 each, classified (:class:`S3Errors`) and run under that policy.  s3fs's and
 botocore's own retry loops are switched off so there is exactly one, visible
 policy, and botocore's socket timeouts are derived from the stall deadline so
@@ -41,7 +41,7 @@ not settle it, the error says "unknown" and what to run, never "not committed".
 ``dcp_atomic_unsafe_single_writer`` (False)
     skip the probe and use unconditional PUTs (check-then-put for the marker);
     correct only if a single job ever writes the root.
-The first six are :class:`~dcp_atomic.object_retry.RetryPolicy`'s, shared with GCS:
+The first six are :class:`~dcp_atomic.stores.object_retry.RetryPolicy`'s, shared with GCS:
 
 ``dcp_atomic_retry_budget_s`` (600)
     how long one request is retried before the save fails.
@@ -65,7 +65,7 @@ The first six are :class:`~dcp_atomic.object_retry.RetryPolicy`'s, shared with G
 ``dcp_atomic_data_prefixes`` (16, 0 = off)
     how many hashed key prefixes (``<root>/_dXX/<run>/...``) a save spreads its data objects over, so
     S3 partitions them once and keeps the split for every later save; recorded in the manifest, which
-    alone decides where readers, ``verify`` and ``gc`` look (see :mod:`dcp_atomic.layout`).
+    alone decides where readers, ``verify`` and ``gc`` look (see :mod:`dcp_atomic.format.layout`).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def _add_content_md5(request, **_: Any) -> None:
 
 
 class S3Errors:
-    """What botocore / s3fs exceptions mean (see :class:`~dcp_atomic.object_retry.ErrorClassifier`)."""
+    """What botocore / s3fs exceptions mean (see :class:`~dcp_atomic.stores.object_retry.ErrorClassifier`)."""
 
     store = "S3"
 
@@ -381,7 +381,7 @@ class S3Storage(FsspecStorage):
 
     def check_commit_support(self, directory: str, *, overwrite: bool = False) -> None:
         """Before a save writes a byte: the store must enforce the conditions its commit will use, and these
-        credentials must be able to write where the data goes (see :mod:`dcp_atomic.s3_probe`)."""
+        credentials must be able to write where the data goes (see :mod:`dcp_atomic.stores.s3_probe`)."""
         require_conditional_writes(self, self.join(directory, "probe"), if_match=overwrite)  # probes in ``directory``
         data_dir = self._data_dir_of(directory)
         if data_dir is not None and not self.unsafe_single_writer:
@@ -547,7 +547,7 @@ class S3Storage(FsspecStorage):
 
         An attempt may be applied with its reply lost, and the retries then fail
         (5xx), or cancelled unanswered and applied later: "nothing committed" would
-        be a lie if the marker names this save (see :func:`~dcp_atomic.object_retry.settle_write`).
+        be a lie if the marker names this save (see :func:`~dcp_atomic.stores.object_retry.settle_write`).
         """
         try:
             self._run(self._put(path, data, **conditions))

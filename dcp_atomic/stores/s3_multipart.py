@@ -13,7 +13,7 @@ Uploads nobody completes or aborts still cost money:
 * a killed rank cannot abort its own uploads: :func:`abort_stale_uploads`
   (``dcp-atomic gc``) aborts those older than a lease.
 
-Functions here take the :class:`~dcp_atomic.s3.S3Storage` they work on; this
+Functions here take the :class:`~dcp_atomic.stores.s3.S3Storage` they work on; this
 module never imports it (s3.py imports this one).
 """
 

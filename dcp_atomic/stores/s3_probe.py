@@ -9,14 +9,14 @@ policy allows writes).  ``If-None-Match`` must hold for every save; ``If-Match``
 only to replace a marker (``overwrite=True``).
 
 Data objects may live elsewhere: under hashed prefixes ``<root>/_dXX/<run>/``
-(see :mod:`dcp_atomic.layout`), which a policy scoped to ``<root>/<run>/*``
+(see :mod:`dcp_atomic.format.layout`), which a policy scoped to ``<root>/<run>/*``
 does not cover.  So a save also writes and deletes one plain probe object where
 its data will go, and a refusal there names those prefixes and the IAM
 resource pattern instead of failing on the first data PUT.
 
 A probe that fails says why: credentials, permissions, KMS, the request
 checksum mode, or conditional writes not implemented.  Functions here take the
-:class:`~dcp_atomic.s3.S3Storage` they probe; this module never imports it.
+:class:`~dcp_atomic.stores.s3.S3Storage` they probe; this module never imports it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Writer, reader, commit protocol, manager and CLI never touch ``os`` or a cloud
 SDK for checkpoint data: they call one :class:`Storage` object built once from
-``root`` + ``storage_options`` by :func:`dcp_atomic.backends.open_storage`
+``root`` + ``storage_options`` by :func:`dcp_atomic.stores.backends.open_storage`
 (backends build on this module; it never imports them).  The variation point is
 small and explicit — how to publish a small control file:
 

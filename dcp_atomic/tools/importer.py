@@ -6,7 +6,7 @@ raw pickles (other objects), described by a pickled ``.metadata``.  Importing
 therefore copies (or hard-links) those files unchanged into a new attempt
 directory, computes the block digests from the bytes placed there, records where
 each tensor payload sits (so loads read it in place), and commits through the
-normal protocol (:func:`dcp_atomic.commit.publish`): the step then loads,
+normal protocol (:func:`dcp_atomic.protocol.commit.publish`): the step then loads,
 verifies and reshards like any other.  Everything that can be refused — no or
 undecodable ``.metadata``, foreign file names, stock extensions (compression),
 a committed step — is refused before anything is written; the source directory

@@ -3,7 +3,7 @@ size, and loads from the durable root alone."""
 
 from __future__ import annotations
 
-from dcp_atomic import failpoints
+from dcp_atomic._base import failpoints
 
 from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
 from tests.helpers.tiers import RUN, _manager, _state
@@ -25,7 +25,7 @@ def _two_per_node_of(world: int):
 
 def _save_with_a_refusing_store(ctx, step, ranks_per_node=2, options=None):
     """Save ``step`` for a durable copy while the durable store refuses every upload: it stays local-only."""
-    from dcp_atomic import drain
+    from dcp_atomic.tiers import drain
 
     drain.RETRY_BACKOFF = 0.01
 

@@ -25,7 +25,8 @@ def _run(fn, root, nodes, *args, world=WORLD, rank_env=_node_env, pg_timeout=30)
 
 
 def _manager(ctx, **kwargs):
-    from dcp_atomic import CheckpointManager, file_transfer
+    from dcp_atomic import CheckpointManager
+    from dcp_atomic.exchange import file_transfer
 
     file_transfer.CHUNK_BYTES = 64 << 10  # every replica and restore transfer crosses chunk boundaries
     local_root = kwargs.pop("local_root", ctx.extra["nodes"][ctx.rank // 2])
