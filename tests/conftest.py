@@ -34,3 +34,9 @@ def nodes():
 
     with small_tmpfs_ctx(size_kib=65536) as a, small_tmpfs_ctx(size_kib=65536) as b:
         yield [a.path, b.path]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (a stable sort: files keep their order otherwise).  Under pytest-xdist every worker then
+    ends the run on short tests, so the wall time is not set by one long test that happened to start last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

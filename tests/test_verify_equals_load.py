@@ -13,6 +13,8 @@ a load: damage there is a warning of ``verify``, not a failure (see docs/guarant
 
 from __future__ import annotations
 
+import pytest
+
 import contextlib
 import copy
 import io
@@ -74,6 +76,7 @@ def _cases(root: str, step: int, seed: str):
         yield apply
 
 
+@pytest.mark.slow
 def test_fuzz_verify_and_load_agree_on_every_one_field_change_of_every_control_file(root):
     started = time.monotonic()
     results = []
