@@ -262,7 +262,8 @@ class Manifest:
     def required_features(self) -> frozenset[str]:
         """The features this step uses, found in what it records: what a schema 5 manifest's ``requires`` lists
         (:meth:`from_json` refuses one that lists others)."""
-        used = OLD_SCHEMA_FEATURES.get(self.schema_version, (frozenset(), frozenset()))[0] & {INLINE_ITEMS}
+        meant, _ = OLD_SCHEMA_FEATURES.get(self.schema_version, (frozenset(), frozenset()))
+        used = meant & {INLINE_ITEMS}  # a shape, not a record: only schema 1's number tells it
         if self.data_prefixes:
             used |= {DATA_PREFIXES}
         if any(STABLE_FILE_PATTERN.fullmatch(f.name) for f in self.files):
