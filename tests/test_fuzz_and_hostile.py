@@ -287,7 +287,10 @@ def _craft(case: str, ck: _Checkpoint, outside: str) -> None:
         metadata.storage_data[index] = _StorageInfo(info.relative_path, info.offset, huge)
         ck.write_metadata(pickle.dumps(metadata))
     elif case == "manifest_schema_from_the_future":
-        ck.manifest["schema_version"] = 5  # 4: reuse (stable files)
+        ck.manifest["schema_version"] = 6  # 5: features named in ``requires``
+        ck.write_manifest()
+    elif case == "manifest_needs_a_feature_from_the_future":
+        ck.manifest["requires"] = ["sparse_blocks"]
         ck.write_manifest()
     elif case == "marker_schema_from_the_future":
         ck.marker["schema_version"] = 2
@@ -332,7 +335,10 @@ HOSTILE = {
     "manifest_absolute_path": ("CorruptCheckpointError", "invalid data file name"),
     "manifest_absurd_length_over_limit": ("CorruptCheckpointError", "below 2**50"),
     "manifest_and_metadata_absurd_but_plausible_length": ("CorruptCheckpointError", "__0_"),
-    "manifest_schema_from_the_future": ("CorruptCheckpointError", "schema_version 5 is not supported"),
+    "manifest_schema_from_the_future": ("CorruptCheckpointError", "schema_version 6 is not supported"),
+    "manifest_needs_a_feature_from_the_future": ("CorruptCheckpointError", "needs sparse_blocks, which this "
+                                                 "dcp_atomic does not know (it reads data_prefixes, stable_files); "
+                                                 "upgrade dcp_atomic"),
     "marker_schema_from_the_future": ("CorruptCheckpointError", "schema_version 2 is not supported"),
     "marker_names_a_foreign_manifest_path": ("CorruptCheckpointError", "foreign manifest path"),
     "marker_names_another_steps_attempt": ("CorruptCheckpointError", "names this manifest but it cannot be read"),

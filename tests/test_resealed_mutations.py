@@ -295,7 +295,8 @@ class _SealedFiles:
 
 
 def _to_prefixed_schema(root: str, step: int, prefixes: int = 4) -> None:
-    """Move a saved attempt's data under hashed prefixes and record it (schema 3, as S3 saves write it)."""
+    """Move a saved attempt's data under hashed prefixes and record it (``requires: ["data_prefixes"]``, as S3 saves
+    write it)."""
     from dcp_atomic.format.layout import data_prefix
 
     ck = Sealed(root, step)
@@ -304,7 +305,7 @@ def _to_prefixed_schema(root: str, step: int, prefixes: int = 4) -> None:
         target = os.path.join(root, data_prefix(save_id, entry["name"], prefixes), RUN, f"step_{step:010d}", save_id)
         os.makedirs(target, exist_ok=True)
         os.replace(os.path.join(ck.attempt, entry["name"]), os.path.join(target, entry["name"]))
-    ck.manifest.update(data_prefixes=prefixes, schema_version=3)
+    ck.manifest.update(data_prefixes=prefixes, requires=["data_prefixes"])
     ck.write_manifest()
 
 
@@ -372,7 +373,7 @@ SHARD_NAME = __import__("re").compile(r"manifest\.\d+\.json")
 
 
 def test_one_field_mutations_of_shards_ranks_json_and_metadata_dtypes_never_load_wrong_values(root):
-    """Every format, with data under hashed prefixes (schema 3) where the format has them (stock-readable
+    """Every format, with data under hashed prefixes where the format has them (stock-readable
     checkpoints keep data where stock DCP finds it)."""
     started = time.monotonic()
     results = []
@@ -380,7 +381,7 @@ def test_one_field_mutations_of_shards_ranks_json_and_metadata_dtypes_never_load
         _save(root, step, options)
         if fmt != "stock_readable":
             _to_prefixed_schema(root, step)
-            assert json.load(open(Sealed(root, step).manifest_path))["schema_version"] == 3
+            assert json.load(open(Sealed(root, step).manifest_path))["requires"] == ["data_prefixes"]
         assert _load(root, step)[0] == "exact", f"{fmt}: the pristine checkpoint must load"
         rng = random.Random(f"20261201/{fmt}")
         sealed = _SealedFiles(root, step)

@@ -436,32 +436,38 @@ def test_a_base_of_another_world_size_is_not_reused(tmp_path):
     assert torch.equal(out["base"], _frozen()) and out["step"] == 3
 
 
-def test_a_step_with_stable_files_is_schema_4_which_an_older_reader_refuses_as_newer_not_as_corrupt(tmp_path):
-    """Only manifests naming a stable file carry schema 4: an older dcp_atomic (reading 1-3) answers "upgrade", and
-    a schema 2 manifest that names a stable file is refused as malformed."""
+def test_a_step_with_stable_files_requires_them_by_name_and_its_schema_4_form_still_loads(tmp_path):
+    """A step that names a stable file lists ``stable_files`` in ``requires`` (a step without, nothing); the same
+    step as dcp_atomic wrote it before features had names (schema 4) still loads, with data under hashed prefixes
+    too; a manifest whose ``requires`` or number disagrees with the files it names is refused as malformed."""
     from dcp_atomic import CorruptCheckpointError
     from dcp_atomic.format import manifest as manifest_format
+    from tests.helpers.sealed import Sealed
 
     root, base = str(tmp_path), _frozen()
     for step in (1, 2):
         _save_one(root, step, base)
     with_stable = os.path.join(_attempt(root, 2), "manifest.json")
     raw = json.load(open(with_stable))
-    assert raw["schema_version"] == manifest_format.REUSE_SCHEMA
+    assert raw["schema_version"] == manifest_format.MANIFEST_SCHEMA and raw["requires"] == ["stable_files"]
     assert any(f["name"] == "__0_s0.distcp" for f in raw["files"])
-    assert json.load(open(os.path.join(_attempt(root, 1), "manifest.json")))["schema_version"] == 2  # no stable file
-    data = open(with_stable, "rb").read()
-    assert manifest_format.Manifest.from_json(data, where=with_stable).step == 2
-    with pytest.raises(CorruptCheckpointError, match="upgrade dcp_atomic"):  # what dcp_atomic 0.x reading 1-3 says
-        manifest_format._check_schema(raw, with_stable, (1, 2, manifest_format.PREFIXED_SCHEMA))
-    relabelled = json.dumps({**raw, "schema_version": 2}).encode()
-    with pytest.raises(CorruptCheckpointError, match="stable files"):
-        manifest_format.Manifest.from_json(relabelled, where=with_stable)
+    assert json.load(open(os.path.join(_attempt(root, 1), "manifest.json")))["requires"] == []  # no stable file
+    assert manifest_format.Manifest.from_json(open(with_stable, "rb").read(), where=with_stable).requires("stable_files")
+    with pytest.raises(CorruptCheckpointError, match="stable_files"):
+        manifest_format.Manifest.from_json(json.dumps({**raw, "requires": []}).encode(), where=with_stable)
+
+    schema_4 = {k: v for k, v in raw.items() if k != "requires"} | {"schema_version": 4}
+    Sealed(root, 2).write_manifest(json.dumps(schema_4).encode())  # and the marker names its digest
+    out = _load_one(root, 2)
+    assert torch.equal(out["base"], base) and torch.equal(out["adapter"], torch.full((4, 4), 2.0))
+    with pytest.raises(CorruptCheckpointError, match="stable_files"):
+        manifest_format.Manifest.from_json(json.dumps({**schema_4, "schema_version": 2}).encode(), where=with_stable)
     # an object store's reuse: schema 4 with the data under hashed prefixes (S3's default); 0 is written by omission
-    prefixed = manifest_format.Manifest.from_json(json.dumps({**raw, "data_prefixes": 16}).encode(), where=with_stable)
-    assert prefixed.data_prefixes == 16 and json.loads(prefixed.to_json())["schema_version"] == 4
+    prefixed = manifest_format.Manifest.from_json(json.dumps({**schema_4, "data_prefixes": 16}).encode(),
+                                                  where=with_stable)
+    assert prefixed.requires("data_prefixes") and json.loads(prefixed.to_json())["schema_version"] == 4
     with pytest.raises(CorruptCheckpointError, match="data_prefixes 0"):
-        manifest_format.Manifest.from_json(json.dumps({**raw, "data_prefixes": 0}).encode(), where=with_stable)
+        manifest_format.Manifest.from_json(json.dumps({**schema_4, "data_prefixes": 0}).encode(), where=with_stable)
 
 
 def test_export_of_a_step_with_linked_files_is_whole_after_its_base_steps_are_removed(tmp_path):

@@ -80,9 +80,9 @@ def test_world2_saves_spread_over_hashed_prefixes_and_load_bit_exact_whatever_th
     assert not [k for k in keys if k.startswith(attempt1) and k.endswith(".distcp")], "no data beside the manifest"
     assert f"{RUN}/step_0000000001/COMMITTED" in keys and f"{attempt1}manifest.json" in keys
     manifest1 = json.loads(s3.get(f"{attempt1}manifest.json"))
-    assert manifest1["data_prefixes"] == DEFAULT_DATA_PREFIXES and manifest1["schema_version"] == 3
+    assert manifest1["data_prefixes"] == DEFAULT_DATA_PREFIXES and manifest1["requires"] == ["data_prefixes"]
     manifest2 = json.loads(s3.get(f"{RUN}/step_0000000002/{save2}/manifest.json"))
-    assert "data_prefixes" not in manifest2 and manifest2["schema_version"] == 2, "P=0 stays readable by older tools"
+    assert "data_prefixes" not in manifest2 and manifest2["requires"] == [], "P=0: the classic place"
     assert len([k for k in keys if k.startswith(f"{RUN}/step_0000000002/{save2}/__")]) == 8
 
 
@@ -197,18 +197,24 @@ def _manifest(prefixes: int) -> Manifest:
                     shards=[ShardRef(rank=0, name="manifest.0.json", size=1, sha256="0" * 64)])
 
 
-def test_manifest_records_prefixes_under_a_schema_older_readers_refuse():
+def test_manifest_requires_data_prefixes_by_name_where_it_records_them_and_reads_schema_3():
     prefixed = json.loads(_manifest(16).to_json())
-    assert prefixed["data_prefixes"] == 16 and prefixed["schema_version"] == 3
-    assert Manifest.from_json(_manifest(16).to_json(), where="m").data_prefixes == 16
+    assert prefixed["data_prefixes"] == 16 and prefixed["schema_version"] == 5
+    assert prefixed["requires"] == ["data_prefixes"]
+    assert Manifest.from_json(_manifest(16).to_json(), where="m").requires("data_prefixes")
     classic = json.loads(_manifest(0).to_json())
-    assert "data_prefixes" not in classic and classic["schema_version"] == 2
+    assert "data_prefixes" not in classic and classic["requires"] == []
     assert Manifest.from_json(_manifest(0).to_json(), where="m").data_prefixes == 0
+    # written before features had names: schema 3 meant "data under hashed prefixes", and is written back as 3
+    schema_3 = {**{k: v for k, v in prefixed.items() if k != "requires"}, "schema_version": 3}
+    old = Manifest.from_json(json.dumps(schema_3).encode(), where="m")
+    assert old.data_prefixes == 16 and old.requires("data_prefixes") and json.loads(old.to_json()) == schema_3
     for body, problem in (({**prefixed, "data_prefixes": 0}, "data_prefixes"),
                           ({**prefixed, "data_prefixes": 257}, "data_prefixes"),
                           ({**prefixed, "data_prefixes": True}, "data_prefixes"),
                           ({k: v for k, v in prefixed.items() if k != "data_prefixes"}, "data_prefixes"),
-                          ({**classic, "data_prefixes": 16}, "data_prefixes")):
+                          ({**classic, "data_prefixes": 16}, "data_prefixes"),
+                          ({**classic, "schema_version": 3}, "data_prefixes")):
         with pytest.raises(CorruptCheckpointError, match=problem):
             Manifest.from_json(json.dumps(body).encode(), where="m")
 

@@ -109,7 +109,7 @@ def test_manifest_json_is_o_world_plus_keys_items_live_in_per_rank_shards(root):
     dcp.save(state, storage_writer=AtomicStorageWriter(root, RUN, 1, thread_count=2), no_dist=True)
     attempt = _attempt(root, RUN, 1)
     top = json.load(open(os.path.join(attempt, "manifest.json")))
-    assert top["schema_version"] == 2 and [s["name"] for s in top["shards"]] == ["manifest.0.json"]
+    assert top["schema_version"] == 5 and [s["name"] for s in top["shards"]] == ["manifest.0.json"]
     assert all("items" not in f for f in top["files"]) and all("chunks" not in r for r in top["keys"].values())
     shard = json.load(open(os.path.join(attempt, "manifest.0.json")))
     assert sum(len(f["items"]) for f in shard["files"]) == 200

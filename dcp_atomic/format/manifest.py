@@ -29,16 +29,28 @@ from .layout import (MANIFEST, STABLE_FILE_PATTERN, validate_data_file_name, val
                      validate_save_id, validate_step)
 from .parallelism import Parallelism
 
-SCHEMA_VERSION = 2
-# 3: schema 2 plus ``data_prefixes`` > 0 (data under hashed prefixes, see layout.data_prefix).  Only such manifests
-# carry 3, so a dcp_atomic that does not know where that data lives refuses it ("upgrade") instead of waiting
-# out a "missing" data file at the classic place; every other manifest stays 2, readable as before.
-PREFIXED_SCHEMA = 3
-# 4: schema 2 plus stable files (``__<rank>_s<j>.distcp``: reuse, P15), and ``data_prefixes`` > 0 where the data lies
-# under hashed prefixes (an object store's reuse).  Only manifests that name a stable file carry 4, so an older
-# dcp_atomic refuses them ("upgrade") instead of calling the file name corrupt.
-REUSE_SCHEMA = 4
-READABLE_SCHEMAS = (1, 2, PREFIXED_SCHEMA, REUSE_SCHEMA)  # 1: every item inline in manifest.json (before shards)
+# Schema 5 is the last number a feature needs: from 5 on ``requires`` names each feature a step uses that a reader
+# must know to read it, and a reader refuses a name it does not know ("this step needs X: upgrade"), as it refuses
+# a number above 5.  Before 5 a number stood for a feature, so an older dcp_atomic refused such a step as newer
+# instead of misreading it; 5 itself is such a number (older readers refuse it as they refused 3 and 4).
+MANIFEST_SCHEMA = 5
+# data under hashed prefixes (layout.data_prefix, ``data_prefixes`` > 0): a reader that looks beside the manifest
+# would wait out a "missing" data file instead of answering "upgrade"
+DATA_PREFIXES = "data_prefixes"
+# stable files (``__<rank>_s<j>.distcp``: reuse, P15): a reader that does not know the name calls it corrupt
+STABLE_FILES = "stable_files"
+FEATURES = (DATA_PREFIXES, STABLE_FILES)  # what this dcp_atomic reads, by name
+INLINE_ITEMS = "inline_items"  # schema 1's shape, never written now: every item in manifest.json, no shards
+# The one place the numbers before 5 are read: the features each one meant, and those it allowed beside them
+# (schema 4 recorded ``data_prefixes`` where an object store's reuse put the data under hashed prefixes).
+OLD_SCHEMA_FEATURES: dict[int, tuple[frozenset[str], frozenset[str]]] = {
+    1: (frozenset({INLINE_ITEMS}), frozenset()),
+    2: (frozenset(), frozenset()),
+    3: (frozenset({DATA_PREFIXES}), frozenset()),
+    4: (frozenset({STABLE_FILES}), frozenset({DATA_PREFIXES})),
+}
+READABLE_SCHEMAS = (*OLD_SCHEMA_FEATURES, MANIFEST_SCHEMA)
+SHARD_SCHEMA = 2  # manifest.<rank>.json: unchanged since shards arrived (manifest schema 2)
 CONTROL_SCHEMA = 1  # COMMITTED and LATEST: unchanged by manifest shards, so older tools still list and order steps
 SHARD_PATTERN = re.compile(r"manifest\.(\d+)\.json")
 MAX_BYTES = 1 << 50  # anything larger is a hostile or garbled size, not a real file
@@ -134,7 +146,7 @@ class ManifestShard:
     rank: int
     files: list[FileEntry]
     kind: str = "dcp_atomic.manifest_shard"
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = SHARD_SCHEMA
 
     def to_json(self) -> bytes:
         body = {k: getattr(self, k) for k in ("run_id", "step", "save_id", "rank", "kind", "schema_version")}
@@ -146,8 +158,8 @@ class ManifestShard:
     def from_json(cls, data: bytes, *, where: str) -> "ManifestShard":
         raw = _load_json(data, where)
         _expect(raw.get("kind") == "dcp_atomic.manifest_shard", where, "not a dcp_atomic manifest shard")
-        _expect(raw.get("schema_version") == SCHEMA_VERSION, where,
-                f"shard schema_version {raw.get('schema_version')!r} is not {SCHEMA_VERSION}")
+        _expect(raw.get("schema_version") == SHARD_SCHEMA, where,
+                f"shard schema_version {raw.get('schema_version')!r} is not {SHARD_SCHEMA}")
         try:
             rank = _nonneg(raw["rank"])
             files = [FileEntry(name=validate_data_file_name(f["name"]), rank=rank, size=_nonneg(f["size"]),
@@ -218,17 +230,17 @@ class Manifest:
     # chunk is stored as .metadata plans it.  A load refuses a shard item whose dtype this does not allow (a
     # relabel after the commit would load reinterpreted bytes).  None: written before it was recorded, unchecked.
     stored_dtypes: dict[str, list[str]] | None = None
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = MANIFEST_SCHEMA  # a manifest read keeps its own number, and writes it back (``show``)
     kind: str = "dcp_atomic.manifest"
 
     def to_json(self) -> bytes:
-        if self.schema_version >= 2:  # field by field: asdict would deep-copy every item of every shard
+        if self.requires(INLINE_ITEMS):
+            body = asdict(self)
+            del body["shards"]
+        else:  # field by field: asdict would deep-copy every item of every shard
             body = {f.name: getattr(self, f.name) for f in fields(self)}
             body["files"] = [{"name": f.name, "rank": f.rank, "size": f.size} for f in self.files]
             body["shards"] = [asdict(ref) for ref in self.shards]
-        else:
-            body = asdict(self)
-            del body["shards"]
         if self.ranks_file is None:
             del body["ranks_file"]
         else:  # in ranks.json
@@ -237,13 +249,27 @@ class Manifest:
             del body["user_metadata"]
         if self.stored_dtypes is None:
             del body["stored_dtypes"]
-        if self.data_prefixes:
-            body["schema_version"] = PREFIXED_SCHEMA
-        else:
-            del body["data_prefixes"]  # absent = 0: the classic layout, byte for byte as before
-        if any(STABLE_FILE_PATTERN.fullmatch(f.name) for f in self.files):
-            body["schema_version"] = REUSE_SCHEMA
+        if not self.data_prefixes:
+            del body["data_prefixes"]  # absent = 0: the classic layout
+        if self.schema_version == MANIFEST_SCHEMA:  # an older number implies its features (OLD_SCHEMA_FEATURES)
+            body["requires"] = sorted(self.required_features())
         return _readable_json(body)
+
+    def requires(self, feature: str) -> bool:
+        """Whether a reader must know ``feature`` (:data:`FEATURES`, or schema 1's :data:`INLINE_ITEMS`) to read
+        this step: what code asks instead of comparing schema numbers."""
+        return feature in self.required_features()
+
+    def required_features(self) -> frozenset[str]:
+        """The features this step uses, found in what it records: what a schema 5 manifest's ``requires`` lists
+        (:meth:`from_json` refuses one that lists others)."""
+        meant, _ = OLD_SCHEMA_FEATURES.get(self.schema_version, (frozenset(), frozenset()))
+        used = meant & {INLINE_ITEMS}  # a shape, not a record: only schema 1's number tells it
+        if self.data_prefixes:
+            used |= {DATA_PREFIXES}
+        if any(STABLE_FILE_PATTERN.fullmatch(f.name) for f in self.files):
+            used |= {STABLE_FILES}
+        return used
 
     def shard_of(self, rank: int) -> ShardRef | None:
         return next((s for s in self.shards if s.rank == rank), None)
@@ -279,7 +305,8 @@ class Manifest:
         raw = _load_json(data, where)
         _expect(raw.get("kind") == "dcp_atomic.manifest", where, "not a dcp_atomic manifest")
         _check_schema(raw, where, READABLE_SCHEMAS)
-        inline = raw["schema_version"] == 1
+        declared, allowed = _declared_features(raw, where)
+        inline = INLINE_ITEMS in declared
         try:
             files = [
                 FileEntry(
@@ -317,10 +344,10 @@ class Manifest:
                 schema_version=raw["schema_version"],
             )
             manifest.extent_index()  # one item per (key, chunk offset)
-            stable = [f.name for f in files if STABLE_FILE_PATTERN.fullmatch(f.name)]
-            if bool(stable) != (raw["schema_version"] == REUSE_SCHEMA):
-                raise ValueError(f"stable files {stable} in a schema {raw['schema_version']} manifest (exactly "
-                                 f"schema {REUSE_SCHEMA} manifests name them)")
+            used = manifest.required_features()
+            if not declared <= used <= declared | allowed:
+                raise ValueError(f"its records use features {sorted(used)}, its schema {raw['schema_version']} says "
+                                 f"{sorted(declared)}" + (f" (and allows {sorted(allowed)})" if allowed else ""))
             if not inline:
                 _check_shard_refs(manifest)
             return manifest
@@ -391,18 +418,30 @@ def _file_ref(value: Any, name: str) -> dict[str, Any]:
     return {"name": name, "size": _nonneg(raw["size"]), "sha256": raw["sha256"]}
 
 
+def _declared_features(raw: dict, where: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(the features a manifest says it uses, those it may use beside them): its ``requires`` from schema 5 on, the
+    meaning of its number before.  A name this dcp_atomic does not know is refused by name, before the rest is
+    read: such a step is newer, not corrupt."""
+    version = raw["schema_version"]
+    if version in OLD_SCHEMA_FEATURES:
+        return OLD_SCHEMA_FEATURES[version]
+    names = raw.get("requires")
+    _expect(isinstance(names, list) and all(isinstance(n, str) for n in names) and len(set(names)) == len(names),
+            where, f"requires {names!r} is not a list of distinct feature names")
+    unknown = [n for n in names if n not in FEATURES]
+    _expect(not unknown, where, f"this step needs {', '.join(unknown)}, which this dcp_atomic does not know (it "
+            f"reads {', '.join(FEATURES)}); upgrade dcp_atomic to read it")
+    return frozenset(names), frozenset()
+
+
 def _data_prefixes(raw: dict) -> int:
-    """Present and > 0 in every schema 3 manifest and in schema 4 manifests whose data lies under hashed prefixes;
-    absent (0) everywhere else."""
-    schema = raw["schema_version"]
-    if schema not in (PREFIXED_SCHEMA, REUSE_SCHEMA) or (schema == REUSE_SCHEMA and "data_prefixes" not in raw):
-        if "data_prefixes" in raw:
-            raise ValueError(f"data_prefixes in a schema {schema} manifest (only schemas {PREFIXED_SCHEMA} and "
-                             f"{REUSE_SCHEMA} record them)")
+    """Present and > 0 where the data lies under hashed prefixes, absent (0) everywhere else; which schemas may
+    record it is :data:`OLD_SCHEMA_FEATURES`' and ``requires``' to say."""
+    if "data_prefixes" not in raw:
         return 0
     prefixes = validate_data_prefixes(raw["data_prefixes"])
     if not prefixes:
-        raise ValueError(f"data_prefixes 0 in a schema {schema} manifest (0 is written by leaving it out)")
+        raise ValueError("data_prefixes 0 (0 is written by leaving it out)")
     return prefixes
 
 

@@ -50,7 +50,8 @@ from ..errors import (CheckpointError, CheckpointNotFoundError, CommitConflictEr
                      IncompleteStepError, StorageError)
 from ..format.integrity import sha256_hex
 from ..format.layout import ATTEMPT, DCP_METADATA, MANIFEST, RunLayout, parse_step_dir
-from ..format.manifest import RANKS_FILE, Latest, Manifest, ManifestShard, Marker, RankRecords, ShardRef, now, shard_name
+from ..format.manifest import (INLINE_ITEMS, RANKS_FILE, Latest, Manifest, ManifestShard, Marker, RankRecords, ShardRef,
+                               now, shard_name)
 from .._base.retry import REREAD_SECONDS, Deadline, retry_until
 from ..version import __version__
 
@@ -190,7 +191,7 @@ def missing_files(manifest: Manifest, evidence: Evidence) -> list[tuple[int, str
     """(rank, name) of each file ``manifest`` names (every rank's data files and manifest shards, and a shard for
     each of its ``world_size`` ranks) that ``evidence`` does not hold."""
     named = [(f.rank, f.name) for f in manifest.files] + [(s.rank, s.name) for s in manifest.shards]
-    if manifest.schema_version >= 2:
+    if not manifest.requires(INLINE_ITEMS):  # schema 1 had no shards
         named += [(r, shard_name(r)) for r in range(manifest.world_size) if manifest.shard_of(r) is None]
     seen: set[str] = set()
     missing = []
@@ -229,7 +230,7 @@ def publish_shard(layout: RunLayout, shard: ManifestShard) -> ShardRef:
 
 def write_shards(layout: RunLayout, manifest: Manifest) -> None:
     """Shards for a manifest built with its items inline (``import``): one per rank, named in ``manifest.shards``."""
-    if manifest.shards or manifest.schema_version < 2:
+    if manifest.shards or manifest.requires(INLINE_ITEMS):
         return
     manifest.shards = [
         publish_shard(layout, ManifestShard(layout.run_id, manifest.step, manifest.save_id, r,
@@ -241,7 +242,7 @@ def write_shards(layout: RunLayout, manifest: Manifest) -> None:
 def write_rank_records(layout: RunLayout, manifest: Manifest) -> None:
     """Write the manifest's per-rank identities and statistics to ``ranks.json``, which the manifest then seals
     (its JSON form leaves them out)."""
-    if manifest.ranks_file is not None or manifest.schema_version < 2:
+    if manifest.ranks_file is not None or manifest.requires(INLINE_ITEMS):
         return
     data = RankRecords(manifest.ranks, manifest.stats).to_json()
     layout.storage.publish(layout.attempt_file(manifest.step, manifest.save_id, RANKS_FILE), data)
