@@ -19,6 +19,9 @@ Lifecycle, as DCP calls it (names follow DCP's hooks):
 Tensor items are raw blocks by default (:mod:`.codec`: the faster format, optionally
 zstd-compressed); with ``stock_readable=True`` they are ``torch.save`` containers, exactly
 as stock DCP writes them, so torch's own ``FileSystemReader`` can open an attempt directory.
+
+Why one module of about 570 lines: DCP's save hooks in the order DCP calls them, read top-down; one rank's file
+writing is :mod:`.rank_write`, the checks are :mod:`.identity` and :mod:`.reshard`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,12 @@ Schema 2 (P12): ``manifest.json`` holds O(world + keys) — identities, layout,
 per-key records, the file list and one ``ShardRef`` (name, size, sha256) per
 rank — and each rank's own ``manifest.<rank>.json`` holds its items and block
 digests, so a loading rank reads the top manifest plus the shards of the files
-it reads.  Schema 1 (every item inline in ``manifest.json``) is still read.
+it reads.  Schema 1 (every item inline in ``manifest.json``) is still read.  Since schema 5 a manifest names the
+features a reader needs (``requires``: ``data_prefixes``, ``stable_files``) and an unknown one is refused by name;
+schemas 2-4 are read by their old meaning (:data:`OLD_SCHEMA_FEATURES`, the one place that says it).
+
+Why one module of about 800 lines: the on-disk records and their strict parsers side by side, so a field's writer
+and its validator are a screen apart; plain data, no I/O.
 """
 
 from __future__ import annotations

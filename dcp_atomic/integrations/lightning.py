@@ -47,6 +47,9 @@ Both packages work: ``AtomicModelParallelStrategy`` is built over ``pytorch_ligh
 (over ``lightning.pytorch``'s where only that is installed), ``LightningAtomicModelParallelStrategy`` over
 ``lightning.pytorch``'s.  ``LightningModule.load_from_checkpoint`` on one of these files needs
 the module to mix in :class:`AtomicCheckpointHooks` (Lightning calls no strategy there).
+
+Why one module of about 670 lines: one integration, one module (as torchtitan's and Accelerate's): the strategy, its
+hooks and the pointer files, for both Lightning packages and both tiers.
 """
 
 from __future__ import annotations

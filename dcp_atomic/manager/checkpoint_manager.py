@@ -30,6 +30,10 @@ What it adds over the storage writer and reader:
 
 What one tier or two change is a policy picked once, in ``__init__`` (:mod:`.tiering`: ``DurableOnly``;
 :mod:`.two_tier`: the local tier and its drain), which each operation consults at fixed points.
+
+Why one module of about 780 lines: the public class, read end to end by users; scheduling, liveness, retention and
+the tiers are collaborators (:mod:`.tiering`, :mod:`.two_tier`, :mod:`dcp_atomic.exchange.liveness`,
+:mod:`dcp_atomic.protocol.retention`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ The rules live in :mod:`dcp_atomic.tiers` (what a local commit, a drain, a resto
 schedules them for the manager: which step is queued for the drain, what local retention must keep, which tier a
 load reads.  :class:`TwoTier` gets what it uses of its manager as a :class:`~.tiering.TierContext` (the settings,
 the groups, the manager's rank agreement and reporting), so both tiers report through one place.
+
+Why one module of about 600 lines: one class, the local tier's schedule for the manager (saves, the drain's queue,
+restores, retention, lineage); the rules it schedules are in :mod:`dcp_atomic.tiers`.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ manifest hashes to the digest it names; shards are read only when needed
 (:meth:`Committed.load_items`), each checked against the digest the manifest names.  A file that is not visible yet is
 waited for until the deadline; one that is visible but damaged gets a short
 re-read and is then reported (P9).
+
+Why one module of about 700 lines: the steps every committer shares and the readers of what they write (marker,
+``LATEST``), together so the sequence reads once, in order.
 """
 
 from __future__ import annotations

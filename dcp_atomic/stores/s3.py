@@ -66,6 +66,10 @@ The first six are :class:`~dcp_atomic.stores.object_retry.RetryPolicy`'s, shared
     how many hashed key prefixes (``<root>/_dXX/<run>/...``) a save spreads its data objects over, so
     S3 partitions them once and keeps the split for every later save; recorded in the manifest, which
     alone decides where readers, ``verify`` and ``gc`` look (see :mod:`dcp_atomic.format.layout`).
+
+Why one module of about 700 lines: the S3 operations behind the storage protocol; the retry budget, multipart
+hygiene and the conditional-write probe are apart already (:mod:`.object_retry`, :mod:`.s3_multipart`,
+:mod:`.s3_probe`).
 """
 
 from __future__ import annotations

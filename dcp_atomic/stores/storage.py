@@ -20,6 +20,10 @@ Plain paths and ``file://`` URLs take the direct POSIX path (:class:`LocalStorag
 other protocol, including a user's own fsspec filesystem, goes through the
 fsspec object (:class:`FsspecStorage`), with a warning naming what is lost
 (fsync, exclusive ``link()``) when that filesystem is a local-style one.
+
+Why one module of about 530 lines: the protocol and its two implementations that need no SDK (POSIX, any fsspec
+filesystem) side by side, so each rule (publish, link, exclusive create) reads once per backend; the object stores
+live in modules of their own.
 """
 
 from __future__ import annotations
