@@ -53,7 +53,7 @@ from .identity import check_identities, default_thread_count, local_identity
 from .rank_write import RankStats, RankWrite, StoredForm, storage_error
 from .._base.gc_pause import STORAGE, hook, leave
 from ..format.integrity import BLOCK_SIZE, sha256_hex
-from ..format.layout import checked_checkpoint_id, new_save_id, no_location_error, validate_step
+from ..format.layout import DCP_METADATA, checked_checkpoint_id, new_save_id, no_location_error, validate_step
 from ..protocol.location import is_checkpoint_id, open_location, retarget
 from ..protocol.links import choose_base, load_base
 from ..format.manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, check_user_metadata, now
@@ -497,7 +497,7 @@ class AtomicStorageWriter(StorageWriter):
             # manifest's own (check_identities refused any other), hosts are in ``ranks``, files in ``files``
             ranks=[{k: v for k, v in ident.items() if k != "parallelism"} for ident in self._identities],
             files=sorted(files, key=lambda f: (f.rank, f.name)),
-            dcp_metadata={"name": ".metadata", "size": len(metadata_bytes), "sha256": sha256_hex(metadata_bytes)},
+            dcp_metadata={"name": DCP_METADATA, "size": len(metadata_bytes), "sha256": sha256_hex(metadata_bytes)},
             versions={"dcp_atomic": __version__, "torch": torch.__version__},
             started_at=self._started_at,
             written_at=now(),

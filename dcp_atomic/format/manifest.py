@@ -30,8 +30,8 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from .integrity import sha256_hex
 from ..version import __version__
-from .layout import (MANIFEST, STABLE_FILE_PATTERN, validate_data_file_name, validate_data_prefixes, validate_run_id,
-                     validate_save_id, validate_step)
+from .layout import (DCP_METADATA, MANIFEST, STABLE_FILE_PATTERN, validate_data_file_name, validate_data_prefixes,
+                     validate_run_id, validate_save_id, validate_step)
 from .parallelism import Parallelism
 
 # Schema 5 is the last number a feature needs: from 5 on ``requires`` names each feature a step uses that a reader
@@ -324,7 +324,7 @@ class Manifest:
             ]
             shards = [] if inline else [_shard_ref(s) for s in _list(raw["shards"])]
             meta = _dict(raw["dcp_metadata"])
-            _expect(meta["name"] == ".metadata", where, "dcp_metadata.name must be .metadata")
+            _expect(meta["name"] == DCP_METADATA, where, f"dcp_metadata.name must be {DCP_METADATA}")
             _nonneg(meta["size"])
             _expect(isinstance(meta["sha256"], str) and len(meta["sha256"]) == 64, where, "bad sha256")
             manifest = cls(
