@@ -158,6 +158,34 @@ def test_exit_without_close_names_a_failed_drain_and_what_the_next_job_does(tmp_
     assert glob.glob(str(tmp_path / "node0" / "run1" / "step_0000000007"))
 
 
+HEARTBEAT_AT_EXIT = textwrap.dedent('''
+    import atexit, threading
+    from datetime import timedelta
+    import torch.distributed as dist
+    from dcp_atomic.exchange.liveness import Heartbeat
+
+    def still_beating():  # registered first, so it runs last: after every handler dcp_atomic registered
+        alive = [t.name for t in threading.enumerate() if t.name == "dcp-atomic-heartbeat" and t.is_alive()]
+        print("BEATING AT FINALIZATION:", alive, flush=True)
+
+    atexit.register(still_beating)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    heartbeat = Heartbeat(store, "job", 0, [0], timeout=0.4)  # a manager never closed leaves it so
+''')
+
+
+def test_a_heartbeat_never_closed_is_stopped_before_the_interpreter_finalizes(tmp_path):
+    """A daemon thread still inside a store call at finalization is ended by force through a C++ frame and the
+    process aborts ("terminate called without an active exception") after a save that succeeded: the exit without
+    close() above did so under load.  The heartbeat's thread must be gone before finalization."""
+    script = tmp_path / "beat.py"
+    script.write_text(HEARTBEAT_AT_EXIT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "BEATING AT FINALIZATION: []" in done.stdout, done.stdout + done.stderr
+
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 

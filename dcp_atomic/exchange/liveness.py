@@ -25,9 +25,11 @@ still read them: those few bytes die with the job's store).
 
 from __future__ import annotations
 
+import atexit
 import socket
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from ..errors import RankFailureError
@@ -38,6 +40,13 @@ STORE_SILENT = "0 (the rendezvous store on global rank 0 does not answer: rank 0
 
 class _StoreSilent(Exception):
     """The store (global rank 0) failed or stopped answering."""
+
+
+def _stop_at_exit(heartbeat: "weakref.ref[Heartbeat]") -> None:
+    """atexit: a manager never closed leaves its heartbeat running; stop it before the interpreter finalizes."""
+    alive = heartbeat()
+    if alive is not None:
+        alive.stop()
 
 
 class Heartbeat:
@@ -54,6 +63,9 @@ class Heartbeat:
         self._publishers: list[Callable[[], None]] = []  # called on every beat (:meth:`on_beat`)
         self._thread = threading.Thread(target=self._beat, name="dcp-atomic-heartbeat", daemon=True)
         self._thread.start()
+        # Registered after the manager's groups and before its tier's exit wait (atexit runs last-in first-out): a
+        # drain waited for at exit still beats, and the thread is stopped before the interpreter finalizes.
+        atexit.register(_stop_at_exit, weakref.ref(self))
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/heartbeat/{rank}"
@@ -90,9 +102,17 @@ class Heartbeat:
             self._nudge.wait(self.timeout / BEATS_PER_TIMEOUT)
             self._nudge.clear()
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Stop beating and wait for the thread (at most ``timeout``): a daemon thread still inside a store call
+        when the interpreter finalizes is ended there by force, through the C++ frame that releases the GIL, and
+        the process aborts ("terminate called without an active exception") after a save that succeeded."""
         self._stop.set()
         self._nudge.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.timeout)
+
+    def close(self) -> None:
+        self.stop()
         self.bounded(lambda: self.store.delete_key(self._key(self.rank)), quiet=True)
 
     def bounded(self, call: Callable[[], Any], quiet: bool = False) -> Any:
