@@ -198,8 +198,7 @@ class Drainer:
         endpoint that stopped answering, a commit that does not return -- raise :class:`DrainStalledError` naming the
         step, the store and the verdict every rank shares (:mod:`~..exchange.stall`): not durable (no marker follows),
         unknown (rank 0 was writing the marker), or durable (rank 0 wrote it, then did not hand out the outcome).
-        Drains then stop until the job restarts (the stuck thread is left to its store or its collective; a later
-        submit or wait reports this failure)."""
+        Drains then stop until the job restarts (the stuck thread is left to its store; later calls report it)."""
         idle = lambda: not self._has_work() and self._inflight is None  # noqa: E731
         if self._verdict is not None and self.busy():  # still stuck: the same verdict, at once
             raise self._verdict
@@ -212,8 +211,7 @@ class Drainer:
                     failure, self._failure = self._failure, None
                     break
                 job = self._inflight
-            # outside the lock: it may wait for the store
-            verdict = self.clock.check(job.key if job is not None else None)
+            verdict = self.clock.check(job and job.key)  # outside the lock: it may wait for the store
             if verdict is not None:
                 with self._cond:
                     if idle():  # finished meanwhile: its outcome is the verdict
