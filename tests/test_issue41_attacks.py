@@ -106,13 +106,41 @@ def _frozen_rank_0(ctx):
 def test_a_frozen_rank_0_ends_every_waiter_at_the_stall_deadline_saying_unknown(nodes, tmp_path):
     """Global rank 0 freezes (``SIGSTOP``) just before its durable marker: the store answers no one.  Rank 1's
     ``wait()`` says "unknown" within the deadline and one poll, not after waiting for the store a second time."""
-    outcomes = run_world(_frozen_rank_0, 2, str(tmp_path / "durable"), rank_env=_one_node_each, extra={"nodes": nodes}, timeout=90, pg_timeout=60, wait_for=[1])
+    outcomes = run_world(_frozen_rank_0, 2, str(tmp_path / "durable"), rank_env=_one_node_each,
+                         extra={"nodes": nodes}, timeout=90, pg_timeout=60, wait_for=[1])
     outcome = outcomes[1]
-    assert outcome.ok, outcome
+    assert outcome.error_type is None, outcome  # its answer (its exit, with a frozen peer, is not what is tested)
     kind, seconds, said_durable, message = outcome.value
     assert kind == "DrainStalledError" and said_durable is None, (kind, message)
     assert "rendezvous store on global rank 0 does not answer" in message, message
     assert STALL <= seconds < STALL + 3.5, (seconds, message)  # before: about twice the deadline
+
+
+def _dead_peer(ctx):
+    from dcp_atomic import CheckpointManager
+
+    failpoints.arm("drain.before_upload", "kill", rank=1)  # rank 1 dies mid-drain (SIGKILL)
+    manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
+    manager.save(1, {f"w{ctx.rank}": torch.arange(4096.0) + ctx.rank})
+    started = time.monotonic()
+    try:
+        manager.wait()
+    except Exception as e:  # noqa: BLE001 - what it raised is the result
+        return type(e).__name__, time.monotonic() - started, str(e)
+    return "returned", time.monotonic() - started, ""
+
+
+def test_a_peer_killed_mid_drain_fails_wait_on_rank_0_within_the_deadline_and_leaves_no_marker(nodes, tmp_path):
+    """Rank 1 is killed before its upload: rank 0's ``wait()`` fails within the stall deadline (the drain group's
+    broken collective, not its timeout), saying no durable marker was written, and there is none."""
+    durable = str(tmp_path / "durable")
+    outcomes = run_world(_dead_peer, 2, durable, rank_env=_one_node_each, extra={"nodes": nodes}, timeout=90,
+                         pg_timeout=60, wait_for=[0])
+    assert outcomes[0].error_type is None, outcomes[0]
+    kind, seconds, message = outcomes[0].value
+    assert kind != "returned" and seconds < STALL + 3, (kind, seconds, message)
+    assert "no durable marker was written for step 1" in message or "will be written" in message, message
+    assert not _marker_of(durable, 1)
 
 
 def _gc_under_the_commit(ctx):
