@@ -240,4 +240,5 @@ def test_a_save_after_the_durable_store_froze_does_not_hang_on_the_durable_pendi
     assert seen["drain"] == "StorageError", seen
     assert seen["save_seconds"] < STALL + 3, seen  # before: until the store was thawed (4 stall periods)
     assert seen["both_seconds"] < STALL + 6, seen  # the second save does not wait again
-    assert [name for name in seen["local"] if name.startswith("step_")] == ["step_0000000001", "step_0000000003"], seen  # step 1 kept past keep_local=1: not known to be durable
+    steps = [name for name in seen["local"] if name.startswith("step_")]
+    assert steps == ["step_0000000001", "step_0000000003"], seen  # step 1 kept past keep_local=1: not known durable  # step 1 kept past keep_local=1: not known to be durable
