@@ -12,14 +12,15 @@ collectives hang; :mod:`.liveness` keeps the heartbeat there):
   reads that one key (O(1) per poll, whatever the world).  Every rank thus measures the same thing: when the whole
   drain last moved, by its own monotonic clock (hosts' clocks are never compared).
 * **The verdict is claimed once.**  A waiter whose clock runs out claims ``stalled`` with one compare-and-set; global
-  rank 0 claims ``commit`` the same way just before it creates a durable marker, and after it leaves the name of the
-  step it committed (``committed:<key>``), never an empty cell: a waiter that looked before the marker and claims
-  after it finds the cell changed, and its claim fails.  Whoever is first wins.  After ``stalled``, this job writes
+  rank 0 claims ``commit`` the same way just before it creates a durable marker, and once the marker is written
+  leaves the step's name in the cell (``committed:<key>``), never an empty cell: a waiter that looked before the
+  marker and claims after it finds the cell changed, and its claim fails.  Whoever is first wins.  After ``stalled``, this job writes
   no marker of the step (rank 0 sees the claim and abandons it), so every rank can say "not durable" and mean it.
   After ``commit``, the marker is being written: waiters give it one more stall period, then say "unknown"
   (``dcp-atomic ls`` tells); a cell naming the step a waiter waits for says it is durable, and the waiter gives rank
   0 one more period to hand out the outcome, then says "durable".  A store that does not answer (global rank 0 dead
-  or frozen) is "unknown" too, said once the counter's read went unanswered (no second wait for the store).
+  or frozen) is "unknown" too, said as soon as one read of the counter went unanswered for the store's bound (the
+  manager's timeout, which is the stall deadline): never a second wait for the store.
 
 A world of one (or a manager without a store) keeps the same rules in process memory.
 """
@@ -141,10 +142,13 @@ class StallClock:
         :data:`DURABLE` (rank 0 committed ``waiting_for``, the key of the job this rank waits for, and did not hand
         out the outcome within one more period) or :data:`SILENT` (the store, hosted by global rank 0, does not
         answer)."""
-        if self.stall is None or self.quiet() < self.stall:
+        if self.stall is None:
             return None
-        if self._silent:  # the read just waited the store's bound: the verdict is known, no second wait
+        quiet = self.quiet()
+        if self._silent:  # unanswered for the store's whole bound (the manager's timeout, this deadline): no 2nd wait
             return SILENT
+        if quiet < self.stall:
+            return None
         cell = self._board.compare_set("", "")  # reads the cell
         if cell is None:
             return SILENT
