@@ -58,7 +58,7 @@ def test_a_waiter_cannot_claim_stalled_over_a_marker_placed_since_it_last_looked
     claims, writes and finishes its marker before the waiter's claim lands.  The waiter finds its step named
     committed: no "stalled" claim, one more period, then "durable" if the outcome never comes.  A waiter of another
     job may still claim "stalled", and then rank 0's next commit is refused."""
-    from dcp_atomic.exchange.stall import StallClock
+    from dcp_atomic.exchange import StallClock
 
     clock = StallClock(0.05)
     clock.start_waiting()
