@@ -17,7 +17,9 @@ import contextlib
 import errno
 import logging
 import os
+import threading
 import weakref
+from concurrent.futures import Future, wait as wait_for
 from typing import Any
 
 import torch.distributed as dist
@@ -78,6 +80,7 @@ class TwoTier(TierPolicy):
         self._last_undrained: tuple[int, Marker] | None = None  # the newest local save not queued for the drain
         self.drainer: Drainer | None = None
         self._durable_saves: set[str] = set()  # rank 0: save ids known to be in the durable root (_durable_pending)
+        self._durable_reads: dict[str, Future] = {}  # rank 0: save id -> is it in the durable root (_known_durable)
         self._drained_sequence = 0  # rank 0: the newest commit sequence this manager drained (supersedes older)
         self._requeues: dict[str, tuple[int, int]] = {}  # rank 0: save id -> (times queued again, at which save)
         self._held_back: int | None = None  # every rank: the durable-pending step retention kept at the last commit
@@ -264,16 +267,34 @@ class TwoTier(TierPolicy):
             return None, False  # durable, or a newer durable step supersedes it
         if newest.step in queued:
             return newest, False  # the drain carries it
-        again = may_queue and not queued and self._queue_again_due(newest.save_id)
-        if again or newest.save_id not in self._requeues:  # not asked since its last drain here failed: read
-            try:
-                durable = read_marker(ctx.layout, newest.step, Deadline(ctx.timeout), missing_ok=True)
-                if durable.save_id == newest.save_id:
-                    self._durable_saves.add(newest.save_id)  # one durable read per drained step, not per save
-                    return None, False
-            except (FileNotFoundError, CheckpointError, OSError):
-                pass
-        return newest, again
+        due = may_queue and not queued and self._queue_again_due(newest.save_id)
+        durable = self._known_durable(newest, again=due)
+        if durable:
+            self._durable_saves.add(newest.save_id)
+            return None, False
+        return newest, due and durable is False  # not known yet (the durable store does not answer): kept, not queued
+
+    def _known_durable(self, marker: Marker, again: bool) -> bool | None:
+        """Rank 0: whether the durable root holds ``marker``'s save (None: not known yet), read on a thread of its
+        own once per save id (``again``: once more), because a save must not hang on a durable store that froze (a
+        hung NFS server): it waits for the answer at most the stall deadline, once; later saves look without
+        waiting."""
+        ctx, read = self._ctx, self._durable_reads.get(marker.save_id)
+        if read is not None and again and read.done() and read.result() is False:
+            read = None  # queued again: look again (a drain whose outcome was unknown may have committed it)
+        if read is None:
+            read = self._durable_reads[marker.save_id] = Future()
+
+            def look() -> None:
+                try:
+                    held = read_marker(ctx.layout, marker.step, Deadline(ctx.timeout), missing_ok=True)
+                    read.set_result(held.save_id == marker.save_id)
+                except Exception:  # noqa: BLE001 - missing or unreadable: not durable (_durable_pending)
+                    read.set_result(False)
+
+            threading.Thread(target=look, name="dcp-atomic-durable-read", daemon=True).start()
+            wait_for([read], timeout=ctx.timeout)
+        return read.result() if read.done() else None
 
     def _queue_again_due(self, save_id: str) -> bool:
         """Rank 0: a durable-pending step is queued again at the first save that finds the drain idle, then after
