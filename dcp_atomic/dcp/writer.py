@@ -153,15 +153,13 @@ class AtomicStorageWriter(StorageWriter):
         reuse: bool = False,
     ) -> None:
         super().__init__()
-        if compression not in (None, "zstd"):
-            raise ConfigurationError(f"compression must be None or 'zstd', got {compression!r}")
+        arguments.choice("AtomicStorageWriter(compression=...)", compression, (None, "zstd"))
         if stock_readable and compression is not None:
             raise ConfigurationError(
                 "stock_readable=True cannot be compressed: torch's FileSystemReader only reads torch.save "
                 "containers; use compression=None, or stock_readable=False"
             )
-        if parallelism is not None and not isinstance(parallelism, Parallelism):
-            raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
+        arguments.instance("AtomicStorageWriter(parallelism=...)", parallelism, Parallelism, "a dcp_atomic.Parallelism")
         thread_count = arguments.count("AtomicStorageWriter(thread_count=...)", thread_count)
         timeout = arguments.seconds("AtomicStorageWriter(timeout=...)", timeout)
         overwrite = arguments.flag("AtomicStorageWriter(overwrite=...)", overwrite)
@@ -173,7 +171,7 @@ class AtomicStorageWriter(StorageWriter):
         self.storage, self.layout = open_location(root, run_id, storage_options)
         if self.reuse and self.storage is not None:  # without a location yet: checked where reset() gives one
             _reuse.refuse_unsupported(self.storage, compression=compression, stock_readable=stock_readable)
-        self.step = None if step is None else validate_step(step)
+        self.step = None if step is None else validate_step(step, "AtomicStorageWriter(step=...)")
         self.parallelism = parallelism
         self.compression = compression
         self.compression_level = compression_level

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._base import arguments
 from ..errors import ConfigurationError
 from .storage import FsspecStorage, LocalStorage, Storage
 
@@ -63,10 +65,8 @@ _LOCAL_OPTIONS = {"auto_mkdir", "skip_instance_cache", "use_listings_cache", "li
 
 def open_storage(root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Storage:
     """Pick the backend once, from the root's form; callers never ask which it is."""
-    if isinstance(root, os.PathLike):
-        root = os.fspath(root)
-    if not isinstance(root, str) or not root:
-        raise ValueError(f"root must be a non-empty path or URL, got {root!r}")
+    root = arguments.location("root", root)
+    arguments.instance("storage_options", storage_options, Mapping, "a dict of fsspec options")
     if "://" not in root:
         return LocalStorage(root)
     backend = BACKENDS.get(root.split("://", 1)[0])
