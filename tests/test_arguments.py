@@ -13,6 +13,7 @@ import pickle
 import pytest
 
 import dcp_atomic
+from dcp_atomic.stores.backends import register_backend
 from dcp_atomic import (ArgumentError, ArgumentTypeError, AtomicSavePlanner, AtomicStorageReader, AtomicStorageWriter,
                         Callbacks, CheckpointError, CheckpointManager, LocalTierOptions, Parallelism, latest_step,
                         list_steps, resume_point)
@@ -91,6 +92,8 @@ CASES = [
     (lambda root: latest_step(root, RUN, repair="no"), "repair", "no", True),
     (lambda root: latest_step(root, None), "run_id", None, True),
     (lambda root: resume_point(root, RUN, -1), "step", -1, False),
+    (lambda root: register_backend("team://", "team_sdk:Store"), "scheme", "team://", False),
+    (lambda root: register_backend("team", "team_sdk.Store"), "target", "team_sdk.Store", False),
 ]
 
 

@@ -46,7 +46,7 @@ from .._base import arguments, internals
 from ..protocol import commit
 from .._base import failpoints
 from ..protocol.catalog import DEFAULT_TIMEOUT
-from ..errors import ConfigurationError, RankConsistencyError
+from ..errors import ArgumentError, ConfigurationError, RankConsistencyError
 from . import plan_cache
 from . import reuse as _reuse
 from .identity import check_identities, default_thread_count, local_identity
@@ -181,7 +181,8 @@ class AtomicStorageWriter(StorageWriter):
         try:
             self.metadata = check_user_metadata(metadata)
         except ValueError as e:
-            raise ConfigurationError(f"AtomicStorageWriter(metadata=...): {e}") from None
+            raise ArgumentError(f"AtomicStorageWriter(metadata=...): {e}", argument="AtomicStorageWriter(metadata=...)"
+                                ) from None
         self.stock_readable = stock_readable
         self.timeout = timeout
         self.block_size = block_size
