@@ -76,7 +76,7 @@ from .._base import arguments
 from ..stores.backends import open_storage
 from ..stores.storage import publish_stream
 from ..protocol.catalog import DEFAULT_TIMEOUT
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, shorten
+from ..errors import CheckpointError, CheckpointNotFoundError, shorten
 from ..format.layout import RunLayout, parse_checkpoint_id
 from ..manager import CheckpointManager
 from ..manager.options import Callbacks, LocalTierOptions
