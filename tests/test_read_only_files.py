@@ -138,6 +138,37 @@ def test_a_job_user_that_is_not_root_cannot_truncate_a_file_hard_linked_into_sev
     capsys.readouterr()
 
 
+def test_a_link_whose_file_cannot_be_made_read_only_leaves_no_name_import_says_copy_and_reuse_writes(tmp_path, capsys,
+                                                                                                       monkeypatch):
+    """A file another user owns (``chmod`` says ``EPERM``; as root here, a patched ``make_read_only``) is never linked
+    into a step as a writable file: ``import --link`` fails with the advice to copy and commits nothing, a save writes
+    its own file instead of linking."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic.stores import storage
+    from dcp_atomic.tools.cli import main
+
+    def not_the_owner(file):
+        if isinstance(file, str):  # a path: the target of a link (a descriptor: a file this process writes)
+            raise PermissionError(errno.EPERM, "Operation not permitted", file)
+
+    root, stock = str(tmp_path / "root"), str(tmp_path / "stock")
+    for step in (1, 2):
+        _save(root, step)
+    dcp.save({"base": frozen(), "adapter": torch.full((4, 4), 5.0)}, storage_writer=dcp.FileSystemWriter(stock))
+    monkeypatch.setattr(storage, "make_read_only", not_the_owner)
+    assert main(["import", stock, root, RUN, "5", "--link"]) == 1
+    assert "another user owns the stock files" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(_step_dir(root, 5), "COMMITTED"))
+    assert not [n for d, _, names in os.walk(_step_dir(root, 5)) for n in names if n.endswith(".distcp")]
+    _save(root, 3)  # step 2's stable file cannot be linked: written
+    [stable2] = [p for p in _data_files(root, 2) if "_s0" in p]
+    [stable3] = [p for p in _data_files(root, 3) if "_s0" in p]
+    assert os.stat(stable3).st_ino != os.stat(stable2).st_ino and _loads(root, 3)
+
+
 # -- the local tier, its replicas, the drain, a tier restore and retention on two nodes -------------------------------
 
 

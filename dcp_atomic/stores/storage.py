@@ -388,15 +388,15 @@ class LocalStorage(Storage):
 
     def link(self, source: str, target: str) -> None:
         """A hard link: the new name shares the source's inode, so its mode too; a source written before files were
-        made read-only (an older dcp_atomic, a stock DCP import) is made read-only first, so the new step is."""
+        made read-only (an older dcp_atomic, a stock DCP import) is made read-only with it, so the new step is."""
         if not stat.S_ISREG(os.lstat(source).st_mode):  # link() of a symlink names the link, not a file of the run
             raise OSError(errno.EINVAL, "not a regular file", source)
-        make_read_only(source)
         os.link(source, target)
         try:
+            make_read_only(target)  # EPERM where another user owns it: then this step writes its own file
             self.sync_dir(os.path.dirname(target))
         except OSError:
-            _unlink_quietly(target)  # a name that may not survive a crash: none at all, the caller writes the file
+            _unlink_quietly(target)  # a writable name, or one that may not survive a crash: none, the caller writes
             raise
 
     def adopt(self, complete: str, path: str) -> None:

@@ -168,7 +168,9 @@ def _place(source: str, path: str, storage: Storage, link: bool) -> None:
 
 def _placing_error(e: OSError, source: str, path: str, link: bool) -> StorageError:
     hint = ("the stock directory and the root are on different filesystems: import without --link to copy"
-            if link and e.errno == errno.EXDEV else "check the storage (space, permissions) and import again")
+            if link and e.errno == errno.EXDEV else
+            "another user owns the stock files (a link shares them, made read-only): import without --link to copy"
+            if link and e.errno == errno.EPERM else "check the storage (space, permissions) and import again")
     return StorageError(
         f"{'linking' if link else 'copying'} {source} to {path} failed: {e.strerror or e} (errno {e.errno}); {hint}. "
         "Nothing was committed; `dcp-atomic gc` collects the partial attempt.", path=path, errno=e.errno)
