@@ -45,6 +45,19 @@ def _writable(root, step) -> dict[str, str]:
     return found
 
 
+def _writer_of(root, step, key) -> int:
+    """The rank whose files hold ``key`` (an item DCP saves once, on the rank its dedup picks)."""
+    from dcp_atomic.format.manifest import ManifestShard
+
+    for rank in (0, 1):
+        path = os.path.join(_attempt(root, step), f"manifest.{rank}.json")
+        with open(path, "rb") as f:
+            if any(item.key == key for entry in ManifestShard.from_json(f.read(), where=path).files
+                   for item in entry.items):
+                return rank
+    raise AssertionError(f"no rank of step {step} stored {key!r}")
+
+
 def _steps(root) -> list[int]:
     return sorted(int(n[len("step_"):]) for n in os.listdir(os.path.join(root, RUN)) if n.startswith("step_"))
 
@@ -197,18 +210,23 @@ def _restore(ctx):
 
 def test_local_replicated_drained_and_restored_steps_are_read_only_and_retention_still_removes_them(root, nodes):
     assert_all_ok(_run(_save_both_tiers, root, nodes, world=2, rank_env=_one_rank_per_node))
-    for where in (root, *nodes):  # the durable root (drained, the stable file linked there), each node's local root
+    # the durable root (drained, both ranks' stable files linked there), each node's local root (its rank's linked)
+    for where, linked in ((root, (0, 1)), (nodes[0], (0,)), (nodes[1], (1,))):
         assert _steps(where) == [2, 3], where  # keep_last=2 / keep_local=2 removed step 1
         for step in (2, 3):
             assert len(_data_files(where, step)) >= 4, (where, step)  # each rank's own files and its replica's
             assert _writable(where, step) == {}, (where, step)
-        for rank in (0, 1):  # reuse linked step 2's stable files into step 3 in each root
+        for rank in linked:  # reuse linked step 2's stable files into step 3 (a replica is a whole copy)
             name = f"__{rank}_s0.distcp"
             assert os.stat(os.path.join(_attempt(where, 3), name)).st_ino == \
                 os.stat(os.path.join(_attempt(where, 2), name)).st_ino, (where, name)
-    shutil.rmtree(os.path.join(nodes[1], RUN))  # node B replaced: its disk comes back empty
+    # The node of the rank that did not store the step counter (DCP saves it once) is replaced, its disk back empty:
+    # its rank's restore receives its own files and the other rank's file that holds the counter, all read-only
+    writer = _writer_of(root, 3, "step")
+    replaced = 1 - writer
+    shutil.rmtree(os.path.join(nodes[replaced], RUN))
     restored = assert_all_ok(_run(_restore, root, nodes, world=2, rank_env=_one_rank_per_node))
     assert restored == [(3, "local", True)] * 2, restored
-    assert _data_files(nodes[1], 3) and _writable(nodes[1], 3) == {}
-    assert any(name.endswith(".partial") for name in os.listdir(_attempt(nodes[1], 3))), \
-        os.listdir(_attempt(nodes[1], 3))  # the step counter rank 0 saved: a partial copy of its file, read-only too
+    received = [os.path.basename(p) for p in _data_files(nodes[replaced], 3)]
+    assert any(n.startswith(f"__{replaced}_") for n in received) and any(n.startswith(f"__{writer}_") for n in received)
+    assert _writable(nodes[replaced], 3) == {}
