@@ -182,6 +182,7 @@ def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_o
     for entry, items in shared.values():
         assert sum(i.length for i in items) < entry.size / 2
         assert os.path.exists(os.path.join(attempt, f"{entry.name}.partial"))  # a partial copy, said so
+        assert os.stat(os.path.join(attempt, entry.name)).st_mode & 0o222 == 0  # read-only, as every file of a step
         assert entry.name not in held.intact  # ... which the scan does not count as held, nor as damage
     # `dcp-atomic verify` on node B's disk says the same: partial copies, not damage (it used to fail the step)
     import contextlib

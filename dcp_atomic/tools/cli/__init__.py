@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run")
     p.add_argument("step", type=_step)
     p.add_argument("--link", action="store_true",
-                   help="hard-link the data files instead of copying (same filesystem; never write the source again)")
+                   help="hard-link the data files instead of copying (same filesystem; the shared files become read-only)")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("demo", parents=[after], help="train, crash a save, resume (the README's first command)")
