@@ -58,6 +58,7 @@ def _save(ctx, steps, replicated=False, durable=()):
 def _load(ctx, replicated=False, step=None, spoil=None):
     """A fresh job's load; ``spoil``: (rank, path) where that rank flips a byte of a source file right after the
     restore's plan was made (after the scan verified it: only the receiver's check stands between it and a load)."""
+    from dcp_atomic import Callbacks
     from dcp_atomic.tiers import tier_restore
 
     if spoil is not None and ctx.rank in (spoil[0] if isinstance(spoil[0], tuple) else (spoil[0],)):
@@ -78,7 +79,7 @@ def _load(ctx, replicated=False, step=None, spoil=None):
         if hasattr(value, "to_local"):
             value.to_local().zero_()
     stats = []
-    with _manager(ctx, on_loaded=stats.append) as manager:
+    with _manager(ctx, callbacks=Callbacks(on_loaded=stats.append)) as manager:
         loaded = manager.load(state, step=step)
         served = manager.restored_from
     return {"step": loaded, "local": _locals(state), "served": served, "stats": stats}
