@@ -77,10 +77,11 @@ def test_a_waiter_cannot_claim_stalled_over_a_marker_placed_since_it_last_looked
 
 
 def _slow_after_the_marker(ctx):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
 
     failpoints.arm("drain.after_commit", f"sleep:{STALL * 1.6}", rank=0)  # the marker is written; the outcome waits
-    manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
+    local = LocalTierOptions(ctx.extra["nodes"][ctx.rank], replicas=1)
+    manager = CheckpointManager(ctx.root, RUN, local=local, timeout=STALL)
     manager.save(1, {f"w{ctx.rank}": torch.arange(4096.0) + ctx.rank})
     seen = _waited(manager)
     manager.close()
@@ -100,10 +101,11 @@ def test_a_rank_0_slow_after_its_durable_marker_is_never_called_not_durable(node
 
 
 def _frozen_rank_0(ctx):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
 
     failpoints.arm("drain.before_marker", "stop", rank=0)  # rank 0, and the rendezvous store it hosts, freeze
-    manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
+    local = LocalTierOptions(ctx.extra["nodes"][ctx.rank], replicas=1)
+    manager = CheckpointManager(ctx.root, RUN, local=local, timeout=STALL)
     manager.save(1, {f"w{ctx.rank}": torch.arange(4096.0) + ctx.rank})
     return _waited(manager)  # rank 0 never gets here; the world kills it once rank 1 answered
 
@@ -122,10 +124,11 @@ def test_a_frozen_rank_0_ends_every_waiter_at_the_stall_deadline_saying_unknown(
 
 
 def _dead_peer(ctx):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
 
     failpoints.arm("drain.before_upload", "kill", rank=1)  # rank 1 dies mid-drain (SIGKILL)
-    manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
+    local = LocalTierOptions(ctx.extra["nodes"][ctx.rank], replicas=1)
+    manager = CheckpointManager(ctx.root, RUN, local=local, timeout=STALL)
     manager.save(1, {f"w{ctx.rank}": torch.arange(4096.0) + ctx.rank})
     started = time.monotonic()
     try:
@@ -149,7 +152,7 @@ def test_a_peer_killed_mid_drain_fails_wait_on_rank_0_within_the_deadline_and_le
 
 
 def _gc_under_the_commit(ctx):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
     from dcp_atomic.format import RunLayout
     from dcp_atomic.protocol import apply_gc, plan_gc
     from dcp_atomic.stores import open_storage
@@ -166,7 +169,8 @@ def _gc_under_the_commit(ctx):
 
     failpoints.arm("drain.before_marker", gc_with_a_short_lease, rank=0)
     state = {f"w{ctx.rank}": torch.arange(4096.0) + ctx.rank}
-    with CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=20) as manager:
+    local = LocalTierOptions(ctx.extra["nodes"][ctx.rank], replicas=1)
+    with CheckpointManager(ctx.root, RUN, local=local, timeout=20) as manager:
         manager.save(1, state, durable=True)
         manager.wait()
     loaded = {f"w{ctx.rank}": torch.zeros(4096)}
@@ -186,14 +190,14 @@ def test_gc_racing_a_drain_s_commit_never_leaves_a_durable_step_without_its_file
 
 
 def _save_after_the_store_froze(ctx, daemon_pid, signal_dir):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
     from dcp_atomic.tiers import drain
 
     drain.RETRY_BACKOFF = 0.01
     failpoints.arm("drain.before_upload", lambda rank, step: (_ for _ in ()).throw(OSError(28, "injected: full")))
     seen = {}
-    with CheckpointManager(ctx.root, RUN, local_root=os.path.join(signal_dir, "node"), replicas=0, keep_local=1,
-                           durable_every=None, timeout=STALL) as manager:
+    local = LocalTierOptions(os.path.join(signal_dir, "node"), replicas=0, keep_local=1, durable_every=None)
+    with CheckpointManager(ctx.root, RUN, local=local, timeout=STALL) as manager:
         manager.save(1, {"w": torch.arange(64.0)}, durable=True)
         try:
             manager.wait()
@@ -241,4 +245,4 @@ def test_a_save_after_the_durable_store_froze_does_not_hang_on_the_durable_pendi
     assert seen["save_seconds"] < STALL + 3, seen  # before: until the store was thawed (4 stall periods)
     assert seen["both_seconds"] < STALL + 6, seen  # the second save does not wait again
     steps = [name for name in seen["local"] if name.startswith("step_")]
-    assert steps == ["step_0000000001", "step_0000000003"], seen  # step 1 kept past keep_local=1: not known durable  # step 1 kept past keep_local=1: not known to be durable
+    assert steps == ["step_0000000001", "step_0000000003"], seen  # step 1 kept past keep_local=1: not known to be durable
