@@ -74,7 +74,8 @@ class BlockSink(Protocol):
 
     position: int
 
-    def write_unhashed(self, block) -> None: ...
+    def write_unhashed(self, block) -> None:
+        """Take one stored block (the protocol's one method; the implementations say what they do with it)."""
 
 
 class HashingWriter:
