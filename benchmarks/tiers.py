@@ -9,12 +9,12 @@ What it measures
     Durable roots: a directory on a disk (``--disk-root``) and a bucket on a local S3 server (SeaweedFS by
     default, ``--server``).  For each durable root, each round runs two blocks, in alternating order:
 
-    tiered   ``CheckpointManager(root, local_root=node's tmpfs, replicas=1, keep_local=1)``:
+    tiered   ``CheckpointManager(root, local=LocalTierOptions(node's tmpfs, replicas=1, keep_local=1))``:
              ``save(durable=False)`` (stall = time to local-committed), ``async_save(durable=False)`` (stall = the
              call, then time to local-committed = the future), ``save(durable=True)`` + ``wait()`` (the drain's
              own seconds from ``on_drained``'s DrainStats); then node B's local root is emptied (a replaced node)
-             and a fresh manager restores the newest step from node A's replicas; then a manager without
-             ``local_root`` restores the drained step from the durable root;
+             and a fresh manager restores the newest step from node A's replicas; then a manager without a local
+             tier restores the drained step from the durable root;
     direct   ``CheckpointManager(root)`` (no local tier): ``save``, then ``async_save`` (stall and time to
              committed).
 
@@ -158,12 +158,11 @@ class _Rank:
         self.runs = itertools.count()
 
     def manager(self, store: str, run: str, tiered: bool, **kwargs):
-        from dcp_atomic import CheckpointManager
+        from dcp_atomic import CheckpointManager, LocalTierOptions
 
         options = self.plan["s3_options"] if store == "s3" else None
-        if tiered:
-            kwargs.update(local_root=self.local_root, replicas=1, keep_local=1)
-        return CheckpointManager(self.plan["roots"][store], run, parallelism=self.parallelism,
+        local = LocalTierOptions(self.local_root, replicas=1, keep_local=1) if tiered else None
+        return CheckpointManager(self.plan["roots"][store], run, parallelism=self.parallelism, local=local,
                                  storage_options=options, timeout=self.plan["op_timeout"], **kwargs)
 
     def settle(self, cold: bool = False) -> None:
@@ -208,10 +207,13 @@ class _Rank:
                              f"{step}; the benchmark would time the wrong thing")
 
     def tiered(self, store: str, counted: bool, label: str, verify: bool) -> None:
+        from dcp_atomic import Callbacks
+
         run = f"tiers-{next(self.runs)}"
         drained: list[dict] = []
         saved: list[dict] = []
-        with self.manager(store, run, True, on_drained=drained.append, on_saved=saved.append) as manager:
+        callbacks = Callbacks(on_drained=drained.append, on_saved=saved.append)
+        with self.manager(store, run, True, callbacks=callbacks) as manager:
             self.op("local save", lambda: manager.save(1, self.state, durable=False), counted, label)
             self.split(saved, "local save", counted)
 

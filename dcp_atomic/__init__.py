@@ -14,6 +14,7 @@ from .protocol.catalog import latest_step, list_steps, resume_point
 from .protocol.commit import ResumePoint
 from .errors import (
     ArgumentError,
+    ArgumentTypeError,
     CheckpointError,
     CheckpointNotFoundError,
     CommitConflictError,
@@ -93,6 +94,7 @@ __all__ = [
     "resume_point",
     "ResumePoint",
     "ArgumentError",
+    "ArgumentTypeError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CommitConflictError",

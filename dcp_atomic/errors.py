@@ -78,7 +78,14 @@ class ConfigurationError(CheckpointError):
 
 
 class ArgumentError(ConfigurationError, ValueError):
-    """A constructor argument of the wrong kind or out of range (``details["argument"]`` names it)."""
+    """An argument of the public API out of range or malformed (``details["argument"]`` names it): one type for every
+    bad argument, so ``except CheckpointError`` catches the commonest mistakes; also a ``ValueError``, as they were."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of the wrong type (a string for a count, an object for a ``Parallelism``).  A subclass rather than
+    making every ``ArgumentError`` a ``TypeError`` too: ``except TypeError`` keeps meaning "a wrong type", while
+    ``except ArgumentError`` and ``except ValueError`` (what a wrong type often raised before) still catch it."""
 
 
 class UnsafeItemError(ConfigurationError):

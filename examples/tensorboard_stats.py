@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from dcp_atomic import CheckpointError, CheckpointManager
+from dcp_atomic import Callbacks, CheckpointError, CheckpointManager
 
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
 
@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|loa
 IDENTITY = ("step", "rank", "world_size", "schema_version")  # numbers that are labels, not measurements
 
 
-def tensorboard_callbacks(board: SummaryWriter) -> dict:
+def tensorboard_callbacks(board: SummaryWriter) -> Callbacks:
     """``on_saved`` / ``on_loaded`` / ``on_failed`` writing each number under ``checkpoint/<kind>/<field>``
     at the checkpoint's step; a failure adds 1 to ``checkpoint/failures`` and its message as text."""
 
@@ -39,7 +39,7 @@ def tensorboard_callbacks(board: SummaryWriter) -> dict:
                        global_step=stats["step"] or 0)
         board.flush()
 
-    return {"on_saved": numbers, "on_loaded": numbers, "on_failed": failed}
+    return Callbacks(on_saved=numbers, on_loaded=numbers, on_failed=failed)
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
 
     model = torch.nn.Linear(64, 64)
     with SummaryWriter(args.logdir) as board, \
-            CheckpointManager(args.root, "demo", keep_last=2, **tensorboard_callbacks(board)) as manager:
+            CheckpointManager(args.root, "demo", keep_last=2, callbacks=tensorboard_callbacks(board)) as manager:
         for step in range(10, 10 * args.steps + 1, 10):
             manager.async_save(step, {"model": model.state_dict()}).result()
         manager.load({"model": model.state_dict()})

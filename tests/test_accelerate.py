@@ -198,16 +198,17 @@ def test_a_save_that_would_hold_no_model_weights_is_refused_with_the_fix(tmp_pat
 
 
 def _two_tiers(ctx):
+    from dcp_atomic import LocalTierOptions
     from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
 
     job = _job()
     durable, local = os.path.join(ctx.root, "durable"), os.path.join(ctx.root, "local")
-    with AcceleratorCheckpoint(job[0], durable, "exp", local_root=local, replicas=0) as checkpoint:
+    with AcceleratorCheckpoint(job[0], durable, "exp", local=LocalTierOptions(local, replicas=0)) as checkpoint:
         _train_step(*job)
         checkpoint.save(1)
         want = _snapshot(job[0], job[1], job[2], job[4], job[5])
     job = _job(seed=7)
-    with AcceleratorCheckpoint(job[0], durable, "exp", local_root=local, replicas=0) as checkpoint:
+    with AcceleratorCheckpoint(job[0], durable, "exp", local=LocalTierOptions(local, replicas=0)) as checkpoint:
         step = checkpoint.load()
         tier = checkpoint.manager.restored_from["tier"]
         durable_steps = checkpoint.manager.steps("durable")

@@ -59,7 +59,7 @@ def test_ls_marks_partial_attempts_and_module_entry_point_works(root):
 
 def test_invalid_run_id_is_refused(root, capsys):
     assert main(["ls", root, "../etc"]) == 2
-    assert "invalid run_id" in capsys.readouterr().err
+    assert "run_id must be a name matching" in capsys.readouterr().err
 
 
 def test_gc_dry_run_then_delete_keeps_latest_and_fresh_attempts(root, capsys):

@@ -32,7 +32,7 @@ def _drain_while_the_attempt_is_removed(ctx):
     removes the durable attempt (an ``rm -r``, a foreign cleanup).  The drain's retry then uploads it again."""
     import logging
 
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
     from dcp_atomic.tiers import drain
 
     drain.RETRY_BACKOFF = 0.05
@@ -51,8 +51,8 @@ def _drain_while_the_attempt_is_removed(ctx):
     logging.getLogger("dcp_atomic").addHandler(handler)
     if ctx.rank == 0:
         failpoints.arm("drain.before_marker", remove_attempt)
-    with CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=20,
-                           durable_every=None) as manager:
+    local = LocalTierOptions(ctx.extra["nodes"][ctx.rank], replicas=1, durable_every=None)
+    with CheckpointManager(ctx.root, RUN, local=local, timeout=20) as manager:
         manager.save(1, _state(ctx.rank, 1), durable=True)
         manager.wait()
         durable = manager.steps(tier="durable")

@@ -115,12 +115,12 @@ def test_ranks_sharing_one_local_root_are_one_failure_domain_whatever_they_decla
 
 
 def _construct_on_one_disk(ctx):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
     from dcp_atomic.errors import ConfigurationError
 
     try:
-        CheckpointManager(ctx.root, RUN, local_root=os.path.join(ctx.root, "one-disk"), replicas=1,
-                          failure_domain=f"node{ctx.rank}", timeout=20)
+        CheckpointManager(ctx.root, RUN, timeout=20, local=LocalTierOptions(
+            os.path.join(ctx.root, "one-disk"), replicas=1, failure_domain=f"node{ctx.rank}"))
     except ConfigurationError as e:
         return str(e)
     return None
@@ -144,23 +144,24 @@ def test_the_two_tier_manager_works_in_one_process_without_torch_distributed(roo
     import torch
     import torch.distributed as dist
 
-    from dcp_atomic import CheckpointManager, ConfigurationError
+    from dcp_atomic import CheckpointManager, ConfigurationError, LocalTierOptions
 
     assert not dist.is_initialized()
     durable, local = os.path.join(root, "durable"), os.path.join(root, "local")
-    with CheckpointManager(durable, RUN, local_root=local, replicas=0, keep_local=2, timeout=20) as manager:
+    with CheckpointManager(durable, RUN, local=LocalTierOptions(local, replicas=0, keep_local=2),
+                           timeout=20) as manager:
         for step in (1, 2, 3):
             manager.save(step, {"w": torch.arange(8.0) + step, "meta": {"step": step}}, durable=step == 2)
         manager.wait()
         assert manager.steps(tier="local") == [2, 3] and manager.steps(tier="durable") == [2]
-    with CheckpointManager(durable, RUN, local_root=local, replicas=0, timeout=20) as manager:
+    with CheckpointManager(durable, RUN, local=LocalTierOptions(local, replicas=0), timeout=20) as manager:
         state = {"w": torch.zeros(8), "meta": {"step": -1}}
         assert manager.load(state) == 3 and manager.restored_from["tier"] == "local"
         assert torch.equal(state["w"], torch.arange(8.0) + 3) and state["meta"]["step"] == 3
         state = {"w": torch.zeros(8), "meta": {"step": -1}}
         assert manager.load(state, step=2) == 2 and torch.equal(state["w"], torch.arange(8.0) + 2)
     with pytest.raises(ConfigurationError, match="replicas=1 needs at least 2 failure domains"):
-        CheckpointManager(durable, RUN, local_root=local, replicas=1)
+        CheckpointManager(durable, RUN, local=LocalTierOptions(local, replicas=1))
 
 
 # -- lineage: a node's disk never hands one experiment's step to another -------------------------------------------
@@ -168,14 +169,14 @@ def test_the_two_tier_manager_works_in_one_process_without_torch_distributed(roo
 
 def _experiment(ctx, durable_root, step, seed):
     """Save ``step`` local-only into ``durable_root``'s run (the nodes' local roots shared by every experiment)."""
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
     from dcp_atomic.exchange import file_transfer
 
     file_transfer.CHUNK_BYTES = 64 << 10
     model, optim = _fsdp_app(ctx.world_size, seed)
     _train_step(model, optim, step)
-    with CheckpointManager(durable_root, RUN, local_root=ctx.extra["nodes"][ctx.rank // 2], replicas=1,
-                           keep_local=1, timeout=20) as manager:
+    local = LocalTierOptions(ctx.extra["nodes"][ctx.rank // 2], replicas=1, keep_local=1)
+    with CheckpointManager(durable_root, RUN, local=local, timeout=20) as manager:
         manager.save(step, _state(model, optim, step), durable=False)
     return _full(model)
 
@@ -183,7 +184,7 @@ def _experiment(ctx, durable_root, step, seed):
 def _resume(ctx, durable_root):
     import logging
 
-    from dcp_atomic import CheckpointManager, CheckpointNotFoundError
+    from dcp_atomic import CheckpointManager, CheckpointNotFoundError, LocalTierOptions
 
     records = []
     handler = logging.Handler()
@@ -192,8 +193,8 @@ def _resume(ctx, durable_root):
     model, optim = _fsdp_app(ctx.world_size, 42)
     state = _state(model, optim, -1)
     try:
-        with CheckpointManager(durable_root, RUN, local_root=ctx.extra["nodes"][ctx.rank // 2], replicas=1,
-                               timeout=20) as manager:
+        local = LocalTierOptions(ctx.extra["nodes"][ctx.rank // 2], replicas=1)
+        with CheckpointManager(durable_root, RUN, local=local, timeout=20) as manager:
             loaded = manager.load(state)
     except CheckpointNotFoundError:
         loaded = None
@@ -203,12 +204,12 @@ def _resume(ctx, durable_root):
 
 def _stranger_saves(ctx, durable_root):
     """The stranger saves: the foreign step's number is refused (not its to replace), a new one commits."""
-    from dcp_atomic import CheckpointManager, CommitConflictError
+    from dcp_atomic import CheckpointManager, CommitConflictError, LocalTierOptions
 
     model, optim = _fsdp_app(ctx.world_size, 42)
     refused = None
-    with CheckpointManager(durable_root, RUN, local_root=ctx.extra["nodes"][ctx.rank // 2], replicas=1,
-                           timeout=20) as manager:
+    local = LocalTierOptions(ctx.extra["nodes"][ctx.rank // 2], replicas=1)
+    with CheckpointManager(durable_root, RUN, local=local, timeout=20) as manager:
         try:
             manager.save(10, _state(model, optim, 10))
         except CommitConflictError as e:

@@ -52,7 +52,7 @@ def _wait_then_close(manager, on_stall=lambda: None):
 
 
 def _frozen_drain(ctx, signal_dir):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
 
     def uploading(rank, step):  # the test freezes the durable mount once every rank is about to upload
         open(os.path.join(signal_dir, f"uploading.{rank}"), "w").close()
@@ -62,7 +62,8 @@ def _frozen_drain(ctx, signal_dir):
     failpoints.arm("drain.before_upload", uploading)
     model, optim = _fsdp_app(ctx.world_size, 0)
     _train_step(model, optim, 1)
-    manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
+    manager = CheckpointManager(ctx.root, RUN, local=LocalTierOptions(ctx.extra["nodes"][ctx.rank], replicas=1),
+                                timeout=STALL)
     manager.save(1, _state(model, optim, 1))  # local-committed; the drain starts in the background
     seen = _wait_then_close(manager)
     return {"seen": seen, "local": os.path.isdir(os.path.join(ctx.extra["nodes"][ctx.rank], RUN, "step_0000000001"))}
@@ -102,7 +103,7 @@ def test_a_frozen_durable_store_fails_wait_and_close_after_the_stall_deadline(no
 EXIT_SCRIPT = textwrap.dedent('''
     import logging, os, sys, time
     import torch, torch.distributed as dist
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
     from dcp_atomic._base import failpoints
     from dcp_atomic.tiers import drain
 
@@ -117,8 +118,8 @@ EXIT_SCRIPT = textwrap.dedent('''
             raise OSError(13, "Permission denied (injected: the durable store refuses writes)")
 
     failpoints.arm("drain.before_upload", slow_or_refused)
-    manager = CheckpointManager(os.path.join(base, "durable"), "run1", local_root=os.path.join(base, f"node{rank}"),
-                                replicas=1, failure_domain=f"node{rank}", timeout=30)
+    local = LocalTierOptions(os.path.join(base, f"node{rank}"), replicas=1, failure_domain=f"node{rank}")
+    manager = CheckpointManager(os.path.join(base, "durable"), "run1", local=local, timeout=30)
     manager.save(7, {"w": torch.arange(16.0) * 7})
     # no close(): the script simply ends
 ''')
@@ -193,7 +194,7 @@ def _one_rank_hangs(ctx, signal_dir, point, hang_rank, hang_seconds):
     """Every rank saves step 1 (drained in the background); on ``hang_rank`` the drain blocks at ``point`` (a durable
     client that stopped answering, a commit that does not return) until the test's rank function lets it go, or for
     ``hang_seconds``.  Returns what ``wait()`` and ``close()`` did on this rank."""
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
 
     release = os.path.join(signal_dir, "release")
 
@@ -203,7 +204,8 @@ def _one_rank_hangs(ctx, signal_dir, point, hang_rank, hang_seconds):
             time.sleep(0.05)
 
     failpoints.arm(point, hang, rank=hang_rank)
-    manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank], replicas=1, timeout=STALL)
+    manager = CheckpointManager(ctx.root, RUN, local=LocalTierOptions(ctx.extra["nodes"][ctx.rank], replicas=1),
+                                timeout=STALL)
     manager.save(1, {f"w{ctx.rank}": torch.arange(4096.0) + ctx.rank})
     seen = _wait_then_close(manager, on_stall=lambda: open(release, "w").close())  # the hung client answers again
     deadline = time.monotonic() + 30

@@ -101,7 +101,7 @@ def _drain_two_files_per_rank(ctx):
     rank 1's second local file; step 20 drains; the durable step 20 then loads exactly without the local tier."""
     import torch.distributed as dist
 
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import Callbacks, CheckpointManager
     from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
 
     drain.DRAIN_ATTEMPTS = 1
@@ -127,7 +127,8 @@ def _drain_two_files_per_rank(ctx):
     failpoints.arm("drain.before_upload", damage)
     model, optim = _fsdp_app(ctx.world_size, 0)
     failures, drained = [], []
-    with _manager(ctx, thread_count=2, keep_local=2, on_failed=failures.append, on_drained=drained.append) as manager:
+    callbacks = Callbacks(on_failed=failures.append, on_drained=drained.append)
+    with _manager(ctx, thread_count=2, keep_local=2, callbacks=callbacks) as manager:
         _train_step(model, optim, 10)
         manager.save(10, _state(model, optim, 10), durable=True)
         try:

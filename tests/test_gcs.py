@@ -319,3 +319,22 @@ def test_reuse_on_gs_rewrites_unchanged_files_server_side_and_every_step_loads_a
     want = _frozen_state(4)
     assert torch.equal(target["frozen"], want["frozen"]) and torch.equal(target["adapter"], want["adapter"])
     assert target["meta"] == {"step": 4}
+
+
+def test_a_base_object_deleted_before_its_rewrite_on_gs_is_named_not_the_new_steps_object(gcs, caplog):
+    """The rewrite request names both objects; a 404 to it means its source is gone, and the fallback's log line
+    names that object, not the new step's (the new step saves the file itself and loads)."""
+    def save(step):
+        writer = AtomicStorageWriter(gcs.root, RUN, step, timeout=20, reuse=True, storage_options=gcs.options)
+        dcp.save(_frozen_state(step), storage_writer=writer)
+        return writer.last_stats
+
+    save(1)
+    save(2)
+    [base] = [k for k in gcs.keys() if re.search(rf"step_{2:010d}/[^/]+/__0_s\d+\.distcp$", k)]
+    gcs.fs.rm(f"{gcs.bucket}/ckpt/{base}")
+    with caplog.at_level(logging.INFO, logger="dcp_atomic.writer"):
+        assert save(3)["bytes_reused"] == 0
+    [line] = [r.getMessage() for r in caplog.records if "could not link" in r.getMessage()]
+    assert f"gs://{gcs.bucket}/ckpt/{base} (the source of the copy)" in line, line
+    assert f"step_{3:010d}" not in line, line

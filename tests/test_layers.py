@@ -5,6 +5,7 @@ that runs)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import os
 import re
@@ -61,16 +62,12 @@ def test_no_code_and_no_documented_example_imports_an_old_module_path():
     in_docs = re.compile(rf"^\s*(?:from\s+dcp_atomic\s+import\s+.*\b(?:{old})\b|(?:from|import)\s+dcp_atomic\."
                          rf"(?:{old})\b).*", re.MULTILINE)
     offenders = []
-    for top in ("dcp_atomic", "tests", "benchmarks", "examples", "testbed", "scripts", "docs", "README.md"):
-        for path in _files(os.path.join(HERE, top)):
-            name = os.path.relpath(path, HERE)
-            if name == os.path.join("tests", "test_layers.py"):
-                continue  # the one test of the old paths
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            found = (_old_path_imports(text) if path.endswith(".py")
-                     else [m.group(0).strip() for m in in_docs.finditer(text)] if path.endswith(".md") else [])
-            offenders += [f"{name}: {line}" for line in found]
+    for name, text in _code_and_docs():
+        if name == os.path.join("tests", "test_layers.py"):
+            continue  # the one test of the old paths
+        found = (_old_path_imports(text) if name.endswith(".py")
+                 else [m.group(0).strip() for m in in_docs.finditer(text)] if name.endswith(".md") else [])
+        offenders += [f"{name}: {line}" for line in found]
     assert not offenders, ("old module paths (dcp_atomic._MOVED) in use; import from the new path, "
                            "e.g. `from dcp_atomic.tiers import drain`:\n" + "\n".join(offenders))
 
@@ -79,6 +76,129 @@ def _files(top: str) -> list[str]:
     if os.path.isfile(top):
         return [top]
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs if f.endswith((".py", ".md")))
+
+
+def _code_and_docs() -> list[tuple[str, str]]:
+    """(path from the repository root, text) of every Python and Markdown file a user or a rank process reads: the
+    package, tests, benchmarks, examples, the testbed and scripts, the README and docs."""
+    found = []
+    for top in ("dcp_atomic", "tests", "benchmarks", "examples", "testbed", "scripts", "docs", "README.md"):
+        for path in _files(os.path.join(HERE, top)):
+            with open(path, encoding="utf-8") as f:
+                found.append((os.path.relpath(path, HERE), f.read()))
+    return found
+
+
+# -- the manager's deprecated flat keywords -------------------------------------------------------------------------
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+INLINE_MANAGER_CALL = re.compile(r"`((?<![\w.])CheckpointManager\([^`]*)`")  # not AtomicCheckpointManager.Config(
+
+
+def _flat_keywords() -> set[str]:
+    """The deprecated flat keywords of ``CheckpointManager``: the fields of the options objects that replace them."""
+    from dcp_atomic import Callbacks, LocalTierOptions
+
+    return {field.name for group in (LocalTierOptions, Callbacks) for field in dataclasses.fields(group) if field.init}
+
+
+def _callee(call: ast.Call) -> str | None:
+    return call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)
+
+
+def _keywords_passed(call: ast.Call) -> set[str]:
+    """The keywords a call passes, those of a literal ``**{...}`` or ``**dict(...)`` included."""
+    names = set()
+    for keyword in call.keywords:
+        if keyword.arg is not None:
+            names.add(keyword.arg)
+        elif isinstance(keyword.value, ast.Dict):
+            names |= {key.value for key in keyword.value.keys if isinstance(key, ast.Constant)}
+        elif isinstance(keyword.value, ast.Call) and _callee(keyword.value) == "dict":
+            names |= {k.arg for k in keyword.value.keywords if k.arg}
+    return names
+
+
+class _ManagerBuilders:
+    """The functions (a class: by its ``__init__``) that hand their ``**kwargs`` to ``CheckpointManager`` or to another
+    such builder, with the keywords each declares itself (it handles those: no flat keyword).  A call's name resolves
+    to the functions of that name in its own file, else in the file it imports the name from."""
+
+    def __init__(self, trees: dict[str, ast.AST]) -> None:
+        self.defined = {path: self._functions(tree) for path, tree in trees.items()}  # path -> name -> functions
+        self.imported = {path: {alias.asname or alias.name: node.module.replace(".", os.sep) + ".py"
+                                for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+                                and not node.level for alias in node.names} for path, tree in trees.items()}
+        self.declared: dict[int, set[str]] = {}  # id(builder) -> the keywords it declares
+        grew = True
+        while grew:
+            grew = False
+            for path, functions in self.defined.items():
+                for function in (f for group in functions.values() for f in group):
+                    if id(function) not in self.declared and self._forwards_its_kwargs(path, function):
+                        arguments = function.args
+                        self.declared[id(function)] = {
+                            a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs}
+                        grew = True
+
+    @staticmethod
+    def _functions(tree: ast.AST) -> dict[str, list[ast.FunctionDef]]:
+        functions: dict[str, list[ast.FunctionDef]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                functions.setdefault(node.name, []).extend(
+                    f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name != "__init__":
+                functions.setdefault(node.name, []).append(node)
+        return functions
+
+    def handled(self, path: str, call: ast.Call) -> set[str] | None:
+        """The keywords that the builder a call reaches declares (all of its namesakes), or None: no builder."""
+        name = _callee(call)
+        if name == "CheckpointManager":
+            return set()
+        if name not in self.defined.get(path, {}):
+            path = self.imported.get(path, {}).get(name)
+        sets = [self.declared[id(f)] for f in self.defined.get(path, {}).get(name, []) if id(f) in self.declared]
+        return set.intersection(*sets) if sets else None
+
+    def _forwards_its_kwargs(self, path: str, function: ast.FunctionDef) -> bool:
+        rest = function.args.kwarg
+        return rest is not None and any(
+            isinstance(call, ast.Call) and self.handled(path, call) is not None
+            and any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == rest.arg for k in call.keywords)
+            for call in ast.walk(function))
+
+
+def _flat_manager_calls(path: str, tree: ast.AST, builders: _ManagerBuilders) -> list[str]:
+    flat = _flat_keywords()
+    found = []
+    for call in ast.walk(tree):
+        handled = builders.handled(path, call) if isinstance(call, ast.Call) else None
+        passed = sorted(_keywords_passed(call) & flat - handled) if handled is not None else []
+        if passed:
+            found.append(f"line {call.lineno}: {_callee(call)}({', '.join(f'{name}=' for name in passed)})")
+    return found
+
+
+def test_no_caller_passes_the_managers_deprecated_flat_keywords():
+    """``CheckpointManager(local_root=..., on_saved=...)`` warns, and the suite's filter makes that an error, but not
+    in the ranks' processes where most manager tests run: so this reads the calls, direct ones and those through a
+    helper that hands its ``**kwargs`` on (``AcceleratorCheckpoint``, the tests' ``_manager``), in the code and in
+    the docs' Python blocks and inline calls."""
+    sources = [(name, text) for name, text in _code_and_docs()
+               if name != os.path.join("tests", "test_manager_options.py")]  # the tests of the deprecated form
+    trees = {name: ast.parse(text) for name, text in sources if name.endswith(".py")}
+    trees.update({f"{name}, python block {number}": ast.parse(block) for name, text in sources if name.endswith(".md")
+                  for number, block in enumerate(PYTHON_BLOCK.findall(text))})
+    builders = _ManagerBuilders(trees)
+    offenders = [f"{name}: {line}" for name, tree in trees.items()
+                 for line in _flat_manager_calls(name, tree, builders)]
+    flat = "|".join(sorted(_flat_keywords()))
+    offenders += [f"{name}: `{span}`" for name, text in sources if name.endswith(".md")
+                  for span in INLINE_MANAGER_CALL.findall(text) if re.search(rf"\b(?:{flat})=", span)]
+    assert not offenders, ("CheckpointManager's flat keywords are deprecated: pass local=LocalTierOptions(local_root, "
+                           "replicas=..., ...) and callbacks=Callbacks(on_saved=..., ...):\n" + "\n".join(offenders))
 
 
 PACKAGES = sorted(d for d in os.listdir(os.path.join(HERE, "dcp_atomic"))

@@ -145,11 +145,12 @@ def _chattr(flag: str, path: str) -> None:
 
 
 def _retention_fault_job(ctx):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import Callbacks, CheckpointManager
 
     stats: list[dict] = []
     marker = os.path.join(ctx.root, RUN, "step_0000000001", "COMMITTED")
-    with CheckpointManager(ctx.root, RUN, keep_last=1, timeout=20, thread_count=1, on_saved=stats.append) as manager:
+    with CheckpointManager(ctx.root, RUN, keep_last=1, timeout=20, thread_count=1,
+                           callbacks=Callbacks(on_saved=stats.append)) as manager:
         manager.save(1, _state(ctx.rank, 1))
         if ctx.rank == 0:
             _chattr("+i", marker)  # not even root can delete it: a real EPERM inside retention
@@ -200,7 +201,7 @@ def _failing_async_save(manager, rank, step):
 
 
 def _swallow_job(ctx):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import Callbacks, CheckpointManager
 
     seen: dict = {}
 
@@ -208,7 +209,7 @@ def _swallow_job(ctx):
         if stats["step"] == 5:
             raise RuntimeError("a broken metrics exporter")
 
-    manager = CheckpointManager(ctx.root, RUN, timeout=3, thread_count=1, on_saved=on_saved)
+    manager = CheckpointManager(ctx.root, RUN, timeout=3, thread_count=1, callbacks=Callbacks(on_saved=on_saved))
     _failing_async_save(manager, ctx.rank, 1)
     seen["wait"] = _outcome(manager.wait)
     seen["wait_again"] = _outcome(manager.wait)  # reported once

@@ -129,7 +129,7 @@ def _load_once(ctx, share):
 def _load_with_faults(ctx):
     """Save step 1; a load where rank 1 flips a byte of what it sends; then, through the manager, a load where
     rank 2 is killed mid-exchange (only the second part's outcome is returned)."""
-    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, CheckpointManager
+    from dcp_atomic import AtomicStorageReader, AtomicStorageWriter, Callbacks, CheckpointManager
     from dcp_atomic._base import failpoints
 
     dcp.save(_state(ctx.rank, 1), storage_writer=AtomicStorageWriter(ctx.root, RUN, 1, timeout=30))
@@ -141,7 +141,7 @@ def _load_with_faults(ctx):
         flipped = repr(e)
     failpoints.disarm_all()
     stats = []
-    manager = CheckpointManager(ctx.root, RUN, timeout=6, share_reads=True, on_loaded=stats.append)
+    manager = CheckpointManager(ctx.root, RUN, timeout=6, share_reads=True, callbacks=Callbacks(on_loaded=stats.append))
     manager.load(_blank(ctx.rank))
     shared = stats[-1]
     failpoints.arm("read.exchange_send", "kill", rank=2)

@@ -500,10 +500,10 @@ def test_one_field_mutations_of_resealed_local_markers_never_restore_wrong_value
     """Both tiers, one process: the newest local step's marker (every field, each re-sealed) mutated under a
     restore that may choose either local step or the durable one: what loads is exactly the step it says it
     is, or a typed refusal."""
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
 
     durable, local = os.path.join(root, "durable"), os.path.join(root, "local")
-    with CheckpointManager(durable, RUN, local_root=local, replicas=0, keep_local=3, timeout=5) as manager:
+    with CheckpointManager(durable, RUN, local=LocalTierOptions(local, replicas=0, keep_local=3), timeout=5) as manager:
         manager.save(1, _small(1), durable=True)
         manager.save(2, _small(2), durable=False)
         manager.save(3, _small(3), durable=False)
@@ -512,7 +512,7 @@ def test_one_field_mutations_of_resealed_local_markers_never_restore_wrong_value
 
     def restore() -> tuple[int, dict]:
         got = _small_target()
-        with CheckpointManager(durable, RUN, local_root=local, replicas=0, timeout=0.5) as manager:
+        with CheckpointManager(durable, RUN, local=LocalTierOptions(local, replicas=0), timeout=0.5) as manager:
             return manager.load(got), got
 
     path = os.path.join(local, RUN, f"step_{3:010d}", "COMMITTED")

@@ -53,11 +53,12 @@ def _rank_stats(root, step):
 def _frozen_base_through_the_manager(ctx):
     import torch.distributed as dist
 
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import Callbacks, CheckpointManager
 
     mesh = _mesh(ctx.world_size)
     saved = []
-    manager = CheckpointManager(ctx.root, RUN, keep_last=2, reuse=True, timeout=30, on_saved=saved.append)
+    manager = CheckpointManager(ctx.root, RUN, keep_last=2, reuse=True, timeout=30,
+                                callbacks=Callbacks(on_saved=saved.append))
     inodes = {}
     for step in (1, 2, 3, 4):
         if step == 4:  # the background write of async_save links as the synchronous save does

@@ -33,11 +33,12 @@ def _uploaded(proxy, step: int, stable_only: bool = False) -> int:
 
 
 def _frozen_base_through_the_manager(ctx):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import Callbacks, CheckpointManager
 
     world = mesh(ctx.world_size)
     saved = []
-    manager = CheckpointManager(ctx.root, RUN, keep_last=2, reuse=True, timeout=30, on_saved=saved.append,
+    manager = CheckpointManager(ctx.root, RUN, keep_last=2, reuse=True, timeout=30,
+                                callbacks=Callbacks(on_saved=saved.append),
                                 storage_options=ctx.extra["storage_options"])
     for step in (1, 2, 3, 4):
         if step == 4:  # the background write of async_save copies as the synchronous save does

@@ -29,9 +29,11 @@ def _stable_files(root, step):
 
 
 def _both_tiers(ctx):
+    from dcp_atomic import Callbacks
+
     world = mesh(ctx.world_size)
     drained = []
-    with _manager(ctx, reuse=True, keep_local=2, on_drained=drained.append) as manager:
+    with _manager(ctx, reuse=True, keep_local=2, callbacks=Callbacks(on_drained=drained.append)) as manager:
         for step in (1, 2, 3, 4):
             manager.save(step, state(world, step), durable=True)
             manager.wait()  # each drain before the next save: each finds the previous durable step as its base

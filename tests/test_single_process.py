@@ -180,9 +180,9 @@ def test_manifest_naming_files_outside_the_attempt_is_refused(root):
 
 @pytest.mark.parametrize("run_id", ["..", "../evil", "a/b", "", ".hidden", "x" * 129, "a\x00b"])
 def test_run_id_traversal_is_refused_at_construction(root, run_id):
-    with pytest.raises(ValueError, match="invalid run_id"):
+    with pytest.raises(ValueError, match="run_id must be a name matching"):
         AtomicStorageWriter(root, run_id, 1)
-    with pytest.raises(ValueError, match="invalid run_id"):
+    with pytest.raises(ValueError, match="run_id must be a name matching"):
         AtomicStorageReader(root, run_id)
     assert os.listdir(root) == []
 
@@ -248,7 +248,7 @@ def test_cached_plans_save_distinct_attempts_without_a_process_group(root):
 
 
 def test_checkpoint_id_not_naming_a_step_is_refused_before_writing(root):
-    with pytest.raises(ConfigurationError, match="is not <root>/<run_id>/step_<N>"):
+    with pytest.raises(ConfigurationError, match="checkpoint_id must be <root>/<run_id>/step_<N>"):
         dcp.save(_state(), checkpoint_id=os.path.join(root, "x"), storage_writer=AtomicStorageWriter(root, RUN, 1))
     assert os.listdir(root) == []
 

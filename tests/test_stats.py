@@ -41,7 +41,7 @@ def _state(rank: int, step: int) -> dict:
 
 
 def _observed_job(ctx):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import Callbacks, CheckpointManager
     from dcp_atomic._base import failpoints
 
     seen: dict = {"saved": [], "loaded": [], "failed": []}
@@ -54,8 +54,8 @@ def _observed_job(ctx):
         seen["failed"].append(stats)
         raise RuntimeError("a broken metrics exporter")
 
-    with CheckpointManager(ctx.root, RUN, timeout=20, thread_count=1, on_saved=seen["saved"].append,
-                           on_loaded=loaded, on_failed=failed) as manager:
+    callbacks = Callbacks(on_saved=seen["saved"].append, on_loaded=loaded, on_failed=failed)
+    with CheckpointManager(ctx.root, RUN, timeout=20, thread_count=1, callbacks=callbacks) as manager:
         manager.save(1, _state(ctx.rank, 1))
         manager.async_save(2, _state(ctx.rank, 2)).result()
         target = {k: torch.zeros_like(v) for k, v in _state(ctx.rank, 0).items()}
@@ -126,11 +126,12 @@ def test_callbacks_deliver_the_documented_schema_for_saves_loads_and_failures(ro
 
 def _confirmed_from_marker_job(ctx):
     """DCP reports a failure after rank 0's marker is visible (LATEST fails): the save committed."""
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import Callbacks, CheckpointManager
     from dcp_atomic._base import failpoints
 
     saved: list = []
-    with CheckpointManager(ctx.root, RUN, timeout=20, thread_count=1, on_saved=saved.append) as manager:
+    with CheckpointManager(ctx.root, RUN, timeout=20, thread_count=1,
+                           callbacks=Callbacks(on_saved=saved.append)) as manager:
         if ctx.rank == 0:
             failpoints.arm("commit.after_marker", "raise", rank=0)
         try:

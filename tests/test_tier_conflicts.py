@@ -18,16 +18,16 @@ from tests.helpers.tiers import RUN, _exact, _run, _state
 
 def _job(ctx, steps, seed, local, durable=None):
     """Save ``steps`` (two tiers when ``local`` names the local roots' base, else one tier); the weights per step."""
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
 
     model, optim = _fsdp_app(ctx.world_size, seed)
-    kwargs = {}
+    tier = None
     if local is not None:
-        kwargs = {"local_root": local[ctx.rank // 2] if isinstance(local, list) else os.path.join(ctx.root, local,
-                                                                                                 str(ctx.rank // 2)),
-                  "failure_domain": f"node{ctx.rank // 2}"}
+        tier = LocalTierOptions(local[ctx.rank // 2] if isinstance(local, list)
+                                else os.path.join(ctx.root, local, str(ctx.rank // 2)),
+                                failure_domain=f"node{ctx.rank // 2}")
     weights = {}
-    with CheckpointManager(ctx.root, RUN, timeout=20, **kwargs) as manager:
+    with CheckpointManager(ctx.root, RUN, timeout=20, local=tier) as manager:
         for step in steps:
             _train_step(model, optim, step)
             manager.save(step, _state(model, optim, step), durable=durable)
@@ -37,13 +37,13 @@ def _job(ctx, steps, seed, local, durable=None):
 
 def _fresh_saves(ctx, local, new_step):
     """A fresh job (it did not load) saves step 2 with ``save`` and ``async_save``: both must raise themselves."""
-    from dcp_atomic import CheckpointManager, CommitConflictError
+    from dcp_atomic import CheckpointManager, CommitConflictError, LocalTierOptions
 
     model, optim = _fsdp_app(ctx.world_size, 7)
-    kwargs = {} if local is None else {"local_root": os.path.join(ctx.root, local, str(ctx.rank // 2)),
-                                       "failure_domain": f"node{ctx.rank // 2}"}
+    tier = None if local is None else LocalTierOptions(os.path.join(ctx.root, local, str(ctx.rank // 2)),
+                                                       failure_domain=f"node{ctx.rank // 2}")
     seen = {}
-    with CheckpointManager(ctx.root, RUN, timeout=20, **kwargs) as manager:
+    with CheckpointManager(ctx.root, RUN, timeout=20, local=tier) as manager:
         for name in ("save", "async_save"):
             try:
                 result = getattr(manager, name)(2, _state(model, optim, 2))
@@ -71,10 +71,10 @@ def test_a_fresh_jobs_save_of_a_committed_step_is_refused_at_save_and_async_save
 
 
 def _restore(ctx, nodes):
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
 
     loaded = {}
-    with CheckpointManager(ctx.root, RUN, local_root=nodes[ctx.rank // 2], timeout=20) as manager:
+    with CheckpointManager(ctx.root, RUN, local=LocalTierOptions(nodes[ctx.rank // 2]), timeout=20) as manager:
         for step in (None, 3):
             model, optim = _fsdp_app(ctx.world_size, 99)
             assert manager.load(_state(model, optim, -1), step=step) == 3

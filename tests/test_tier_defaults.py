@@ -1,10 +1,10 @@
 """A two-tier manager left at its defaults keeps durable copies (DESIGN "Two tiers"; issue: defaults that keep data).
 
-Tried as a new user would: ``CheckpointManager(durable_root, run, local_root=..., failure_domain=...)`` and nothing
-else, five saves, ``wait()``, ``close()``.  Node-local disks are wiped when an allocation ends, so what must remain is
-the durable root: before the default drained, it was never even created and ``keep_local=2`` had removed steps 1-3
-from the nodes.  A world of 4 as two simulated nodes (tmpfs local roots); every durable step is then loaded by a
-one-tier manager and compared with ``torch.equal`` on every rank.
+Tried as a new user would: ``CheckpointManager(durable_root, run, local=LocalTierOptions(local_root,
+failure_domain=...))`` and nothing else, five saves, ``wait()``, ``close()``.  Node-local disks are wiped when an
+allocation ends, so what must remain is the durable root: before the default drained, it was never even created and
+``keep_local=2`` had removed steps 1-3 from the nodes.  A world of 4 as two simulated nodes (tmpfs local roots); every
+durable step is then loaded by a one-tier manager and compared with ``torch.equal`` on every rank.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
 from tests.helpers.tiers import RUN, _exact, _run, _state
 
 
-def _new_user(ctx, steps, kwargs, durable_last=None):
-    """Save ``steps`` with a manager given only what a new user gives (``kwargs`` besides); the weights per step."""
-    from dcp_atomic import CheckpointManager
+def _new_user(ctx, steps, tier, durable_last=None):
+    """Save ``steps`` with a manager given only what a new user gives (``tier``: more of the local tier's options);
+    the weights per step."""
+    from dcp_atomic import CheckpointManager, LocalTierOptions
 
     records = []
     handler = logging.Handler()
@@ -28,8 +29,8 @@ def _new_user(ctx, steps, kwargs, durable_last=None):
     logging.getLogger("dcp_atomic").addHandler(handler)
     model, optim = _fsdp_app(ctx.world_size, 0)
     weights = {}
-    manager = CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank // 2],
-                                failure_domain=f"node{ctx.rank // 2}", **kwargs)
+    local = LocalTierOptions(ctx.extra["nodes"][ctx.rank // 2], failure_domain=f"node{ctx.rank // 2}", **tier)
+    manager = CheckpointManager(ctx.root, RUN, local=local)
     for step in steps:
         _train_step(model, optim, step)
         durable = durable_last if step == steps[-1] else None

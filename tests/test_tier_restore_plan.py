@@ -58,6 +58,7 @@ def _save(ctx, steps, replicated=False, durable=()):
 def _load(ctx, replicated=False, step=None, spoil=None):
     """A fresh job's load; ``spoil``: (rank, path) where that rank flips a byte of a source file right after the
     restore's plan was made (after the scan verified it: only the receiver's check stands between it and a load)."""
+    from dcp_atomic import Callbacks
     from dcp_atomic.tiers import tier_restore
 
     if spoil is not None and ctx.rank in (spoil[0] if isinstance(spoil[0], tuple) else (spoil[0],)):
@@ -78,7 +79,7 @@ def _load(ctx, replicated=False, step=None, spoil=None):
         if hasattr(value, "to_local"):
             value.to_local().zero_()
     stats = []
-    with _manager(ctx, on_loaded=stats.append) as manager:
+    with _manager(ctx, callbacks=Callbacks(on_loaded=stats.append)) as manager:
         loaded = manager.load(state, step=step)
         served = manager.restored_from
     return {"step": loaded, "local": _locals(state), "served": served, "stats": stats}
@@ -182,6 +183,7 @@ def test_a_replicated_item_another_rank_wrote_reaches_every_rank_that_reads_it_o
     for entry, items in shared.values():
         assert sum(i.length for i in items) < entry.size / 2
         assert os.path.exists(os.path.join(attempt, f"{entry.name}.partial"))  # a partial copy, said so
+        assert os.stat(os.path.join(attempt, entry.name)).st_mode & 0o222 == 0  # read-only, as every file of a step
         assert entry.name not in held.intact  # ... which the scan does not count as held, nor as damage
     # `dcp-atomic verify` on node B's disk says the same: partial copies, not damage (it used to fail the step)
     import contextlib

@@ -6,7 +6,7 @@ gloo world of 6 costs seconds to start on a small machine, a scenario a fraction
 each saves under a run id of its own and builds fresh managers and models, the test process changes the disks
 between two scenarios as a replaced node would (its local root emptied), and a scenario that fails on any rank
 ends the world, so the next test gets a fresh one.  The uneven domains (3+2+1 ranks) are declared through the
-manager's ``failure_domain=`` in the same world: it is what ``$DCP_ATOMIC_FAILURE_DOMAIN`` defaults.
+manager's ``LocalTierOptions(failure_domain=)`` in the same world: it is what ``$DCP_ATOMIC_FAILURE_DOMAIN`` defaults.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import traceback
 import pytest
 import torch
 
+from dcp_atomic import Callbacks
 from dcp_atomic.tiers.placement import place_replicas
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import Outcome, assert_all_ok, run_world
@@ -145,15 +146,17 @@ def _node_of(domain: str) -> int:
 
 
 def _manager(ctx, run: str, replicas: int, domains: list[str] | None, **kwargs):
-    """``domains``: each rank's failure domain, passed as ``failure_domain=`` (None: the environment's)."""
-    from dcp_atomic import CheckpointManager
+    """``domains``: each rank's failure domain, passed as ``LocalTierOptions(failure_domain=)`` (None: the
+    environment's)."""
+    from dcp_atomic import CheckpointManager, LocalTierOptions
     from dcp_atomic.exchange import file_transfer
 
     file_transfer.CHUNK_BYTES = 64 << 10  # every replica and restore transfer crosses chunk boundaries
     domain = (domains or EVEN)[ctx.rank]
-    kwargs.setdefault("durable_every", None)  # drains are asked for by durable=
-    return CheckpointManager(ctx.root, run, local_root=ctx.extra["nodes"][_node_of(domain)], replicas=replicas,
-                             failure_domain=domains[ctx.rank] if domains else None, timeout=20, **kwargs)
+    local = LocalTierOptions(ctx.extra["nodes"][_node_of(domain)], replicas=replicas,
+                             failure_domain=domains[ctx.rank] if domains else None,
+                             durable_every=None)  # drains are asked for by durable=
+    return CheckpointManager(ctx.root, run, local=local, timeout=20, **kwargs)
 
 
 def _own(step: int, rank: int) -> torch.Tensor:
@@ -181,7 +184,7 @@ def _restore(ctx, run: str, replicas: int = 2, domains: list[str] | None = None)
     """A fresh model (other seed), restored by a fresh manager: the step, its values and who served them."""
     model, optim = _fsdp_app(ctx.world_size, 42)
     stats = []
-    with _manager(ctx, run, replicas, domains, on_loaded=stats.append) as manager:
+    with _manager(ctx, run, replicas, domains, callbacks=Callbacks(on_loaded=stats.append)) as manager:
         state = _state(ctx, model, optim, -1)
         step = manager.load(state)
         served = manager.restored_from

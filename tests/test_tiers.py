@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 
+from dcp_atomic import Callbacks, LocalTierOptions
 from dcp_atomic.errors import ConfigurationError
 from dcp_atomic.tiers.placement import place_replicas
 from dcp_atomic._base import failpoints
@@ -81,7 +82,7 @@ def _train_and_save(ctx, steps, asynchronous_last=False, keep_local=2):
     """Train, saving each step in ``steps`` to the local tier; returns the full weights at each saved step."""
     model, optim = _fsdp_app(ctx.world_size, 0)
     saved, stats = {}, []
-    with _manager(ctx, keep_local=keep_local, on_saved=stats.append) as manager:
+    with _manager(ctx, keep_local=keep_local, callbacks=Callbacks(on_saved=stats.append)) as manager:
         for i, step in enumerate(steps):
             _train_step(model, optim, step)
             if asynchronous_last and i == len(steps) - 1:
@@ -96,7 +97,7 @@ def _train_and_save(ctx, steps, asynchronous_last=False, keep_local=2):
 def _restore(ctx, expect_step=None, step=None):
     model, optim = _fsdp_app(ctx.world_size, 42)
     stats = []
-    with _manager(ctx, on_loaded=stats.append) as manager:
+    with _manager(ctx, callbacks=Callbacks(on_loaded=stats.append)) as manager:
         state = _state(model, optim, -1)
         loaded = manager.load(state, step=step)
         served = manager.restored_from
@@ -287,7 +288,7 @@ def _save_with_policy(ctx):
     """Steps 10-40 with durable_every=2, then wait(): steps 20 and 40 are drained."""
     model, optim = _fsdp_app(ctx.world_size, 0)
     drained, saved = [], {}
-    with _manager(ctx, durable_every=2, keep_local=4, on_drained=drained.append) as manager:
+    with _manager(ctx, durable_every=2, keep_local=4, callbacks=Callbacks(on_drained=drained.append)) as manager:
         for step in (10, 20, 30, 40):
             _train_step(model, optim, step)
             manager.save(step, _state(model, optim, step))
@@ -379,7 +380,7 @@ def _hold_the_first_drain(ctx):
     lines = _Lines("dcp_atomic.drain")
     model, optim = _fsdp_app(ctx.world_size, 0)
     drained, saved = [], {}
-    with _manager(ctx, keep_local=1, on_drained=drained.append) as manager:
+    with _manager(ctx, keep_local=1, callbacks=Callbacks(on_drained=drained.append)) as manager:
         for step in (10, 20, 30, 40):
             _train_step(model, optim, step)
             manager.save(step, _state(model, optim, step), durable=True)  # returns although the drain is held
@@ -420,7 +421,7 @@ def _drain_into_a_full_disk(ctx, ballast):
     drain.RETRY_BACKOFF = 0.2
     failures, drained = [], []
     model, optim = _fsdp_app(ctx.world_size, 0)
-    with _manager(ctx, on_failed=failures.append, on_drained=drained.append) as manager:
+    with _manager(ctx, callbacks=Callbacks(on_failed=failures.append, on_drained=drained.append)) as manager:
         _train_step(model, optim, 10)
         manager.save(10, _state(model, optim, 10), durable=True)
         try:
@@ -717,7 +718,7 @@ def _drain_with_an_unreadable_latest(ctx):
     drain.DRAIN_ATTEMPTS = 1
     durable, local = os.path.join(ctx.root, "durable"), os.path.join(ctx.root, "local")
     os.makedirs(os.path.join(durable, RUN, "LATEST"))
-    manager = CheckpointManager(durable, RUN, local_root=local, durable_every=1, replicas=0, timeout=10)
+    manager = CheckpointManager(durable, RUN, local=LocalTierOptions(local, replicas=0, durable_every=1), timeout=10)
     manager.save(1, {"w": torch.arange(4.0)})
     try:
         manager.close()
@@ -780,12 +781,11 @@ def test_a_step_whose_drain_never_committed_is_kept_locally_and_drained_again_af
         assert exact
 
 
-def _one_rank_manager(ctx, **kwargs):
+def _one_rank_manager(ctx, *, keep_local):
     from dcp_atomic import CheckpointManager
 
-    kwargs.setdefault("durable_every", None)
-    return CheckpointManager(ctx.root, RUN, local_root=os.path.join(ctx.root, "node"), replicas=0, timeout=10,
-                             **kwargs)
+    local = LocalTierOptions(os.path.join(ctx.root, "node"), replicas=0, keep_local=keep_local, durable_every=None)
+    return CheckpointManager(ctx.root, RUN, local=local, timeout=10)
 
 
 def _rollback_past_an_undrained_step(ctx):

@@ -15,6 +15,7 @@ import re
 
 import pytest
 
+from dcp_atomic import Callbacks
 from dcp_atomic.tiers.drain import DRAIN_ATTEMPTS
 from dcp_atomic._base import failpoints
 from tests.fault_fixtures import small_tmpfs_ctx
@@ -82,7 +83,7 @@ def _drain_one(ctx, options):
     """Step 10 drained, step 20 local only."""
     model, optim = _fsdp_app(ctx.world_size, 0)
     drained, saved = [], {}
-    with _manager(ctx, storage_options=options, on_drained=drained.append) as manager:
+    with _manager(ctx, storage_options=options, callbacks=Callbacks(on_drained=drained.append)) as manager:
         for step, durable in ((10, True), (20, False)):
             _train_step(model, optim, step)
             manager.save(step, _state(model, optim, step), durable=durable)
@@ -147,7 +148,8 @@ def _train_through_a_storm(ctx, options):
     failpoints.arm("drain.before_upload", before_upload)
     model, optim = _fsdp_app(ctx.world_size, 0)
     drained, failures, saved = [], [], {}
-    with _manager(ctx, storage_options=options, on_drained=drained.append, on_failed=failures.append) as manager:
+    callbacks = Callbacks(on_drained=drained.append, on_failed=failures.append)
+    with _manager(ctx, storage_options=options, callbacks=callbacks) as manager:
         for step, durable in ((10, True), (20, False), (30, False)):
             _train_step(model, optim, step)
             manager.save(step, _state(model, optim, step), durable=durable)  # returns: the drain is not waited for
@@ -191,7 +193,8 @@ def _storm_outlasts_the_drain(ctx, options):
     drain.RETRY_BACKOFF = 0.1
     model, optim = _fsdp_app(ctx.world_size, 0)
     drained, failures, saved = [], [], {}
-    with _manager(ctx, storage_options=options, on_drained=drained.append, on_failed=failures.append) as manager:
+    callbacks = Callbacks(on_drained=drained.append, on_failed=failures.append)
+    with _manager(ctx, storage_options=options, callbacks=callbacks) as manager:
         for step, durable in ((10, True), (20, False)):
             _train_step(model, optim, step)
             manager.save(step, _state(model, optim, step), durable=durable)
@@ -245,7 +248,7 @@ def _latest_refused_once(ctx, options):
     lines = _Lines("dcp_atomic.drain")
     model, optim = _fsdp_app(ctx.world_size, 0)
     drained, saved = [], {}
-    with _manager(ctx, storage_options=options, on_drained=drained.append) as manager:
+    with _manager(ctx, storage_options=options, callbacks=Callbacks(on_drained=drained.append)) as manager:
         for step in (10, 20):
             _train_step(model, optim, step)
             manager.save(step, _state(model, optim, step), durable=True)
@@ -285,7 +288,7 @@ def _save_while_the_drain_is_stuck(ctx, options):
     drained, seen = [], {}
     model, optim = _fsdp_app(ctx.world_size, 0)
     # timeout (the drain's stall deadline, too) well above the hold: a held PUT is a stall until it ends
-    with _manager(ctx, storage_options=options, keep_local=1, on_drained=drained.append,
+    with _manager(ctx, storage_options=options, keep_local=1, callbacks=Callbacks(on_drained=drained.append),
                   timeout=2 * HOLD_S + 5) as manager:
         for step, durable in ((10, True), (20, False), (30, True), (40, True), (50, False)):
             _train_step(model, optim, step)

@@ -12,7 +12,7 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "gc_pause": ("gc_paused", "hook", "leave", "PLANNER", "STORAGE"),
     "internals": ("internals", "MEM_FORMAT_ENCODING"),
     "key_prefixes": ("data_prefix", "DATA_PREFIX_PATTERN", "MAX_DATA_PREFIXES", "validate_data_prefixes"),
-    "progress": ("Progress",),
+    "progress": ("format_size", "Progress"),
     "retry": ("Deadline", "REREAD_SECONDS", "retry_until"),
     "stats": ("DrainStats", "FailureStats", "LoadStats", "ReadStats", "SaveStats"),
 })

@@ -45,6 +45,7 @@ POINTS = frozenset(
         "local.before_marker",  # local tier: a root's leader (local commit, tier restore), before its root's marker
         "drain.before_upload",  # the drain thread of every rank, before it uploads its files (given the step)
         "drain.before_marker",  # the drain's rank 0, control files checked, before the durable marker (the step)
+        "drain.after_commit",  # the drain's rank 0, the step durably committed, before it hands out the outcome
         "reuse.before_link",  # every rank saving with reuse, before it links a stable file of the base (the base step)
         "reuse.after_link",  # every rank saving with reuse, a base file linked and verified, its other files not written
     }

@@ -45,10 +45,16 @@ class Progress:
                 return
             self._last = now
             done, elapsed = self.done, now - self.started
-        share = f" of {_size(self.total)} ({100 * done / self.total:.0f}%)" if self.total else ""
-        log.info("rank %d %s: %s%s in %.0fs, %.0f MiB/s", self.rank, self.what, _size(done), share, elapsed,
+        share = f" of {format_size(self.total)} ({100 * done / self.total:.0f}%)" if self.total else ""
+        log.info("rank %d %s: %s%s in %.0fs, %.0f MiB/s", self.rank, self.what, format_size(done), share, elapsed,
                  done / 2**20 / max(elapsed, 1e-9))
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+def format_size(nbytes: float) -> str:
+    """A byte count in the unit that shows it: a step of a few KiB reads "12.0 KiB", not "0.00 GB"."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"

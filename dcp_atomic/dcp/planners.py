@@ -29,7 +29,7 @@ from typing import Iterable
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from .._base import internals
+from .._base import arguments, internals
 from .._base.gc_pause import PLANNER, hook
 from .reshard import LoadContext, SaveReport, infer_parallelism, summarize_state_dict
 
@@ -45,8 +45,7 @@ class AtomicSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(self, *args, divergence: str = "raise", layout_dependent: Iterable[str] = (), **kwargs) -> None:
-        if divergence not in ("raise", "warn"):
-            raise ValueError(f"divergence must be 'raise' or 'warn', got {divergence!r}")
+        arguments.choice(f"{type(self).__name__}(divergence=...)", divergence, ("raise", "warn"))
         super().__init__(*args, **kwargs)
         self.divergence = divergence
         self.layout_dependent = tuple(layout_dependent)

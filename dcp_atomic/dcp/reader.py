@@ -57,7 +57,8 @@ from ..exchange.read_once import SharePlan
 from ..exchange.transport import PastTheGather, PeerLost
 from .identity import default_thread_count
 from ..format.blocks import check_block, verify_blocks_from, verify_item
-from ..format.layout import DCP_METADATA, checked_checkpoint_id, no_location_error, validate_step
+from ..format.layout import (DCP_METADATA, checked_checkpoint_id, no_location_error, validate_save_id,
+                             validate_step)
 from ..format.manifest import ItemExtent
 from ..format.parallelism import Parallelism
 from .planners import LOAD_CONTEXT_ATTR
@@ -160,10 +161,11 @@ class AtomicStorageReader(SharedReads, StorageReader):
         self.storage_options = storage_options
         self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
         self.storage, self.layout = open_location(root, run_id, storage_options)
-        self.requested_step = None if step is None else validate_step(step)
-        self.requested_save_id = save_id
+        self.requested_step = None if step is None else validate_step(step, "AtomicStorageReader(step=...)")
+        self.requested_save_id = None if save_id is None else validate_save_id(save_id, "AtomicStorageReader(save_id=...)")
         self.requested_sequence = arguments.count("AtomicStorageReader(save_sequence=...)", save_sequence, minimum=0)
-        self.parallelism = parallelism
+        self.parallelism = arguments.instance("AtomicStorageReader(parallelism=...)", parallelism, Parallelism,
+                                              "a dcp_atomic.Parallelism")
         self.allow_reshard = allow_reshard
         self.verify = verify
         self.timeout = timeout

@@ -27,7 +27,8 @@ so retiring or deleting any step, the base included, leaves the others' bytes in
 retention, ``gc`` and the drain need nothing new.
 
 Refused (typed, before anything is written): roots that can neither hard-link nor copy in place (generic fsspec
-filesystems), compression, ``stock_readable``, DCP plan caching, and the manager's local tier.
+filesystems), compression, ``stock_readable`` and DCP plan caching.  The manager's local tier links on each node's
+local root, and its drain through the same :func:`..protocol.links.link_verified`.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from .._base import arguments, internals
 from ..protocol import commit
 from .._base import failpoints
 from ..protocol.catalog import DEFAULT_TIMEOUT
-from ..errors import ConfigurationError, RankConsistencyError
+from ..errors import ArgumentError, ConfigurationError, RankConsistencyError
 from . import plan_cache
 from . import reuse as _reuse
 from .identity import check_identities, default_thread_count, local_identity
@@ -153,15 +153,13 @@ class AtomicStorageWriter(StorageWriter):
         reuse: bool = False,
     ) -> None:
         super().__init__()
-        if compression not in (None, "zstd"):
-            raise ConfigurationError(f"compression must be None or 'zstd', got {compression!r}")
+        arguments.choice("AtomicStorageWriter(compression=...)", compression, (None, "zstd"))
         if stock_readable and compression is not None:
             raise ConfigurationError(
                 "stock_readable=True cannot be compressed: torch's FileSystemReader only reads torch.save "
                 "containers; use compression=None, or stock_readable=False"
             )
-        if parallelism is not None and not isinstance(parallelism, Parallelism):
-            raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
+        arguments.instance("AtomicStorageWriter(parallelism=...)", parallelism, Parallelism, "a dcp_atomic.Parallelism")
         thread_count = arguments.count("AtomicStorageWriter(thread_count=...)", thread_count)
         timeout = arguments.seconds("AtomicStorageWriter(timeout=...)", timeout)
         overwrite = arguments.flag("AtomicStorageWriter(overwrite=...)", overwrite)
@@ -173,7 +171,7 @@ class AtomicStorageWriter(StorageWriter):
         self.storage, self.layout = open_location(root, run_id, storage_options)
         if self.reuse and self.storage is not None:  # without a location yet: checked where reset() gives one
             _reuse.refuse_unsupported(self.storage, compression=compression, stock_readable=stock_readable)
-        self.step = None if step is None else validate_step(step)
+        self.step = None if step is None else validate_step(step, "AtomicStorageWriter(step=...)")
         self.parallelism = parallelism
         self.compression = compression
         self.compression_level = compression_level
@@ -183,7 +181,8 @@ class AtomicStorageWriter(StorageWriter):
         try:
             self.metadata = check_user_metadata(metadata)
         except ValueError as e:
-            raise ConfigurationError(f"AtomicStorageWriter(metadata=...): {e}") from None
+            raise ArgumentError(f"AtomicStorageWriter(metadata=...): {e}", argument="AtomicStorageWriter(metadata=...)"
+                                ) from None
         self.stock_readable = stock_readable
         self.timeout = timeout
         self.block_size = block_size

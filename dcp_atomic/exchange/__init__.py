@@ -13,6 +13,6 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "file_transfer": ("discard", "Part", "Received", "Spooled", "transfer"),
     "liveness": ("Heartbeat", "OpWatch"),
     "read_once": ("Need", "plan_exchange", "round_layout", "SharePlan"),
-    "stall": ("SILENT", "StallClock", "STALLED"),
+    "stall": ("DURABLE", "SILENT", "StallClock", "STALLED"),
     "transport": ("PastTheGather", "PeerError", "PeerLink", "PeerLost"),
 })

@@ -12,11 +12,15 @@ collectives hang; :mod:`.liveness` keeps the heartbeat there):
   reads that one key (O(1) per poll, whatever the world).  Every rank thus measures the same thing: when the whole
   drain last moved, by its own monotonic clock (hosts' clocks are never compared).
 * **The verdict is claimed once.**  A waiter whose clock runs out claims ``stalled`` with one compare-and-set; global
-  rank 0 claims ``commit`` the same way just before it creates a durable marker, and clears it after.  Whoever is
-  first wins.  After ``stalled``, this job writes no marker of the step (rank 0 sees the claim and abandons it), so
-  every rank can say "not durable" and mean it.  After ``commit``, the marker is being written: waiters give it one
-  more stall period, then say "unknown" (``dcp-atomic ls`` tells).  A store that does not answer (global rank 0 dead
-  or frozen) is "unknown" too.
+  rank 0 claims ``commit`` the same way just before it creates a durable marker, and once the marker is written
+  leaves the step's name in the cell (``committed:<key>``), never an empty cell: a waiter that looked before the
+  marker and claims after it finds the cell changed, and its claim fails.  Whoever is first wins.  After ``stalled``, this job writes
+  no marker of the step (rank 0 sees the claim and abandons it), so every rank can say "not durable" and mean it.
+  After ``commit``, the marker is being written: waiters give it one more stall period, then say "unknown"
+  (``dcp-atomic ls`` tells); a cell naming the step a waiter waits for says it is durable, and the waiter gives rank
+  0 one more period to hand out the outcome, then says "durable".  A store that does not answer (global rank 0 dead
+  or frozen) is "unknown" too, said as soon as one read of the counter went unanswered for the store's bound (the
+  manager's timeout, which is the stall deadline): never a second wait for the store.
 
 A world of one (or a manager without a store) keeps the same rules in process memory.
 """
@@ -28,7 +32,12 @@ import time
 
 from .liveness import Heartbeat, _StoreSilent
 
-STALLED, COMMIT, UNKNOWN, SILENT = "stalled", "commit", "unknown", "silent"
+STALLED, COMMIT, UNKNOWN, SILENT, DURABLE = "stalled", "commit", "unknown", "silent", "durable"
+
+
+def committed(key: str) -> str:
+    """The verdict cell once rank 0 committed the job ``key`` names (``StallClock.commit_done``)."""
+    return f"committed:{key}"
 
 
 class _LocalBoard:
@@ -94,7 +103,9 @@ class StallClock:
         self._own_at = time.monotonic()  # this rank's last tick
         self._seen_total: int | None = None
         self._seen_at = self._own_at  # when this rank last saw the shared counter move (or began to look)
-        self._commit_since: float | None = None  # when this waiter found rank 0 writing the marker
+        self._silent = False  # the counter's last read went unanswered
+        self._commit_since: float | None = None  # when this waiter found rank 0 writing (or done writing) the marker
+        self._cell = ""  # global rank 0: what it last left in the verdict cell (only it writes anything but STALLED)
         if heartbeat is not None:
             heartbeat.on_beat(self._publish)
 
@@ -118,45 +129,60 @@ class StallClock:
         """Seconds since any rank's progress, as this rank knows it (reads the shared counter)."""
         total = self._board.total()
         now = time.monotonic()
+        self._silent = total is None
         if total is not None and total != self._seen_total:
             self._seen_total, self._seen_at = total, now
         if isinstance(self._board, _LocalBoard):
             self._publish()
         return now - max(self._own_at, self._seen_at)
 
-    def check(self) -> str | None:
+    def check(self, waiting_for: str | None = None) -> str | None:
         """The waiter's verdict, or None to go on waiting: :data:`STALLED` (claimed: no marker follows),
-        :data:`UNKNOWN` (rank 0 was writing the marker and did not finish within one more stall period) or
-        :data:`SILENT` (the store, hosted by global rank 0, does not answer)."""
+        :data:`UNKNOWN` (rank 0 was writing the marker and did not finish within one more stall period),
+        :data:`DURABLE` (rank 0 committed ``waiting_for``, the key of the job this rank waits for, and did not hand
+        out the outcome within one more period) or :data:`SILENT` (the store, hosted by global rank 0, does not
+        answer)."""
         if self.stall is None:
             return None
-        if self.quiet() < self.stall:
+        quiet = self.quiet()
+        if self._silent:  # unanswered for the store's whole bound (the manager's timeout, this deadline): no 2nd wait
+            return SILENT
+        if quiet < self.stall:
             return None
-        if self._commit_since is not None:
-            claimed = self._board.compare_set("", "")  # reads the cell
-            if claimed is None:
-                return SILENT
-            if claimed != COMMIT:  # rank 0 finished writing the marker: the outcome is on its way
-                self._commit_since = None
-                self._seen_at = time.monotonic()
+        cell = self._board.compare_set("", "")  # reads the cell
+        if cell is None:
+            return SILENT
+        done = waiting_for is not None and cell == committed(waiting_for)
+        if cell == COMMIT or done:
+            if self._commit_since is None:
+                self._commit_since = time.monotonic()
                 return None
-            return UNKNOWN if time.monotonic() - self._commit_since >= self.stall else None
-        claimed = self._board.compare_set("", STALLED)
+            if time.monotonic() - self._commit_since < self.stall:
+                return None
+            return DURABLE if done else UNKNOWN
+        if self._commit_since is not None:  # rank 0's commit failed: the outcome is on its way
+            self._commit_since = None
+            self._seen_at = time.monotonic()
+            return None
+        claimed = self._board.compare_set(cell, STALLED)  # fails if rank 0 claimed, or committed, since the read
         if claimed is None:
             return SILENT
-        if claimed == COMMIT:
-            self._commit_since = time.monotonic()
-            return None
-        return STALLED
+        if claimed == STALLED:
+            return STALLED
+        self._commit_since = time.monotonic()  # rank 0 is writing a marker, or just wrote one: one more period
+        return None
 
     def claim_commit(self) -> bool:
         """Global rank 0, before the irrevocable write: False when a waiter already declared the drain stalled."""
-        claimed = self._board.compare_set("", COMMIT)
+        claimed = self._board.compare_set(self._cell, COMMIT)
         return claimed is None or claimed == COMMIT  # a silent store: no waiter could have claimed either
 
-    def commit_done(self) -> None:
-        """Global rank 0, after the write (done or failed): waiters go back to the clock."""
-        self._board.compare_set(COMMIT, "")
+    def commit_done(self, key: str | None) -> None:
+        """Global rank 0, after the write: ``key`` names the job committed (None: it failed).  Waiters that find
+        their job named know it is durable; the others go back to the clock."""
+        if key is not None:
+            self._cell = committed(key)
+        self._board.compare_set(COMMIT, self._cell)
 
     def declared_stalled(self) -> bool:
         """Whether a waiter claimed the verdict ``stalled`` (then no new round may start: drains stopped)."""

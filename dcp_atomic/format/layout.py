@@ -26,9 +26,10 @@ import secrets
 import time
 from collections.abc import Iterable
 
+from .._base import arguments
 from .._base.key_prefixes import DATA_PREFIX_PATTERN, MAX_DATA_PREFIXES, validate_data_prefixes  # noqa: F401
 from .._base.key_prefixes import data_prefix as _key_prefix
-from ..errors import ConfigurationError
+from ..errors import ArgumentError, ConfigurationError
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SAVE_ID_PATTERN = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{8}")
@@ -47,25 +48,18 @@ SPOOL_DIR = ".incoming"  # in a local root's run: files from peers wait there fo
 ATTEMPT = "ATTEMPT"  # written first by the coordinator: who started this attempt, when
 
 
-def validate_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id) or run_id in {".", ".."}:
-        raise ValueError(
-            f"invalid run_id {run_id!r}: it must match {RUN_ID_PATTERN.pattern} "
-            "(letters, digits, '.', '_', '-'; no '/', no leading '.', at most 128 chars)"
-        )
-    return run_id
+def validate_run_id(run_id: str, name: str = "run_id") -> str:
+    return arguments.text(name, run_id, RUN_ID_PATTERN, "a name matching " + RUN_ID_PATTERN.pattern + " (letters, "
+                          "digits, '.', '_', '-'; no '/', no leading '.', at most 128 characters)")
 
 
-def validate_step(step: int) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"invalid step {step!r}: steps are non-negative integers")
-    return step
+def validate_step(step: int, name: str = "step") -> int:
+    return arguments.count(name, step, minimum=0, optional=False)
 
 
-def validate_save_id(save_id: str) -> str:
-    if not isinstance(save_id, str) or not SAVE_ID_PATTERN.fullmatch(save_id):
-        raise ValueError(f"invalid save_id {save_id!r}: expected {SAVE_ID_PATTERN.pattern}")
-    return save_id
+def validate_save_id(save_id: str, name: str = "save_id") -> str:
+    return arguments.text(name, save_id, SAVE_ID_PATTERN, f"a save id matching {SAVE_ID_PATTERN.pattern} "
+                          "(`dcp-atomic show` prints a step's)")
 
 
 def new_save_id() -> str:
@@ -88,24 +82,20 @@ def parse_checkpoint_id(checkpoint_id: str | os.PathLike) -> tuple[str, str, int
     The id frameworks pass to ``dcp.save``/``dcp.load`` names a location, not a layout: the
     checkpoint still lands in ``step_{N:010d}/<save_id>/`` under that root and run.
     """
-    text = os.fspath(checkpoint_id) if isinstance(checkpoint_id, os.PathLike) else checkpoint_id
-    if not isinstance(text, str):
-        raise ConfigurationError(f"checkpoint_id must be a path or URL string, got {type(checkpoint_id).__name__}")
+    text = arguments.location("checkpoint_id", checkpoint_id)
     head, last = posixpath.split(text.rstrip("/"))
     root, run_id = posixpath.split(head)
     match = CHECKPOINT_ID_STEP_PATTERN.fullmatch(last)
     scheme, _, bucket = root.partition("://")
     if not match or not root or not run_id or ("://" in text and not (bucket and scheme)):
-        raise ConfigurationError(
-            f"checkpoint_id {text!r} is not <root>/<run_id>/step_<N> (or torchtitan's <root>/<run_id>/step-<N>): "
-            "it needs a root directory or URL, a run directory and a step part. Nothing was written or read.",
-            checkpoint_id=text,
-        )
+        raise arguments.refused("checkpoint_id", text, "<root>/<run_id>/step_<N> (or torchtitan's "
+                                "<root>/<run_id>/step-<N>): a root directory or URL, a run directory and a step part",
+                                then="nothing was written or read")
     try:
         validate_run_id(run_id)
-    except ValueError as e:
-        raise ConfigurationError(f"checkpoint_id {text!r}: {e}. Nothing was written or read.",
-                                 checkpoint_id=text) from None
+    except ArgumentError as e:
+        raise arguments.refused("checkpoint_id", text, "<root>/<run_id>/step_<N> with a valid run_id",
+                                then=f"{e.message}. Nothing was written or read") from None
     return root, run_id, int(match.group(1))
 
 

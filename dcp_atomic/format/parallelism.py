@@ -27,7 +27,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
-from ..errors import ConfigurationError
+from .._base import arguments
+from ..errors import ArgumentError, ConfigurationError
 
 #: What each mesh dimension name means for the layout.  Roles: ``tp``/``pp``/``cp``/``ep`` are those degrees;
 #: ``dp`` is the whole data-parallel degree; ``dp_replicate``/``dp_shard`` multiply to it; ``dp_shard*cp`` is
@@ -71,11 +72,10 @@ class Parallelism:
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "pp", "cp", "ep"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Parallelism.{name} must be a positive int, got {value!r}")
+            arguments.count(f"Parallelism({name}=...)", getattr(self, name), optional=False)
         if (self.dp * self.cp * self.tp) % self.ep:  # experts are spread over ranks the other degrees make
-            raise ValueError(f"Parallelism.ep={self.ep} must divide dp*cp*tp={self.dp * self.cp * self.tp}")
+            raise arguments.refused("Parallelism(ep=...)", self.ep, f"a divisor of dp*cp*tp={self.dp * self.cp * self.tp}"
+                                    " (experts are spread over the ranks of the other degrees)")
 
     @property
     def world_size(self) -> int:
@@ -161,8 +161,8 @@ class Parallelism:
         try:
             return cls(tp=tp, dp=dp, pp=pp, cp=cp, ep=ep, mesh_shape=tuple(sizes.values()),
                        mesh_dim_names=tuple(sizes))
-        except ValueError as e:
-            raise ConfigurationError(f"device-mesh dims {sizes}: {e}. Pass Parallelism(...) explicitly",
+        except ArgumentError as e:
+            raise ConfigurationError(f"device-mesh dims {sizes}: {e.message}. Pass Parallelism(...) explicitly",
                                      mesh_dims=sizes) from None
 
     def to_dict(self) -> dict[str, Any]:

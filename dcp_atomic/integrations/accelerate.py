@@ -74,8 +74,9 @@ class AcceleratorCheckpoint:
     Args:
         accelerator: the job's ``Accelerator``, after ``prepare``: what it holds then is what is saved (models,
             optimizers, schedulers, dataloaders and ``register_for_checkpointing`` objects).
-        root, run_id, manager_kwargs: the manager's (``keep_last``, ``local_root``, ``storage_options``,
-            ``compression``...); build it after the ``Accelerator``, which starts the process group.
+        root, run_id, manager_kwargs: the manager's (``keep_last``, ``local=LocalTierOptions(...)``,
+            ``storage_options``, ``compression``...); build it after the ``Accelerator``, which starts the process
+            group.
     """
 
     def __init__(self, accelerator: Any, root: Any, run_id: str, **manager_kwargs: Any) -> None:

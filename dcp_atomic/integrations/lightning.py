@@ -72,10 +72,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+from .._base import arguments
 from ..stores.backends import open_storage
 from ..stores.storage import publish_stream
 from ..protocol.catalog import DEFAULT_TIMEOUT
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, shorten
+from ..errors import CheckpointError, CheckpointNotFoundError, shorten
 from ..format.layout import RunLayout, parse_checkpoint_id
 from ..manager import CheckpointManager
 from ..manager.options import Callbacks, LocalTierOptions
@@ -144,12 +145,10 @@ class _AtomicCheckpointing:
         ``tensor_parallel`` names included).  ``local_root`` (each node's own absolute path), ``replicas``,
         ``keep_local``, ``failure_domain``: the local tier, as ``CheckpointManager`` takes them (module doc)."""
         if local_root is not None and not os.path.isabs(os.fspath(local_root)):
-            raise ConfigurationError(f"{type(self).__name__}(local_root={local_root!r}): the local tier needs an "
-                                     "absolute path on each node's own storage; nothing was saved",
-                                     local_root=os.fspath(local_root))
+            raise arguments.refused(f"{type(self).__name__}(local_root=...)", local_root,
+                                    "an absolute path on each node's own storage", then="nothing was saved")
         super().__init__(*args, **kwargs)
-        if parallelism is not None and not isinstance(parallelism, Parallelism):
-            raise TypeError(f"parallelism must be a dcp_atomic.Parallelism, got {type(parallelism).__name__}")
+        arguments.instance(f"{type(self).__name__}(parallelism=...)", parallelism, Parallelism, "a dcp_atomic.Parallelism")
         self.run_id = run_id
         self.parallelism = parallelism
         self.compression = compression
@@ -423,8 +422,7 @@ _CLASS_NAMES = {"pytorch_lightning": "AtomicModelParallelStrategy",
 def strategy_class(package: str = "pytorch_lightning") -> type:
     """The strategy over ``package``'s ``ModelParallelStrategy`` (``"pytorch_lightning"`` or ``"lightning.pytorch"``):
     a Trainer accepts only strategies of its own package."""
-    if package not in _CLASS_NAMES:
-        raise ValueError(f"package must be one of {sorted(_CLASS_NAMES)}, got {package!r}")
+    arguments.choice("strategy_class(package=...)", package, sorted(_CLASS_NAMES))
     base = importlib.import_module(f"{package}.strategies").ModelParallelStrategy
     name = _CLASS_NAMES[package]
     return type(name, (_AtomicCheckpointing, base),

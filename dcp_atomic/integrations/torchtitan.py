@@ -43,11 +43,12 @@ from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 
 from ..protocol.catalog import DEFAULT_TIMEOUT, latest_step
 from ..protocol.commit import read_marker, resume_point
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ..format.layout import RunLayout, parse_checkpoint_id, root_key, step_dir_name
 from ..dcp.planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..stores.backends import open_storage
 from ..dcp.reader import AtomicStorageReader
+from .._base import arguments
 from .._base.retry import Deadline
 from ..protocol.retention import apply_gc, plan_gc
 from ..manager import CheckpointManager as TierManager
@@ -84,12 +85,10 @@ class AtomicCheckpointManager(CheckpointManager):
         """With ``local_root``: steps kept on each node (a step still draining is kept besides)."""
 
         def __post_init__(self) -> None:
-            every = self.durable_every
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ConfigurationError(f"checkpoint.durable_every must be an int >= 1, got {self.durable_every!r}")
+            arguments.count("checkpoint.durable_every", self.durable_every, optional=False)
             if self.local_root is not None and not os.path.isabs(self.local_root):
-                raise ConfigurationError(f"checkpoint.local_root must be an absolute path on each node's own storage, "
-                                         f"got {self.local_root!r}")
+                raise arguments.refused("checkpoint.local_root", self.local_root,
+                                        "an absolute path on each node's own storage")
             keep = self.keep_latest_k  # torchtitan refuses 1 (its purge may hit the save in flight); ours cannot
             self.keep_latest_k = 0 if keep == 1 else keep
             try:

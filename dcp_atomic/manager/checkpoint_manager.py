@@ -59,7 +59,7 @@ from ..exchange.collective import RankAgreement, first_line, raise_typed
 from ..protocol.commit import (ResumePoint, read_committed, read_marker, refuse_committed, resume_point,
                                scan_markers)
 from ..errors import ArgumentError, CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
-from ..format.layout import RunLayout, validate_step
+from ..format.layout import RunLayout, validate_save_id, validate_step
 from ..exchange.liveness import Heartbeat, OpWatch
 from ..format.manifest import Marker
 from ..format.parallelism import Parallelism
@@ -233,6 +233,7 @@ class CheckpointManager(RankAgreement):
         allow_divergence = arguments.flag("CheckpointManager(allow_divergence=...)", allow_divergence)
         share_reads = arguments.flag("CheckpointManager(share_reads=...)", share_reads, optional=True)
         reuse = arguments.flag("CheckpointManager(reuse=...)", reuse)
+        arguments.instance("CheckpointManager(parallelism=...)", parallelism, Parallelism, "a dcp_atomic.Parallelism")
         self.root, self.run_id = root, run_id
         self.storage_options = storage_options
         self.layout = RunLayout(open_storage(root, storage_options), run_id)
@@ -324,6 +325,7 @@ class CheckpointManager(RankAgreement):
         background drain to ``root`` if ``durable`` says so (None: the ``durable_every`` policy); the save
         never waits for a drain.  Without ``local_root`` every save is durable and ``durable`` is ignored.
         """
+        validate_step(step, "CheckpointManager.save(step=...)")
         drain = self._wants_drain(durable)
         self._wait_for_async_save()
         started = time.perf_counter()
@@ -359,6 +361,7 @@ class CheckpointManager(RankAgreement):
         way on every rank.  With ``local_root`` the future resolves once the step is local-committed (and
         queued for the drain, ``durable`` as for ``save``), not once it is drained.
         """
+        validate_step(step, "CheckpointManager.async_save(step=...)")
         drain = self._wants_drain(durable)
         self._wait_for_async_save()
         op = self._ops
@@ -473,8 +476,13 @@ class CheckpointManager(RankAgreement):
 
         Before loading, raises the failure of an earlier ``async_save`` that nothing has reported yet.
         """
+        if step is not None:
+            validate_step(step, "CheckpointManager.load(step=...)")
+        if save_id is not None:
+            validate_save_id(save_id, "CheckpointManager.load(save_id=...)")
         if save_id is not None and step is None:
-            raise ValueError(f"load(save_id={save_id!r}) needs the step that save belongs to")
+            raise arguments.refused("CheckpointManager.load(save_id=...)", save_id, "None without a step",
+                                    then="pass step= too, the step that save belongs to")
         self._wait_for_async_save()
         started = time.perf_counter()
         with self._failures_reported("load", step, started) as attempt:
@@ -577,8 +585,7 @@ class CheckpointManager(RankAgreement):
     def steps(self, tier: str | None = None) -> list[int]:
         """Committed steps, ascending (global rank 0 scans, the others are told).  ``tier``: ``"durable"``
         (the durable root's), ``"local"`` (local-committed on any local root), or None (either)."""
-        if tier not in (None, "local", "durable"):
-            raise ValueError(f"tier must be None, 'local' or 'durable', got {tier!r}")
+        arguments.choice("CheckpointManager.steps(tier=...)", tier, (None, "local", "durable"))
         found: set[int] = set()
         if tier != "local":
             found |= set(self._on_rank0(lambda: [m.step for m in scan_markers(self.layout)], "list committed steps"))
@@ -590,8 +597,7 @@ class CheckpointManager(RankAgreement):
 
     def _wants_drain(self, durable: bool | None) -> bool | None:
         """Whether this save is also drained to the durable root (:meth:`.TierPolicy.drain_decision`)."""
-        if durable is not None and not isinstance(durable, bool):
-            raise ValueError(f"durable must be True, False or None, got {durable!r}")
+        arguments.flag("CheckpointManager.save(durable=...)", durable, optional=True)
         return self._tier.drain_decision(durable)
 
     def _refuse_conflicts(self, step: int) -> None:

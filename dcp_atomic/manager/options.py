@@ -61,6 +61,9 @@ class LocalTierOptions:
         object.__setattr__(self, "durable_every", arguments.count(
             "LocalTierOptions(durable_every=...)", self.durable_every if given else DEFAULT_DURABLE_EVERY))
         arguments.count("LocalTierOptions(keep_local=...)", self.keep_local, optional=False)
+        arguments.location("LocalTierOptions(local_root=...)", self.local_root)
+        arguments.count("LocalTierOptions(replicas=...)", self.replicas, minimum=0, optional=False)
+        arguments.instance("LocalTierOptions(failure_domain=...)", self.failure_domain, str, "a string")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +86,7 @@ class Callbacks:
     on_loaded: StatsCallback | None = None
     on_failed: StatsCallback | None = None
     on_drained: StatsCallback | None = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            arguments.callback(f"Callbacks({field.name}=...)", getattr(self, field.name))

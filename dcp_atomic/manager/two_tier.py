@@ -105,19 +105,19 @@ class TwoTier(TierPolicy):
             if options.durable_every_given and self.durable_every is not None:
                 raise ConfigurationError(f"durable_every={self.durable_every} needs a process group of the drain's "
                                          "own, which the manager cannot create when it is given process_group=; leave "
-                                         "process_group out, or save durable steps with a manager without local_root")
+                                         "process_group out, or save durable steps with a manager without a local tier")
             self.durable_every = None
             if ctx.rank == 0:
-                log.warning("CheckpointManager(local_root=%r, process_group=...): the drain needs a process group of "
-                            "its own, so no step reaches the durable root %s; every step lives only on the nodes' "
-                            "local disks. Leave process_group out to keep durable copies.",
+                log.warning("CheckpointManager(local=LocalTierOptions(%r), process_group=...): the drain needs a "
+                            "process group of its own, so no step reaches the durable root %s; every step lives only "
+                            "on the nodes' local disks. Leave process_group out to keep durable copies.",
                             os.fspath(options.local_root), ctx.layout.storage.describe())
         elif self.durable_every is None and ctx.rank == 0:
-            log.warning("CheckpointManager(local_root=%r, durable_every=None): only saves with durable=True reach the "
-                        "durable root %s; every other step lives only on the nodes' local disks, which are usually "
-                        "wiped when the allocation ends. Leave durable_every at its default (%d: every save drains in "
-                        "the background) or set it to N to keep durable copies.", os.fspath(options.local_root),
-                        ctx.layout.storage.describe(), DEFAULT_DURABLE_EVERY)
+            log.warning("CheckpointManager(local=LocalTierOptions(%r, durable_every=None)): only saves with "
+                        "durable=True reach the durable root %s; every other step lives only on the nodes' local "
+                        "disks, which are usually wiped when the allocation ends. Leave durable_every at its default "
+                        "(%d: every save drains in the background) or set it to N to keep durable copies.",
+                        os.fspath(options.local_root), ctx.layout.storage.describe(), DEFAULT_DURABLE_EVERY)
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -130,7 +130,7 @@ class TwoTier(TierPolicy):
         if wanted and self.drainer is None:
             raise ConfigurationError("draining to the durable root needs a process group of the drain's own, which "
                                      "the manager cannot create when it is given process_group=; leave "
-                                     "process_group out, or save durable steps with a manager without local_root")
+                                     "process_group out, or save durable steps with a manager without a local tier")
         return wanted
 
     def refuse_conflicts(self, step: int) -> None:

@@ -21,8 +21,9 @@ from . import commit
 from .commit import (SCAN_RETRY_SECONDS, Committed, ResumePoint, commit_order, read_committed, read_latest,  # noqa: F401
                      read_marker, scan_markers, write_latest)
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format.layout import RunLayout
+from ..format.layout import RunLayout, validate_step
 from ..format.manifest import Marker
+from .._base import arguments
 from .._base.retry import Deadline
 from ..stores.backends import open_storage
 from ..stores.storage import LocalStorage
@@ -133,6 +134,9 @@ def latest_step(
     newest commit, and only ever moves it forward.  A damaged marker raises
     :class:`CorruptCheckpointError` rather than silently choosing an older step.
     """
+    timeout = arguments.seconds("latest_step(timeout=...)", timeout)
+    arguments.flag("latest_step(repair=...)", repair)
+    arguments.flag("latest_step(missing_root_ok=...)", missing_root_ok)
     layout = (RunLayout(open_storage(root, storage_options), run_id) if missing_root_ok
               else _existing_root(root, run_id, storage_options, "latest_step"))
     newest = most_recent(scan_markers(layout, strict=True))
@@ -161,4 +165,5 @@ def resume_point(root: str | os.PathLike, run_id: str, step: int,
     """What a job that loaded ``step`` passes as ``AtomicStorageWriter(resumed_from=...)`` so that its saves
     supersede the steps above ``step`` committed before the load (a rollback, P14).  Call it on the saving
     coordinator (global rank 0) right after the load; ``CheckpointManager.load`` does this itself."""
+    validate_step(step, "resume_point(step=...)")
     return commit.resume_point(RunLayout(open_storage(root, storage_options), run_id), step)

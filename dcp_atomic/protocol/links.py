@@ -37,7 +37,9 @@ def choose_base(layout: RunLayout, step: int, timeout: float) -> tuple[int, str]
     """Coordinator: (step, save_id) of the run's latest committed step below ``step``, or None (a full save).
 
     ``LATEST`` verified by its marker, as a load of the latest step resolves it; when it names ``step`` or a later
-    one (a re-save, a rollback) or cannot be read, the markers (one process, this one) of the steps below."""
+    one (a re-save, a rollback) or cannot be read, the markers (one process, this one) of the steps below.  Either
+    way the base's manifest is read here, once: a manifest that is gone (a damaged base) then costs one read and a
+    full save, not every rank's wait of ``BASE_WAIT_SECONDS`` for it."""
     try:
         try:
             committed = resolve(layout, None, Deadline(0.0))  # no waiting: the scan below answers when in doubt
@@ -46,6 +48,8 @@ def choose_base(layout: RunLayout, step: int, timeout: float) -> tuple[int, str]
         except CheckpointError:
             pass
         newest = most_recent([m for m in scan_markers(layout) if m.step < step])
+        if newest is not None:
+            read_committed(layout, newest.step, Deadline(0.0))
     except (CheckpointError, OSError) as e:
         log.warning("reuse: no base step for step %d of run %r (%s); this save writes every byte", step,
                     layout.run_id, e)
@@ -104,9 +108,8 @@ def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, r
     try:
         storage.link(source, target)
     except (OSError, StorageError) as e:  # the base removed meanwhile, no hard links, a copy the store refuses
-        log.warning("reuse: rank %d could not link %s from step %d by %s (%s, errno %s); writing it instead",
-                    rank, entry.name, base_step, storage.link_kind, getattr(e, "strerror", None) or e,
-                    getattr(e, "errno", None))
+        log.warning("reuse: rank %d could not link %s from step %d by %s (%s); writing it instead",
+                    rank, entry.name, base_step, storage.link_kind, _refusal(e))
         return False
     try:
         _verify(storage, target, entry, where, threads)
@@ -120,6 +123,16 @@ def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, r
                     storage.link_kind, entry.name, base_step, e)
         return _unlink(rank, storage, target)
     return True
+
+
+def _refusal(error: OSError | StorageError) -> str:
+    """Why a link was not made, for the warning of its fallback: an ``OSError``'s reason and errno, a store's reply.
+    Not a store error's whole message: that is written for a request whose failure ends the save (what is not
+    committed, which option to change), and this save writes the file and commits."""
+    if isinstance(error, StorageError):
+        reply = error.details.get("reply")
+        return f"{reply}: {error.details.get('reply_message')}" if reply else error.message
+    return f"{error.strerror or error}, errno {error.errno}"
 
 
 def _unlink(rank: int, storage: Any, target: str) -> bool:

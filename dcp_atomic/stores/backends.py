@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigurationError
+from .._base import arguments
+from ..errors import ArgumentError, ConfigurationError
 from .storage import FsspecStorage, LocalStorage, Storage
 
 
@@ -40,14 +42,16 @@ def register_backend(scheme: str, target: str, *, extra: str | None = None, clob
     already has another backend is refused unless ``clobber`` (replacing ``s3`` by accident would route every S3
     save through another class)."""
     if not isinstance(scheme, str) or not scheme or "://" in scheme or "/" in scheme:
-        raise ValueError(f"register_backend: scheme must be a bare URL scheme such as 's3', got {scheme!r}")
+        raise arguments.refused("register_backend(scheme=...)", scheme, "a bare URL scheme such as 's3'",
+                                wrong_type=not isinstance(scheme, str))
     module, sep, name = target.partition(":") if isinstance(target, str) else ("", "", "")
     if not (module and sep and name):
-        raise ValueError(f"register_backend({scheme!r}): target must be 'module:Class', got {target!r}")
+        raise arguments.refused(f"register_backend({scheme!r}, target=...)", target, "'module:Class'",
+                                wrong_type=not isinstance(target, str))
     backend = Backend(target, extra)
     if not clobber and BACKENDS.get(scheme, backend) != backend:
-        raise ValueError(f"register_backend: {scheme}:// is already served by {BACKENDS[scheme].target}; pass "
-                         f"clobber=True to replace it with {target}")
+        raise ArgumentError(f"register_backend: {scheme}:// is already served by {BACKENDS[scheme].target}; pass "
+                            f"clobber=True to replace it with {target}", argument="register_backend(clobber=...)")
     BACKENDS[scheme] = backend
 
 
@@ -63,10 +67,8 @@ _LOCAL_OPTIONS = {"auto_mkdir", "skip_instance_cache", "use_listings_cache", "li
 
 def open_storage(root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Storage:
     """Pick the backend once, from the root's form; callers never ask which it is."""
-    if isinstance(root, os.PathLike):
-        root = os.fspath(root)
-    if not isinstance(root, str) or not root:
-        raise ValueError(f"root must be a non-empty path or URL, got {root!r}")
+    root = arguments.location("root", root)
+    arguments.instance("storage_options", storage_options, Mapping, "a dict of fsspec options")
     if "://" not in root:
         return LocalStorage(root)
     backend = BACKENDS.get(root.split("://", 1)[0])

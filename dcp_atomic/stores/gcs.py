@@ -37,7 +37,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from ..errors import CommitConflictError, ConfigurationError, StorageError
-from .object_retry import ObjectRequests, RetryPolicy, chain, settle_write
+from .object_retry import ObjectRequests, RetryPolicy, chain, copy_source_missing, settle_write
 from .storage import FsspecStorage
 from .._base import internals
 
@@ -175,7 +175,10 @@ class GCSStorage(FsspecStorage):
         """A server-side rewrite (gcsfs ``cp_file``, reuse, P15): GCS copies the object, no byte of it passes through
         this process; each request goes through this store's retry policy.  ``FileNotFoundError`` where ``source``
         is gone."""
-        self.fs.cp_file(source, target)
+        try:
+            self.fs.cp_file(source, target)
+        except FileNotFoundError:
+            raise copy_source_missing(self._url(source)) from None
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         try:

@@ -326,9 +326,15 @@ class ObjectRequests:
         return StorageError(
             f"rank {rank} on {socket.gethostname()}: {errors.store} {what} of {url} at {self.endpoint()} failed: "
             f"{reply}: {message.rstrip('.')}. {hint}. {consequence}",
-            rank=rank, path=url, status=status, code=code, reply_message=message, attempts=attempts,
+            rank=rank, path=url, status=status, code=code, reply=reply, reply_message=message, attempts=attempts,
             unanswered=unanswered,
         )
+
+
+def copy_source_missing(source_url: str) -> FileNotFoundError:
+    """A server-side copy answered 404: the object copied *from* is gone (a base step deleted meanwhile).  The
+    request is addressed to the copy's target, so its plain 404 would name the new object as the missing one."""
+    return FileNotFoundError(errno.ENOENT, f"no such object: {source_url} (the source of the copy)", source_url)
 
 
 def _first_line(error: BaseException) -> str:

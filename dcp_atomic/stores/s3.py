@@ -85,7 +85,8 @@ from typing import Any, Awaitable, TypeVar
 
 from ..errors import CommitConflictError, ConfigurationError, StorageError
 from .._base.key_prefixes import DATA_PREFIX_PATTERN, validate_data_prefixes
-from .object_retry import AdaptiveLimit, ObjectRequests, PreconditionFailed, RetryPolicy, chain, settle_write  # noqa: F401
+from .object_retry import (AdaptiveLimit, ObjectRequests, PreconditionFailed, RetryPolicy, chain,  # noqa: F401
+                           copy_source_missing, settle_write)
 from .s3_multipart import DEFAULT_UPLOAD_LEASE_S, S3ObjectWriter, StaleUpload, abort_stale_uploads  # noqa: F401
 from .s3_probe import (AUTH_CODES, CHECKSUM_MODE, UNSAFE_SINGLE_WRITER, data_prefix_advice, require_conditional_writes,
                        require_data_writes)
@@ -434,8 +435,11 @@ class S3Storage(FsspecStorage):
         most 1 GiB unless one item is larger): :class:`StorageError`, and the caller writes the file instead."""
         source_bucket, source_key = self._split(source)
         bucket, key = self._split(target)
-        self._run(self._call("COPY", target, "copy_object", Bucket=bucket, Key=key,
-                             CopySource={"Bucket": source_bucket, "Key": source_key}))
+        try:
+            self._run(self._call("COPY", target, "copy_object", Bucket=bucket, Key=key,
+                                 CopySource={"Bucket": source_bucket, "Key": source_key}))
+        except FileNotFoundError:
+            raise copy_source_missing(self._url(source)) from None
 
     def read_versioned(self, path: str) -> tuple[bytes, str | None]:
         """The object and its ETag, from one GET: the version :meth:`replace_if_unchanged` must still find."""

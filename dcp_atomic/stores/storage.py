@@ -21,6 +21,14 @@ other protocol, including a user's own fsspec filesystem, goes through the
 fsspec object (:class:`FsspecStorage`), with a warning naming what is lost
 (fsync, exclusive ``link()``) when that filesystem is a local-style one.
 
+Every file :class:`LocalStorage` completes is read-only (its write bits dropped before the fsync that makes it
+durable, :func:`make_read_only`): a checkpoint's files are never edited in place, only created, renamed over and
+removed, none of which needs write permission on the file itself (rename and unlink need it on the directory).
+So a stray writer that is not root (a ``torch.save`` or any tool opening a committed file for writing) is refused
+with ``EACCES`` instead of truncating a file that several hard-linked steps may share (reuse, P15).  Set by the
+process that wrote the file, when it closes it, not at the commit: no rank ever holds a writable file of a
+committed step, and the commit needs no pass over every rank's files (P12).
+
 Why one module of about 530 lines: the protocol and its two implementations that need no SDK (POSIX, any fsspec
 filesystem) side by side, so each rule (publish, link, exclusive create) reads once per backend; the object stores
 live in modules of their own.
@@ -41,11 +49,20 @@ from typing import IO, Any, Callable
 from ..errors import ConfigurationError
 
 WRITE_BUFFER = 1 << 20
+_WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 
 
 def _temp_name(path: str) -> str:
     head, tail = os.path.split(path)
     return os.path.join(head, f".{tail}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def make_read_only(file: int | str) -> None:
+    """Drop every write bit of a complete file (an open descriptor or a path), keeping its read bits as the umask
+    left them: the module docstring says why.  A file already read-only is left alone (no write to its inode)."""
+    mode = stat.S_IMODE(os.stat(file).st_mode)
+    if mode & _WRITE_BITS:
+        os.chmod(file, mode & ~_WRITE_BITS)
 
 
 class Storage(abc.ABC):
@@ -291,6 +308,7 @@ class LocalStorage(Storage):
     def close_write(self, stream: IO[bytes]) -> None:
         try:
             stream.flush()
+            make_read_only(stream.fileno())  # before the fsync, which makes the mode durable with the bytes
             os.fsync(stream.fileno())
         finally:
             stream.close()
@@ -336,6 +354,7 @@ class LocalStorage(Storage):
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
+            make_read_only(fd)
             os.fsync(fd)
         except BaseException:  # ENOSPC and friends: leave no debris behind
             os.close(fd)
@@ -368,14 +387,24 @@ class LocalStorage(Storage):
         return True
 
     def link(self, source: str, target: str) -> None:
+        """A hard link: the new name shares the source's inode, so its mode too; a source written before files were
+        made read-only (an older dcp_atomic, a stock DCP import) is made read-only with it, so the new step is."""
         if not stat.S_ISREG(os.lstat(source).st_mode):  # link() of a symlink names the link, not a file of the run
             raise OSError(errno.EINVAL, "not a regular file", source)
         os.link(source, target)
         try:
+            make_read_only(target)  # EPERM where another user owns it: then this step writes its own file
             self.sync_dir(os.path.dirname(target))
         except OSError:
-            _unlink_quietly(target)  # a name that may not survive a crash: none at all, the caller writes the file
+            _unlink_quietly(target)  # a writable name, or one that may not survive a crash: none, the caller writes
             raise
+
+    def adopt(self, complete: str, path: str) -> None:
+        """Publish under ``path`` a complete, fsynced file written elsewhere on this filesystem (a spooled transfer):
+        read-only as every file completed here, renamed over ``path``, the directory fsynced."""
+        make_read_only(complete)
+        os.replace(complete, path)
+        self.sync_dir(os.path.dirname(path))
 
     def file_version(self, path: str) -> tuple | None:
         st = os.stat(path)
@@ -417,16 +446,20 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def publish_stream(path: str, write: Callable[[IO[bytes]], None]) -> None:
+def publish_stream(path: str, write: Callable[[IO[bytes]], None], *, read_only: bool = False) -> None:
     """Publish a local file too large or too structured for one ``bytes`` (an export, Lightning's file, a partial
     copy): ``write(file)`` fills a temp file beside ``path`` (opened for reading too, so ``write`` may append to what
     it wrote, as a zip archive does), which is fsynced, renamed over ``path``, and the directory fsynced, so
-    ``path`` is the old file or the whole new one, across a crash too.  A failure leaves no temp file."""
+    ``path`` is the old file or the whole new one, across a crash too.  A failure leaves no temp file.
+    ``read_only``: a file of a checkpoint (a partial copy), read-only as :class:`LocalStorage`'s are; an export is
+    the user's file to overwrite."""
     tmp = _temp_name(path)
     try:
         with open(tmp, "x+b") as f:
             write(f)
             f.flush()
+            if read_only:
+                make_read_only(f.fileno())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -67,7 +67,7 @@ from ..dcp.identity import default_thread_count
 from ..errors import (CheckpointError, CommitConflictError, DrainStalledError, IncompleteStepError,
                       StorageError)
 from ..exchange.collective import CollectiveFailed, first_line, from_rank0, gather
-from ..exchange.stall import SILENT, STALLED, StallClock
+from ..exchange.stall import DURABLE, SILENT, STALLED, StallClock
 from ..format.layout import DCP_METADATA, MANIFEST, RunLayout
 from ..format.manifest import Marker, now
 from ..protocol.commit import Evidence, ResumePoint, claim_attempt
@@ -197,8 +197,8 @@ class Drainer:
         round, rank 0's commit) made no progress for the clock's ``stall`` seconds -- a frozen mount on one node, an
         endpoint that stopped answering, a commit that does not return -- raise :class:`DrainStalledError` naming the
         step, the store and the verdict every rank shares (:mod:`~..exchange.stall`): not durable (no marker follows),
-        or unknown (rank 0 was writing the marker).  Drains then stop until the job restarts (the stuck thread is
-        left to its store or its collective; a later submit or wait reports this failure)."""
+        unknown (rank 0 was writing the marker), or durable (rank 0 wrote it, then did not hand out the outcome).
+        Drains then stop until the job restarts (the stuck thread is left to its store; later calls report it)."""
         idle = lambda: not self._has_work() and self._inflight is None  # noqa: E731
         if self._verdict is not None and self.busy():  # still stuck: the same verdict, at once
             raise self._verdict
@@ -210,7 +210,8 @@ class Drainer:
                 if idle():
                     failure, self._failure = self._failure, None
                     break
-            verdict = self.clock.check()  # outside the lock: it may wait for the store
+                job = self._inflight
+            verdict = self.clock.check(job and job.key)  # outside the lock: it may wait for the store
             if verdict is not None:
                 with self._cond:
                     if idle():  # finished meanwhile: its outcome is the verdict
@@ -237,6 +238,9 @@ class Drainer:
             outcome = ("The rendezvous store on global rank 0 does not answer (rank 0 dead or frozen), so whether "
                        f"the step became durable is unknown: `dcp-atomic ls {self.durable.storage.describe()} "
                        f"{self.durable.run_id}` tells")
+        elif verdict == DURABLE:
+            outcome = ("Global rank 0 committed the step to the durable root (its marker is written: the step is "
+                       "durable) but has not handed out the outcome within one more stall period")
         else:
             outcome = ("Global rank 0 was writing the step's durable marker and did not finish within one more stall "
                        "period, so whether the step is durable is unknown to every rank: `dcp-atomic ls "
@@ -247,7 +251,7 @@ class Drainer:
             f"waiting. {outcome}. Drains stop until the job restarts, and the next job drains the newest local step "
             "again. Check the store (a frozen mount, an unreachable endpoint).",
             step=job.step if job is not None else None, rank=self.rank, path=self.where,
-            durable=False if verdict == STALLED else None)
+            durable={STALLED: False, DURABLE: True}.get(verdict))
 
     def _io(self) -> "_StoreWork":
         return _StoreWork(self)
@@ -467,6 +471,7 @@ class Drainer:
                                          f"{reason.rstrip('.')}. {outcome}; the next drain retries.", step=job.step,
                                          rank=0, path=str(where))
             else:
+                failpoints.hit("drain.after_commit", 0, job.step)
                 with self._cond:
                     skipped = self._replaced.pop(job.index, [])
                 return "ok", None, False, Drained(

@@ -38,6 +38,11 @@ class DrainJob:
     manifest_sha256: str
     sequence: int | None
 
+    @property
+    def key(self) -> str:
+        """The job as the stall clock's verdict cell names it once committed (:mod:`~..exchange.stall`)."""
+        return f"{self.step}:{self.save_id}"
+
 
 @dataclass
 class Uploaded:
@@ -254,8 +259,11 @@ def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | No
             "declared it stalled; no durable marker of the step was written, the durable root's previous step is "
             "intact and the step stays on the local tier", step=job.step, rank=0, path=durable.marker(job.step),
             durable=False)
+    done = None
     try:
-        return commit_step(durable, marker, manifest, evidence, policy, timeout=timeout)
+        placed = commit_step(durable, marker, manifest, evidence, policy, timeout=timeout)
+        done = job.key
+        return placed
     except (CommitConflictError, IncompleteStepError):
         raise
     except StorageError as e:
@@ -266,7 +274,7 @@ def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | No
         raise _commit_failed(durable, job, e) from e
     finally:
         if clock is not None:
-            clock.commit_done()
+            clock.commit_done(done)
 
 
 def _commit_failed(durable: RunLayout, job: DrainJob, e: Exception) -> StorageError:

@@ -277,8 +277,7 @@ def keep(part: Received, storage: LocalStorage, path: str) -> None:
     if isinstance(part, bytes):
         storage.publish(path, part)
         return
-    os.replace(part.path, path)
-    storage.sync_dir(os.path.dirname(path))
+    storage.adopt(part.path, path)
 
 
 def write_rank_files(layout: RunLayout, manifest: Manifest, rank: int, parts: dict[str, Received], sender: str) -> None:
@@ -495,7 +494,7 @@ def keep_extents(layout: RunLayout, manifest: Manifest, entry: FileEntry, pieces
         claims = json.dumps({"items": sorted([offset, len(data)] for offset, data in pieces.items())}).encode()
         storage.publish(partial_note(layout, manifest, entry.name), claims)  # first: a crash leaves no unexplained hole
 
-    publish_stream(target, write)
+    publish_stream(target, write, read_only=True)
 
 
 def open_local(local_root: str, run_id: str) -> RunLayout:

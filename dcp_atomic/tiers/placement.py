@@ -29,6 +29,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from .._base import arguments
 from ..errors import ConfigurationError
 
 FAILURE_DOMAIN_ENV = "DCP_ATOMIC_FAILURE_DOMAIN"
@@ -56,8 +57,7 @@ class Placement:
 
 def place_replicas(domains: list[str], replicas: int) -> Placement:
     """Each rank's ``replicas`` holders, on distinct domains other than its own, spread evenly (see module doc)."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-        raise ConfigurationError(f"replicas must be a non-negative int, got {replicas!r}")
+    arguments.count("replicas", replicas, minimum=0, optional=False)
     order: list[str] = []  # domains in order of their first rank: the same on every rank
     members: dict[str, list[int]] = {}
     for rank, domain in enumerate(domains):

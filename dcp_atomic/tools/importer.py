@@ -10,7 +10,8 @@ normal protocol (:func:`dcp_atomic.protocol.commit.publish`): the step then load
 verifies and reshards like any other.  Everything that can be refused — no or
 undecodable ``.metadata``, foreign file names, stock extensions (compression),
 a committed step — is refused before anything is written; the source directory
-is only ever read.
+is only ever read (with ``link=True`` its data files are the step's, so they
+become read-only as every committed data file: ``stores/storage.py``).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def import_stock(source: str | os.PathLike, root: str | os.PathLike, run_id: str
     """Commit the stock DCP checkpoint in directory ``source`` as ``step`` of ``run_id`` under ``root``.
 
     ``link=True`` hard-links the data files instead of copying them (a local root on the same filesystem).
-    The source must then never be written again: stock DCP re-saving into it truncates the shared files
-    (``verify`` would report it).  Returns the commit marker.
+    The shared files are made read-only, so stock DCP re-saving into the source fails with ``PermissionError``
+    instead of truncating them (as any user but root; ``verify`` reports what root damages).  Returns the
+    commit marker.
     """
     source = os.path.abspath(os.fspath(source))
     validate_step(step)
@@ -151,7 +153,7 @@ def _refuse_committed(layout: RunLayout, step: int) -> None:
 
 def _place(source: str, path: str, storage: Storage, link: bool) -> None:
     if link:
-        os.link(source, path)
+        storage.link(source, path)  # the one inode, made read-only: the stock copy too
         return
     out = storage.open_write(path)
     try:
@@ -166,7 +168,9 @@ def _place(source: str, path: str, storage: Storage, link: bool) -> None:
 
 def _placing_error(e: OSError, source: str, path: str, link: bool) -> StorageError:
     hint = ("the stock directory and the root are on different filesystems: import without --link to copy"
-            if link and e.errno == errno.EXDEV else "check the storage (space, permissions) and import again")
+            if link and e.errno == errno.EXDEV else
+            "another user owns the stock files (a link shares them, made read-only): import without --link to copy"
+            if link and e.errno == errno.EPERM else "check the storage (space, permissions) and import again")
     return StorageError(
         f"{'linking' if link else 'copying'} {source} to {path} failed: {e.strerror or e} (errno {e.errno}); {hint}. "
         "Nothing was committed; `dcp-atomic gc` collects the partial attempt.", path=path, errno=e.errno)

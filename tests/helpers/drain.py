@@ -56,12 +56,12 @@ def _save_with_a_refusing_store(ctx, step, ranks_per_node=2, options=None):
 def _resume_saving(ctx, step, ranks_per_node=2, restore=False, options=None):
     """A job of this world (``restore``: that first restores the newest step) saves ``step`` locally, the store
     healed: the undrained step is queued again and drains from whatever roots hold its files."""
-    from dcp_atomic import CheckpointManager
+    from dcp_atomic import CheckpointManager, LocalTierOptions
 
     model, optim = _fsdp_app(ctx.world_size, 1)
     restored = tier = error = None
-    with CheckpointManager(ctx.root, RUN, local_root=ctx.extra["nodes"][ctx.rank // ranks_per_node], replicas=1,
-                           keep_local=2, timeout=20, storage_options=options) as manager:
+    local = LocalTierOptions(ctx.extra["nodes"][ctx.rank // ranks_per_node], replicas=1, keep_local=2)
+    with CheckpointManager(ctx.root, RUN, local=local, timeout=20, storage_options=options) as manager:
         if restore:
             restored = manager.load(_state(model, optim, -1))
             tier = manager.restored_from["tier"]

@@ -24,15 +24,18 @@ def _run(fn, root, nodes, *args, world=WORLD, rank_env=_node_env, pg_timeout=30)
                      pg_timeout=pg_timeout)
 
 
-def _manager(ctx, **kwargs):
-    from dcp_atomic import CheckpointManager
+def _manager(ctx, *, local_root=None, keep_local=2, durable_every=None, **kwargs):
+    """This world's two-tier manager: the rank's node root (unless ``local_root``), one replica, ``keep_local`` steps
+    (the tests count on 2), drains asked for by ``durable=`` (these tests drive the local tier); ``kwargs`` go to
+    ``CheckpointManager``."""
+    from dcp_atomic import CheckpointManager, LocalTierOptions
     from dcp_atomic.exchange import file_transfer
 
     file_transfer.CHUNK_BYTES = 64 << 10  # every replica and restore transfer crosses chunk boundaries
-    local_root = kwargs.pop("local_root", ctx.extra["nodes"][ctx.rank // 2])
     kwargs.setdefault("timeout", 20)
-    kwargs.setdefault("durable_every", None)  # these tests drive the local tier; drains are asked for by durable=
-    return CheckpointManager(ctx.root, RUN, local_root=local_root, replicas=1, **kwargs)
+    local = LocalTierOptions(local_root or ctx.extra["nodes"][ctx.rank // 2], replicas=1, keep_local=keep_local,
+                             durable_every=durable_every)
+    return CheckpointManager(ctx.root, RUN, local=local, **kwargs)
 
 
 def _state(model, optim, step):

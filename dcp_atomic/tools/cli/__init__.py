@@ -25,10 +25,11 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
-from ...format.layout import validate_run_id
-from ...errors import CheckpointError
+from ..._base import arguments
+from ...format.layout import validate_run_id, validate_step
+from ...errors import ArgumentError, CheckpointError
 from ...stores.backends import missing_backend_message
 from .commands import cmd_demo, cmd_export, cmd_gc, cmd_import, cmd_ls, cmd_rm, cmd_show, cmd_verify
 from .output import JSON_SCHEMA, CliError, CopyProgress
@@ -55,14 +56,25 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{self.prog}: {message}", code=2, kind="UsageError")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _checked(convert: Callable[[str], Any], check: Callable[[Any, str], Any]) -> Callable[[str], Any]:
+    """An option's type: the text converted (``int``, ``float``), then checked by the library's own rule for that
+    value, so ``show ROOT RUN -1`` or ``--timeout -5`` is a usage error (exit 2) saying what is accepted."""
+
+    def parse(text: str) -> Any:
+        try:
+            return check(convert(text), "the value")
+        except ArgumentError as e:
+            raise argparse.ArgumentTypeError(e.message) from None
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if convert is int else 'a number'}, "
+                                             f"got {text!r}") from None
+
+    return parse
+
+
+_positive_int = _checked(int, lambda value, name: arguments.count(name, value, optional=False))
+_step = _checked(int, validate_step)
+_seconds = _checked(float, lambda value, name: arguments.seconds(name, value))
 
 
 def _rename_rule(text: str) -> tuple[str, str]:
@@ -115,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", parents=[after], help="manifest summary of a step (default: latest)")
     p.add_argument("root")
     p.add_argument("run")
-    p.add_argument("step", nargs="?", type=int)
+    p.add_argument("step", nargs="?", type=_step)
     p.add_argument("--local-root", help="this node's local_root (two tiers): show the step as this root holds it, "
                    "and whether the root (durable) holds it too")
     p.set_defaults(func=cmd_show)
@@ -123,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", parents=[after], help="re-read every byte and check every checksum")
     p.add_argument("root")
     p.add_argument("run")
-    p.add_argument("step", nargs="?", type=int)
+    p.add_argument("step", nargs="?", type=_step)
     p.add_argument("--all", action="store_true", help="every committed step")
     p.add_argument("--threads", type=_positive_int, default=4)
     p.add_argument("--local", action="store_true", help="ROOT is a node's local_root (two tiers): partial copies "
@@ -144,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rm", parents=[after], help="delete one step (committed or not) or a whole run; needs --yes")
     p.add_argument("root")
     p.add_argument("run")
-    p.add_argument("step", nargs="?", type=int, help="the step to delete (default: the whole run)")
+    p.add_argument("step", nargs="?", type=_step, help="the step to delete (default: the whole run)")
     p.add_argument("--yes", action="store_true", help="really delete (without it: show what would go, exit 2)")
     p.add_argument("--lease-hours", type=float, default=6.0,
                    help="a step's uncommitted attempt younger than this is a save in flight and is left (0: none)")
@@ -154,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write one step as one torch.save file, or as safetensors shards")
     p.add_argument("root")
     p.add_argument("run")
-    p.add_argument("step", type=int)
+    p.add_argument("step", type=_step)
     p.add_argument("out", help="the .pt file (torch), or the directory of shards (safetensors)")
     p.add_argument("--format", choices=("torch", "safetensors"), default="torch")
     p.add_argument("--shard-size", type=_size, help="bytes per safetensors shard, e.g. 5GB (default), 500MiB")
@@ -176,9 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="directory written by torch's FileSystemWriter (holds .metadata)")
     p.add_argument("root")
     p.add_argument("run")
-    p.add_argument("step", type=int)
+    p.add_argument("step", type=_step)
     p.add_argument("--link", action="store_true",
-                   help="hard-link the data files instead of copying (same filesystem; never write the source again)")
+                   help="hard-link the data files instead of copying (same filesystem; the shared files become read-only)")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("demo", parents=[after], help="train, crash a save, resume (the README's first command)")
@@ -200,7 +212,7 @@ def _add_global_options(parser: argparse.ArgumentParser, *, after_subcommand: bo
                         default=default(os.environ.get(STORAGE_OPTIONS_ENV) or None),
                         help=f"fsspec options as JSON, e.g. an S3 endpoint, or @FILE holding that JSON (keeps secrets "
                              f"out of shell history); default: ${STORAGE_OPTIONS_ENV}")
-    parser.add_argument("--timeout", type=float, default=default(10.0), help="seconds to wait for visibility")
+    parser.add_argument("--timeout", type=_seconds, default=default(10.0), help="seconds to wait for visibility")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,13 +259,12 @@ def _run(argv: list[str]) -> int:
         args = build_parser().parse_args(argv)
         root = getattr(args, "root", None)
         if getattr(args, "run", None) is not None:
-            try:
-                validate_run_id(args.run)
-            except ValueError as e:
-                raise CliError(str(e), code=2, kind="UsageError") from None
+            validate_run_id(args.run)
         return args.func(args)
     except CliError as e:
         return _report(as_json, e.kind, e.message, e.code)
+    except ArgumentError as e:  # an argument the library refused as given: a usage error too
+        return _report(as_json, "UsageError", e.message, 2)
     except CheckpointError as e:
         return _report(as_json, type(e).__name__, e.message, 1)
     except BrokenPipeError:

@@ -20,17 +20,20 @@ from ...protocol.catalog import most_recent, scan_markers
 from ...protocol.commit import read_committed, read_marker
 from ...protocol.retention import apply_gc, plan_gc, remove_run, remove_step
 from .output import JSON_SCHEMA, CliError, CopyProgress, emit, format_age, format_mib
-from .roots import local_run_layout, local_steps, open_root, require_step, run_layout
-from .rows import copies_by_domain, run_rows, scan_steps, step_rows, step_tiers, tier_of_root, with_tiers
+from .roots import local_run_layout, local_steps, open_root, require_committed, require_step, run_layout
+from .rows import (copies_by_domain, run_rows, scan_steps, step_rows, step_tiers, stock_dcp_hint, tier_of_root,
+                   with_tiers)
 
 
 def cmd_ls(args) -> int:
     if not args.run:
-        rows = run_rows(open_root(args))
+        storage = open_root(args)
+        rows = run_rows(storage)
+        hint = None if rows else stock_dcp_hint(storage, storage.root, args.root)
         if args.json:
-            emit({"root": args.root, "runs": rows})
+            emit({"root": args.root, "runs": rows, **({"hint": hint} if hint else {})})
         elif not rows:
-            print(f"no runs under {args.root}")
+            print(f"no runs under {args.root}" + (f": {hint}" if hint else ""))
         else:
             print(f"{'run':<30} {'steps':>5} {'latest':>10} {'size':>12} {'age':>6}")
             for row in rows:
@@ -46,11 +49,13 @@ def cmd_ls(args) -> int:
     root_tier = tier_of_root(layout, markers.values())
     rows = with_tiers(step_rows(layout, markers, damaged), local_steps(args), root_tier)
     newest = most_recent(list(markers.values()))
+    hint = None if rows else stock_dcp_hint(layout.storage, layout.run_dir, layout.run_dir)
     if args.json:
-        emit({"run": args.run, "latest": newest.step if newest else None, "root_tier": root_tier, "steps": rows})
+        emit({"run": args.run, "latest": newest.step if newest else None, "root_tier": root_tier, "steps": rows,
+              **({"hint": hint} if hint else {})})
         return 0
     if not rows:
-        print(f"no steps in {layout.run_dir}")
+        print(f"no steps in {layout.run_dir}" + (f": {hint}" if hint else ""))
         return 0
     if root_tier == "local":
         print(f"{args.root} is a node's local root: its steps are this disk's copies; which of them drained shows "
@@ -82,7 +87,7 @@ def cmd_show(args) -> int:
         if newest is None:
             raise CheckpointNotFoundError(f"no committed step in {layout.run_dir}")
         step = newest.step
-    require_step(layout, step)
+    require_committed(layout, step)
     committed = read_committed(layout, step, Deadline(args.timeout))
     committed.load_items(layout, None, Deadline(args.timeout))
     committed.load_rank_records(layout, Deadline(args.timeout))
@@ -153,6 +158,7 @@ def cmd_verify(args) -> int:
         raise CheckpointNotFoundError(f"no committed step to verify in {layout.run_dir}")
     for step in steps:
         try:
+            require_committed(layout, step)
             total = read_committed(layout, step, Deadline(args.timeout)).manifest.total_bytes
         except CheckpointError as e:  # not committed or damaged: reported now, not waited for a second time
             reports.append(AuditReport(step, None, 0, 0, [str(e)]))
@@ -298,11 +304,12 @@ def cmd_export(args) -> int:
     from ..export import DEFAULT_SHARD_SIZE, export_safetensors, export_torch
 
     layout = run_layout(args)
-    require_step(layout, args.step)
+    require_committed(layout, args.step)
     options = json.loads(args.storage_options) if args.storage_options else None
     out = os.path.abspath(args.out)
     if not os.path.isdir(os.path.dirname(out)):
-        raise CliError(f"cannot export to {args.out}: directory {os.path.dirname(out)} does not exist")
+        raise CliError(f"cannot export to {args.out}: directory {os.path.dirname(out)} does not exist; create it, or "
+                       "choose another OUT", kind="NotFound")
     if args.format == "torch":
         if args.dtype or args.keys or args.shard_size or args.renames or args.ties:
             raise CliError("--dtype, --keys, --shard-size, --strip-prefix, --rename and --tie apply to "

@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any
 
+from ..._base.progress import format_size
+
 
 #: version of every ``--json`` object this command prints (its ``"schema"`` key); bumped when a field changes
 #: meaning or goes away, not when one is added.  See "JSON output" in the README.
@@ -33,28 +35,31 @@ class CliError(Exception):
 
 
 class CopyProgress:
-    """A byte-count progress line on stderr (rewritten in place on a terminal)."""
+    """A byte-count progress line on stderr (rewritten in place on a terminal) for a copy or re-read that takes a
+    while: the first line comes one interval after the start, so a step read in a moment prints none."""
 
     def __init__(self, total: int, label: str) -> None:
         self.total, self.label, self.done = max(total, 1), label, 0
         self._lock = threading.Lock()
-        self._last = 0.0
-        self._started = time.monotonic()
         self._tty = sys.stderr.isatty()
+        self._every = 0.1 if self._tty else 2.0
+        self._started = self._last = time.monotonic()
+        self._printed = False
 
     def __call__(self, n: int) -> None:
         with self._lock:
             self.done += n
             now = time.monotonic()
-            if now - self._last >= (0.1 if self._tty else 2.0) or self.done >= self.total:
-                self._last = now
-                rate = self.done / max(now - self._started, 1e-9) / 1e9
-                line = f"{self.label}: {100 * self.done / self.total:5.1f}% of {self.total / 1e9:.2f} GB ({rate:.2f} GB/s)"
+            if now - self._last >= self._every or (self._printed and self.done >= self.total):  # ends at 100%
+                self._last, self._printed = now, True
+                rate = self.done / max(now - self._started, 1e-9)
+                line = (f"{self.label}: {100 * self.done / self.total:5.1f}% of {format_size(self.total)} "
+                        f"({format_size(rate)}/s)")
                 sys.stderr.write(("\r" + line) if self._tty else (line + "\n"))
                 sys.stderr.flush()
 
     def close(self) -> None:
-        if self._tty:
+        if self._tty and self._printed:
             sys.stderr.write("\n")
 
 

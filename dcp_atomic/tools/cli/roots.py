@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 
+from ..._base.retry import Deadline
 from ...errors import CheckpointNotFoundError
 from ...format.layout import RunLayout
 from ...format.manifest import Marker
+from ...protocol.commit import read_marker
 from ...stores.backends import missing_backend_message, open_storage
 from ...stores.storage import Storage
 from .output import CliError
@@ -58,6 +60,21 @@ def require_step(layout: RunLayout, step: int) -> None:
         raise CheckpointNotFoundError(
             f"run {layout.run_id!r} has no step {step} ({layout.step_dir(step)} does not exist)", step=step
         )
+
+
+def require_committed(layout: RunLayout, step: int) -> None:
+    """An explicit step without a commit marker is reported at once: a partial step (a save in flight, or one that
+    died) is what it is, and waiting ``--timeout`` for its marker tells the operator nothing more."""
+    require_step(layout, step)
+    try:
+        read_marker(layout, step, Deadline(0), missing_ok=True)
+    except FileNotFoundError:
+        attempts = layout.attempts(layout.storage.list_dir(layout.step_dir(step)))
+        raise CheckpointNotFoundError(
+            f"step {step} of run {layout.run_id!r} is not committed: {layout.step_dir(step)} holds "
+            f"{len(attempts)} attempt(s) and no commit marker (a save in flight, or one that died; `dcp-atomic gc` "
+            "collects abandoned attempts, `dcp-atomic ls` lists the committed steps)", step=step,
+            path=layout.marker(step)) from None
 
 
 def local_steps(args) -> dict[int, Marker]:

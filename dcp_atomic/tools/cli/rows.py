@@ -11,7 +11,7 @@ from typing import Any
 
 from ..._base.retry import Deadline
 from ...errors import CheckpointError
-from ...format.layout import SPOOL_DIR, RunLayout, parse_step_dir, validate_run_id
+from ...format.layout import DCP_METADATA, SPOOL_DIR, RunLayout, parse_step_dir, validate_run_id
 from ...format.manifest import Marker
 from ...protocol.catalog import most_recent, scan_markers
 from ...protocol.commit import read_committed, read_marker
@@ -48,6 +48,15 @@ def step_rows(layout: RunLayout, markers: dict[int, Marker], damaged: dict[int, 
         row["partial_attempts"] = len(attempts) - (1 if marker is not None else 0)
         rows.append(row)
     return rows
+
+
+def stock_dcp_hint(storage: Storage, directory: str, shown: str) -> str | None:
+    """What to run when ``directory`` (``shown`` as the operator typed it) is a stock DCP checkpoint, the
+    ``.metadata`` torch's FileSystemWriter writes beside its data: ``ls`` finds no runs or steps in one."""
+    if DCP_METADATA not in storage.list_dir(directory):
+        return None
+    return (f"{shown} is a stock DCP checkpoint (it holds {DCP_METADATA}), not a dcp_atomic root: adopt it as a "
+            f"committed step with `dcp-atomic import {shown} ROOT RUN STEP`")
 
 
 def tier_of_root(layout: RunLayout, markers) -> str:
