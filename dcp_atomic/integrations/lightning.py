@@ -139,11 +139,15 @@ class _AtomicCheckpointing:
 
     def __init__(self, *args: Any, run_id: str = "lightning", parallelism: Parallelism | None = None,
                  compression: str | None = None, timeout: float = DEFAULT_TIMEOUT, local_root: str | None = None,
-                 replicas: int = 1, keep_local: int = 2, failure_domain: str | None = None, **kwargs: Any) -> None:
+                 replicas: int = 1, keep_local: int = 2, failure_domain: str | None = None, reuse: bool = False,
+                 **kwargs: Any) -> None:
         """``run_id`` names the folder under each ``dirpath`` that holds the runs; ``parallelism`` is recorded
         for reshard checks (None: inferred from the DTensor meshes, Lightning's ``data_parallel`` /
         ``tensor_parallel`` names included).  ``local_root`` (each node's own absolute path), ``replicas``,
-        ``keep_local``, ``failure_domain``: the local tier, as ``CheckpointManager`` takes them (module doc)."""
+        ``keep_local``, ``failure_domain``: the local tier, as ``CheckpointManager`` takes them (module doc).
+        ``reuse``: a save stores only what changed since the previous step of its run (P15, README "Reuse"): with
+        ``local_root`` every file of a directory (one run per directory); without it, a re-saved name such as
+        ``last.ckpt`` (one run per file name)."""
         if local_root is not None and not os.path.isabs(os.fspath(local_root)):
             raise arguments.refused(f"{type(self).__name__}(local_root=...)", local_root,
                                     "an absolute path on each node's own storage", then="nothing was saved")
@@ -152,6 +156,7 @@ class _AtomicCheckpointing:
         self.run_id = run_id
         self.parallelism = parallelism
         self.compression = compression
+        self.reuse = arguments.flag(f"{type(self).__name__}(reuse=...)", reuse)
         self.timeout = timeout
         self.local_root = None if local_root is None else os.fspath(local_root)
         self.replicas, self.keep_local, self.failure_domain = replicas, keep_local, failure_domain
@@ -172,7 +177,7 @@ class _AtomicCheckpointing:
         # This name's own run: re-saving the name replaces what it held (Lightning overwrites its file), never
         # what another name holds.
         writer = AtomicStorageWriter(overwrite=True, timeout=self.timeout, parallelism=self.parallelism,
-                                     compression=self.compression)
+                                     compression=self.compression, reuse=self.reuse)
         dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id, planner=AtomicSavePlanner())
         marker = writer.last_marker  # rank 0's (the one whose file is written); the state lives beside the file
         self._publish(checkpoint, path, checkpoint_id, {
@@ -408,7 +413,7 @@ class _AtomicCheckpointing:
         if tier is None:
             tier = _Tier(None, directory)  # type: ignore[arg-type]
             tier.manager = CheckpointManager(root, run_id, parallelism=self.parallelism, compression=self.compression,
-                                             timeout=self.timeout, local=self._local_tier(),
+                                             reuse=self.reuse, timeout=self.timeout, local=self._local_tier(),
                                              callbacks=Callbacks(on_saved=tier.saved))
             self._tiers[(root, run_id)] = tier
         return tier

@@ -69,6 +69,10 @@ class AtomicCheckpointManager(CheckpointManager):
         compression: str | None = None
         """None or "zstd"."""
 
+        reuse: bool = False
+        """Each save stores only what changed since the run's previous step (P15, README "Reuse"): a frozen base
+        (LoRA, a frozen embedding) is stored once and linked (POSIX) or copied server-side (S3, GCS) after."""
+
         local_root: str | None = None
         """This node's own storage (a local path, the same on every node): saves land there, replicated to other
         failure domains, and only some are drained to ``folder`` (module docstring).  None: every save to ``folder``."""
@@ -104,7 +108,7 @@ class AtomicCheckpointManager(CheckpointManager):
         self.keep_latest_k = config.keep_latest_k
         self.root, self.run_id = os.path.split(self.folder.rstrip("/"))
         self.writer = AtomicStorageWriter(self.root, self.run_id, compression=config.compression,
-                                          timeout=config.timeout)
+                                          reuse=config.reuse, timeout=config.timeout)
         self.reader = AtomicStorageReader(self.root, self.run_id, timeout=config.timeout)
         self.timeout = config.timeout
         self._retention: concurrent.futures.ThreadPoolExecutor | None = None  # rank 0: purges off the training thread
@@ -116,7 +120,7 @@ class AtomicCheckpointManager(CheckpointManager):
             self.tier = TierManager(self.root, self.run_id, local=LocalTierOptions(
                                         config.local_root, replicas=config.replicas, keep_local=config.keep_local),
                                     keep_last=config.keep_latest_k or None,
-                                    compression=config.compression, timeout=config.timeout)
+                                    compression=config.compression, reuse=config.reuse, timeout=config.timeout)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         self._saving_last = last_step  # the local tier drains the last step whatever durable_every says
