@@ -84,6 +84,7 @@ class RankStats:
     rank: int
     host: str
     files: dict[str, int] = field(default_factory=dict)  # name -> size
+    checksums: dict[str, str] = field(default_factory=dict)  # name -> the store's checksum (stores.object_checksum)
     bytes: int = 0  # the data files of this rank in this step: bytes_written + bytes_reused
     bytes_written: int = 0  # by this save
     bytes_reused: int = 0  # linked from the base step (reuse, P15), not written
@@ -168,6 +169,8 @@ class RankWrite:
         results.extend(outcome.linked)
         for entry in outcome.linked_files:
             self.stats.files[entry.name] = entry.size
+            if entry.checksum is not None:  # a copy's equals its source's (protocol/links.link_verified)
+                self.stats.checksums[entry.name] = entry.checksum
             self.stats.bytes += entry.size
             self.stats.bytes_reused += entry.size
         written = {id(item) for item in outcome.others} | {id(item) for _, group in outcome.stable for item in group}
@@ -203,10 +206,12 @@ class RankWrite:
                     storage.abort_write(raw)
                 raise
             fsync_started = time.monotonic()
-            storage.close_write(raw)
+            checksum = storage.close_write(raw)
             with self._lock:
                 self.stats.fsync_seconds += time.monotonic() - fsync_started
                 self.stats.files[name] = out.position
+                if checksum is not None:
+                    self.stats.checksums[name] = checksum
                 self.stats.bytes += out.position
                 self.stats.bytes_written += out.position
         except _Aborted:

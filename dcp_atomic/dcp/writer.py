@@ -462,7 +462,8 @@ class AtomicStorageWriter(StorageWriter):
 
     def _publish_shard(self, assigned: _AssignedPlanData, results: list[WriteResult], stats: RankStats) -> ShardRef:
         """This rank's record of what it wrote, durable beside its data before the coordinator may commit."""
-        files = {name: FileEntry(name=name, rank=assigned.rank, size=size) for name, size in stats.files.items()}
+        files = {name: FileEntry(name=name, rank=assigned.rank, size=size, checksum=stats.checksums.get(name))
+                 for name, size in stats.files.items()}
         for result in results:
             index, written = result.index, result.storage_data
             files[written.relative_path].items.append(ItemExtent(

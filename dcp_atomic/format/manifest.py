@@ -120,6 +120,10 @@ class FileEntry:
     rank: int
     size: int
     items: list[ItemExtent] = field(default_factory=list)  # schema 2: in the rank's shard, not in manifest.json
+    # the store's own checksum of the object, as it reported it when the object was written (S3: "crc32:<hex>",
+    # stores/object_checksum.py): a server-side copy of it is verified by the copy's checksum, not by a download.
+    # In the rank's shard only, absent when None (older readers ignore it).
+    checksum: str | None = None
 
 
 def shard_name(rank: int) -> str:
@@ -155,7 +159,8 @@ class ManifestShard:
 
     def to_json(self) -> bytes:
         body = {k: getattr(self, k) for k in ("run_id", "step", "save_id", "rank", "kind", "schema_version")}
-        body["files"] = [{"name": f.name, "size": f.size, "items": [_encode_extent(i) for i in f.items]}
+        body["files"] = [{"name": f.name, "size": f.size, "items": [_encode_extent(i) for i in f.items],
+                          **({"checksum": f.checksum} if f.checksum is not None else {})}
                          for f in self.files]
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
@@ -168,13 +173,21 @@ class ManifestShard:
         try:
             rank = _nonneg(raw["rank"])
             files = [FileEntry(name=validate_data_file_name(f["name"]), rank=rank, size=_nonneg(f["size"]),
-                               items=[_parse_extent(_decode_extent(i), f["size"]) for i in _list(f["items"])])
+                               items=[_parse_extent(_decode_extent(i), f["size"]) for i in _list(f["items"])],
+                               checksum=_checksum(f.get("checksum")))
                      for f in _list(raw["files"])]
             return cls(run_id=validate_run_id(raw["run_id"]), step=validate_step(raw["step"]),
                        save_id=validate_save_id(raw["save_id"]), rank=rank, files=files)
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest shard ({type(e).__name__}: {e})",
                                          path=where) from None
+
+
+def _checksum(value: Any) -> str | None:
+    """A file's recorded store checksum: absent, or ``crc32:`` and 8 hex digits (anything else is malformed)."""
+    if value is not None and not (isinstance(value, str) and re.fullmatch(r"crc32:[0-9a-f]{8}", value)):
+        raise ValueError(f"file checksum {value!r} is not crc32:<8 hex digits>")
+    return value
 
 
 _EXTENT_DEFAULTS = {"payload": None, "codec": "none", "planes": 1, "logical_length": None, "frames": None,

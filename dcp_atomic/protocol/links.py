@@ -103,14 +103,25 @@ def load_base(layout: RunLayout, rank: int, step: int, save_id: str, timeout: fl
 def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, rank: int, base_step: int, where: str,
                   threads: int) -> bool:
     """The one way a stored file is reused (a save's stable file, a drain's upload): ``storage.link`` it from the
-    base step (``link_kind``), then check it against ``entry``'s block digests; False (logged, nothing left behind)
-    where either fails, and the caller writes or uploads the file instead."""
+    base step (``link_kind``), then check it: by the store's checksum of the copy against the one ``entry`` recorded
+    when the base was written, where the store reports both (S3, :mod:`..stores.object_checksum`: nothing is
+    downloaded), else against ``entry``'s block digests; False (logged, nothing left behind) where either fails, and
+    the caller writes or uploads the file instead."""
     try:
-        storage.link(source, target)
+        reported = storage.link(source, target)
     except (OSError, StorageError) as e:  # the base removed meanwhile, no hard links, a copy the store refuses
         log.warning("reuse: rank %d could not link %s from step %d by %s (%s); writing it instead",
                     rank, entry.name, base_step, storage.link_kind, _refusal(e))
         return False
+    if reported is not None and entry.checksum is not None:  # the store's checksum of the copy: no download
+        if reported == entry.checksum:
+            return True
+        log.warning("reuse: rank %d: the %s of %s from step %d has the store's checksum %s, but the base recorded %s "
+                    "when it was written: the base object was changed or damaged in the store, so it is not reused: "
+                    "writing it instead. The base step, and every step copied from it, may be damaged: run "
+                    "`dcp-atomic verify` on them", rank, storage.link_kind, entry.name, base_step, reported,
+                    entry.checksum)
+        return _unlink(rank, storage, target)
     try:
         _verify(storage, target, entry, where, threads)
     except CorruptCheckpointError as e:

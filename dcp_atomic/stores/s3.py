@@ -90,6 +90,7 @@ from .object_retry import (AdaptiveLimit, ObjectRequests, PreconditionFailed, Re
 from .s3_multipart import DEFAULT_UPLOAD_LEASE_S, S3ObjectWriter, StaleUpload, abort_stale_uploads  # noqa: F401
 from .s3_probe import (AUTH_CODES, CHECKSUM_MODE, UNSAFE_SINGLE_WRITER, data_prefix_advice, require_conditional_writes,
                        require_data_writes)
+from . import object_checksum
 from .storage import FsspecStorage
 from .._base import internals
 
@@ -422,24 +423,30 @@ class S3Storage(FsspecStorage):
     def open_write(self, path: str) -> "S3ObjectWriter":
         return S3ObjectWriter(self, path)
 
-    def close_write(self, stream: "S3ObjectWriter") -> None:
-        stream.commit()
+    def close_write(self, stream: "S3ObjectWriter") -> str | None:
+        return stream.commit()
 
     def read_file(self, path: str) -> bytes:
         return self._run(self._get(path))[0]
 
-    def link(self, source: str, target: str) -> None:
+    def link(self, source: str, target: str) -> str | None:
         """One CopyObject (reuse, P15): S3 copies the object inside the bucket, no byte of it passes through this
-        process.  The copy is a physical object of its own; the caller verifies it against its digests as a link's.
-        ``FileNotFoundError`` where ``source`` is gone; S3 refuses a single copy above 5 GiB (a stable file holds at
-        most 1 GiB unless one item is larger): :class:`StorageError`, and the caller writes the file instead."""
+        process.  The copy is a physical object of its own; it asks for the copy's CRC32 (:mod:`.object_checksum`)
+        and returns it, which the caller compares with the one recorded when the source was written (None: the store
+        reported none, and the caller verifies the copy against its digests).  ``FileNotFoundError`` where
+        ``source`` is gone; S3 refuses a single copy above 5 GiB (a stable file holds at most 1 GiB unless one item
+        is larger): :class:`StorageError`, and the caller writes the file instead."""
         source_bucket, source_key = self._split(source)
         bucket, key = self._split(target)
+        # a store set to send no checksums (when_required) may refuse the header too
+        extra = {} if self.checksum_mode == "when_required" else {"ChecksumAlgorithm": object_checksum.COPY_ALGORITHM}
         try:
-            self._run(self._call("COPY", target, "copy_object", Bucket=bucket, Key=key,
-                                 CopySource={"Bucket": source_bucket, "Key": source_key}))
+            reply = self._run(self._call("COPY", target, "copy_object", Bucket=bucket, Key=key,
+                                         CopySource={"Bucket": source_bucket, "Key": source_key}, **extra))
         except FileNotFoundError:
             raise copy_source_missing(self._url(source)) from None
+        crc = object_checksum.from_reply(reply.get("CopyObjectResult"))
+        return None if crc is None else object_checksum.render(crc)
 
     def read_versioned(self, path: str) -> tuple[bytes, str | None]:
         """The object and its ETag, from one GET: the version :meth:`replace_if_unchanged` must still find."""

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from ..errors import StorageError
 from .._base.key_prefixes import DATA_PREFIX_PATTERN
 from .._base import internals
+from . import object_checksum
 
 log = logging.getLogger("dcp_atomic.s3_multipart")  # the name users filter on
 
@@ -57,6 +58,7 @@ class S3ObjectWriter:
         self._upload_id: str | None = None
         self._pending: list[tuple[int, Future]] = []
         self._etags: dict[int, str] = {}
+        self._crcs: dict[int, tuple[int | None, int]] = {}  # part -> (its CRC32 as the store reported it, length)
         self._next_part = 1
         self._closed = False
 
@@ -93,7 +95,9 @@ class S3ObjectWriter:
         still = []
         for number, future in self._pending:
             if wait or future.done():
-                self._etags[number] = future.result()["ETag"]
+                reply = future.result()
+                self._etags[number] = reply["ETag"]
+                self._crcs[number] = (object_checksum.from_reply(reply), self._crcs[number][1])
             else:
                 still.append((number, future))
         self._pending = still
@@ -106,6 +110,7 @@ class S3ObjectWriter:
         if self._next_part > MAX_PARTS:
             raise StorageError(f"{storage._url(self.path)}: more than {MAX_PARTS} parts", path=self.path)
         number, body = self._next_part, self._buffer  # handed over, never touched again: no copy
+        self._crcs[number] = (None, len(body))
         self._next_part += 1
         self._buffer = bytearray()
         storage._part_slots.acquire()  # backpressure: at most max_concurrency parts in flight per rank
@@ -159,24 +164,28 @@ class S3ObjectWriter:
             log.warning("could not abort the multipart uploads superseded by a retried create of %s (gc's "
                         "abort_stale_uploads will, after its lease): %s", storage._url(self.path), e)
 
-    def commit(self) -> None:
-        """Make the object visible: one PUT, or the final part and CompleteMultipartUpload."""
+    def commit(self) -> str | None:
+        """Make the object visible: one PUT, or the final part and CompleteMultipartUpload.  Returns the object's
+        checksum as the store reported it (:mod:`.object_checksum`), None where it reported none."""
         if self._closed:
             raise ValueError(f"S3 object writer {self.path} is already closed")
         storage = self.storage
         try:
             if self._upload_id is None:
-                storage._run(storage._put(self.path, self._buffer))
+                reply = storage._run(storage._put(self.path, self._buffer))
+                parts = [(object_checksum.from_reply(reply), len(self._buffer))]
             else:
                 if self._buffer:
                     self._send_part()
                 self._collect(wait=True)
                 self._complete()
+                parts = [self._crcs[n] for n in sorted(self._crcs)]
             self._closed = True
             self._buffer = bytearray()
         except BaseException:
             self.close()
             raise
+        return object_checksum.of_parts(parts)
 
     def _complete(self) -> None:
         storage = self.storage

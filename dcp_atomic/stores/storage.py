@@ -98,8 +98,9 @@ class Storage(abc.ABC):
         """A new file for streaming writes; :meth:`close_write` makes it durable."""
 
     @abc.abstractmethod
-    def close_write(self, stream: IO[bytes]) -> None:
-        """Make everything written to ``stream`` durable (fsync / complete the upload), then close it."""
+    def close_write(self, stream: IO[bytes]) -> str | None:
+        """Make everything written to ``stream`` durable (fsync / complete the upload), then close it.  Returns the
+        store's own checksum of the object where the store reports one (S3: :mod:`.object_checksum`), else None."""
 
     def abort_write(self, stream: IO[bytes]) -> None:
         """Give up on a stream after an error: never publish what was written so far."""
@@ -162,10 +163,12 @@ class Storage(abc.ABC):
     def sync_dir(self, path: str) -> None:
         """Make directory entries durable (the default: backends without directories need nothing)."""
 
-    def link(self, source: str, target: str) -> None:
+    def link(self, source: str, target: str) -> str | None:
         """``target`` with the bytes of the existing file ``source``, none of them sent through this process (see
         ``link_kind``), durable when this returns; ``OSError`` if it cannot be made (no hard links, another
-        filesystem, ``source`` gone), or the store's typed error.  Only where ``link_kind`` is set."""
+        filesystem, ``source`` gone), or the store's typed error.  Only where ``link_kind`` is set.  Returns the
+        store's checksum of the new object where it reports one (compared with the source's recorded checksum:
+        :mod:`.object_checksum`), else None."""
         raise OSError(errno.ENOTSUP, f"{type(self).__name__} cannot link or copy files in place", target)
 
     def file_version(self, path: str) -> tuple | None:
