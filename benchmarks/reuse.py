@@ -41,7 +41,7 @@ from benchmarks.world import gather, launch, measured
 RUN = "finetune"
 KEEP = 3
 TARGETS = {"written": 0.05, "save_seconds": 0.3, "storage_vs_one_step": 1.2, "load_seconds": 1.1,
-           "full_finetune_save_seconds": 1.02}
+           "full_finetune_save_seconds": 1.02, "s3_read_vs_base": 0.01, "s3_save_seconds": 0.5}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -286,16 +286,17 @@ def _s3_rank(ctx, plan: dict) -> dict | None:
     return out if ctx.rank == 0 else None
 
 
-def _s3_uploaded(proxy, prefix: str, saves: int) -> list[int]:
-    """Body bytes sent in PUTs and part uploads for each step of the run under ``prefix`` (a copy sends none)."""
+def _s3_bytes(proxy, prefix: str, saves: int, ops: tuple[str, ...], field: str) -> list[int]:
+    """Per step of the run under ``prefix``: body bytes of the requests ``ops`` on its data objects (``field``:
+    ``request_bytes`` what the client sent, ``reply_bytes`` what it read)."""
     import re
 
-    sent = [0] * (saves + 1)
+    moved = [0] * (saves + 1)
     for record in proxy.requests():
-        match = re.search(rf"{re.escape(prefix)}/(?:_d[0-9a-f]{{2}}/)?{RUN}/step_(\d{{10}})/", record.key)
-        if match and record.op in ("PUT", "UPLOAD_PART"):
-            sent[int(match.group(1))] += record.request_bytes
-    return sent[1:]
+        match = re.search(rf"{re.escape(prefix)}/(?:_d[0-9a-f]{{2}}/)?{RUN}/step_(\d{{10}})/.*\.distcp$", record.key)
+        if match and record.op in ops:
+            moved[int(match.group(1))] += getattr(record, field)
+    return moved[1:]
 
 
 def run_s3(args: argparse.Namespace, plan: dict) -> tuple[dict, list[dict]]:
@@ -326,25 +327,35 @@ def run_s3(args: argparse.Namespace, plan: dict) -> tuple[dict, list[dict]]:
                     rows = launch(_s3_rank, world, scratch, args=(plan,), op_timeout=args.op_timeout,
                                   ops=4 * (args.s3_saves + 1))
                 for name, row in rows.items():
-                    row["uploaded"] = _s3_uploaded(proxy, f"reuse/w{world}-{name}", args.s3_saves)
+                    prefix = f"reuse/w{world}-{name}"
+                    row["uploaded"] = _s3_bytes(proxy, prefix, args.s3_saves, ("PUT", "UPLOAD_PART"), "request_bytes")
+                    # a save's reads of its own new objects: verifying copies (the last step's are its load's too)
+                    row["downloaded"] = _s3_bytes(proxy, prefix, args.s3_saves, ("GET",), "reply_bytes")
                 results[str(world)] = rows
         finally:
             proxy.close()
     print("\n== store a byte once on S3 (medians over saves 3..N; x = full / row) ==")
-    print(f"{'world':<6}{'contender':<10}{'save s':>9}{'x':>7}{'uploaded MiB':>14}{'of full':>9}{'load s':>9}")
+    print(f"{'world':<6}{'contender':<10}{'save s':>9}{'x':>7}{'uploaded MiB':>14}{'of full':>9}"
+          f"{'read MiB':>10}{'load s':>9}")
     for world, rows in results.items():
-        full = rows["full"]
-        medians = {name: (statistics.median(row["save_seconds"][2:]), statistics.median(row["uploaded"][2:]))
+        medians = {name: (statistics.median(row["save_seconds"][2:]), statistics.median(row["uploaded"][2:]),
+                          statistics.median(row["downloaded"][2:-1]) if len(row["downloaded"]) > 3 else None)
                    for name, row in rows.items()}
         for name, row in rows.items():
-            seconds, uploaded = medians[name]
+            seconds, uploaded, downloaded = medians[name]
             print(f"{world:<6}{name:<10}{seconds:>9.3f}{report.fmt(_ratio(medians['full'][0], seconds), '.2f'):>7}"
                   f"{uploaded / MiB:>14.1f}{report.fmt(_ratio(uploaded, medians['full'][1]), '.1%'):>9}"
+                  f"{report.fmt(None if downloaded is None else downloaded / MiB, '.1f'):>10}"
                   f"{row['load_seconds']:>9.3f}")
         checks.append(report.check(f"S3: reuse uploaded <= {TARGETS['written']}x full",
                                    _ratio(medians["reuse"][1], medians["full"][1]), TARGETS["written"], False,
                                    world=world, medium="s3", contender="reuse"))
-        del full
+        checks.append(report.check(f"S3: reuse reads <= {TARGETS['s3_read_vs_base']:.0%} of base",
+                                   _ratio(medians["reuse"][2], plan["base_mb"] * 1e6), TARGETS["s3_read_vs_base"], False,
+                                   world=world, medium="s3", contender="reuse"))
+        checks.append(report.check(f"S3: reuse save time <= {TARGETS['s3_save_seconds']}x full",
+                                   _ratio(medians["reuse"][0], medians["full"][0]), TARGETS["s3_save_seconds"], False,
+                                   world=world, medium="s3", contender="reuse"))
     return results, checks
 
 
