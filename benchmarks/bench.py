@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if hasattr(scenario, "finish_arguments"):
         scenario.finish_arguments(parser, args)
+    report.SMOKE = bool(getattr(args, "smoke", False))
     report.write_json({"scenario": name, **scenario.run(args)}, args.json)
     return 0
 

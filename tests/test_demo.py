@@ -42,6 +42,8 @@ def test_demo_kills_a_rank_mid_save_and_resumes_at_another_tp_size(tmp_path):
     # The first job died with step 12 uncommitted.  Which failure the survivors saw first is timing: the save's
     # typed error naming the killed rank, or (a loaded machine) the training step's own collective losing its peer.
     assert "committed steps: [4, 8]; latest = 8: checkpoint 12 never became visible" in out, out[-4000:]
+    # the survivors' raw gloo lines are announced as expected before they appear
+    assert out.index("\"Connection closed by peer\" name rank 3's killed connection") < out.index("job died"), out
     assert ("RankFailureError" in out and "silent rank(s): 3" in out) or "Connection closed by peer" in out, \
         out[-4000:]
 

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import ConfigurationError, CorruptCheckpointError, UnsafeItemError
+from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, UnsafeItemError
 from ..exchange.collective import gather
 from ..manager import CheckpointManager
 from ..format.safe_pickle import load_refusal
@@ -215,22 +215,33 @@ class AcceleratorCheckpoint:
         self._clear_fresh = True
         with self._fresh_optimizers():
             state = self._state(saving=False)
-            chosen = self.manager.load(state, step=step, allow_reshard=allow_reshard)
+            try:
+                chosen = self.manager.load(state, step=step, allow_reshard=allow_reshard)
+            except CheckpointError as e:  # every rank alike: the manager agrees on a load's failure
+                self._refuse_other_objects(step if step is not None else e.details.get("step"), e)
+                raise
             self._clear_fresh = False
             self._apply(state, chosen)
         return chosen
+
+    def _refuse_other_objects(self, step: int | None, failure: CheckpointError) -> None:
+        """After a failed load: when the step was saved from an Accelerator holding other objects (one more
+        scheduler, one optimizer less), say that -- DCP's own error names whichever key it met first -- by loading
+        the step's record alone; a record that cannot be read leaves ``failure`` as it was."""
+        if step is None:
+            return
+        record = {RECORD_KEY: _whole(None)}
+        try:
+            self.manager.load(record, step=step)
+        except CheckpointError:
+            return
+        _check_record(_unwhole(record[RECORD_KEY]), self.accelerator, step, self.manager.run_id, cause=failure)
 
     def _apply(self, state: dict[str, Any], step: int) -> None:
         acc = self.accelerator
         record = _unwhole(state[RECORD_KEY])
         where = f"step {step} of run {self.manager.run_id!r}"
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            raise CorruptCheckpointError(f"{where}: its {RECORD_KEY!r} record is {record!r}, not format {FORMAT} "
-                                         "of AcceleratorCheckpoint (saved by another dcp_atomic version?)")
-        if record.get("counts") != _counts(acc):
-            raise ConfigurationError(
-                f"{where} was saved from an Accelerator holding {record.get('counts')}; this one holds "
-                f"{_counts(acc)}. Prepare the same objects, in the same order, as the job that saved it")
+        _check_record(record, acc, step, self.manager.run_id)
         owners = self._owners()
         for i, model in enumerate(acc._models):
             set_model_state_dict(model, state[_indexed("model", i)], options=_OPTIONS)
@@ -312,6 +323,18 @@ def _refuse_unloadable(state: dict[str, Any], *, where: str) -> None:
                 raise UnsafeItemError(f"{where}: not saved: {refusal}; allow the type with "
                                       "torch.serialization.add_safe_globals([...]) in the job before it saves and "
                                       "before it loads", key=key)
+
+
+def _check_record(record: Any, acc: Any, step: int, run_id: str, cause: BaseException | None = None) -> None:
+    """The step's record against this Accelerator: the format, and the objects it was saved from."""
+    where = f"step {step} of run {run_id!r}"
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"{where}: its {RECORD_KEY!r} record is {record!r}, not format {FORMAT} "
+                                     "of AcceleratorCheckpoint (saved by another dcp_atomic version?)") from cause
+    if record.get("counts") != _counts(acc):
+        raise ConfigurationError(
+            f"{where} was saved from an Accelerator holding {record.get('counts')}; this one holds "
+            f"{_counts(acc)}. Prepare the same objects, in the same order, as the job that saved it") from cause
 
 
 def _counts(acc: Any) -> dict[str, int]:

@@ -512,7 +512,10 @@ class CheckpointManager(RankAgreement):
             try:
                 dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
             except BaseException as e:
-                raise_typed(watch.verdict or self._translate(e, f"loading step {chosen}"))
+                failure = watch.verdict or self._translate(e, f"loading step {chosen}")
+                if isinstance(failure, CheckpointError):
+                    failure.details.setdefault("step", chosen)  # where: which step a load without one resolved
+                raise_typed(failure)
             watch.finish()
         self._resumed = resumed  # P14: later saves supersede the steps above it that this load abandoned
         seconds = time.perf_counter() - started

@@ -216,6 +216,8 @@ def run_demo(root: str, world: int = 4) -> int:
 
     print(f"1) train with tensor_parallel_size=2 (dp={world // 2}); rank {world - 1} is SIGKILLed in the middle of "
           "writing checkpoint 12", flush=True)
+    print(f"   (expected below: the surviving ranks' raw gloo lines such as \"Connection closed by peer\" name rank "
+          f"{world - 1}'s killed connection, and rank 0 says the job stopped)", flush=True)
     codes = _launch(root, world, tp=2, steps=16, save_every=4, failpoint=f"write.mid_data@{world - 1}#3=kill",
                     timeout=300)
     print(f"   job died (exit codes {codes}); committed steps: {list_steps(root, RUN_ID)}; "
