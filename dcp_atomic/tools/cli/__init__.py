@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from typing import Any, Callable
@@ -31,7 +32,7 @@ from ..._base import arguments
 from ...format.layout import validate_run_id, validate_step
 from ...errors import ArgumentError, CheckpointError
 from ...stores.backends import missing_backend_message
-from .commands import cmd_demo, cmd_export, cmd_gc, cmd_import, cmd_ls, cmd_rm, cmd_show, cmd_verify
+from .commands import cmd_demo, cmd_diff, cmd_export, cmd_gc, cmd_import, cmd_ls, cmd_rm, cmd_show, cmd_verify
 from .output import JSON_SCHEMA, CliError, CopyProgress
 
 __all__ = ["main", "build_parser", "CliError", "CopyProgress", "JSON_SCHEMA", "STORAGE_OPTIONS_ENV"]
@@ -75,6 +76,12 @@ def _checked(convert: Callable[[str], Any], check: Callable[[Any, str], Any]) ->
 _positive_int = _checked(int, lambda value, name: arguments.count(name, value, optional=False))
 _step = _checked(int, validate_step)
 _seconds = _checked(float, lambda value, name: arguments.seconds(name, value))
+_tolerance = _checked(float, lambda value, name: value if math.isfinite(value) and value >= 0 else (
+    _raise(arguments.refused(name, value, "a finite number >= 0"))))
+
+
+def _raise(error: Exception):
+    raise error
 
 
 def _rename_rule(text: str) -> tuple[str, str]:
@@ -141,6 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="ROOT is a node's local_root (two tiers): partial copies "
                    "a tier restore kept there are reported as such (anywhere else a partial-copy note fails the step)")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("diff", parents=[after], help="keys added, removed, changed and unchanged between two steps")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("a", type=_step, metavar="A", help="the step compared from")
+    p.add_argument("b", type=_step, metavar="B", help="the step compared to")
+    p.add_argument("--tolerance", type=_tolerance, default=0.0,
+                   help="a tensor whose values differ by at most this much (max-abs) counts as unchanged")
+    p.add_argument("--limit", type=_positive_int, default=20, help="changed keys listed in the table (--json: all)")
+    p.add_argument("--verify", action="store_true", help="first re-read both steps whole and check every digest, as "
+                   "`verify` does (without it, keys whose recorded digests agree are not read)")
+    p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("gc", parents=[after], help="delete old committed steps and abandoned attempts")
     p.add_argument("root")
