@@ -32,7 +32,7 @@ from ..._base import arguments
 from ...format.layout import validate_run_id, validate_step
 from ...errors import ArgumentError, CheckpointError
 from ...stores.backends import missing_backend_message
-from .commands import cmd_demo, cmd_diff, cmd_export, cmd_gc, cmd_import, cmd_ls, cmd_rm, cmd_show, cmd_verify
+from .commands import cmd_demo, cmd_diff, cmd_export, cmd_gc, cmd_import, cmd_ls, cmd_rm, cmd_show, cmd_stats, cmd_verify
 from .output import JSON_SCHEMA, CliError, CopyProgress
 
 __all__ = ["main", "build_parser", "CliError", "CopyProgress", "JSON_SCHEMA", "STORAGE_OPTIONS_ENV"]
@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="first re-read both steps whole and check every digest, as "
                    "`verify` does (without it, keys whose recorded digests agree are not read)")
     p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("stats", parents=[after], help="each step's recorded save statistics, as a table or a chart")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw them over steps into a PNG (needs matplotlib: "
+                   "pip install 'dcp-atomic[plot]')")
+    p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("gc", parents=[after], help="delete old committed steps and abandoned attempts")
     p.add_argument("root")

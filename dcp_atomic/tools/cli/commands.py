@@ -229,6 +229,47 @@ def _change_note(change) -> str:
     return ", ".join(notes)
 
 
+def cmd_stats(args) -> int:
+    """A table per committed step of what its save recorded (``--plot FILE.png``: the same over steps)."""
+    from ..run_stats import FIGURES, plot, plotting, step_statistics
+
+    if args.plot:
+        try:
+            plotting()
+        except ImportError as e:
+            raise CliError(str(e), code=2, kind="MissingDependency") from None
+    layout = run_layout(args)
+    markers, damaged = scan_steps(layout)
+    rows = step_statistics(layout, list(markers.values()), args.timeout)
+    if args.plot:
+        plot(rows, args.plot, f"run {args.run} under {args.root}")
+    if args.json:
+        emit({"run": args.run, "steps": rows, "damaged_markers": damaged, **({"plot": args.plot} if args.plot else {})})
+        return 0
+    if not rows:
+        print(f"no committed steps in {layout.run_dir}")
+    else:
+        print(f"{'step':>10}  {'tier':<8} " + " ".join(f"{heading:>10}" for _, heading, _ in FIGURES))
+    for row in rows:
+        cells = [_figure(row[name], unit) for name, _, unit in FIGURES]
+        tier = (row["tier"] or "-") + ("*" if row.get("drained") else "")
+        print(f"{row['step']:>10}  {tier:<8} " + " ".join(f"{cell:>10}" for cell in cells)
+              + (f"  ({row['error']})" if "error" in row else ""))
+    if any(row.get("drained") for row in rows):
+        print("*: saved on the local tier, then drained here; drain: its background copy, from start to commit")
+    for step, reason in sorted(damaged.items()):
+        print(f"step {step}: its commit marker cannot be validated ({reason}); not listed", file=sys.stderr)
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _figure(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}s" if unit == "s" else format_size(value)
+
+
 def cmd_gc(args) -> int:
     """Print the plan, then apply it; with ``--json`` one object, holding the plan and any failure to apply it.
 
