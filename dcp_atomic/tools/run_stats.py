@@ -87,12 +87,14 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
         axes.grid(True, alpha=0.3)
         if axes.get_legend_handles_labels()[0]:
             axes.legend(loc="upper left")
-    for row in rows:  # a step saved through the local tier is marked on both panels
-        if row.get("tier") == "local":
-            for axes in (times, sizes):
-                axes.axvline(row["step"], color="0.85", zorder=0)
-    sizes.set_xlabel("step (grey: saved through the local tier)")
-    times.set_title(title)
+    tiers = {row["tier"] for row in rows if row.get("tier")}
+    if len(tiers) > 1:  # a run that changed tiers: its local saves are marked on both panels
+        for row in rows:
+            if row.get("tier") == "local":
+                for axes in (times, sizes):
+                    axes.axvline(row["step"], color="0.85", zorder=0)
+    sizes.set_xlabel("step" + (" (grey: saved through the local tier)" if len(tiers) > 1 else ""))
+    times.set_title(title + (f" (tier: {tiers.pop()})" if len(tiers) == 1 else ""))
     figure.tight_layout()
     figure.savefig(path, format="png")
     pyplot.close(figure)
