@@ -50,7 +50,7 @@ class StepDiff:
     changed: list[KeyChange] = field(default_factory=list)  # largest max-abs difference first, then the rest
     unchanged: list[str] = field(default_factory=list)
     unchanged_by_digest: int = 0  # of ``unchanged``: decided from the manifests, no byte read
-    bytes_read: int = 0  # data bytes read from storage, both steps
+    bytes_read: int = 0  # data bytes the comparison read from storage, both steps (not ``check_both``'s re-read)
     tolerance: float = 0.0
     verified: bool = False  # both steps re-read whole and every digest checked first
 

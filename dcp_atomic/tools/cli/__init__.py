@@ -1,9 +1,10 @@
-"""``dcp-atomic``: look at, verify, export, import and demo checkpoints without writing Python.
+"""``dcp-atomic``: look at, verify, compare, export, import and demo checkpoints without writing Python.
 
 Subcommands: ``ls ROOT [RUN]``, ``show ROOT RUN [STEP]``, ``verify ROOT RUN
-[STEP|--all]``, ``gc ROOT RUN --keep-last N [--dry-run]``, ``rm ROOT RUN [STEP]
-[--yes]``, ``export [--format safetensors] ROOT RUN STEP OUT``, ``import
-STOCK_DCP_DIR ROOT RUN STEP``, ``demo``.  ``--json`` prints machine-readable
+[STEP|--all]``, ``diff ROOT RUN A B``, ``stats ROOT RUN [--plot FILE.png]``, ``gc
+ROOT RUN --keep-last N [--dry-run]``, ``rm ROOT RUN [STEP] [--yes]``, ``export
+[--format safetensors] ROOT RUN STEP OUT``, ``import STOCK_DCP_DIR ROOT RUN STEP``,
+``demo``.  ``--json`` prints machine-readable
 output, errors included; it, ``--timeout`` and ``--storage-options`` go before
 or after the subcommand.  The CLI is one process, so it may scan (list) the run
 directory; training ranks never do.
@@ -76,12 +77,15 @@ def _checked(convert: Callable[[str], Any], check: Callable[[Any, str], Any]) ->
 _positive_int = _checked(int, lambda value, name: arguments.count(name, value, optional=False))
 _step = _checked(int, validate_step)
 _seconds = _checked(float, lambda value, name: arguments.seconds(name, value))
-_tolerance = _checked(float, lambda value, name: value if math.isfinite(value) and value >= 0 else (
-    _raise(arguments.refused(name, value, "a finite number >= 0"))))
 
 
-def _raise(error: Exception):
-    raise error
+def _non_negative(value: float, name: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise arguments.refused(name, value, "a finite number >= 0")
+    return value
+
+
+_tolerance = _checked(float, _non_negative)
 
 
 def _rename_rule(text: str) -> tuple[str, str]:
