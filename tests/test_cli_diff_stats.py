@@ -233,6 +233,11 @@ def test_stats_of_drained_steps_show_the_drain_time_and_the_local_tier(tmp_path,
     assert main(["stats", durable, RUN]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[1].split()[:2] == ["1", "local*"] and "drained here" in out
+    assert main(["--json", "stats", local, RUN]) == 0  # the node's own copies: saved here, drained elsewhere
+    rows = json.loads(capsys.readouterr().out)["steps"]
+    assert [(r["tier"], r["drained"], r["drain_seconds"]) for r in rows] == [("local", False, None)] * len(rows)
+    assert {r["step"]: r["bytes"] for r in rows} == {s["step"]: s["bytes"] for s in saved if s["step"] in
+                                                     {r["step"] for r in rows}}
 
 
 def test_stats_plot_writes_a_png_or_names_the_extra_that_brings_matplotlib(root, tmp_path, capsys):

@@ -26,12 +26,13 @@ FIGURES = (("save_seconds", "save", "s"), ("write_seconds", "write", "s"), ("byt
 PLOT_EXTRA = "pip install 'dcp-atomic[plot]'"
 
 
-def step_statistics(layout: RunLayout, markers: list[Marker], timeout: float) -> list[dict[str, Any]]:
-    """One row per committed step, oldest first: what its manifest, ``ranks.json``, marker and claim record."""
-    return [_row(layout, marker, timeout) for marker in sorted(markers, key=lambda m: m.step)]
+def step_statistics(layout: RunLayout, markers: list[Marker], root_tier: str, timeout: float) -> list[dict[str, Any]]:
+    """One row per committed step, oldest first: what its manifest, ``ranks.json``, marker and claim record.
+    ``root_tier``: which tier the root is (``local`` for a node's local root)."""
+    return [_row(layout, marker, root_tier, timeout) for marker in sorted(markers, key=lambda m: m.step)]
 
 
-def _row(layout: RunLayout, marker: Marker, timeout: float) -> dict[str, Any]:
+def _row(layout: RunLayout, marker: Marker, root_tier: str, timeout: float) -> dict[str, Any]:
     row: dict[str, Any] = {"step": marker.step, "save_id": marker.save_id, "committed_at": marker.committed_at,
                            "tier": None, **{name: None for name, _, _ in FIGURES}}
     try:
@@ -41,9 +42,8 @@ def _row(layout: RunLayout, marker: Marker, timeout: float) -> dict[str, Any]:
         return {**row, "error": e.message}
     manifest = committed.manifest
     claim = read_claim(layout, marker.step, marker.save_id) or {}
-    drained = "drained_from" in claim
-    local = drained or marker.drain is not None or any("failure_domain" in r for r in manifest.ranks)
-    row["tier"] = "local" if local else "durable"
+    drained = "drained_from" in claim  # the drain's claim: saved on the local tier, then copied here
+    row["tier"] = "local" if drained else root_tier
     row["drained"] = drained
     if not manifest.stats:  # imported, or written before ranks recorded their figures
         return row

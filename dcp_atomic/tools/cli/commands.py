@@ -240,7 +240,7 @@ def cmd_stats(args) -> int:
             raise CliError(str(e), code=2, kind="MissingDependency") from None
     layout = run_layout(args)
     markers, damaged = scan_steps(layout)
-    rows = step_statistics(layout, list(markers.values()), args.timeout)
+    rows = step_statistics(layout, list(markers.values()), tier_of_root(layout, markers.values()), args.timeout)
     if args.plot:
         plot(rows, args.plot, f"run {args.run} under {args.root}")
     if args.json:
