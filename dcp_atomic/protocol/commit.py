@@ -267,6 +267,16 @@ def claim_attempt(layout: RunLayout, step: int, save_id: str, *, started_at: flo
     storage.publish(storage.join(attempt, ATTEMPT), json.dumps(claim, indent=1, sort_keys=True).encode())
 
 
+def read_claim(layout: RunLayout, step: int, save_id: str) -> dict | None:
+    """An attempt's ``ATTEMPT`` claim as :func:`claim_attempt` wrote it (``started_at``, ``drained_from``, ...), or
+    None when it is missing or unreadable: a claim is a record of who started the attempt, never a commit's proof."""
+    try:
+        claim = json.loads(layout.storage.read_file(layout.attempt_file(step, save_id, ATTEMPT)))
+    except (OSError, ValueError):
+        return None
+    return claim if isinstance(claim, dict) else None
+
+
 def publish_control(layout: RunLayout, manifest: Manifest, dcp_metadata: bytes, *, rank: int = 0) -> bytes:
     """Step 2, for a root's marker to name (a save's, the local tier's): the shards of a manifest built with its
     items inline (:func:`write_shards`), ``ranks.json``, ``.metadata``, then ``manifest.json``, and the attempt and

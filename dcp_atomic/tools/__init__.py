@@ -1,5 +1,5 @@
-"""What runs beside training: the ``dcp-atomic`` command line, verification (audit), export to torch and
-safetensors, import of stock DCP checkpoints, and the demo."""
+"""What runs beside training: the ``dcp-atomic`` command line, verification (audit), the diff of two steps and a
+run's save statistics, export to torch and safetensors, import of stock DCP checkpoints, and the demo."""
 
 from .._base.faces import face
 

@@ -86,6 +86,7 @@ class StepTensors:
         self.reader = AtomicStorageReader(root, run_id, step, timeout=timeout, storage_options=storage_options)
         self.metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(self.metadata, True)
+        self.bytes_read = 0  # data bytes read from storage by load() and load_object(), all keys
 
     @property
     def step(self) -> int:
@@ -102,16 +103,23 @@ class StepTensors:
         return [k for k, md in self.metadata.state_dict_metadata.items() if not isinstance(md, TensorStorageMetadata)]
 
     def load(self, key: str) -> torch.Tensor:
+        md = self.metadata.state_dict_metadata[key]
+        return self._read(key, torch.empty(tuple(md.size), dtype=md.properties.dtype))
+
+    def load_object(self, key: str) -> Any:
+        """A non-tensor item, decoded through the reader's allow-list (P11), never ``pickle.loads``."""
+        return self._read(key, None)
+
+    def _read(self, key: str, target: Any) -> Any:
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-        md = self.metadata.state_dict_metadata[key]
-        tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        planner = DefaultLoadPlanner()
-        planner.set_up_planner({key: tensor}, self.metadata, True)
+        planner = DefaultLoadPlanner(flatten_state_dict=False)
+        planner.set_up_planner({key: target}, self.metadata, True)
         plan = self.reader.prepare_local_plan(planner.create_local_plan())
         plan = self.reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
         self.reader.read_data(planner.finish_plan(plan), planner).wait()
-        return tensor
+        self.bytes_read += self.reader.read_stats.storage_bytes  # read_data starts its count afresh
+        return planner.state_dict[key] if target is None else target  # a tensor is filled in place
 
 
 # -- safetensors -------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""``dcp-atomic``: look at, verify, export, import and demo checkpoints without writing Python.
+"""``dcp-atomic``: look at, verify, compare, export, import and demo checkpoints without writing Python.
 
 Subcommands: ``ls ROOT [RUN]``, ``show ROOT RUN [STEP]``, ``verify ROOT RUN
-[STEP|--all]``, ``gc ROOT RUN --keep-last N [--dry-run]``, ``rm ROOT RUN [STEP]
-[--yes]``, ``export [--format safetensors] ROOT RUN STEP OUT``, ``import
-STOCK_DCP_DIR ROOT RUN STEP``, ``demo``.  ``--json`` prints machine-readable
+[STEP|--all]``, ``diff ROOT RUN A B``, ``stats ROOT RUN [--plot FILE.png]``, ``gc
+ROOT RUN --keep-last N [--dry-run]``, ``rm ROOT RUN [STEP] [--yes]``, ``export
+[--format safetensors] ROOT RUN STEP OUT``, ``import STOCK_DCP_DIR ROOT RUN STEP``,
+``demo``.  ``--json`` prints machine-readable
 output, errors included; it, ``--timeout`` and ``--storage-options`` go before
 or after the subcommand.  The CLI is one process, so it may scan (list) the run
 directory; training ranks never do.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from typing import Any, Callable
@@ -31,7 +33,7 @@ from ..._base import arguments
 from ...format.layout import validate_run_id, validate_step
 from ...errors import ArgumentError, CheckpointError
 from ...stores.backends import missing_backend_message
-from .commands import cmd_demo, cmd_export, cmd_gc, cmd_import, cmd_ls, cmd_rm, cmd_show, cmd_verify
+from .commands import cmd_demo, cmd_diff, cmd_export, cmd_gc, cmd_import, cmd_ls, cmd_rm, cmd_show, cmd_stats, cmd_verify
 from .output import JSON_SCHEMA, CliError, CopyProgress
 
 __all__ = ["main", "build_parser", "CliError", "CopyProgress", "JSON_SCHEMA", "STORAGE_OPTIONS_ENV"]
@@ -75,6 +77,15 @@ def _checked(convert: Callable[[str], Any], check: Callable[[Any, str], Any]) ->
 _positive_int = _checked(int, lambda value, name: arguments.count(name, value, optional=False))
 _step = _checked(int, validate_step)
 _seconds = _checked(float, lambda value, name: arguments.seconds(name, value))
+
+
+def _non_negative(value: float, name: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise arguments.refused(name, value, "a finite number >= 0")
+    return value
+
+
+_tolerance = _checked(float, _non_negative)
 
 
 def _rename_rule(text: str) -> tuple[str, str]:
@@ -141,6 +152,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="ROOT is a node's local_root (two tiers): partial copies "
                    "a tier restore kept there are reported as such (anywhere else a partial-copy note fails the step)")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("diff", parents=[after], help="keys added, removed, changed and unchanged between two steps")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("a", type=_step, metavar="A", help="the step compared from")
+    p.add_argument("b", type=_step, metavar="B", help="the step compared to")
+    p.add_argument("--tolerance", type=_tolerance, default=0.0,
+                   help="a tensor whose values differ by at most this much (max-abs) counts as unchanged")
+    p.add_argument("--limit", type=_positive_int, default=20, help="changed keys listed in the table (--json: all)")
+    p.add_argument("--verify", action="store_true", help="first re-read both steps whole and check every digest, as "
+                   "`verify` does (without it, keys whose recorded digests agree are not read)")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("stats", parents=[after], help="each step's recorded save statistics, as a table or a chart")
+    p.add_argument("root")
+    p.add_argument("run")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw them over steps into a PNG (needs matplotlib: "
+                   "pip install 'dcp-atomic[plot]')")
+    p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("gc", parents=[after], help="delete old committed steps and abandoned attempts")
     p.add_argument("root")

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from ..._base.progress import format_size
 from ..._base.retry import Deadline
 from ...errors import CheckpointError, CheckpointNotFoundError
 from ...format.layout import RunLayout, parse_step_dir
@@ -180,6 +181,93 @@ def cmd_verify(args) -> int:
             for line in r.problems + r.notes + [f"warning: {w}" for w in r.warnings]:
                 print(f"  {line}")
     return 1 if bad else 0
+
+
+def cmd_diff(args) -> int:
+    """Keys added, removed, changed and unchanged between two committed steps; changed tensors by max-abs
+    difference, largest first, ``--limit`` of them listed."""
+    from ..diff import diff_steps  # torch: only the commands that read tensors import it
+
+    layout = run_layout(args)
+    for step in (args.a, args.b):
+        require_committed(layout, step)
+    options = json.loads(args.storage_options) if args.storage_options else None
+    result = diff_steps(args.root, args.run, args.a, args.b, timeout=args.timeout, storage_options=options,
+                        tolerance=args.tolerance, check_both=args.verify)
+    if args.json:
+        emit(result.to_dict())
+        return 0
+    counts = result.to_dict()["counts"]
+    print(f"run {args.run}: step {result.step_a} -> step {result.step_b}: {counts['changed']} changed, "
+          f"{counts['added']} added, {counts['removed']} removed, {counts['unchanged']} unchanged "
+          f"({result.unchanged_by_digest} by digest, none of their bytes read); read {format_size(result.bytes_read)} of data"
+          + ("; both steps verified whole first" if result.verified else ""))
+    if result.changed:
+        print(f"  {'changed':<50} {'max-abs':>10} {'relative':>10}  note")
+        for change in result.changed[:args.limit]:
+            print(f"  {change.key:<50} {_number(change.max_abs):>10} {_number(change.relative):>10}  "
+                  f"{_change_note(change)}")
+        if len(result.changed) > args.limit:
+            print(f"  ... {len(result.changed) - args.limit} more (--limit, or --json for all)")
+    for label, keys in (("added", result.added), ("removed", result.removed)):
+        if keys:
+            shown = ", ".join(keys[:args.limit]) + (f", ... {len(keys) - args.limit} more" if len(keys) > args.limit
+                                                     else "")
+            print(f"  {label}: {shown}")
+    return 0
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _change_note(change) -> str:
+    if change.kind == "object":
+        return "not a tensor: values differ"
+    notes = [f"dtype {change.dtype[0]} -> {change.dtype[1]}"] if change.dtype else []
+    notes += [f"shape {change.shape[0]} -> {change.shape[1]}"] if change.shape else []
+    return ", ".join(notes)
+
+
+def cmd_stats(args) -> int:
+    """A table per committed step of what its save recorded (``--plot FILE.png``: the same over steps)."""
+    from ..run_stats import FIGURES, plot, plotting, step_statistics
+
+    if args.plot:
+        try:
+            plotting()
+        except ImportError as e:
+            raise CliError(str(e), code=2, kind="MissingDependency") from None
+    layout = run_layout(args)
+    markers, damaged = scan_steps(layout)
+    rows = step_statistics(layout, list(markers.values()), tier_of_root(layout, markers.values()), args.timeout)
+    if args.plot:
+        plot(rows, args.plot, f"run {args.run} under {args.root}")
+    if args.json:
+        emit({"run": args.run, "steps": rows, "damaged_markers": damaged, **({"plot": args.plot} if args.plot else {})})
+        return 0
+    if not rows:
+        print(f"no committed steps in {layout.run_dir}")
+    else:
+        print(f"{'step':>10}  {'tier':<8} " + " ".join(f"{heading:>10}" for _, heading, _ in FIGURES))
+    for row in rows:
+        cells = [_figure(row[name], unit) for name, _, unit in FIGURES]
+        tier = (row["tier"] or "-") + ("*" if row.get("drained") else "")
+        print(f"{row['step']:>10}  {tier:<8} " + " ".join(f"{cell:>10}" for cell in cells)
+              + (f"  ({row['error']})" if "error" in row else ""))
+    if any(row.get("drained") for row in rows):
+        print("*: saved on the local tier, then drained here; drain: its background copy, from start to commit")
+    for step, reason in sorted(damaged.items()):
+        print(f"step {step}: its commit marker cannot be validated ({reason}); not listed", file=sys.stderr)
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _figure(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}s" if unit == "s" else format_size(value)
 
 
 def cmd_gc(args) -> int:
