@@ -13,21 +13,35 @@ also data: :mod:`dcp_atomic.format.safe_pickle` lists them as the globals a ``.m
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
-from torch.distributed.checkpoint.planner import SavePlanner
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+# torch is imported where its names are used, never at the top: the stores' wrappers below are imported by the
+# command line on s3:// and gs:// roots, which answers without importing torch.
 
 # --- torch.distributed.checkpoint -------------------------------------------------------------------------------
 
-#: (relative_path, offset, length) of an item, as DCP's ``.metadata`` records it: stock ``FileSystemReader`` reads
-#: exactly this class, so attempts stay stock-readable.
-StorageInfo = _StorageInfo
+_TORCH_CONSTANTS = {
+    #: (relative_path, offset, length) of an item, as DCP's ``.metadata`` records it: stock ``FileSystemReader``
+    #: reads exactly this class, so attempts stay stock-readable.
+    "StorageInfo": ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    #: The memory-format codes ``TensorProperties`` pickles.
+    "MEM_FORMAT_ENCODING": ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+}
 
-#: The memory-format codes ``TensorProperties`` pickles.
-MEM_FORMAT_ENCODING = _MEM_FORMAT_ENCODING
+
+def __getattr__(name: str) -> Any:
+    """``StorageInfo`` and ``MEM_FORMAT_ENCODING``, imported from torch when first used."""
+    if name not in _TORCH_CONSTANTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, private = _TORCH_CONSTANTS[name]
+    value = getattr(importlib.import_module(module), private)
+    globals()[name] = value
+    return value
 
 #: What DCP's coordinator caches on ``SavePlanner`` (class attributes, keyed by planner class) in
 #: ``create_global_plan`` under ``enable_plan_caching`` -- before the storage writer may still refuse the save.
@@ -52,12 +66,16 @@ def forget_pending_local_plan(planner: Any) -> None:
 
 def coordinator_plan_caches() -> dict[str, dict]:
     """A copy of DCP's coordinator caches, to put back if the save is refused (:func:`restore_coordinator_plan_caches`)."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
     return {name: dict(getattr(SavePlanner, name)) for name in _COORDINATOR_CACHES}
 
 
 def restore_coordinator_plan_caches(before: dict[str, dict]) -> None:
     """Put back, entry by entry, what :func:`coordinator_plan_caches` copied (DCP replaces an entry, never mutates
     one), leaving the dicts DCP holds in place."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
     for name, entries in before.items():
         cache = getattr(SavePlanner, name)
         for key in cache.keys() - entries.keys():
@@ -80,6 +98,8 @@ def load_state_dict_from_keys(**kwargs: Any) -> dict[str, Any]:
 
 def default_store() -> dist.Store:
     """The default group's rendezvous store: a channel that works while collectives hang (liveness, blame)."""
+    import torch.distributed as dist
+
     return dist.distributed_c10d._get_default_store()
 
 

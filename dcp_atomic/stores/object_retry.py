@@ -31,6 +31,7 @@ import asyncio
 import errno
 import logging
 import os
+import sys
 import random
 import socket
 import time
@@ -79,11 +80,12 @@ def unreachable(exc: BaseException) -> bool:
 
 
 def current_rank() -> int:
-    """This process's global rank, for messages (0 outside a process group)."""
+    """This process's global rank, for messages (0 outside a process group).  Asks torch only where it is imported
+    already: a process without it (the command line on an object store) has no process group, and importing it
+    here would cost a failing request seconds."""
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
     try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
+        if dist is not None and dist.is_available() and dist.is_initialized():
             return dist.get_rank()
     except Exception:  # noqa: BLE001 - identity for a message only
         pass

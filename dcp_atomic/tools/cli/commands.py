@@ -143,9 +143,7 @@ def cmd_show(args) -> int:
 def cmd_verify(args) -> int:
     """Audit the step(s); a step whose marker exists but cannot be validated is reported as FAILED, never skipped."""
     layout = run_layout(args)
-    from ..audit import AuditReport, audit_step  # torch: only the commands that read tensors import it
-
-    reports: list[AuditReport] = []
+    damaged: dict[int, str] = {}
     if args.step is not None:
         require_step(layout, args.step)
         steps = [args.step]
@@ -153,10 +151,13 @@ def cmd_verify(args) -> int:
         markers, damaged = scan_steps(layout)  # with a damaged marker "the latest" is unknown: report it either way
         newest = most_recent(list(markers.values()))
         steps = sorted(markers) if args.all else [newest.step] if newest else []
-        reports = [AuditReport(step, None, 0, 0, [f"commit marker cannot be validated: {reason}"])
-                   for step, reason in damaged.items()]
-    if not steps and not reports:
+    if not steps and not damaged:
         raise CheckpointNotFoundError(f"no committed step to verify in {layout.run_dir}")
+    # torch (the .metadata's classes, the codecs) only now: an unreachable or empty root has answered without it
+    from ..audit import AuditReport, audit_step
+
+    reports = [AuditReport(step, None, 0, 0, [f"commit marker cannot be validated: {reason}"])
+               for step, reason in damaged.items()]
     for step in steps:
         try:
             require_committed(layout, step)
