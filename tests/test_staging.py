@@ -130,30 +130,39 @@ def test_a_pool_smaller_than_one_window_is_an_argument_error_naming_both_numbers
 def _eager_items(ctx):
     """A BatchNorm-like buffer and a plain object changed after the call, while the writer is held at its first
     byte: they were copied at the call, so the save commits their values at the call."""
-    from dcp_atomic import CheckpointManager
+    import numpy
+
+    from dcp_atomic import Callbacks, CheckpointManager
     from dcp_atomic._base import failpoints
 
     state = {f"rank{ctx.rank}": {"weight": torch.ones(MiB), "running_mean": torch.zeros(16)},
-             "progress": {"epoch": 3, "seen": [1, 2]}}
+             "progress": {"epoch": 3, "seen": [1, 2], "rng": numpy.arange(4)}}
     changed = threading.Event()
     failpoints.arm("write.before_data", lambda rank, step: changed.wait(30))
+    saved = []
     with CheckpointManager(ctx.root, RUN, staging=Staging(pool_bytes=8 * MiB, window_bytes=MiB),
-                           timeout=30) as manager:
+                           callbacks=Callbacks(on_saved=saved.append), timeout=30) as manager:
         future = manager.async_save(1, state)
         state[f"rank{ctx.rank}"]["running_mean"].add_(5)  # forward mutates buffers before wait_staged()
         state["progress"]["epoch"] = 99
         state["progress"]["seen"].append(3)
+        state["progress"]["rng"][0] = 99  # a mutable leaf (numpy RNG state), not a container the stager rebuilds
         changed.set()
         future.result()
         loaded = {f"rank{ctx.rank}": {"weight": torch.empty(MiB), "running_mean": torch.empty(16)},
-                  "progress": {"epoch": -1, "seen": None}}
+                  "progress": {"epoch": -1, "seen": None, "rng": None}}
         manager.load(loaded)
-    return (torch.equal(loaded[f"rank{ctx.rank}"]["running_mean"], torch.zeros(16)), loaded["progress"])
+    progress = {**loaded["progress"], "rng": loaded["progress"]["rng"].tolist()}
+    return torch.equal(loaded[f"rank{ctx.rank}"]["running_mean"], torch.zeros(16)), progress, saved
 
 
 def test_items_copied_at_the_call_may_change_afterwards_and_are_saved_as_they_were(root):
-    for mean_at_call, progress in assert_all_ok(run_world(_eager_items, 2, root, timeout=60)):
-        assert mean_at_call and progress == {"epoch": 3, "seen": [1, 2]}, progress
+    outcomes = assert_all_ok(run_world(_eager_items, 2, root, timeout=60))
+    for mean_at_call, progress, _ in outcomes:
+        assert mean_at_call and progress == {"epoch": 3, "seen": [1, 2], "rng": [0, 1, 2, 3]}, progress
+    stats = outcomes[0][2][0]  # rank 0's on_saved: the staging's figures (docs/statistics.md)
+    assert stats["pool_bytes"] == 8 * MiB and 0.0 < stats["stage_call_seconds"] <= stats["stage_seconds"], stats
+    assert stats["stage_wait_seconds"] == 0.0 and 0 < stats["peak_host_bytes"] <= 8 * MiB + MiB, stats
 
 
 class _RecordingSink:
@@ -192,7 +201,8 @@ def test_the_stager_feeds_a_sink_window_by_window_within_its_pool_byte_for_byte(
     assert staged.wait() >= 0.0
     staged.result()
     assert sorted(sink.finished) == list(range(len(items)))
-    assert sink.largest_window <= staging.window_bytes and sink.most_pool_bytes <= staging.pool_bytes, vars(sink)
+    assert sink.largest_window <= staging.window_bytes and sink.most_pool_bytes <= staging.pool_bytes, (
+        sink.largest_window, sink.most_pool_bytes)
     for index, (key, value) in enumerate(items[:-1]):
         expected = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         assert bytes(sink.data.get(index, b"")) == expected, key
