@@ -64,7 +64,9 @@ class LiveState:
             self.release()
 
     def release(self) -> None:
-        """Nothing reads the live tensors any more (read, or the save failed before reading them)."""
+        """Nothing reads the live tensors any more (read, or the save failed before reading them); the references
+        to them go too, so that this save keeps no tensor of the model alive."""
+        self.live = []
         self._read.set()
 
     def wait_read(self) -> float:

@@ -37,7 +37,13 @@ class WindowPool:
             if self._free:
                 return self._free.pop()
             self._allocated += 1
-        return torch.empty(self.window_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        try:
+            return torch.empty(self.window_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        except BaseException:  # out of (pinnable) memory: the window was never there
+            with self._cond:
+                self._allocated -= 1
+                self._cond.notify()
+            raise
 
     def release(self, window: torch.Tensor) -> None:
         with self._cond:
