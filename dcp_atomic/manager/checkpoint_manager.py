@@ -433,7 +433,7 @@ class CheckpointManager(RankAgreement):
         only that rank's tensors), so no collective: call it on any rank, any number of times.  The save's
         outcome still arrives through its future."""
         staged = self._staged
-        return 0.0 if staged is None else staged.wait_read()
+        return 0.0 if staged is None else staged.read.wait()
 
     def wait(self) -> int | None:
         """Wait for the in-flight save, then for the drains in flight or waiting; return the save's step (None if
@@ -726,7 +726,7 @@ class CheckpointManager(RankAgreement):
                                       stage_seconds=stage_seconds)
         staged = writer.staged
         if staged is not None:  # rank 0's
-            stats.stage_call_seconds, stats.stage_wait_seconds = staged.call_seconds, staged.wait_seconds
+            stats.stage_call_seconds, stats.stage_wait_seconds = staged.call_seconds, staged.read.wait_seconds
             stats.pool_bytes, stats.peak_host_bytes = staged.staging.pool_bytes, staged.peak_host_bytes
         local = getattr(writer, "last_local_commit", None)
         if local is not None:

@@ -13,7 +13,6 @@ nothing is committed.
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +21,7 @@ import torch
 
 from .options import Staging
 from .pool import WindowPool
-from .versions import LiveTensor, local_tensor, raise_if_any_changed
+from .versions import LiveTensor, ReadGate, local_tensor, raise_if_any_changed
 
 
 class LiveState:
@@ -37,8 +36,7 @@ class LiveState:
         self.live: list[LiveTensor] = []
         self.eager_bytes = 0  # host and device bytes copied at the call
         self.call_seconds = 0.0
-        self.wait_seconds = 0.0
-        self._read = threading.Event()
+        self.read = ReadGate()  # opens once the writer no longer reads the live tensors
 
     # -- DCP's AsyncStager
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -67,15 +65,7 @@ class LiveState:
         """Nothing reads the live tensors any more (read, or the save failed before reading them); the references
         to them go too, so that this save keeps no tensor of the model alive."""
         self.live = []
-        self._read.set()
-
-    def wait_read(self) -> float:
-        """Block until the live tensors are free; the seconds waited."""
-        started = time.perf_counter()
-        self._read.wait()
-        waited = time.perf_counter() - started
-        self.wait_seconds += waited
-        return waited
+        self.read.open()
 
     @property
     def peak_host_bytes(self) -> int:

@@ -36,7 +36,7 @@ import torch
 from ..format.codec import tensor_bytes
 from .options import Staging
 from .pool import WindowPool
-from .versions import LiveTensor, local_tensor
+from .versions import LiveTensor, ReadGate, local_tensor
 
 
 class StageSink(Protocol):
@@ -118,10 +118,9 @@ class StagedCopy:
         self.pool, self.sink, self.step, self.rank = pool, sink, step, rank
         self._eager, self._live, self._ready = eager, live, ready
         self.call_seconds = 0.0
-        self.wait_seconds = 0.0
         self.eager_bytes = sum(len(data) for _, data in eager)
         self.error: BaseException | None = None
-        self.released = threading.Event()  # no window reads the live tensors any more
+        self.released = ReadGate()  # opens once no window reads the live tensors any more
         self.done = threading.Event()  # the sink has everything, or the copy failed
         self._thread = threading.Thread(target=self._run, name="dcp-atomic-stager", daemon=True)
 
@@ -135,11 +134,7 @@ class StagedCopy:
 
     def wait(self) -> float:
         """Block until no window reads the live tensors any more; the seconds waited."""
-        started = time.perf_counter()
-        self.released.wait()
-        waited = time.perf_counter() - started
-        self.wait_seconds += waited
-        return waited
+        return self.released.wait()
 
     def result(self) -> None:
         """Block until the sink has every item; raise the copy's failure (``StagingRaceError``, the sink's)."""
@@ -152,7 +147,7 @@ class StagedCopy:
             try:
                 self._copy_live()
             finally:
-                self.released.set()
+                self.released.open()
             for index, data in self._eager:
                 self.sink.write(index, 0, data)
                 self.sink.finish(index)

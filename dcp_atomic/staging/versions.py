@@ -4,11 +4,14 @@ Lazily staged tensors are read after the call returned, while training goes on; 
 changes them in place before ``wait_staged()``.  In-place ATen ops (``optimizer.step()``, ``add_``, ``copy_``) bump
 the version counter, so a changed counter after the last byte was read means the bytes read may be a mix of two
 versions: the save or snapshot fails with :class:`~dcp_atomic.errors.StagingRaceError` naming the key.  Writes
-through a raw ``data_ptr`` (a custom kernel) bump no counter and are not caught: ``wait_staged()`` stays the gate.
+through a raw ``data_ptr`` (a custom kernel) bump no counter and are not caught: ``wait_staged()`` stays the gate
+(:class:`ReadGate`: the moment the reading ends, which it waits for).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -52,3 +55,23 @@ class LiveTensor:
 def raise_if_any_changed(live: Iterable[LiveTensor], step: int | None, rank: int | None) -> None:
     for tensor in live:
         tensor.raise_if_changed(step, rank)
+
+
+class ReadGate:
+    """The moment a staging stops reading the live tensors (read, or given up): what ``wait_staged()`` and
+    ``StagedCopy.wait()`` wait for, with the time they waited summed."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self.wait_seconds = 0.0
+
+    def open(self) -> None:
+        self._open.set()
+
+    def wait(self) -> float:
+        """Block until the gate is open; the seconds waited."""
+        started = time.perf_counter()
+        self._open.wait()
+        waited = time.perf_counter() - started
+        self.wait_seconds += waited
+        return waited
