@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from dcp_atomic import ArgumentError, Staging, StagingRaceError
+from dcp_atomic import ArgumentError, ArgumentTypeError, CheckpointManager, Staging, StagingRaceError
 from dcp_atomic.staging import Stager
 from tests.harness import assert_all_ok, run_world
 
@@ -39,7 +39,6 @@ def _rss_growth(action) -> int:
 
 
 def _save_and_measure(ctx, state_mib: int, pool_mib: int):
-    from dcp_atomic import CheckpointManager
 
     state = _state(ctx.rank, tensors=state_mib // 32, mib=32)
     staging = Staging(pool_bytes=pool_mib * MiB, window_bytes=4 * MiB)
@@ -71,7 +70,6 @@ def test_async_save_with_staging_grows_host_memory_by_the_pool_not_by_the_state(
 def _race(ctx):
     """Step 1 committed; step 2 with ``w0`` changed on rank 1 while the writer waits at its first byte (a failpoint
     that holds it until the change is made); step 3 the same change after ``wait_staged()``."""
-    from dcp_atomic import CheckpointManager
     from dcp_atomic._base import failpoints
 
     state = _state(ctx.rank, tensors=2, mib=2)
@@ -81,6 +79,7 @@ def _race(ctx):
     outcome = {}
     with CheckpointManager(ctx.root, RUN, staging=Staging(pool_bytes=4 * MiB, window_bytes=MiB),
                            timeout=30) as manager:
+        outcome["waited_with_no_save"] = manager.wait_staged()
         manager.async_save(1, state)
         changed.set()
         manager.wait()
@@ -116,15 +115,28 @@ def test_an_in_place_change_before_wait_staged_fails_the_save_on_every_rank_and_
         assert outcome["step2"] == ("StagingRaceError", {"step": 2, "rank": 1, "key": "rank1.w0"}), outcome
         assert outcome["steps_after_race"] == [1] and outcome["loaded_step"] == 1, outcome
         assert outcome["previous_exact"] and outcome["step3_exact"], outcome
+        assert outcome["waited_with_no_save"] == 0.0, outcome
 
 
-def test_a_pool_smaller_than_one_window_is_an_argument_error_naming_both_numbers():
+def test_a_pool_smaller_than_one_window_is_an_argument_error_naming_both_numbers(tmp_path):
     with pytest.raises(ArgumentError) as refused:
         Staging(pool_bytes=MiB, window_bytes=4 * MiB)
     assert f"pool_bytes={MiB}" in str(refused.value) and f"window_bytes={4 * MiB}" in str(refused.value)
     assert refused.value.details["argument"] == "Staging(pool_bytes=...)"
     with pytest.raises(ArgumentError, match=r"Staging\(window_bytes=\.\.\.\)"):
         Staging(pool_bytes=MiB, window_bytes=0)
+    with pytest.raises(ArgumentTypeError, match=r"Staging\(eager=\.\.\.\)"):
+        Staging(eager="model.bn")  # a string is not a tuple of prefixes
+    with pytest.raises(ArgumentTypeError, match=r"CheckpointManager\(staging=\.\.\.\)"):
+        CheckpointManager(tmp_path, RUN, staging={"pool_bytes": MiB})
+
+
+def test_the_eager_rule_copies_small_tensors_and_the_named_prefixes_whatever_their_size():
+    staging = Staging(eager=("model.bn",))
+    assert staging.copies_eagerly("model.fc.weight", None, MiB) and not staging.copies_eagerly("model.fc.weight", None,
+                                                                                                 MiB + 1)
+    assert staging.copies_eagerly("model.bn", None, 1 << 30) and staging.copies_eagerly("model.bn.mean", None, 1 << 30)
+    assert not staging.copies_eagerly("model.bnx.mean", None, 1 << 30)  # a prefix of whole key parts
 
 
 def _eager_items(ctx):
@@ -132,7 +144,7 @@ def _eager_items(ctx):
     byte: they were copied at the call, so the save commits their values at the call."""
     import numpy
 
-    from dcp_atomic import Callbacks, CheckpointManager
+    from dcp_atomic import Callbacks
     from dcp_atomic._base import failpoints
 
     state = {f"rank{ctx.rank}": {"weight": torch.ones(MiB), "running_mean": torch.zeros(16)},
