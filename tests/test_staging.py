@@ -13,6 +13,7 @@ import torch
 from dcp_atomic import ArgumentError, ArgumentTypeError, CheckpointManager, Staging, StagingRaceError
 from dcp_atomic.staging import Stager
 from tests.harness import assert_all_ok, run_world
+from tests.helpers.tiers import _manager, _run
 
 RUN = "exp"
 MiB = 1 << 20
@@ -235,3 +236,35 @@ def test_the_stager_aborts_a_tensor_changed_before_its_last_window_naming_its_ke
         staged.result()
     assert race.value.details == {"step": 5, "rank": 3, "key": "layer.weight"}
     assert sink.finished == []
+
+
+def _local_tier_race(ctx):
+    """The local tier (two simulated nodes, one replica each): a step changed before ``wait_staged()`` on rank 3
+    fails on every rank, and no local root holds it."""
+    from dcp_atomic._base import failpoints
+
+    manager = _manager(ctx, staging=Staging(pool_bytes=4 * MiB, window_bytes=MiB))
+    state = _state(ctx.rank, tensors=2, mib=2)
+    changed = threading.Event()
+    failpoints.arm("write.before_data", lambda rank, step: changed.wait(30))
+    manager.async_save(1, state)
+    changed.set()
+    manager.wait()
+    changed.clear()
+    future = manager.async_save(2, state)
+    if ctx.rank == 3:
+        state["rank3"]["w1"].mul_(2)
+    changed.set()
+    try:
+        future.result()
+        failed = None
+    except StagingRaceError as e:
+        failed = e.details
+    steps = manager.steps(tier="local")
+    manager.close()
+    return failed, steps
+
+
+def test_the_local_tier_fails_a_raced_step_on_every_rank_and_keeps_the_previous_one(root, nodes):
+    for failed, steps in assert_all_ok(_run(_local_tier_race, root, nodes)):
+        assert failed == {"step": 2, "rank": 3, "key": "rank3.w1"} and steps == [1], (failed, steps)

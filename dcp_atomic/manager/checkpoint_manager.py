@@ -666,7 +666,7 @@ class CheckpointManager(RankAgreement):
         return self._tier.writer(step, parallelism=self.parallelism, metadata=metadata, compression=self.compression,
                                  thread_count=self.thread_count, resumed_from=self._resumed, timeout=self.timeout,
                                  watch=watch, **({"reuse": True} if self.reuse else {}),
-                                 **({"staged": staged} if staged is not None else {}))
+                                 **({"live_state": staged} if staged is not None else {}))
 
     def _save_planner(self, watch: OpWatch) -> AtomicSavePlanner:
         return WatchedSavePlanner(watch, divergence=self.divergence)
@@ -724,7 +724,7 @@ class CheckpointManager(RankAgreement):
         stats = SaveStats.from_writer(writer.last_stats, run_id=self.run_id, step=step, save_id=writer.save_id,
                                       world_size=self.world_size, asynchronous=asynchronous, seconds=seconds,
                                       stage_seconds=stage_seconds)
-        staged = writer.staged
+        staged = writer.live_state
         if staged is not None:  # rank 0's
             stats.stage_call_seconds, stats.stage_wait_seconds = staged.call_seconds, staged.read.wait_seconds
             stats.pool_bytes, stats.peak_host_bytes = staged.staging.pool_bytes, staged.peak_host_bytes
