@@ -1,6 +1,6 @@
-"""Bounded staging (P16): ``async_save`` with ``Staging`` holds the pool, not a host copy of the state; an in-place
-change before ``wait_staged()`` fails the save on every rank with nothing committed; what is copied at the call keeps
-its value at the call; the ``Stager`` alone feeds a sink within its pool, byte for byte."""
+"""Bounded staging (P16, G18): ``async_save`` with ``Staging`` holds the pool, not a host copy of the state; an
+in-place change before ``wait_staged()`` fails the save on every rank with nothing committed; what is copied at the
+call keeps its value at the call; the ``Stager`` alone feeds a sink within its pool, byte for byte."""
 
 from __future__ import annotations
 
