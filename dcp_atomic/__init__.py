@@ -25,6 +25,7 @@ from .errors import (
     RankConsistencyError,
     RankFailureError,
     ReshardError,
+    StagingRaceError,
     StorageError,
     TorchVersionError,
     UnsafeItemError,
@@ -37,6 +38,7 @@ from .version import __version__
 # looks at a root) start without it: importing torch costs seconds, a minute on a loaded node.
 _lazy, __getattr__, __dir__ = face(__name__, {"manager": ("CheckpointManager",),
                                               "manager.options": ("LocalTierOptions", "Callbacks"),
+                                              "staging.options": ("Staging",),
                                               "dcp.planners": ("AtomicLoadPlanner", "AtomicSavePlanner"),
                                               "dcp.reader": ("AtomicStorageReader",),
                                               "dcp.writer": ("AtomicStorageWriter",)})
@@ -106,6 +108,8 @@ __all__ = [
     "RankFailureError",
     "CheckpointManager",
     "ReshardError",
+    "Staging",
+    "StagingRaceError",
     "StorageError",
     "TorchVersionError",
     "UnsafeItemError",

@@ -98,3 +98,8 @@ class TorchVersionError(CheckpointError):
 
 class RankFailureError(CheckpointError):
     """A peer died or froze inside a collective (seen through the process group)."""
+
+
+class StagingRaceError(CheckpointError):
+    """A tensor staged lazily (bounded staging, P16) was changed in place before its bytes were read: an
+    ``optimizer.step()`` before ``wait_staged()``.  ``details``: ``step``, ``rank``, ``key``.  Nothing was committed."""

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = ("pytest", "_pytest", "tests")  # what no benchmark may import
-SMOKED_FROM_BENCH_SH = {"large", "small", "compression", "s3", "restore", "tiers", "reuse"}  # the tests below, one each
+# the tests below, one each
+SMOKED_FROM_BENCH_SH = {"large", "small", "compression", "s3", "restore", "tiers", "reuse", "staging"}
 
 # Installed into a checkout's throwaway venv: refuses imports of the names it is given in every process the venv
 # runs (bench.py, the forkserver and its ranks, pip), and logs each to $BENCH_CHECKOUT_LOG, so an import that a
@@ -203,6 +204,18 @@ def test_replicated_restore_smoke(checkout, root):
     assert rows["share-on"]["warm"]["read_vs_unique"] <= 1.05  # read once...
     assert rows["share-off"]["warm"]["read_vs_unique"] >= 1.9  # ...where each replica reads its own copy
     assert all(row["warm"]["seconds"] > 0 for row in rows.values())
+
+
+def test_bounded_staging_smoke(checkout, root):
+    document = _run(checkout, root, "staging")
+    assert document["scenario"] == "staging" and document["config"]["world"] == 2
+    rows = document["staging"]
+    assert set(rows) == {"staged", "stock"}
+    for row in rows.values():
+        assert 0 < row["call"] <= row["committed"] and row["rss"] >= 0, row
+    # the pool, not a host copy of the rank's state (32 MiB in the smoke; pool 8 MiB)
+    assert rows["staged"]["rss"] < rows["stock"]["rss"], rows
+    assert [(c["target"], c["met"]) for c in document["targets"]] == [("staged RSS growth <= pool + 32 MiB", True)]
 
 
 def test_two_tiers_smoke(checkout, root):

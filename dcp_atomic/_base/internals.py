@@ -141,3 +141,12 @@ def gcs_route_requests(fs: Any, route: Callable[..., Any]) -> None:
         return await route(lambda: once(fs, method, path, *args, **kwargs), method, path, *args, **kwargs)
 
     fs._request = request
+
+
+# --- torch tensors ----------------------------------------------------------------------------------------------
+
+
+def version_counter(tensor: Any) -> int:
+    """The tensor's version counter: every in-place op on it or on a view of it adds one (views share it).  Bounded
+    staging (:mod:`dcp_atomic.staging`) tells by it whether a live tensor changed while its bytes were read."""
+    return tensor._version

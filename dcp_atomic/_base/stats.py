@@ -75,6 +75,10 @@ class SaveStats(_Stats):
     replica_bytes: int | None = None
     bytes_written: int | None = None
     bytes_reused: int | None = None
+    stage_call_seconds: float | None = None
+    stage_wait_seconds: float | None = None
+    pool_bytes: int | None = None
+    peak_host_bytes: int | None = None
     schema_version: int = SCHEMA_VERSION
     kind: str = "save"
 

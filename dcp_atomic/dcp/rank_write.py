@@ -34,13 +34,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .._base import failpoints
 from .._base.progress import Progress
 from ..errors import CheckpointError, ConfigurationError, StorageError
-from ..format.codec import Encoder, Staging, host_blocks, plane_width, tensor_bytes
+from ..format.codec import Encoder, HostBuffer, host_blocks, plane_width, tensor_bytes
 from ..format.container import find_payload
 from ..format.integrity import BlockSink, HashingWriter, block_digest
 from ..format.layout import data_file_name
 from ..format.manifest import ShardRef
 from ..format.safe_pickle import load_refusal
 from ..protocol.links import Base
+from ..staging import WindowPool
 from .reuse import ReuseContext, plan_rank
 
 log = logging.getLogger("dcp_atomic.writer")  # the name users filter on
@@ -102,17 +103,21 @@ class RankStats:
 
 class RankWrite:
     """One rank's share of a save: ``ctx.threads`` files written concurrently into the attempt ``ctx`` names, each
-    item stored as ``form`` says; with ``base`` (reuse, P15) the unchanged items are planned first (:mod:`.reuse`)."""
+    item stored as ``form`` says; with ``base`` (reuse, P15) the unchanged items are planned first (:mod:`.reuse`).
+    ``pool``: bounded staging's windows (of at least one block each), through which device tensors are copied to the
+    host instead of each thread's own buffer, so that all threads together stay within the pool."""
 
-    def __init__(self, ctx: ReuseContext, planner: SavePlanner, form: StoredForm, base: Base | None = None) -> None:
+    def __init__(self, ctx: ReuseContext, planner: SavePlanner, form: StoredForm, base: Base | None = None,
+                 pool: WindowPool | None = None) -> None:
         self.ctx = ctx
+        self.pool = pool
         self.planner = planner
         self.form = form
         self.base = base
         self.rank = ctx.rank
         self.attempt = ctx.layout.attempt_dir(ctx.step, ctx.save_id)
         self.stats = RankStats(rank=self.rank, host=socket.gethostname(), threads=ctx.threads)
-        self._staging = threading.local()  # per writer thread: one host buffer for device tensors
+        self._host_buffers = threading.local()  # per writer thread: one host buffer for device tensors
         self._first_item = threading.Event()
         self._lock = threading.Lock()
         self._failed = threading.Event()
@@ -300,22 +305,33 @@ class RankWrite:
         frames: list[int] = []
         checksums: list[str] = []
         compressed = False
-        staging = None
-        if tensor.device.type != "cpu":
-            staging = getattr(self._staging, "buffer", None) or Staging(block_size)
-            self._staging.buffer = staging
-        for block in host_blocks(tensor, block_size, staging):
-            stored = encoder.encode(block, width)
-            compressed |= len(stored) != len(block)
-            checksums.append(block_digest(stored))
-            frames.append(len(stored))
-            sink.write_unhashed(stored)
+        with self._host_buffer(tensor) as buffer:
+            for block in host_blocks(tensor, block_size, buffer):
+                stored = encoder.encode(block, width)
+                compressed |= len(stored) != len(block)
+                checksums.append(block_digest(stored))
+                frames.append(len(stored))
+                sink.write_unhashed(stored)
         if not frames:  # zero-size tensor: one empty block
             checksums, frames = [block_digest(b"")], [0]
         length = sink.position - start
         return WrittenItem(start, length, "tensor", "raw", checksums, block_size, None,
                            codec="zstd" if compressed else "none", planes=width if compressed else 1,
                            logical_length=tensor.nbytes, frames=frames if compressed else None)
+
+    @contextlib.contextmanager
+    def _host_buffer(self, tensor: torch.Tensor):
+        """Where a device tensor's blocks land on the host: a window of the staging pool for the tensor's copy, else
+        this thread's own buffer; None for a CPU tensor (read in place)."""
+        if tensor.device.type == "cpu":
+            yield None
+        elif self.pool is not None:
+            with self.pool.lease() as window:
+                yield window
+        else:
+            if getattr(self._host_buffers, "buffer", None) is None:
+                self._host_buffers.buffer = HostBuffer(self.form.block_size).buffer
+            yield self._host_buffers.buffer
 
 
 @contextlib.contextmanager

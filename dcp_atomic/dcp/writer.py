@@ -58,6 +58,7 @@ from ..protocol.location import is_checkpoint_id, open_location, retarget
 from ..protocol.links import choose_base, load_base
 from ..format.manifest import FileEntry, ItemExtent, Manifest, ManifestShard, ShardRef, check_user_metadata, now
 from ..format.parallelism import Parallelism
+from ..staging import LiveState
 from .reshard import ItemSummary, SaveReport, check_save, summarize_items
 from ..version import __version__
 
@@ -131,6 +132,10 @@ class AtomicStorageWriter(StorageWriter):
             each linked from that step when it holds exactly them (a hard link on POSIX roots, a server-side copy
             on S3 and GCS). Refused on other fsspec filesystems, with compression, ``stock_readable`` and DCP plan
             caching. Default off (README, "Reuse").
+        live_state: the manager's bounded staging of this save (``CheckpointManager(staging=...)``, README "Bounded
+            staging"): DCP was handed the live state (:class:`~dcp_atomic.staging.LiveState`), so device tensors are
+            read through its pool, and once this rank has read every tensor, a tensor changed in place meanwhile
+            fails the save (``StagingRaceError``) and the live tensors are released for ``wait_staged()``.
     """
 
     def __init__(
@@ -151,6 +156,7 @@ class AtomicStorageWriter(StorageWriter):
         storage_options: dict[str, Any] | None = None,
         block_size: int = BLOCK_SIZE,
         reuse: bool = False,
+        live_state: LiveState | None = None,
     ) -> None:
         super().__init__()
         arguments.choice("AtomicStorageWriter(compression=...)", compression, (None, "zstd"))
@@ -166,6 +172,8 @@ class AtomicStorageWriter(StorageWriter):
         stock_readable = arguments.flag("AtomicStorageWriter(stock_readable=...)", stock_readable)
         block_size = arguments.count("AtomicStorageWriter(block_size=...)", block_size, optional=False)
         self.reuse = arguments.flag("AtomicStorageWriter(reuse=...)", reuse)
+        self.live_state = arguments.instance("AtomicStorageWriter(live_state=...)", live_state, LiveState,
+                                             "a dcp_atomic.staging.LiveState")
         self.storage_options = storage_options
         self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
         self.storage, self.layout = open_location(root, run_id, storage_options)
@@ -347,7 +355,14 @@ class AtomicStorageWriter(StorageWriter):
         self.save_id = assigned.save_id
         self.data_prefixes = assigned.data_prefixes
         self.rank = assigned.rank
-        results, stats = self._rank_write(assigned, planner).run(plan.items)
+        try:
+            results, stats = self._rank_write(assigned, planner).run(plan.items)
+        except BaseException:
+            if self.live_state is not None:  # nothing reads the live tensors any more: wait_staged() returns
+                self.live_state.release()
+            raise
+        if self.live_state is not None:  # before the shard is published: a torn tensor must not reach the commit
+            self.live_state.finished_reading(assigned.step, assigned.rank)
         stats.shard = self._publish_shard(assigned, results, stats)
         stats.step, stats.save_id = assigned.step, assigned.save_id
         results = [  # the coordinator needs only what DCP's .metadata records
@@ -458,7 +473,7 @@ class AtomicStorageWriter(StorageWriter):
         base = None
         if self.reuse and assigned.base_step is not None:
             base = load_base(self.layout, assigned.rank, assigned.base_step, assigned.base_save_id, self.timeout)
-        return RankWrite(ctx, planner, form, base)
+        return RankWrite(ctx, planner, form, base, pool=None if self.live_state is None else self.live_state.pool)
 
     def _publish_shard(self, assigned: _AssignedPlanData, results: list[WriteResult], stats: RankStats) -> ShardRef:
         """This rank's record of what it wrote, durable beside its data before the coordinator may commit."""

@@ -197,12 +197,13 @@ class Decoder:
         from_planes(planes, width, out, _scratch(self._work, width, n))
 
 
-def host_blocks(tensor: torch.Tensor, block_size: int, staging: "Staging | None" = None) -> Iterator[memoryview]:
+def host_blocks(tensor: torch.Tensor, block_size: int, buffer: torch.Tensor | None = None) -> Iterator[memoryview]:
     """The tensor's bytes in ``block_size`` pieces, on the host.
 
     CPU tensors are viewed in place.  Device tensors are copied block by block
-    through one reusable (pinned, when CUDA is present) buffer, so the extra
-    host memory per writer thread is one block, not a copy of the state.
+    through one reusable host buffer (``buffer``: a uint8 tensor of at least ``block_size`` bytes, pinned when CUDA
+    is present: the writer thread's :class:`HostBuffer`, or a window of bounded staging's pool), so the extra host
+    memory per writer thread is one block, not a copy of the state.
     """
     nbytes = tensor.nbytes
     if tensor.device.type == "cpu":
@@ -210,16 +211,16 @@ def host_blocks(tensor: torch.Tensor, block_size: int, staging: "Staging | None"
         for start in range(0, nbytes, block_size):
             yield view[start : start + block_size]
         return
-    staging = staging or Staging(block_size)
+    buffer = buffer if buffer is not None else HostBuffer(block_size).buffer
     flat = tensor.reshape(-1).view(torch.uint8)
     for start in range(0, nbytes, block_size):
         piece = flat[start : start + block_size]
-        host = staging.buffer[: piece.numel()]
+        host = buffer[: piece.numel()]
         host.copy_(piece, non_blocking=False)  # synchronous: the buffer is reused right after
         yield tensor_bytes(host)
 
 
-class Staging:
+class HostBuffer:
     """One host buffer per writer thread for device-to-host copies (pinned if CUDA is available)."""
 
     def __init__(self, block_size: int) -> None:

@@ -49,6 +49,7 @@ import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -71,6 +72,8 @@ from .._base import internals
 from ..dcp.watched import WatchedReader, WatchedSavePlanner
 from ..dcp.reuse import refuse_unsupported
 from ..dcp.writer import AtomicStorageWriter
+from ..format.integrity import BLOCK_SIZE
+from ..staging import LiveState, Staging, WindowPool
 from .options import Callbacks, LocalTierOptions, StatsCallback
 from .tiering import DurableOnly, TierContext, TierPolicy
 from .two_tier import TwoTier
@@ -187,6 +190,9 @@ class CheckpointManager(RankAgreement):
             ``AtomicStorageWriter(reuse=True)``, README "Reuse"); with ``local_root`` in the local roots, and the
             drain links what the durable root's previous step holds instead of uploading it. Refused with
             ``compression``. Default off.
+        staging: bounded staging for ``async_save`` (:class:`~dcp_atomic.staging.Staging`, README "Bounded
+            staging"): no whole host copy of the state; the live tensors are read after the call returns, and
+            :meth:`wait_staged` says when they may change again.  None: DCP stages a host copy of the state.
     """
 
     _instances = 0
@@ -210,6 +216,7 @@ class CheckpointManager(RankAgreement):
         allow_divergence: bool = False,
         share_reads: bool | None = None,
         reuse: bool = False,
+        staging: Staging | None = None,
         # deprecated: the flat form of ``local`` and ``callbacks`` (for one release)
         local_root: str | os.PathLike | None = _UNSET,
         replicas: int = _UNSET,
@@ -234,10 +241,16 @@ class CheckpointManager(RankAgreement):
         share_reads = arguments.flag("CheckpointManager(share_reads=...)", share_reads, optional=True)
         reuse = arguments.flag("CheckpointManager(reuse=...)", reuse)
         arguments.instance("CheckpointManager(parallelism=...)", parallelism, Parallelism, "a dcp_atomic.Parallelism")
+        arguments.instance("CheckpointManager(staging=...)", staging, Staging, "a dcp_atomic.Staging")
         self.root, self.run_id = root, run_id
         self.storage_options = storage_options
         self.layout = RunLayout(open_storage(root, storage_options), run_id)
         self.reuse = reuse
+        self.staging = staging
+        # the writer copies device tensors block by block: the pool's windows are blocks (kept between saves)
+        self._staging_pool = None if staging is None else WindowPool(
+            staging.pool_bytes // BLOCK_SIZE, BLOCK_SIZE, pinned=torch.cuda.is_available())
+        self._staged: LiveState | None = None  # the bounded staging of the latest async_save
         if reuse:  # the writer's own refusals (object stores, compression), before any process group is made
             refuse_unsupported(self.layout.storage, compression=compression, stock_readable=False,
                                who="CheckpointManager")
@@ -350,6 +363,10 @@ class CheckpointManager(RankAgreement):
                    durable: bool | None = None) -> concurrent.futures.Future:
         """Stage ``state_dict`` to host memory now, write and commit in the background (``metadata``: as ``save``).
 
+        With ``staging``, nothing but the eager items is copied now: the live tensors are read in the background
+        through the pool, so call :meth:`wait_staged` before changing them (``optimizer.step()``); a tensor changed
+        in place before that fails this save on every rank with ``StagingRaceError``, nothing committed.
+
         Returns a future that resolves to ``step`` once the save has *committed*
         (and retention ran), or raises the typed error.  A second call first
         waits for the previous save.
@@ -370,16 +387,23 @@ class CheckpointManager(RankAgreement):
         with self._failures_reported("async_save", step, started):
             self._refuse_conflicts(step)
             watch = self._watch(f"saving step {step}")
-            writer = self._writer(step, watch, metadata)
+            staged = None if self.staging is None else LiveState(self.staging, self._staging_pool)
+            writer = self._writer(step, watch, metadata, staged)
+            self._staged = staged
             try:
                 pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
-                                         process_group=self._async_group)
+                                         process_group=self._async_group,
+                                         **({"async_stager": staged} if staged is not None else {}))
             except BaseException as e:
+                if staged is not None:
+                    staged.release()
                 self._settle_failed_save(e, step, writer, op, watch)
         stage_seconds = time.perf_counter() - started
         pending = getattr(pending, "upload_completion", pending)  # AsyncSaveResponse in some torch versions
 
         def finished(done) -> None:
+            if staged is not None:  # a save that failed before its writer read the live tensors never will
+                staged.release()
             try:
                 with self._tier.failed_attempt_removed(step, writer):
                     try:
@@ -401,6 +425,15 @@ class CheckpointManager(RankAgreement):
         with self._lock:
             self._inflight = result
         return result
+
+    def wait_staged(self) -> float:
+        """Block until this rank's writer has read every live tensor of the ``async_save`` in flight (with
+        ``staging``), so that they may change (``optimizer.step()``); returns the seconds waited, ``0.0`` at once
+        with no save in flight or without ``staging``.  Each rank waits for its own writer (a rank's writer reads
+        only that rank's tensors), so no collective: call it on any rank, any number of times.  The save's
+        outcome still arrives through its future."""
+        staged = self._staged
+        return 0.0 if staged is None else staged.read.wait()
 
     def wait(self) -> int | None:
         """Wait for the in-flight save, then for the drains in flight or waiting; return the save's step (None if
@@ -630,11 +663,13 @@ class CheckpointManager(RankAgreement):
             raise StorageError(f"could not read the marker of step {step} in {layout.storage.describe()} to check "
                                f"that the step is not committed yet: {e}", step=step, path=layout.marker(step)) from e
 
-    def _writer(self, step: int, watch: OpWatch, metadata: dict[str, Any] | None = None) -> AtomicStorageWriter:
+    def _writer(self, step: int, watch: OpWatch, metadata: dict[str, Any] | None = None,
+                staged: LiveState | None = None) -> AtomicStorageWriter:
         validate_step(step)
         return self._tier.writer(step, parallelism=self.parallelism, metadata=metadata, compression=self.compression,
                                  thread_count=self.thread_count, resumed_from=self._resumed, timeout=self.timeout,
-                                 watch=watch, **({"reuse": True} if self.reuse else {}))
+                                 watch=watch, **({"reuse": True} if self.reuse else {}),
+                                 **({"live_state": staged} if staged is not None else {}))
 
     def _save_planner(self, watch: OpWatch) -> AtomicSavePlanner:
         return WatchedSavePlanner(watch, divergence=self.divergence)
@@ -692,6 +727,10 @@ class CheckpointManager(RankAgreement):
         stats = SaveStats.from_writer(writer.last_stats, run_id=self.run_id, step=step, save_id=writer.save_id,
                                       world_size=self.world_size, asynchronous=asynchronous, seconds=seconds,
                                       stage_seconds=stage_seconds)
+        staged = writer.live_state
+        if staged is not None:  # rank 0's
+            stats.stage_call_seconds, stats.stage_wait_seconds = staged.call_seconds, staged.read.wait_seconds
+            stats.pool_bytes, stats.peak_host_bytes = staged.staging.pool_bytes, staged.peak_host_bytes
         local = getattr(writer, "last_local_commit", None)
         if local is not None:
             stats.tier, stats.local_commit_seconds, stats.replica_bytes = "local", local.seconds, local.replica_bytes

@@ -1,0 +1,77 @@
+"""The race check of bounded staging: a live tensor's version counter, recorded at the call, compared after read.
+
+Lazily staged tensors are read after the call returned, while training goes on; the contract is that nothing
+changes them in place before ``wait_staged()``.  In-place ATen ops (``optimizer.step()``, ``add_``, ``copy_``) bump
+the version counter, so a changed counter after the last byte was read means the bytes read may be a mix of two
+versions: the save or snapshot fails with :class:`~dcp_atomic.errors.StagingRaceError` naming the key.  Writes
+through a raw ``data_ptr`` (a custom kernel) bump no counter and are not caught: ``wait_staged()`` stays the gate
+(:class:`ReadGate`: the moment the reading ends, which it waits for).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .._base import internals
+from ..errors import StagingRaceError
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes this rank reads: a DTensor's local shard, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class LiveTensor:
+    """A lazily staged tensor: its key, the live (local) tensor, and its version counter at the call."""
+
+    key: str
+    tensor: torch.Tensor
+    version: int
+
+    @classmethod
+    def record(cls, key: str, tensor: torch.Tensor) -> "LiveTensor":
+        local = local_tensor(tensor)
+        return cls(key, local, internals.version_counter(local))
+
+    def raise_if_changed(self, step: int | None, rank: int | None) -> None:
+        now = internals.version_counter(self.tensor)
+        if now == self.version:
+            return
+        where = "" if step is None else f" of step {step}"
+        raise StagingRaceError(
+            f"rank {rank}: {self.key!r} was changed in place (version {self.version} -> {now}) while the save{where} "
+            "was still reading it (an optimizer.step() or another in-place op before manager.wait_staged() "
+            "returned). Nothing was committed; the previous checkpoint is intact. Call manager.wait_staged() "
+            "before optimizer.step().", step=step, rank=rank, key=self.key)
+
+
+def raise_if_any_changed(live: Iterable[LiveTensor], step: int | None, rank: int | None) -> None:
+    for tensor in live:
+        tensor.raise_if_changed(step, rank)
+
+
+class ReadGate:
+    """The moment a staging stops reading the live tensors (read, or given up): what ``wait_staged()`` and
+    ``StagedCopy.wait()`` wait for, with the time they waited summed."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self.wait_seconds = 0.0
+
+    def open(self) -> None:
+        self._open.set()
+
+    def wait(self) -> float:
+        """Block until the gate is open; the seconds waited."""
+        started = time.perf_counter()
+        self._open.wait()
+        waited = time.perf_counter() - started
+        self.wait_seconds += waited
+        return waited
