@@ -169,14 +169,14 @@ def test_gc_dry_run_on_s3_lists_what_keeps_each_step_deletes_nothing_then_gc_del
     out = capsys.readouterr().out
     # acc 4 at steps 4 and 9: the newer ranks first
     for line in ("step 9: kept (best acc=4 (#1))", "step 5: kept (keep_every 5)", "step 10: kept (keep_every 5)",
-                 "step 11: kept (keep_last)", "step 12: kept (newest, keep_last)", "step 4: would delete",
+                 "step 11: kept (keep_last)", "step 12: kept (newest, keep_last, LATEST)", "step 4: would delete",
                  "step 1: would delete"):
         assert line in out, (line, out)
     assert s3_moto.keys() == before, "a dry run must not change an object"
     assert main(flags + ["--json", "gc", s3_moto.root, RUN, *policy, "--dry-run"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["kept_steps"] == [5, 9, 10, 11, 12] and report["delete_steps"] == [1, 2, 3, 4, 6, 7, 8], report
-    assert report["kept_reasons"]["12"] == ["newest", "keep_last"] and report["policy"].startswith("keep_last=2")
+    assert report["kept_reasons"]["12"] == ["newest", "keep_last", "LATEST"] and report["policy"].startswith("keep_last=2")
     assert main(flags + ["gc", s3_moto.root, RUN, *policy]) == 0
     assert list_steps(s3_moto.root, RUN, options) == report["kept_steps"]
 

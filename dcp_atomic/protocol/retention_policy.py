@@ -205,5 +205,5 @@ def _report_unscored(metric: str, unscored: list[tuple[Marker, Any]]) -> None:
     log.warning("retention: step(s) %s of run %r hold no number under %r in their metadata (save(..., "
                 "metadata={%r: <number>})), so they never count among the best; other parts of the policy may keep "
                 "them", ", ".join(f"{m.step} ({'missing' if v is None else repr(v)})" for m, v in new),
-                new[0].run_id, metric, metric)
+                new[0][0].run_id, metric, metric)
 
