@@ -58,6 +58,7 @@ def _best_in_a_world(ctx):
         with CheckpointManager(ctx.root, run, retention=Retention(best=Best("val_loss", k=2, mode=mode)),
                                timeout=30) as manager:
             _save_all(manager, range(1, 8), {s: {"val_loss": v} for s, v in _LOSSES.items()})
+        torch.distributed.barrier()  # rank 0 applies retention after the others returned from the save
         kept[mode] = list_steps(ctx.root, run)
     return {"kept": kept, "warnings": [r for r in records if "val_loss" in r]}
 
