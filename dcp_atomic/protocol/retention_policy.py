@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .commit import commit_order, read_manifest
+from .commit import SCAN_RETRY_SECONDS, commit_order, read_manifest
 from ..errors import CheckpointError
 from ..format.layout import RunLayout
 from ..format.manifest import Marker
@@ -127,25 +127,32 @@ class Retention:
             for marker in windows.values():
                 why[marker.step].append(f"keep_period {self.keep_period:g}s")
         if self.best is not None:
-            for rank, (marker, value) in enumerate(self._ranked(live, metric_of), start=1):
+            ranked, unreadable = self._ranked(live, metric_of)
+            for rank, (marker, value) in enumerate(ranked, start=1):
                 why[marker.step].append(f"best {self.best.metric}={value:g} (#{rank})")
+            for marker in unreadable:
+                why[marker.step].append(f"best: its {self.best.metric} cannot be read yet")
         return dict(why)
 
-    def _ranked(self, live: list[Marker], metric_of: MetricOf | None) -> list[tuple[Marker, float]]:
-        """The ``best.k`` best of ``live`` (newest first) with their values; equal values: the newer ranks first.
-        Steps without a finite number under the metric never rank; each is reported once per process."""
+    def _ranked(self, live: list[Marker], metric_of: MetricOf | None
+                ) -> tuple[list[tuple[Marker, float]], list[Marker]]:
+        """The ``best.k`` best of ``live`` (newest first) with their values, equal values ranking the newer first;
+        and the steps whose manifest cannot be read now (kept: one of them may be among the best).  Steps without a
+        finite number under the metric never rank; each is reported once per process."""
         best = self.best
         if metric_of is None:
             raise ValueError("Retention.reasons: a policy with best= needs metric_of (retention_policy.metric_reader)")
-        scored, unscored = [], []
+        scored, unscored, unreadable = [], [], []
         for age, marker in enumerate(live):
             value = metric_of(marker)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if value is UNREADABLE:
+                unreadable.append(marker)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 unscored.append((marker, value))
             else:
                 scored.append((value if best.mode == "min" else -value, age, marker, value))
         _report_unscored(best.metric, unscored)
-        return [(marker, value) for _, _, marker, value in sorted(scored)[:best.k]]
+        return [(marker, value) for _, _, marker, value in sorted(scored)[:best.k]], unreadable
 
 
 def live_branch(newest_first: list[Marker]) -> list[Marker]:
@@ -171,23 +178,26 @@ def retained(markers: list[Marker], policy: Retention | int | None,
 _METADATA_CACHE_SIZE = 65536
 _metadata: dict[tuple[str, str, int, str], dict | None] = {}  # (root, run, step, save_id) -> user_metadata
 _reported: set[tuple[str, str, int, str]] = set()  # (metric, run, step, save_id) already warned about
+UNREADABLE = object()  # what metric_of gives for a step whose manifest cannot be read now
 
 
-def metric_reader(layout: RunLayout, metric: str, deadline_s: float = 30.0) -> MetricOf:
+def metric_reader(layout: RunLayout, metric: str) -> MetricOf:
     """``metric`` of a committed step, from its manifest's ``user_metadata``: read by exact name at most once per
     process for each (step, save id), since a committed manifest never changes.  A manifest that cannot be read
-    gives None (the step ranks nowhere; it is reported, and kept or not by the other parts of the policy)."""
+    gives :data:`UNREADABLE`, never cached: the step is kept (it may be among the best; a damaged one is left whole,
+    as gc leaves a damaged marker) and read again at the next commit."""
     root = layout.storage.describe()
 
     def metric_of(marker: Marker) -> Any:
         key = (root, layout.run_id, marker.step, marker.save_id)
         if key not in _metadata:
             try:
-                manifest, _ = read_manifest(layout, marker, Deadline(deadline_s))
+                manifest, _ = read_manifest(layout, marker, Deadline(SCAN_RETRY_SECONDS))
             except (CheckpointError, OSError) as e:
-                log.warning("retention: cannot read the manifest of step %d of run %r for its %r (%s): the step "
-                            "does not rank as best", marker.step, layout.run_id, metric, e)
-                return None
+                log.warning("retention: cannot read the manifest of step %d of run %r for its %r (%s): the step is "
+                            "kept until it can be read, or removed with `dcp-atomic rm`", marker.step,
+                            layout.run_id, metric, e)
+                return UNREADABLE
             if len(_metadata) >= _METADATA_CACHE_SIZE:
                 _metadata.pop(next(iter(_metadata)))
             _metadata[key] = manifest.user_metadata
