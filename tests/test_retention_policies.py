@@ -131,6 +131,20 @@ def test_both_tiers_the_durable_pending_local_step_stays_and_the_policy_rules_th
     assert durable_steps == [2, 4, 6], durable_steps  # drained 1..6: the multiples of 2, 6 the newest and last
 
 
+def test_a_step_whose_manifest_cannot_be_read_for_best_is_kept_not_ranked_out(root, caplog):
+    with CheckpointManager(root, RUN, timeout=30) as manager:  # no policy: nothing reads the manifests yet
+        _save_all(manager, (1, 2), {1: {"loss": 0.1}, 2: {"loss": 0.5}})
+    layout = RunLayout(open_storage(root), RUN)
+    manifest = layout.attempt_file(1, read_marker(layout, 1, Deadline(1)).save_id, "manifest.json")
+    os.chmod(manifest, 0o644)
+    with open(manifest, "r+b") as f:  # the best step's manifest damaged: its loss cannot be known
+        f.write(b"#")
+    with CheckpointManager(root, RUN, retention=Retention(best=Best("loss", k=1)), timeout=30) as manager:
+        manager.save(3, _state(3), metadata={"loss": 0.9})
+    assert list_steps(root, RUN) == [1, 2, 3]  # 1 left whole (it may be the best), 2 the best readable, 3 newest
+    assert any("step 1" in r.getMessage() and "kept until it can be read" in r.getMessage() for r in caplog.records)
+
+
 class _CountedReads:
     """The manager's own storage, its reads counted by kind (a spy on the real call)."""
 
