@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "one LATEST names always are.  --dry-run shows what keeps each step and what would go.")
     p.add_argument("root")
     p.add_argument("run")
-    p.add_argument("--keep-last", type=_positive_int, help="keep the N most recent committed steps")
+    p.add_argument("--keep-last", type=_positive_int, metavar="N", help="keep the N most recent committed steps")
     p.add_argument("--keep-every", type=_positive_int, metavar="K", help="keep every committed step that is a "
                    "multiple of K")
     p.add_argument("--keep-period", type=_seconds, metavar="SECONDS", help="keep the first commit of each period of "
