@@ -12,6 +12,7 @@ import warnings
 
 from .protocol.catalog import latest_step, list_steps, resume_point
 from .protocol.commit import ResumePoint
+from .protocol.retention_policy import Best, Retention
 from .errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -95,6 +96,8 @@ __all__ = [
     "latest_step",
     "resume_point",
     "ResumePoint",
+    "Retention",
+    "Best",
     "ArgumentError",
     "ArgumentTypeError",
     "CheckpointError",

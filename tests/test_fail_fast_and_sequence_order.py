@@ -223,7 +223,7 @@ def test_gc_keeps_every_file_of_a_step_whose_marker_cannot_be_validated(root, sc
     before = {step: _files_under(_step_dir(root, step)) for step in (1, 2)}
     layout = _layout(root)
     markers = scan_markers(layout) if scanned_by == "caller" else None  # the manager passes its own scan
-    plan = plan_gc(layout, keep_last=1, lease_seconds=0, markers=markers)
+    plan = plan_gc(layout, 1, lease_seconds=0, markers=markers)
     apply_gc(layout, plan)
     for step in (1, 2):
         assert _files_under(_step_dir(root, step)) == before[step], f"gc deleted data of step {step}"
@@ -245,7 +245,7 @@ def test_a_clock_ten_minutes_behind_does_not_move_latest_backwards(root, skewed_
     assert latest_step(root, RUN) == 2
     assert _latest_json(root)["step"] == 2
     assert AtomicStorageReader(root, RUN, timeout=2).resolve().step == 2
-    plan = plan_gc(_layout(root), keep_last=1)
+    plan = plan_gc(_layout(root), 1)
     assert plan.kept_steps == [2] and plan.delete_steps == [1]
 
 
@@ -261,7 +261,7 @@ def test_markers_from_before_sequences_order_below_new_commits(root, skewed_cloc
     assert latest_step(root, RUN) == 4
     assert most_recent(scan_markers(_layout(root))).step == 4
     assert AtomicStorageReader(root, RUN, timeout=2).resolve().step == 4
-    plan = plan_gc(_layout(root), keep_last=2)
+    plan = plan_gc(_layout(root), 2)
     assert plan.kept_steps == [3, 4] and plan.delete_steps == [5]
 
 

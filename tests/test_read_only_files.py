@@ -126,7 +126,7 @@ def test_saved_linked_and_imported_steps_are_read_only_and_rm_gc_and_retention_s
 
     _save(root, 7)
     layout = RunLayout(LocalStorage(root), RUN)
-    retain_after_commit(layout, read_marker(layout, 7, Deadline(5)), keep_last=3)
+    retain_after_commit(layout, read_marker(layout, 7, Deadline(5)), 3)
     assert _steps(root) == [5, 6, 7] and _loads(root, 7)
 
 

@@ -147,7 +147,7 @@ def test_resume_point_is_picklable_and_says_where():
 
 def test_retention_keeps_the_live_branch_and_lets_the_abandoned_one_go_once_older_than_every_kept_step():
     from dcp_atomic.format.manifest import Marker
-    from dcp_atomic.protocol.retention import retained
+    from dcp_atomic.protocol.retention_policy import retained
 
     def commits(*steps):  # in commit order: sequence 1, 2, ...
         return [Marker(run_id=RUN, step=step, save_id=f"s{n}", manifest="m", manifest_sha256="0" * 64,

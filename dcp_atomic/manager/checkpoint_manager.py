@@ -66,6 +66,7 @@ from ..format.manifest import Marker
 from ..format.parallelism import Parallelism
 from ..dcp.planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..protocol.retention import DEFAULT_LEASE_SECONDS, remove_step, retain_after_commit
+from ..protocol.retention_policy import Retention
 from .._base.retry import Deadline
 from .._base.stats import FailureStats, LoadStats, SaveStats
 from .._base import internals
@@ -157,7 +158,11 @@ class CheckpointManager(RankAgreement):
     """Args:
         root, run_id, storage_options: where checkpoints live (see AtomicStorageWriter).
         parallelism: this job's layout (None: inferred from DTensor meshes where possible).
-        keep_last: keep this many most recently committed steps (None: keep all).
+        keep_last: keep this many most recently committed steps (None: keep all); short for
+            ``retention=Retention(keep_last=N)``.
+        retention: what the durable root keeps (:class:`~dcp_atomic.Retention`: ``keep_last``, ``keep_every``,
+            ``keep_period``, ``best``; the union of what each keeps, and always the newest commit).  Giving it
+            with ``keep_last`` is an ``ArgumentError``.  The local tier keeps its own count (``keep_local``).
         compression: passed to the writer.
         timeout: seconds for every wait of the library, the timeout of the manager's process
             groups, and the liveness deadline: a peer whose heartbeat stops for this long is
@@ -204,6 +209,7 @@ class CheckpointManager(RankAgreement):
         *,
         parallelism: Parallelism | None = None,
         keep_last: int | None = None,
+        retention: Retention | None = None,
         compression: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         work_timeout: float = DEFAULT_WORK_TIMEOUT,
@@ -233,6 +239,10 @@ class CheckpointManager(RankAgreement):
             "failure_domain": failure_domain, "on_saved": on_saved, "on_loaded": on_loaded, "on_failed": on_failed,
             "on_drained": on_drained})
         keep_last = arguments.count("CheckpointManager(keep_last=...)", keep_last)
+        arguments.instance("CheckpointManager(retention=...)", retention, Retention, "a dcp_atomic.Retention")
+        if retention is not None and keep_last is not None:
+            raise arguments.refused("CheckpointManager(keep_last=...)", keep_last, "None when retention= is given",
+                                    then=f"put it in the policy: retention=Retention(keep_last={keep_last}, ...)")
         thread_count = arguments.count("CheckpointManager(thread_count=...)", thread_count)
         timeout = arguments.seconds("CheckpointManager(timeout=...)", timeout)
         work_timeout = arguments.seconds("CheckpointManager(work_timeout=...)", work_timeout)
@@ -255,7 +265,8 @@ class CheckpointManager(RankAgreement):
             refuse_unsupported(self.layout.storage, compression=compression, stock_readable=False,
                                who="CheckpointManager")
         self.parallelism = parallelism
-        self.keep_last = keep_last
+        self.retention = retention if retention is not None else Retention(keep_last=keep_last)
+        self.keep_last = self.retention.keep_last
         self.compression = compression
         self.timeout = timeout
         self.work_timeout = work_timeout
@@ -314,7 +325,7 @@ class CheckpointManager(RankAgreement):
             rank=self.rank, world_size=self.world_size, run_id=self.run_id, root=self.root,
             storage_options=self.storage_options, layout=self.layout, timeout=self.timeout,
             work_timeout=self.work_timeout, parallelism=self.parallelism, thread_count=self.thread_count,
-            keep_last=self.keep_last, lease_seconds=self.lease_seconds, group=self._group,
+            retention=self.retention, lease_seconds=self.lease_seconds, group=self._group,
             drain_group=self._owned_groups[2] if len(self._owned_groups) > 2 else None, heartbeat=self._heartbeat,
             callbacks=self.callbacks, translate=self._translate, on_rank0=self._on_rank0, watch=self._watch,
             resumed=lambda: self._resumed, committed_marker=self._committed_marker, deliver=self._deliver)
@@ -782,11 +793,12 @@ class CheckpointManager(RankAgreement):
                           stats.step, stats.kind)
 
     def _retention(self, step: int, writer: AtomicStorageWriter, stats: SaveStats) -> None:
-        """Applies ``keep_last`` reading only the journal and the markers of steps it may delete, so a commit
-        costs the same at step 100,000 as at step 10 (no scan of every marker; see retain_after_commit)."""
-        if self.keep_last is None or writer.last_marker is None:  # a local commit: retained per root (keep_local)
+        """Applies the retention policy reading only the journal and the markers (and, for ``best``, the manifests
+        not read before) of the steps it keeps, so a commit costs the same at step 100,000 as at step 10 (no scan of
+        every marker; see retain_after_commit)."""
+        if self.retention.keeps_all or writer.last_marker is None:  # a local commit: retained per root (keep_local)
             return
-        plan = retain_after_commit(self.layout, writer.last_marker, self.keep_last, lease_seconds=self.lease_seconds)
+        plan = retain_after_commit(self.layout, writer.last_marker, self.retention, lease_seconds=self.lease_seconds)
         if plan.unreadable_steps:
             stats.unreadable_steps = [s for s, _ in plan.unreadable_steps]
             log.warning("retention keeps step(s) whose marker cannot be validated: %s",

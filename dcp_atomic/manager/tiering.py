@@ -23,6 +23,7 @@ from ..format.layout import RunLayout
 from ..format.manifest import Marker
 from ..format.parallelism import Parallelism
 from ..protocol.commit import ResumePoint
+from ..protocol.retention_policy import Retention
 from .options import Callbacks
 
 NO_DRAIN = "queue_drain needs local_root (and, in a world, the manager's own groups)"
@@ -44,7 +45,7 @@ class TierContext:
     work_timeout: float
     parallelism: Parallelism | None
     thread_count: int | None
-    keep_last: int | None
+    retention: Retention  # the durable root's (the local tier keeps its own count, keep_local)
     lease_seconds: float
     group: Any  # the manager's process group (None without torch.distributed)
     drain_group: Any  # the drain thread's own group; None where the manager could not create one (process_group=)

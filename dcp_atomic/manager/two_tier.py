@@ -328,9 +328,9 @@ class TwoTier(TierPolicy):
         log.info("run %r step %d drained to %s (sequence %s, %.1f MiB in %.3fs, attempt %d%s)", ctx.run_id,
                  job.step, ctx.layout.storage.describe(), marker.sequence, drained.bytes / 2**20, drained.seconds,
                  drained.attempts, f"; skipped step(s) {drained.skipped}" if drained.skipped else "")
-        if ctx.keep_last is not None:
+        if not ctx.retention.keeps_all:
             try:
-                retain_after_commit(ctx.layout, marker, ctx.keep_last, lease_seconds=ctx.lease_seconds)
+                retain_after_commit(ctx.layout, marker, ctx.retention, lease_seconds=ctx.lease_seconds)
             except Exception as e:  # the drain is committed; the next one retries
                 log.warning("run %r: durable retention after draining step %d failed (the next drain retries it): "
                             "%s", ctx.run_id, job.step, e)

@@ -15,4 +15,5 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "links": ("Base", "base_stable_files", "choose_base", "link_verified", "load_base", "same_stored_file"),
     "location": ("is_checkpoint_id", "open_location", "retarget"),
     "retention": ("apply_gc", "DEFAULT_LEASE_SECONDS", "plan_gc", "remove_run", "remove_step", "retain_after_commit"),
+    "retention_policy": ("Best", "metric_reader", "retained", "Retention"),
 })

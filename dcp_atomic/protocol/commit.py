@@ -648,6 +648,14 @@ def scan_markers(layout: RunLayout, *, strict: bool = False,
 def read_committed(layout: RunLayout, step: int, deadline: Deadline) -> Committed:
     """Marker plus its manifest, the manifest verified against the marker's digest."""
     marker = read_marker(layout, step, deadline)
+    manifest, digest = read_manifest(layout, marker, deadline)
+    return Committed(marker=marker, manifest=manifest, manifest_sha256=digest)
+
+
+def read_manifest(layout: RunLayout, marker: Marker, deadline: Deadline) -> tuple[Manifest, str]:
+    """The manifest ``marker`` names and its sha256, verified against the marker's digest (one read by exact
+    name: retention reads a kept step's metric this way without re-reading the marker it holds)."""
+    step = marker.step
     path = layout.attempt_file(step, marker.save_id, MANIFEST)
 
     def load() -> tuple[bytes, str]:
@@ -671,7 +679,7 @@ def read_committed(layout: RunLayout, step: int, deadline: Deadline) -> Committe
     manifest = Manifest.from_json(data, where=path)
     if (manifest.run_id, manifest.step, manifest.save_id) != (layout.run_id, step, marker.save_id):
         raise CorruptCheckpointError(f"{path}: manifest describes another checkpoint", path=path)
-    return Committed(marker=marker, manifest=manifest, manifest_sha256=digest)
+    return manifest, digest
 
 
 def read_latest(layout: RunLayout, deadline: Deadline) -> Latest:

@@ -8,7 +8,7 @@ that kept the highest step numbers after a rollback restart.  Here:
   step number or clock, and only those of the live branch: after a rollback
   (a job resumed from step k and saved on), steps above the live branch's that
   were committed before it are the abandoned branch's; they are not counted,
-  and go only once they are older than every step kept (see :func:`retained`);
+  and go only once they are older than every step kept (see :func:`.retention_policy.retained`);
 * the step ``LATEST`` names is never deleted;
 * a step whose marker exists but cannot be validated (damaged, torn, written by
   a newer dcp_atomic) is left whole and reported in ``unreadable_steps``: its
@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from .catalog import most_recent
+from .retention_policy import Retention, metric_reader
 from .commit import SCAN_RETRY_SECONDS, commit_order, read_latest, read_marker, scan_markers, write_latest
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format.layout import (ATTEMPT, COMMITS, DATA_PREFIX_PATTERN, MARKER, RunLayout, parse_step_dir,
@@ -59,6 +60,8 @@ class GcPlan:
     delete_temps: list[str] = field(default_factory=list)  # control-file temps of crashed commits
     delete_data: list[str] = field(default_factory=list)  # prefixed attempt data of steps that have no record left
     kept_steps: list[int] = field(default_factory=list)
+    kept_reasons: dict[int, list[str]] = field(default_factory=dict)  # step -> why it stays (dcp-atomic gc --dry-run)
+    in_flight: list[tuple[int, str]] = field(default_factory=list)  # (step, save_id): uncommitted, inside the lease
     unreadable_steps: list[tuple[int, str]] = field(default_factory=list)  # (step, reason): left whole, needs a human
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     planned_at: float = field(default_factory=time.time)  # a claim written later is a save started since: left
@@ -104,40 +107,18 @@ def _data_steps(layout: RunLayout) -> dict[str, list[str]]:
     return {prefix: storage.list_dir(layout.data_run_dir(prefix)) for prefix in prefixes}
 
 
-def retained(markers: list[Marker], keep_last: int | None) -> list[Marker]:
-    """The commits retention keeps: the ``keep_last`` most recent of the live branch, and the abandoned branch's
-    commits newer than the oldest of those (a rollback's superseding saves will replace them; until the live
-    branch has ``keep_last`` commits of its own, deleting them would leave fewer than asked).
-
-    The live branch, newest first: each older commit belongs to it only if its step is below every step of the
-    live branch after it (P14: a resumed job re-saves steps above where it resumed).
-    """
-    newest_first = sorted(markers, key=commit_order, reverse=True)
-    if keep_last is None:
-        return newest_first
-    live, lowest = [], None
-    for marker in newest_first:
-        if lowest is None or marker.step < lowest:
-            live.append(marker)
-            lowest = marker.step
-    kept = live[:keep_last]
-    if not kept:
-        return []
-    oldest = commit_order(kept[-1])
-    return [m for m in newest_first if commit_order(m) >= oldest]
-
-
-def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = DEFAULT_LEASE_SECONDS,
+def plan_gc(layout: RunLayout, policy: Retention | int | None, *, lease_seconds: float = DEFAULT_LEASE_SECONDS,
             now: float | None = None, markers: list[Marker] | None = None) -> GcPlan:
+    """What gc deletes under ``policy`` (a :class:`Retention`, ``keep_last`` as an int, None: keep every commit),
+    and why each kept step stays (``kept_reasons``)."""
     now = time.time() if now is None else now
     data_steps = _data_steps(layout)  # before the step listing: a save publishes its ATTEMPT before any data
     unreadable: list[tuple[int, str]] = []
     if markers is None:
         markers = scan_markers(layout, unreadable=unreadable)
-    keep = {m.step for m in retained(markers, keep_last)}
-    keep.add(_latest_step_named(layout))
-    keep.discard(None)
-    plan = GcPlan(kept_steps=sorted(keep), lease_seconds=lease_seconds, planned_at=now)
+    reasons = _kept_reasons(layout, markers, Retention.of(policy), protected={})
+    plan = GcPlan(kept_steps=sorted(reasons), kept_reasons=reasons, lease_seconds=lease_seconds, planned_at=now)
+    keep = set(reasons)
     plan.delete_steps = sorted(m.step for m in markers if m.step not in keep)
     committed = {m.step: m.save_id for m in markers}
     scanned_bad = dict(unreadable)
@@ -187,7 +168,21 @@ def plan_gc(layout: RunLayout, keep_last: int | None, *, lease_seconds: float = 
             age = _attempt_age(layout, step, save_id, now)
             if age is not None and age > lease_seconds:  # an unknown age is kept: it may be in flight
                 plan.delete_attempts.append((step, save_id))
+            else:
+                plan.in_flight.append((step, save_id))
     return plan
+
+
+def _kept_reasons(layout: RunLayout, markers: list[Marker], policy: Retention,
+                  protected: dict[int | None, str]) -> dict[int, list[str]]:
+    """Step -> why it stays: the policy's one rule (:func:`retained`), then ``LATEST`` (one read by exact name: a
+    failed ``LATEST`` write may leave it naming an older step) and what the caller ``protected`` (step -> why)."""
+    metric_of = metric_reader(layout, policy.best.metric) if policy.best is not None else None
+    reasons = policy.reasons(markers, metric_of)
+    for step, why in {**protected, _latest_step_named(layout): "LATEST"}.items():
+        if step is not None:
+            reasons.setdefault(step, []).append(why)
+    return reasons
 
 
 def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
@@ -370,12 +365,12 @@ def _point_latest_at_newest(layout: RunLayout, exclude: set[int]) -> None:
         write_latest(layout, newest)
 
 
-# -- per commit: O(keep_last), not O(steps) ----------------------------------------------------------------
+# -- per commit: O(kept steps), not O(steps) --------------------------------------------------------------
 
 FULL_GC_EVERY = 64  # commits between full sweeps (crashed attempts of other steps, stale temps)
 
 
-def retain_after_commit(layout: RunLayout, marker: Marker, keep_last: int | None, *,
+def retain_after_commit(layout: RunLayout, marker: Marker, policy: Retention | int | None, *,
                         lease_seconds: float = DEFAULT_LEASE_SECONDS) -> GcPlan:
     """Retention right after ``marker`` was committed (global rank 0): reads one small journal and the markers of
     only the steps it lists, instead of every step's marker.
@@ -385,9 +380,11 @@ def retain_after_commit(layout: RunLayout, marker: Marker, keep_last: int | None
     entry re-sealed with another sequence or save id ranks as its marker does; one whose marker is gone or
     unreadable takes no ``keep_last`` slot).  A missing or damaged journal, or one that lags (the markers it
     lists hold no commit just before this one: another writer, an older dcp_atomic), is rebuilt from one full
-    scan, as is every ``FULL_GC_EVERY``-th commit, which also sweeps crashed attempts.
+    scan, as is every ``FULL_GC_EVERY``-th commit, which also sweeps crashed attempts.  With ``best``, only the
+    manifest of a step not seen before in this process is read (:func:`.retention_policy.metric_reader`).
     """
-    if keep_last is None:
+    policy = Retention.of(policy)
+    if policy.keeps_all:
         return GcPlan(lease_seconds=lease_seconds)
     plan = GcPlan(lease_seconds=lease_seconds)
     journal = _read_journal(layout)
@@ -397,14 +394,13 @@ def retain_after_commit(layout: RunLayout, marker: Marker, keep_last: int | None
                                   and newest_before + 1 < marker.sequence)
     if lagging or (marker.sequence or 0) % FULL_GC_EVERY == 0:
         markers = scan_markers(layout)
-        plan = plan_gc(layout, keep_last, lease_seconds=lease_seconds, markers=markers)
+        plan = plan_gc(layout, policy, lease_seconds=lease_seconds, markers=markers)
         apply_gc(layout, plan)
         _write_journal(layout, [m for m in markers if m.step not in plan.delete_steps])
         return plan
-    protected = {marker.step, _latest_step_named(layout)}  # LATEST may still name an older step (its write failed)
-    kept = {m.step for m in retained(markers, keep_last)}
-    plan.kept_steps = sorted(kept)
-    plan.delete_steps = sorted(m.step for m in markers if m.step not in kept | protected)
+    plan.kept_reasons = _kept_reasons(layout, markers, policy, protected={marker.step: "just committed"})
+    plan.kept_steps = sorted(plan.kept_reasons)
+    plan.delete_steps = sorted(m.step for m in markers if m.step not in plan.kept_reasons)
     apply_gc(layout, plan)
     _write_journal(layout, [m for m in markers if m.step not in plan.delete_steps])
     return plan

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from .._base import failpoints
 from ..protocol.commit import (Evidence, commit_order, copy_control, listed_steps, publish_control,
                                record_local_marker, require_complete)
+from ..protocol.retention_policy import retained
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StorageError
 from ..exchange.file_transfer import Part, Received, Spooled, discard, transfer
 from ..exchange.collective import agreed_phase, from_rank0, gather
@@ -608,11 +609,13 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
 
 
 def retain_local(layout: RunLayout, keep_local: int, protected: set[int], lineage: str | None) -> list[int]:
-    """Keep this root's ``keep_local`` most recent local steps (by sequence) of ``lineage`` and every ``protected``
+    """Keep this root's ``keep_local`` most recent local steps of ``lineage`` (the durable root's rule,
+    :func:`~dcp_atomic.protocol.retention_policy.retained`, with ``keep_last=keep_local``) and every ``protected``
     one (a drain in flight, the newest step still waiting for its drain); remove the others, marker first.  Another
     lineage's steps are not this job's to delete (the restore names them)."""
     markers = of_lineage(local_markers(layout), lineage)
-    doomed = [m.step for m in markers[:max(0, len(markers) - keep_local)] if m.step not in protected]
+    kept = {m.step for m in retained(markers, keep_local)} | protected
+    doomed = [m.step for m in markers if m.step not in kept]
     for step in doomed:
         remove_local_step(layout, step)
     return doomed

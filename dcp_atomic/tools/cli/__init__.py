@@ -1,10 +1,10 @@
 """``dcp-atomic``: look at, verify, compare, export, import and demo checkpoints without writing Python.
 
 Subcommands: ``ls ROOT [RUN]``, ``show ROOT RUN [STEP]``, ``verify ROOT RUN
-[STEP|--all]``, ``diff ROOT RUN A B``, ``stats ROOT RUN [--plot FILE.png]``, ``gc
-ROOT RUN --keep-last N [--dry-run]``, ``rm ROOT RUN [STEP] [--yes]``, ``export
-[--format safetensors] ROOT RUN STEP OUT``, ``import STOCK_DCP_DIR ROOT RUN STEP``,
-``demo``.  ``--json`` prints machine-readable
+[STEP|--all]``, ``diff ROOT RUN A B``, ``stats ROOT RUN [--plot FILE.png]``, ``gc ROOT RUN
+[--keep-last N] [--keep-every K] [--keep-period S] [--best M:K:min|max] [--dry-run]``, ``rm ROOT RUN [STEP]
+[--yes]``, ``export [--format safetensors] ROOT RUN STEP OUT``, ``import
+STOCK_DCP_DIR ROOT RUN STEP``, ``demo``.  ``--json`` prints machine-readable
 output, errors included; it, ``--timeout`` and ``--storage-options`` go before
 or after the subcommand.  The CLI is one process, so it may scan (list) the run
 directory; training ranks never do.
@@ -32,6 +32,7 @@ from typing import Any, Callable
 from ..._base import arguments
 from ...format.layout import validate_run_id, validate_step
 from ...errors import ArgumentError, CheckpointError
+from ...protocol.retention_policy import Best
 from ...stores.backends import missing_backend_message
 from .commands import cmd_demo, cmd_diff, cmd_export, cmd_gc, cmd_import, cmd_ls, cmd_rm, cmd_show, cmd_stats, cmd_verify
 from .output import JSON_SCHEMA, CliError, CopyProgress
@@ -86,6 +87,20 @@ def _non_negative(value: float, name: str) -> float:
 
 
 _tolerance = _checked(float, _non_negative)
+
+
+def _best(text: str) -> Best:
+    """``--best METRIC[:K[:min|max]]`` (K 1 and min when left out), checked by :class:`Best` itself."""
+    metric, *rest = text.split(":")
+    try:
+        if len(rest) > 2:
+            raise ValueError
+        return Best(metric, k=int(rest[0]) if rest else 1, mode=rest[1] if len(rest) > 1 else "min")
+    except ArgumentError as e:
+        raise argparse.ArgumentTypeError(f"{e.message} (expected METRIC:K:min|max, e.g. val_loss:3:min)") from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected METRIC:K:min|max with an integer K, e.g. val_loss:3:min, got "
+                                         f"{text!r}") from None
 
 
 def _rename_rule(text: str) -> tuple[str, str]:
@@ -172,11 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "pip install 'dcp-atomic[plot]')")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("gc", parents=[after], help="delete old committed steps and abandoned attempts")
+    p = sub.add_parser("gc", parents=[after], help="delete old committed steps and abandoned attempts",
+                       description="A committed step is kept if any of --keep-last, --keep-every, --keep-period, "
+                       "--best keeps it (at least one is needed without --local-root); the newest commit and the "
+                       "one LATEST names always are.  --dry-run shows what keeps each step and what would go.")
     p.add_argument("root")
     p.add_argument("run")
-    p.add_argument("--keep-last", type=_positive_int, help="committed steps to keep (>= 1; required without "
-                   "--local-root)")
+    p.add_argument("--keep-last", type=_positive_int, metavar="N", help="keep the N most recent committed steps")
+    p.add_argument("--keep-every", type=_positive_int, metavar="K", help="keep every committed step that is a "
+                   "multiple of K")
+    p.add_argument("--keep-period", type=_seconds, metavar="SECONDS", help="keep the first commit of each period of "
+                   "wall time (rank 0's clock at the commit)")
+    p.add_argument("--best", type=_best, metavar="METRIC:K:min|max", help="keep the K best committed steps by a "
+                   "number saved in their metadata (save(..., metadata={METRIC: value}))")
     p.add_argument("--lease-hours", type=float, default=6.0, help="age after which an uncommitted attempt is abandoned")
     p.add_argument("--local-root", help="this node's local_root (two tiers): collect only the abandoned attempts "
                    "and leftovers killed jobs left there; its committed steps and the durable root are not touched")

@@ -20,6 +20,7 @@ from ...format.layout import RunLayout, parse_step_dir
 from ...protocol.catalog import most_recent, scan_markers
 from ...protocol.commit import read_committed, read_marker
 from ...protocol.retention import apply_gc, plan_gc, remove_run, remove_step
+from ...protocol.retention_policy import Retention
 from .output import JSON_SCHEMA, CliError, CopyProgress, emit, format_age, format_mib
 from .roots import local_run_layout, local_steps, open_root, require_committed, require_step, run_layout
 from .rows import (copies_by_domain, run_rows, scan_steps, step_rows, step_tiers, stock_dcp_hint, tier_of_root,
@@ -272,40 +273,52 @@ def _figure(value: float | None, unit: str) -> str:
 
 
 def cmd_gc(args) -> int:
-    """Print the plan, then apply it; with ``--json`` one object, holding the plan and any failure to apply it.
+    """Print the plan (each kept step with what keeps it), then apply it; with ``--json`` one object, holding the
+    plan and any failure to apply it.
 
     ``--local-root DIR``: collect only what killed or failed saves left on that node's local root (attempts older
     than the lease with no marker, temp files, a restore's spool of a process that is gone); its committed steps
     are the manager's (``keep_local``) and are never deleted here, nor is the durable root touched."""
+    policy = Retention(keep_last=args.keep_last, keep_every=args.keep_every, keep_period=args.keep_period,
+                       best=args.best)
     if args.local_root:
-        if args.keep_last is not None:
+        if not policy.keeps_all:
             raise CliError("gc --local-root collects only abandoned attempts; local steps are kept by the manager's "
-                           "keep_local, so --keep-last does not apply", code=2, kind="UsageError")
+                           "keep_local, so --keep-last, --keep-every, --keep-period and --best do not apply", code=2,
+                           kind="UsageError")
         from ...tiers.local_tier import sweep_spool
 
         layout = local_run_layout(args)
         swept = sweep_spool(layout)
         if swept and not args.json:
             print(f"removed {len(swept)} leftover restore file(s) from {layout.storage.describe()}")
-    elif args.keep_last is None:
-        raise CliError("gc needs --keep-last N (committed steps to keep), or --local-root DIR", code=2,
-                       kind="UsageError")
+    elif policy.keeps_all:
+        raise CliError("gc needs a retention policy (--keep-last N, --keep-every K, --keep-period SECONDS, --best "
+                       "METRIC:K:min|max), or --local-root DIR", code=2, kind="UsageError")
     else:
         layout = run_layout(args)
-    plan = plan_gc(layout, args.keep_last, lease_seconds=args.lease_hours * 3600)
+    plan = plan_gc(layout, policy, lease_seconds=args.lease_hours * 3600)
     unreadable = plan.unreadable_steps  # markers that exist but cannot be validated: never touched, never "kept"
-    kept = [step for step in plan.kept_steps if step not in dict(unreadable)]
+    kept = {step: why for step, why in plan.kept_reasons.items() if step not in dict(unreadable)}
+    if args.local_root:  # the manager's keep_local keeps these, not a policy given here
+        kept = {step: ["local step (keep_local)"] for step in kept}
     if not args.json:
         verb = "would delete" if args.dry_run else "deleting"
-        for step in plan.delete_steps:
-            print(f"{verb} committed step {step}")
+        if not args.local_root:
+            print(f"policy: {policy.describe()}")
+        for step in sorted({*kept, *plan.delete_steps}):
+            print(f"step {step}: " + (f"kept ({', '.join(kept[step])})" if step in kept else
+                                      f"{verb} (no part of the policy keeps it)"))
+        for step, save_id in plan.in_flight:
+            print(f"step {step}: kept attempt {save_id} (in flight: uncommitted, inside the "
+                  f"{plan.lease_seconds / 3600:g} h lease)")
         for step, save_id in plan.delete_attempts:
             print(f"{verb} abandoned attempt {save_id} of step {step}")
         for path in plan.delete_temps:
             print(f"{verb} leftover temp file {path}")
         for path in plan.delete_data:
             print(f"{verb} data without a step record {path}")
-        print(f"keeping committed steps {kept}" + ("" if not plan.empty else " (nothing to collect)"))
+        print(f"keeping committed steps {sorted(kept)}" + ("" if not plan.empty else " (nothing to collect)"))
         for step, reason in unreadable:
             print(f"step {step}: its marker exists but cannot be validated, so gc left the whole step alone "
                   f"({reason}); inspect it, restore the marker, or delete the step by hand", file=sys.stderr)
@@ -314,8 +327,12 @@ def cmd_gc(args) -> int:
         return 1 if unreadable else 0
     report: dict[str, Any] = {"schema": JSON_SCHEMA, "dry_run": args.dry_run, "delete_steps": plan.delete_steps,
                               "delete_attempts": [list(a) for a in plan.delete_attempts],
-                              "delete_temps": plan.delete_temps, "delete_data": plan.delete_data, "kept_steps": kept,
+                              "delete_temps": plan.delete_temps, "delete_data": plan.delete_data,
+                              "kept_steps": sorted(kept), "kept_reasons": {str(s): kept[s] for s in sorted(kept)},
+                              "in_flight_attempts": [list(a) for a in plan.in_flight],
                               "unreadable_steps": [list(u) for u in unreadable]}
+    if not args.local_root:
+        report["policy"] = policy.describe()
     if not args.dry_run:
         try:
             apply_gc(layout, plan)
