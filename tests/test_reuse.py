@@ -227,15 +227,55 @@ def test_d_reuse_on_a_filesystem_that_cannot_link_in_place_is_refused_and_object
     assert writer.reuse and writer.storage.link_kind == "server-side copy"
 
 
-def test_d_reuse_with_compression_or_stock_readable_is_refused(tmp_path):
-    from dcp_atomic import AtomicStorageWriter, CheckpointManager, ConfigurationError
+def test_d_reuse_with_stock_readable_is_refused(tmp_path):
+    from dcp_atomic import AtomicStorageWriter, ConfigurationError
 
-    with pytest.raises(ConfigurationError, match=r"reuse=True, compression"):
-        AtomicStorageWriter(str(tmp_path), RUN, 1, reuse=True, compression="zstd")
-    with pytest.raises(ConfigurationError, match=r"reuse=True, compression"):
-        CheckpointManager(str(tmp_path), RUN, reuse=True, compression="zstd")
     with pytest.raises(ConfigurationError, match=r"reuse=True, stock_readable"):
         AtomicStorageWriter(str(tmp_path), RUN, 1, reuse=True, stock_readable=True)
+
+
+def _compressed_frozen_base(ctx):
+    """Reuse with zstd: the base is stored compressed, then linked; one changed element is written again."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter, Callbacks, CheckpointManager
+
+    mesh = _mesh(ctx.world_size)
+    saved = []
+    manager = CheckpointManager(ctx.root, RUN, reuse=True, compression="zstd", timeout=30,
+                                callbacks=Callbacks(on_saved=saved.append))
+    inodes = {}
+    for step in (1, 2, 3):
+        manager.save(step, _state(mesh, step))
+        inodes[step] = _inode(_stable(ctx.root, step, ctx.rank))
+    loaded = _empty(mesh)
+    assert manager.load(loaded) == 3
+    exact = all(torch.equal(_full(loaded)[k], _full(_state(mesh, 3))[k]) for k in ("base", "adapter"))
+    manager.close()
+    # step 4: one element of rank 0's chunk of the base changed (the writer directly, as a framework does)
+    dcp.save(_state(mesh, 4, changed_element=True),
+             storage_writer=AtomicStorageWriter(ctx.root, RUN, 4, reuse=True, compression="zstd"))
+    return {"inodes": inodes, "exact": exact, "changed": _inode(_stable(ctx.root, 4, ctx.rank)),
+            "saved": {s["step"]: (s["bytes_written"], s["bytes_reused"]) for s in saved},
+            "step4": _rank_stats(ctx.root, 4)[ctx.rank]}
+
+
+def test_reuse_with_compression_links_the_compressed_base_and_writes_a_changed_element_again(tmp_path):
+    """Issue 44, item 5: a block's zstd frame is a function of the block, so the digests of the frames decide."""
+    values = assert_all_ok(run_world(_compressed_frozen_base, 2, str(tmp_path), timeout=120))
+    chunk = ROWS * COLS * 4 // 2
+    for rank, value in enumerate(values):
+        assert value["exact"], f"rank {rank} loaded other bytes"
+        inodes = value["inodes"]
+        assert inodes[2] is not None and inodes[3] == inodes[2], f"rank {rank}: stable file not linked: {inodes}"
+    saved = values[0]["saved"]
+    assert saved[3][1] > 0 and saved[3][0] < 4096, saved  # linked: only the adapter and the counter written
+    shard = json.load(open(os.path.join(_attempt(str(tmp_path), 3), "manifest.0.json")))
+    assert "zstd" in json.dumps(shard), "the base was not stored compressed"  # so reuse compared zstd frames
+    zero, one = values[0], values[1]
+    assert zero["changed"] != zero["inodes"][3] and zero["step4"]["bytes_reused"] == 0  # the changed chunk: written
+    assert one["changed"] == one["inodes"][3] and one["step4"]["bytes_reused"] > 0  # rank 1's: still linked
+    assert saved[3][0] + saved[3][1] < 2 * chunk  # compressed: the stored bytes are fewer than the raw chunks
 
 
 def test_d_reuse_with_dcp_plan_caching_is_refused(tmp_path):

@@ -57,6 +57,10 @@ class StoredForm:
     stock_readable: bool = False
     chunk_sizes: bool = False  # record each tensor's chunk sizes: reuse identifies items by them (P15)
 
+    def encoder(self) -> Encoder:
+        """A new encoder of this form's codec (one per file or probe: zstd compressors are not shared)."""
+        return Encoder(self.compression or "none", self.compression_level)
+
 
 @dataclass
 class WrittenItem:
@@ -170,7 +174,7 @@ class RankWrite:
     def _reuse(self, items: list[WriteItem], results: list[WriteResult]):
         """Reuse (:mod:`.reuse`): (the items for the ordinary files, [(the stable file, its items)] to write or []);
         a stable file linked from the base adds its items' results to ``results`` instead."""
-        outcome = plan_rank(self.encode_item, items, self.base, self.ctx)
+        outcome = plan_rank(self.encode_item, self.form.encoder, items, self.base, self.ctx)
         results.extend(outcome.linked)
         for entry in outcome.linked_files:
             self.stats.files[entry.name] = entry.size
@@ -186,7 +190,7 @@ class RankWrite:
         ctx = self.ctx
         storage = ctx.storage
         path = ctx.layout.data_file(ctx.step, ctx.save_id, name, ctx.data_prefixes)
-        encoder = Encoder(self.form.compression or "none", self.form.compression_level)
+        encoder = self.form.encoder()
         results = []
         try:
             raw = storage.open_write(path)

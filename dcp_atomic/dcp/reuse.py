@@ -27,7 +27,10 @@ so retiring or deleting any step, the base included, leaves the others' bytes in
 retention, ``gc`` and the drain need nothing new.
 
 Refused (typed, before anything is written): roots that can neither hard-link nor copy in place (generic fsspec
-filesystems), compression, ``stock_readable`` and DCP plan caching.  The manager's local tier links on each node's
+filesystems), ``stock_readable`` and DCP plan caching.  With ``compression`` an item is probed through the save's
+own encoder: a block's stored zstd frame is a function of the block and the codec's parameters, so an unchanged
+block stores the same frame and its digest decides as for raw bytes (the probe costs the compression of the
+candidates, not their write; a zstandard that frames differently makes them "changed": written, never wrong).  The manager's local tier links on each node's
 local root, and its drain through the same :func:`..protocol.links.link_verified`.
 """
 
@@ -76,18 +79,13 @@ class ReuseContext:
     threads: int
 
 
-def refuse_unsupported(storage: Any, *, compression: str | None, stock_readable: bool,
-                       who: str = "AtomicStorageWriter") -> None:
+def refuse_unsupported(storage: Any, *, stock_readable: bool, who: str = "AtomicStorageWriter") -> None:
     """``reuse=True``'s refusals, at construction (the writer's, and the manager's before it builds anything)."""
     if getattr(storage, "link_kind", None) is None:
         raise ConfigurationError(
             f"{who}(reuse=True) on {storage.describe()}: reuse links unchanged files in place (POSIX hard links, "
             "S3 and GCS server-side copies), which this fsspec filesystem cannot do, so it is not supported there. "
             "Use reuse=False there, or a local disk / NFS, s3:// or gs:// root.", root=storage.describe())
-    if compression is not None:
-        raise ConfigurationError(
-            f"{who}(reuse=True, compression={compression!r}): reuse does not support compressed "
-            "saves yet. Use compression=None with reuse=True, or reuse=False.")
     if stock_readable:
         raise ConfigurationError(
             f"{who}(reuse=True, stock_readable=True): reuse does not support torch.save containers "
@@ -133,8 +131,11 @@ class Outcome:
     linked_files: list[FileEntry]
 
 
-def plan_rank(encode: Encode, items: list[WriteItem], base: Base, ctx: ReuseContext) -> Outcome:
-    """Split this rank's items by content against ``base`` (each candidate's bytes as ``encode`` stores them);
+def plan_rank(encode: Encode, new_encoder: Callable[[], Encoder], items: list[WriteItem], base: Base,
+              ctx: ReuseContext) -> Outcome:
+    """Split this rank's items by content against ``base`` (each candidate's bytes as ``encode`` stores them with
+    the save's codec, ``new_encoder()``: a zstd frame of an unchanged block is the same frame, so compressed saves
+    compare as exactly as raw ones);
     link each stable file of the base whose every item is unchanged; put the other unchanged items into new stable
     files (at most ``STABLE_FILE_BYTES`` each)."""
     base_items = base.items()
@@ -143,7 +144,7 @@ def plan_rank(encode: Encode, items: list[WriteItem], base: Base, ctx: ReuseCont
                   and _may_match(item, base_items[ident][1])]
     with ThreadPoolExecutor(max_workers=max(1, min(ctx.threads, len(candidates))),
                             thread_name_prefix=f"dcp-atomic-r{ctx.rank}") as pool:
-        probed = list(pool.map(lambda pair: _probe(encode, pair[0], pair[1], base), candidates))
+        probed = list(pool.map(lambda pair: _probe(encode, new_encoder(), pair[0], pair[1], base), candidates))
     unchanged = {_identity(item): (item, written) for (item, _), written in zip(candidates, probed)
                  if written is not None}
     kept = {id(item) for item, _ in unchanged.values()}
@@ -197,10 +198,10 @@ def _may_match(item: WriteItem, extent: ItemExtent) -> bool:
             and extent.chunk_sizes == list(sizes))
 
 
-def _probe(encode: Encode, item: WriteItem, extent: ItemExtent, base: Base):
+def _probe(encode: Encode, encoder: Encoder, item: WriteItem, extent: ItemExtent, base: Base):
     """The item's record as a write would make it, or None where its bytes or record differ from the base's."""
     try:
-        written = encode(_Probe(extent.checksums), item, Encoder("none"))
+        written = encode(_Probe(extent.checksums), item, encoder)
     except _Changed:
         return None
     stored = written.dtype or str(item.tensor_data.properties.dtype)

@@ -130,8 +130,8 @@ class AtomicStorageWriter(StorageWriter):
         reuse: store only what changed since the run's latest committed step below this one (P15,
             :mod:`.reuse`): each rank's unchanged items (compared by their block digests) go into stable files,
             each linked from that step when it holds exactly them (a hard link on POSIX roots, a server-side copy
-            on S3 and GCS). Refused on other fsspec filesystems, with compression, ``stock_readable`` and DCP plan
-            caching. Default off (README, "Reuse").
+            on S3 and GCS); with ``compression`` the zstd frames' digests decide. Refused on other fsspec
+            filesystems, with ``stock_readable`` and DCP plan caching. Default off (README, "Reuse").
         live_state: the manager's bounded staging of this save (``CheckpointManager(staging=...)``, README "Bounded
             staging"): DCP was handed the live state (:class:`~dcp_atomic.staging.LiveState`), so device tensors are
             read through its pool, and once this rank has read every tensor, a tensor changed in place meanwhile
@@ -178,7 +178,7 @@ class AtomicStorageWriter(StorageWriter):
         self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
         self.storage, self.layout = open_location(root, run_id, storage_options)
         if self.reuse and self.storage is not None:  # without a location yet: checked where reset() gives one
-            _reuse.refuse_unsupported(self.storage, compression=compression, stock_readable=stock_readable)
+            _reuse.refuse_unsupported(self.storage, stock_readable=stock_readable)
         self.step = None if step is None else validate_step(step, "AtomicStorageWriter(step=...)")
         self.parallelism = parallelism
         self.compression = compression
@@ -220,7 +220,7 @@ class AtomicStorageWriter(StorageWriter):
                                                    type(self).__name__)
         self.storage, self.layout = retarget(self.storage, self.layout, root, run_id, self.storage_options)
         if self.reuse:
-            _reuse.refuse_unsupported(self.storage, compression=self.compression, stock_readable=self.stock_readable)
+            _reuse.refuse_unsupported(self.storage, stock_readable=self.stock_readable)
         self.step = step
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

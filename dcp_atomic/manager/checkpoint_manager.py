@@ -193,8 +193,7 @@ class CheckpointManager(RankAgreement):
         reuse: each save stores only what changed since the run's latest committed step below it; what did not
             is linked from that step (hard links on POSIX roots, server-side copies on S3 and GCS;
             ``AtomicStorageWriter(reuse=True)``, README "Reuse"); with ``local_root`` in the local roots, and the
-            drain links what the durable root's previous step holds instead of uploading it. Refused with
-            ``compression``. Default off.
+            drain links what the durable root's previous step holds instead of uploading it. Default off.
         staging: bounded staging for ``async_save`` (:class:`~dcp_atomic.staging.Staging`, README "Bounded
             staging"): no whole host copy of the state; the live tensors are read after the call returns, and
             :meth:`wait_staged` says when they may change again.  None: DCP stages a host copy of the state.
@@ -261,9 +260,8 @@ class CheckpointManager(RankAgreement):
         self._staging_pool = None if staging is None else WindowPool(
             staging.pool_bytes // BLOCK_SIZE, BLOCK_SIZE, pinned=torch.cuda.is_available())
         self._staged: LiveState | None = None  # the bounded staging of the latest async_save
-        if reuse:  # the writer's own refusals (object stores, compression), before any process group is made
-            refuse_unsupported(self.layout.storage, compression=compression, stock_readable=False,
-                               who="CheckpointManager")
+        if reuse:  # the writer's own refusals (fsspec filesystems), before any process group is made
+            refuse_unsupported(self.layout.storage, stock_readable=False, who="CheckpointManager")
         self.parallelism = parallelism
         self.retention = retention if retention is not None else Retention(keep_last=keep_last)
         self.keep_last = self.retention.keep_last
