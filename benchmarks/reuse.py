@@ -41,7 +41,10 @@ from benchmarks.world import gather, launch, measured
 RUN = "finetune"
 KEEP = 3
 TARGETS = {"written": 0.05, "save_seconds": 0.3, "storage_vs_one_step": 1.2, "load_seconds": 1.1,
-           "full_finetune_save_seconds": 1.02, "s3_read_vs_base": 0.01, "s3_save_seconds": 0.5}
+           "full_finetune_save_seconds": 1.02, "s3_read_vs_base": 0.01, "s3_save_seconds": 0.5,
+           "one_element_storage": 1.2}
+# stable-file caps compared in the one-changed-element case: the library's (dcp.reuse.STABLE_FILE_BYTES) and others
+GROUP_CAPS = (1 << 30, 256 << 20, 64 << 20, 16 << 20)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -237,9 +240,43 @@ def _series(ctx, plan: dict, name: str, where: str, everything: bool) -> dict | 
     }
 
 
+def _one_element(ctx, plan: dict, cap: int) -> dict | None:
+    """Three reused saves of the LoRA-shaped state, the third with one element of one frozen tensor changed (rank 0),
+    stable files cut at ``cap`` bytes: the run's storage after them, against one step's bytes (issue 44, item 1)."""
+    import torch.distributed as dist
+
+    from dcp_atomic.dcp import reuse
+
+    reuse.STABLE_FILE_BYTES = cap
+    rank, world = ctx.rank, ctx.world_size
+    state = finetune_state(rank, world, plan["base_mb"], plan["tensor_mb"], plan["adapter_fraction"])
+    where = os.path.join(plan["dir"], f"w{world}-one-element-{cap}")
+    contender = _Contender("reuse", where)
+    written = []
+    for step in (1, 2, 3):
+        train_step(state, step, False)
+        if step == 3 and rank == 0:
+            next(t for k, t in state["model"].items() if k.startswith("base.")).view(-1)[0] += 1
+        contender.save(state, step)
+        written.append(_written(os.path.join(where, RUN), contender.step_dir(step)) if rank == 0 else 0)
+    storage = sum(_inodes(os.path.join(where, RUN)).values()) if rank == 0 else 0
+    contender.close()
+    dist.barrier()
+    if rank != 0:
+        return None
+    import shutil
+
+    shutil.rmtree(where, ignore_errors=True)
+    return {"cap": cap, "one_step": written[0], "written": written, "storage": storage}
+
+
 def _rank(ctx, plan: dict) -> dict | None:
     quiet_warnings()
     out: dict = {}
+    for cap in plan["group_caps"]:
+        result = _one_element(ctx, plan, cap)
+        if ctx.rank == 0:
+            out.setdefault("one_element", []).append(result)
     for case, everything, names in (("lora", False, ("reuse", "full", "stock")),
                                     ("full_finetune", True, ("full", "reuse"))):
         for name in names:
@@ -373,7 +410,8 @@ def run(args: argparse.Namespace) -> dict:
     checks: list[dict] = []
     with Media(["disk"], base_bytes * (KEEP + 2) * 2, args.disk_root) as media:
         plan = {"dir": media.dirs["disk"], "base_mb": args.base_mb, "tensor_mb": args.tensor_mb,
-                "adapter_fraction": args.adapter_fraction, "saves": args.saves, "async_saves": args.async_saves}
+                "adapter_fraction": args.adapter_fraction, "saves": args.saves, "async_saves": args.async_saves,
+                "group_caps": GROUP_CAPS}
         ops = 5 * (args.saves + args.async_saves + 1)
         for world in [] if args.s3_only else args.world_sizes:
             results[str(world)] = launch(_rank, world, media.dirs["disk"], args=(plan,), op_timeout=args.op_timeout,
@@ -383,7 +421,22 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{'world':<6}{'case':<14}{'contender':<10}{'save s':>9}{'x':>7}{'written MiB':>13}{'of full':>9}"
               f"{'storage MiB':>13}{'/ step':>8}{'async block s':>15}{'load s':>9}")
     for world, cases in results.items():
+        print(f"\n== w{world}: one element of one frozen tensor changed in save 3 (stable files cut at most at ...) ==")
+        print(f"{'cap MiB':>8}{'save 3 wrote MiB':>18}{'storage MiB':>13}{'/ step':>8}")
+        from dcp_atomic.dcp.reuse import STABLE_FILE_BYTES
+
+        for row in cases.get("one_element", []):
+            ratio = _ratio(row["storage"], row["one_step"])
+            print(f"{row['cap'] / MiB:>8.0f}{row['written'][2] / MiB:>18.1f}{row['storage'] / MiB:>13.1f}"
+                  f"{report.fmt(ratio, '.2f'):>8}")
+            if row["cap"] == STABLE_FILE_BYTES:
+                checks.append(report.check(f"one changed element: storage <= {TARGETS['one_element_storage']}x step",
+                                           ratio, TARGETS["one_element_storage"], False, world=world, medium="disk",
+                                           contender="reuse"))
+        print()
         for case, rows in cases.items():
+            if case == "one_element":
+                continue
             full = rows["full"]
             one_step = full["first_written"]  # a full save: every byte of one step
             for name, row in rows.items():

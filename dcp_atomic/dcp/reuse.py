@@ -57,7 +57,11 @@ from ..protocol.links import Base, link_verified
 log = logging.getLogger("dcp_atomic.writer")  # the writer's: what users filter on
 
 STATS = ("bytes_written", "bytes_reused")  # the writer's per-rank statistics of reuse, recorded in the manifest
-STABLE_FILE_BYTES = 1 << 30  # a stable file's size cap: one changed item costs the rewrite of at most this much
+# A stable file's size cap: one changed item costs its own write plus the rewrite of at most this much of its
+# neighbours.  64 MiB by measurement (benchmarks/reuse.py, docs/benchmarks.md: one changed element of a 1 GB base in
+# 32 MiB tensors wrote 486 MiB at 1 GiB, 69 MiB at 64 MiB, 39 MiB at 16 MiB); below it the files multiply (links,
+# server-side copies per save) for little, and loads read a rank's files in parallel either way.
+STABLE_FILE_BYTES = 64 << 20
 # The fields of an item's record that must equal the base's for the item to count as unchanged (its place, pos and
 # relative_path, is the file's concern: see _same_file).
 _COMPARED = ("kind", "format", "length", "checksums", "block_size", "payload", "codec", "planes", "logical_length",

@@ -434,7 +434,7 @@ class S3Storage(FsspecStorage):
         process.  The copy is a physical object of its own; it asks for the copy's CRC32 (:mod:`.object_checksum`)
         and returns it, which the caller compares with the one recorded when the source was written (None: the store
         reported none, and the caller verifies the copy against its digests).  ``FileNotFoundError`` where
-        ``source`` is gone; S3 refuses a single copy above 5 GiB (a stable file holds at most 1 GiB unless one item
+        ``source`` is gone; S3 refuses a single copy above 5 GiB (a stable file holds at most 64 MiB unless one item
         is larger): :class:`StorageError`, and the caller writes the file instead."""
         source_bucket, source_key = self._split(source)
         bucket, key = self._split(target)
