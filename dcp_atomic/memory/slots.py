@@ -220,12 +220,14 @@ def mapped(path: str, length: int):
         if not length:
             yield memoryview(b"")
             return
-        with mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ) as m:
-            view = memoryview(m)
-            try:
-                yield view
-            finally:
+        m = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ)
+        view = memoryview(m)
+        try:
+            yield view
+        finally:  # a failure's traceback may still hold slices of it: then the collector unmaps it
+            with contextlib.suppress(BufferError):
                 view.release()
+                m.close()
 
 
 def verify_slot(record: SlotRecord, path: str) -> None:
