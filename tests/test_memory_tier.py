@@ -230,7 +230,7 @@ PHASES = {"after_slot_write": False, "replica_send": False, "before_record": Tru
 def _resume_then_die(ctx, expected, last):
     """Restore (``expected``: the step it must be, None for a first job), check it exactly, then snapshot every
     step up to ``last`` until the armed failpoint kills a rank."""
-    model, optim = trained(WORLD, 0, seed=7)
+    model, optim = trained(WORLD, 0, seed=0 if expected is None else 7)  # the reference run's start, or a restore's
     with memory_manager(ctx, timeout=5) as manager:
         start = 0
         if expected is not None:
