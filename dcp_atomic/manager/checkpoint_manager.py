@@ -302,6 +302,9 @@ class CheckpointManager(RankAgreement):
                                         dist.get_process_group_ranks(self._group), timeout)
         self.local = local
         self.local_root = local.local_root if local is not None else None
+        self.memory = memory
+        self._memory: MemorySnapshots | None = None  # built last: a refused tier's _release() finds none
+        self._memory_restored: dict[str, Any] | None = None  # restored_from after a load the memory tier served
         # the tiers' differences live in one policy, picked here; DurableOnly also until TwoTier is set up, so that
         # the _release() of a refused local tier finds one
         self._tier: TierPolicy = DurableOnly(root, run_id, storage_options)
@@ -311,9 +314,6 @@ class CheckpointManager(RankAgreement):
             except BaseException:  # refused (too few domains...): nothing of this manager may outlive it
                 self._release()
                 raise
-        self.memory = memory
-        self._memory: MemorySnapshots | None = None
-        self._memory_restored: dict[str, Any] | None = None  # restored_from after a load the memory tier served
         if memory is not None:
             try:
                 self._memory = MemorySnapshots(
