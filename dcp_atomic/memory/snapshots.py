@@ -167,9 +167,8 @@ class MemorySnapshots:
         leaves = flatten(state_dict)
         share = sum(leaf.nbytes for leaf in leaves)
         busy = self._inflight is not None and not self._inflight.done()
-        check = share > self._checked_share
         mine = (busy, share, socket.gethostname(), os.path.realpath(self.dir.path),
-                _free_bytes(self.dir.path) + self.dir.held_bytes() if check else 0)
+                _free_bytes(self.dir.path) + self.dir.held_bytes())
         everyone = self._gathered(mine, f"starting the memory snapshot of step {step}")
         if any(b for b, *_ in everyone):
             self.snapshots_skipped += 1
@@ -222,7 +221,7 @@ class MemorySnapshots:
                               then="The previous snapshot is intact.", step=step):
                 for record in [written, *kept]:
                     self.dir.write_record(_with_sequence(record, sequence))
-            failpoints.hit("memory.after_record", self.rank, step)
+                failpoints.hit("memory.after_record", self.rank, step)
         except BaseException as e:  # ours pass as they are; a broken collective gets the liveness verdict
             try:
                 raise_typed(self.translate(e, f"the {what}"))
