@@ -68,6 +68,7 @@ from ..protocol.retention import DEFAULT_LEASE_SECONDS, remove_step, retain_afte
 from .._base.retry import Deadline
 from .._base.stats import FailureStats, LoadStats, SaveStats
 from .._base import internals
+from .._base.futures import ReportedFuture
 from ..dcp.watched import WatchedReader, WatchedSavePlanner
 from ..dcp.reuse import refuse_unsupported
 from ..dcp.writer import AtomicStorageWriter
@@ -289,7 +290,7 @@ class CheckpointManager(RankAgreement):
                 self._owned_groups.append(self._memory_group)
         self.rank = dist.get_rank(self._group) if self._distributed else 0
         self.world_size = dist.get_world_size(self._group) if self._distributed else 1
-        self._inflight: _SaveFuture | None = None
+        self._inflight: ReportedFuture | None = None
         self._resumed: ResumePoint | None = None  # set by load(): see AtomicStorageWriter(resumed_from=)
         self._lock = threading.Lock()
         self._ops = 0  # operation counter: identical on all ranks (SPMD), names liveness keys
@@ -424,7 +425,7 @@ class CheckpointManager(RankAgreement):
         drain = self._wants_drain(durable)
         self._wait_for_async_save()
         op = self._ops
-        result = _SaveFuture()
+        result = ReportedFuture()
         started = time.perf_counter()
         with self._failures_reported("async_save", step, started):
             self._refuse_conflicts(step)
@@ -881,19 +882,3 @@ class CheckpointManager(RankAgreement):
             except Exception:
                 pass
         raise_typed(watch.verdict or self._translate(error, f"saving step {step}"))
-
-class _SaveFuture(concurrent.futures.Future):
-    """An async save's future that knows whether its failure has been reported to anyone."""
-
-    reported = False
-
-    def result(self, timeout: float | None = None) -> Any:
-        try:
-            return super().result(timeout)
-        finally:
-            self.reported |= self.done()
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        error = super().exception(timeout)
-        self.reported = True
-        return error

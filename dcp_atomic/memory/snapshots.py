@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .._base import failpoints
+from .._base.futures import ReportedFuture
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError
 from ..exchange.collective import agreed_phase, first_line, gather, raise_typed
 from ..exchange.file_transfer import Part, Spooled, discard, transfer
@@ -43,23 +44,11 @@ from .slots import SlotDir, SlotRecord, SlotSink, mapped, verify_slot
 log = logging.getLogger("dcp_atomic.memory")
 
 
-class SnapshotFuture(concurrent.futures.Future):
+class SnapshotFuture(ReportedFuture):
     """A snapshot's outcome: the step once memory-committed on every rank; ``skipped`` when this call took none
-    (not due, or the previous snapshot still in flight).  Knows whether its failure has been reported."""
+    (not due, or the previous snapshot still in flight)."""
 
     skipped = False
-    reported = False
-
-    def result(self, timeout: float | None = None) -> Any:
-        try:
-            return super().result(timeout)
-        finally:
-            self.reported |= self.done()
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        error = super().exception(timeout)
-        self.reported = True
-        return error
 
 
 def _skipped() -> SnapshotFuture:
