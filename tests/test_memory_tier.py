@@ -255,6 +255,10 @@ def test_a_rank_or_a_node_killed_at_any_phase_restores_the_newest_memory_committ
 
         outcomes = _run(_resume_then_die, root, nodes, expected, step + 5, rank_env=rank_env)
         assert all(outcomes[v].killed for v in victims), (phase, victims, step, outcomes)
-        assert not any(o.ok for o in outcomes), (phase, victims, step, outcomes)
+        survivors = [o for o in outcomes if o.rank not in victims]
+        # typed on every survivor, naming who is gone (a lost peer, or a collective the dead rank left)
+        assert all(o.error_type in ("PeerLost", "RankFailureError", "CollectiveFailed") for o in survivors), outcomes
+        assert all(any(f"rank(s): {v}" in o.error or f"ranks {v}" in o.error or f"rank {v}" in o.error
+                       for v in victims) for o in survivors), outcomes
         expected = step if PHASES[phase] else step - 1
     assert assert_all_ok(_run(_restore, root, nodes)) == [(expected, "memory", True)] * WORLD

@@ -133,12 +133,13 @@ class SlotDir:
             f.write(record.to_bytes())
         os.replace(partial, path)
 
-    def records(self) -> list[tuple[str, SlotRecord | CorruptCheckpointError]]:
-        """Every record on this path (any rank's, own or replica), parsed, or the reason it cannot be trusted."""
+    def records(self, rank: int | None = None) -> list[tuple[str, SlotRecord | CorruptCheckpointError]]:
+        """Every record on this path (``rank``'s, else any rank's, own or replica), parsed, or the reason it cannot
+        be trusted."""
         found: list[tuple[str, SlotRecord | CorruptCheckpointError]] = []
         with contextlib.suppress(FileNotFoundError):
             for rank_dir in sorted(os.listdir(self.run_dir)):
-                if not _RANK_DIR.match(rank_dir):
+                if not _RANK_DIR.match(rank_dir) or rank_dir != f"r{rank}" and rank is not None:
                     continue
                 for name in sorted(os.listdir(os.path.join(self.run_dir, rank_dir))):
                     if not _SLOT_FILE.match(name):

@@ -189,7 +189,7 @@ class MemorySnapshots:
     def _oldest_slot(self) -> int:
         """The slot to reuse: one without a record, else the one holding the lowest sequence (never the newest)."""
         held: dict[int, int] = {}
-        for _, record in self.dir.records():
+        for _, record in self.dir.records(self.rank):
             if isinstance(record, SlotRecord) and record.rank == self.rank and record.slot < self.slots:
                 held[record.slot] = record.sequence
         free = [k for k in range(self.slots) if k not in held]
