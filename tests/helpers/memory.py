@@ -17,8 +17,8 @@ def memory_path(ctx) -> str:
     return path
 
 
-def memory_manager(ctx, *, every=1, replicas=1, slots=2, budget_bytes=None, path=None, **kwargs):
-    """This world's manager with a memory tier on the rank's node (durable root: ``ctx.root``)."""
+def memory_manager(ctx, *, every=1, replicas=1, slots=2, budget_bytes=None, path=None, root=None, **kwargs):
+    """This world's manager with a memory tier on the rank's node (durable root: ``root``, else ``ctx.root``)."""
     from dcp_atomic import CheckpointManager, MemoryTier
     from dcp_atomic.exchange import file_transfer
 
@@ -26,7 +26,7 @@ def memory_manager(ctx, *, every=1, replicas=1, slots=2, budget_bytes=None, path
     kwargs.setdefault("timeout", 10)
     memory = MemoryTier(path or memory_path(ctx), every=every, replicas=replicas, slots=slots,
                         budget_bytes=budget_bytes)
-    return CheckpointManager(ctx.root, RUN, memory=memory, **kwargs)
+    return CheckpointManager(root or ctx.root, RUN, memory=memory, **kwargs)
 
 
 def trained(world: int, step: int, seed: int = 0):
