@@ -220,6 +220,21 @@ def test_a_snapshot_due_while_one_is_in_flight_is_skipped_and_counted(root, node
     assert outcomes == [((True, None, 1), 1, 3, 1)] * WORLD, outcomes
 
 
+def _snapshot_every_second_call(ctx):
+    model, optim = trained(WORLD, 0)
+    with memory_manager(ctx, every=2) as manager:
+        taken = []
+        for step in (1, 2, 3):
+            future = manager.snapshot(step, state_of(model, optim, step))
+            taken.append((future.skipped, future.result()))  # waited for: none is in flight at the next call
+        return taken, manager.snapshots_skipped
+
+
+def test_every_second_call_snapshots_and_the_others_are_not_counted_as_skipped_in_flight(root, nodes):
+    outcomes = assert_all_ok(_run(_snapshot_every_second_call, root, nodes))
+    assert outcomes == [([(False, 1), (True, None), (False, 3)], 0)] * WORLD, outcomes
+
+
 # -- kills --------------------------------------------------------------------------------------------------------
 
 # phase -> does the step killed there survive? (before_record: rank 0 gave the sequence and every share's copy is
