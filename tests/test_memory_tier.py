@@ -123,6 +123,35 @@ def test_a_durable_save_after_the_newest_snapshot_is_newer_by_commit_sequence_an
     assert assert_all_ok(_run(_restore, root, nodes)) == [(3, None, True)] * WORLD
 
 
+def _with_local_tier(ctx, expected):
+    """Memory and a local tier: restore (``expected``: the (step, tier) it must be, None for a first job), then a
+    snapshot and a local save of the next step in the order ``expected`` dictates; returns what was restored."""
+    from dcp_atomic import LocalTierOptions
+
+    local = LocalTierOptions(os.path.join(ctx.extra["nodes"][ctx.rank // 2], "local"), replicas=1,
+                             durable_every=None)
+    model, optim = trained(WORLD, 0, seed=0 if expected is None else 7)
+    with memory_manager(ctx, local=local) as manager:
+        restored = None
+        if expected is not None:
+            step = manager.load(state_of(model, optim, 0))
+            restored = (step, manager.restored_from["tier"], _exact_at(model, optim, step))
+        if expected is None:  # snapshots 1-3, step 3 saved locally after its snapshot, then snapshot 4: the newest
+            _train_and_snapshot(ctx, model, optim, manager, 1, 3)
+            manager.save(3, state_of(model, optim, 3))
+            _train_and_snapshot(ctx, model, optim, manager, 4, 4)
+        elif expected[0] == 4:  # snapshot 5, then its local save: the local commit is the newer
+            _train_and_snapshot(ctx, model, optim, manager, 5, 5)
+            manager.save(5, state_of(model, optim, 5))
+    return restored
+
+
+def test_memory_and_local_commits_share_one_sequence_and_the_newer_is_restored(root, nodes):
+    assert_all_ok(_run(_with_local_tier, root, nodes, None))
+    assert assert_all_ok(_run(_with_local_tier, root, nodes, (4, "memory"))) == [(4, "memory", True)] * WORLD
+    assert assert_all_ok(_run(_with_local_tier, root, nodes, (5, "local"))) == [(5, "local", True)] * WORLD
+
+
 def test_damaged_slots_are_served_around_from_replicas_never_loaded(root, nodes, pristine):
     assert_all_ok(_run(_snapshot_steps, root, nodes, 4))
     pristine.save()
