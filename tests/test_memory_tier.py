@@ -123,33 +123,33 @@ def test_a_durable_save_after_the_newest_snapshot_is_newer_by_commit_sequence_an
     assert assert_all_ok(_run(_restore, root, nodes)) == [(3, None, True)] * WORLD
 
 
-def _with_local_tier(ctx, expected):
-    """Memory and a local tier: restore (``expected``: the (step, tier) it must be, None for a first job), then a
-    snapshot and a local save of the next step in the order ``expected`` dictates; returns what was restored."""
+def _with_local_tier(ctx, first):
+    """Memory and a local tier.  The first job (``first``): snapshots 1-2, a local save of 2, snapshot 3, a local save
+    of 3 (the newest commit: it must number above the snapshot made since the last local save).  The next: restore,
+    then snapshot 4 (the newest).  Returns what was restored."""
     from dcp_atomic import LocalTierOptions
 
     local = LocalTierOptions(os.path.join(ctx.extra["nodes"][ctx.rank // 2], "local"), replicas=1,
                              durable_every=None)
-    model, optim = trained(WORLD, 0, seed=0 if expected is None else 7)
+    model, optim = trained(WORLD, 0, seed=0 if first else 7)
     with memory_manager(ctx, local=local) as manager:
-        restored = None
-        if expected is not None:
-            step = manager.load(state_of(model, optim, 0))
-            restored = (step, manager.restored_from["tier"], _exact_at(model, optim, step))
-        if expected is None:  # snapshots 1-3, step 3 saved locally after its snapshot, then snapshot 4: the newest
-            _train_and_snapshot(ctx, model, optim, manager, 1, 3)
+        if first:
+            _train_and_snapshot(ctx, model, optim, manager, 1, 2)
+            manager.save(2, state_of(model, optim, 2))
+            _train_and_snapshot(ctx, model, optim, manager, 3, 3)
             manager.save(3, state_of(model, optim, 3))
+            return None
+        step = manager.load(state_of(model, optim, 0))
+        restored = (step, manager.restored_from["tier"], _exact_at(model, optim, step))
+        if step == 3:
             _train_and_snapshot(ctx, model, optim, manager, 4, 4)
-        elif expected[0] == 4:  # snapshot 5, then its local save: the local commit is the newer
-            _train_and_snapshot(ctx, model, optim, manager, 5, 5)
-            manager.save(5, state_of(model, optim, 5))
     return restored
 
 
 def test_memory_and_local_commits_share_one_sequence_and_the_newer_is_restored(root, nodes):
-    assert_all_ok(_run(_with_local_tier, root, nodes, None))
-    assert assert_all_ok(_run(_with_local_tier, root, nodes, (4, "memory"))) == [(4, "memory", True)] * WORLD
-    assert assert_all_ok(_run(_with_local_tier, root, nodes, (5, "local"))) == [(5, "local", True)] * WORLD
+    assert_all_ok(_run(_with_local_tier, root, nodes, True))
+    assert assert_all_ok(_run(_with_local_tier, root, nodes, False)) == [(3, "local", True)] * WORLD
+    assert assert_all_ok(_run(_with_local_tier, root, nodes, False)) == [(4, "memory", True)] * WORLD
 
 
 def test_damaged_slots_are_served_around_from_replicas_never_loaded(root, nodes, pristine):
