@@ -33,8 +33,9 @@ from typing import Any, Callable
 from .._base import failpoints
 from .._base.futures import ReportedFuture
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError
-from ..exchange.collective import agreed_phase, first_line, gather, raise_typed
+from ..exchange.collective import CollectiveFailed, agreed_phase, first_line, gather, raise_typed
 from ..exchange.file_transfer import Part, Spooled, discard, transfer
+from ..exchange.transport import PeerError, PeerLink
 from ..format.layout import RunLayout
 from ..protocol.commit import known_sequence, next_sequence, note_sequence
 from ..tiers import Topology
@@ -42,6 +43,7 @@ from .items import flatten, install, write_leaves
 from .slots import SlotDir, SlotRecord, SlotSink, mapped, verify_slot
 
 log = logging.getLogger("dcp_atomic.memory")
+CONSEQUENCE = "the snapshot is not memory-committed; the previous one is intact."
 
 
 class SnapshotFuture(ReportedFuture):
@@ -183,7 +185,7 @@ class MemorySnapshots:
             written = e
         failpoints.hit("memory.after_slot_write", self.rank, step)
         future = self._inflight = SnapshotFuture()
-        self._worker.submit(self._commit, step, written, future)
+        self._worker.submit(self._commit, step, written, future, f"memory/{self.run_id}/{self._calls}")
         return future
 
     def _oldest_slot(self) -> int:
@@ -195,8 +197,9 @@ class MemorySnapshots:
         free = [k for k in range(self.slots) if k not in held]
         return free[0] if free else min(held, key=lambda k: held[k])
 
-    def _commit(self, step: int, written: SlotRecord | BaseException, future: SnapshotFuture) -> None:
-        """Steps 2-4 on the memory tier's thread; the outcome goes to ``future``."""
+    def _commit(self, step: int, written: SlotRecord | BaseException, future: SnapshotFuture, exchange: str) -> None:
+        """Steps 2-4 on the memory tier's thread; the outcome goes to ``future`` (``exchange``: this snapshot's name,
+        the same on every rank, for the transport's check-in when a peer is lost)."""
         what = f"memory snapshot of step {step}"
         try:
             with agreed_phase(self.memory_group, f"the {what}", f"rank {self.rank} could not write its slot",
@@ -212,10 +215,11 @@ class MemorySnapshots:
                     self.dir.write_record(_with_sequence(record, sequence))
                 failpoints.hit("memory.after_record", self.rank, step)
         except BaseException as e:  # ours pass as they are; a broken collective gets the liveness verdict
-            try:
-                raise_typed(self.translate(e, f"the {what}"))
-            except BaseException as typed:
-                future.set_exception(typed)
+            typed = self.translate(e, f"the {what}")
+            if isinstance(typed, CollectiveFailed):  # no verdict yet: the transport's check-in names who is gone
+                typed = PeerLink(self.memory_group, self.timeout, exchange).lost(
+                    PeerError(None, first_line(typed)), f"the {what}", CONSEQUENCE)
+            future.set_exception(typed)
             return
         self.snapshots_taken += 1
         future.set_result(step)
@@ -231,7 +235,7 @@ class MemorySnapshots:
         received = transfer(outgoing, {src: self.topology.describe(src) for src in sources}, self.memory_group,
                             self.dir.spool, what=f"sending the memory snapshot of step {step} to its replica holders",
                             timeout=self.timeout, exchange_id=f"memory/{self.run_id}",
-                            consequence="the snapshot is not memory-committed; the previous one is intact.")
+                            consequence=CONSEQUENCE)
         kept: list[SlotRecord] = []
         with agreed_phase(self.memory_group, f"replicating the memory snapshot of step {step}",
                           f"rank {self.rank} could not keep a replica", then="The previous snapshot is intact.",
