@@ -38,7 +38,7 @@ from .version import __version__
 # What needs torch is imported on first use, so that `dcp-atomic --help`, `ls` and `show` (and anything that only
 # looks at a root) start without it: importing torch costs seconds, a minute on a loaded node.
 _lazy, __getattr__, __dir__ = face(__name__, {"manager": ("CheckpointManager",),
-                                              "manager.options": ("LocalTierOptions", "Callbacks"),
+                                              "manager.options": ("LocalTierOptions", "MemoryTier", "Callbacks"),
                                               "staging.options": ("Staging",),
                                               "dcp.planners": ("AtomicLoadPlanner", "AtomicSavePlanner"),
                                               "dcp.reader": ("AtomicStorageReader",),
@@ -86,6 +86,7 @@ sys.meta_path.insert(0, _MovedModules())
 
 __all__ = [
     "LocalTierOptions",
+    "MemoryTier",
     "Callbacks",
     "AtomicStorageWriter",
     "AtomicStorageReader",

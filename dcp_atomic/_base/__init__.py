@@ -1,4 +1,4 @@
-"""Utilities every layer may use and that know nothing of checkpoints: fault points, retries and deadlines, the
+"""Utilities every layer may use and that know nothing of checkpoints: fault points, retries and deadlines, futures that know whether their failure was reported, the
 collector pause, progress logs, argument checks, statistics records, and the one module that touches private names
 of torch, s3fs and gcsfs (``internals``)."""
 
@@ -9,6 +9,7 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "arguments": ("arguments",),
     "faces": ("face",),
     "failpoints": ("failpoints",),
+    "futures": ("ReportedFuture",),
     "gc_pause": ("gc_paused", "hook", "leave", "PLANNER", "STORAGE"),
     "internals": ("internals", "MEM_FORMAT_ENCODING"),
     "key_prefixes": ("data_prefix", "DATA_PREFIX_PATTERN", "MAX_DATA_PREFIXES", "validate_data_prefixes"),

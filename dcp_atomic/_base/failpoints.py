@@ -47,6 +47,10 @@ POINTS = frozenset(
         "drain.before_marker",  # the drain's rank 0, control files checked, before the durable marker (the step)
         "drain.after_commit",  # the drain's rank 0, the step durably committed, before it hands out the outcome
         "reuse.before_link",  # every rank saving with reuse, before it links a stable file of the base (the base step)
+        "memory.after_slot_write",  # memory tier: every rank, its slot written (no record yet), before the commit thread
+        "memory.replica_send",  # memory tier's thread: every rank, slots agreed, before the copies move (the step)
+        "memory.before_record",  # memory tier's thread: every rank, the sequence handed out, before any commit record
+        "memory.after_record",  # memory tier's thread: every rank, its records written, before the ranks agree
         "reuse.after_link",  # every rank saving with reuse, a base file linked and verified, its other files not written
     }
 )

@@ -19,5 +19,5 @@ __all__, __getattr__, __dir__ = face(__name__, {
                  "Manifest", "ManifestShard", "Marker", "now", "RankRecords", "RANKS_FILE", "sealed_json", "shard_name",
                  "ShardRef", "unseal"),
     "parallelism": ("Parallelism",),
-    "safe_pickle": ("load_dcp_metadata", "load_refusal", "safe_byte_item"),
+    "safe_pickle": ("decode_item", "load_dcp_metadata", "load_refusal", "safe_byte_item"),
 })

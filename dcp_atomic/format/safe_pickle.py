@@ -189,7 +189,7 @@ def safe_byte_item(data: bytes, *, key: str, where: str) -> io.BytesIO:
     is the decoded object saved again, so the planner's unpickler only ever
     sees bytes this process wrote, never the stored ones.
     """
-    value = _decode_item(data, key=key, where=where)
+    value = decode_item(data, key=key, where=where)
     stream = io.BytesIO()
     torch.save(value, stream)
     stream.seek(0)
@@ -205,7 +205,7 @@ def load_refusal(data: bytes | memoryview, *, key: str) -> str | None:
     if len(data) > SAVE_CHECK_MAX_BYTES:
         return None
     try:
-        _decode_item(bytes(data), key=key, where="the item being saved")
+        decode_item(bytes(data), key=key, where="the item being saved")
     except UnsafeItemError as e:
         return e.message
     except CheckpointError:
@@ -213,7 +213,9 @@ def load_refusal(data: bytes | memoryview, *, key: str) -> str | None:
     return None
 
 
-def _decode_item(data: bytes, *, key: str, where: str) -> Any:
+def decode_item(data: bytes, *, key: str, where: str) -> Any:
+    """A non-tensor item's value, decoded by the allow-list (P11): the one decoder of stored objects (a load's
+    items through :func:`safe_byte_item`, a memory slot's directly)."""
     with _decode_lock:
         missing = [g for g in _dcp_state_globals() if g not in torch.serialization.get_safe_globals()]
         try:

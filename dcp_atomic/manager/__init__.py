@@ -10,12 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .options import Callbacks, LocalTierOptions
+from .options import Callbacks, LocalTierOptions, MemoryTier
 
 if TYPE_CHECKING:
     from .checkpoint_manager import CheckpointManager
 
-__all__ = ["CheckpointManager", "LocalTierOptions", "Callbacks"]
+__all__ = ["CheckpointManager", "LocalTierOptions", "MemoryTier", "Callbacks"]
 
 
 def __getattr__(name: str):

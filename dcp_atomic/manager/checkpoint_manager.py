@@ -70,12 +70,17 @@ from ..protocol.retention_policy import Retention
 from .._base.retry import Deadline
 from .._base.stats import FailureStats, LoadStats, SaveStats
 from .._base import internals
+from .._base.futures import ReportedFuture
 from ..dcp.watched import WatchedReader, WatchedSavePlanner
 from ..dcp.reuse import refuse_unsupported
 from ..dcp.writer import AtomicStorageWriter
 from ..format.integrity import BLOCK_SIZE
 from ..staging import LiveState, Staging, WindowPool
-from .options import Callbacks, LocalTierOptions, StatsCallback
+from ..memory import MemorySnapshots, SnapshotFuture
+from ..protocol.lineage import ensure_lineage, new_lineage, refuses_writes
+from ..protocol.commit import known_sequence, next_sequence
+from ..tiers import failure_domain as resolve_failure_domain
+from .options import Callbacks, LocalTierOptions, MemoryTier, StatsCallback
 from .tiering import DurableOnly, TierContext, TierPolicy
 from .two_tier import TwoTier
 
@@ -197,6 +202,11 @@ class CheckpointManager(RankAgreement):
         staging: bounded staging for ``async_save`` (:class:`~dcp_atomic.staging.Staging`, README "Bounded
             staging"): no whole host copy of the state; the live tensors are read after the call returns, and
             :meth:`wait_staged` says when they may change again.  None: DCP stages a host copy of the state.
+        memory: the memory tier (:class:`~.options.MemoryTier`: ``path``, ``every``, ``replicas``, ``slots``,
+            ``budget_bytes``): :meth:`snapshot` keeps every rank's state in RAM with verified copies on other failure
+            domains, and ``load()`` restores the newest memory-committed step unless another tier holds a newer
+            commit (README "Memory tier").  Needs the manager's own process groups (refused with
+            ``process_group=``).  None: no memory tier.
     """
 
     _instances = 0
@@ -222,6 +232,7 @@ class CheckpointManager(RankAgreement):
         share_reads: bool | None = None,
         reuse: bool = False,
         staging: Staging | None = None,
+        memory: MemoryTier | None = None,
         # deprecated: the flat form of ``local`` and ``callbacks`` (for one release)
         local_root: str | os.PathLike | None = _UNSET,
         replicas: int = _UNSET,
@@ -251,6 +262,7 @@ class CheckpointManager(RankAgreement):
         reuse = arguments.flag("CheckpointManager(reuse=...)", reuse)
         arguments.instance("CheckpointManager(parallelism=...)", parallelism, Parallelism, "a dcp_atomic.Parallelism")
         arguments.instance("CheckpointManager(staging=...)", staging, Staging, "a dcp_atomic.Staging")
+        arguments.instance("CheckpointManager(memory=...)", memory, MemoryTier, "a dcp_atomic.MemoryTier")
         self.root, self.run_id = root, run_id
         self.storage_options = storage_options
         self.layout = RunLayout(open_storage(root, storage_options), run_id)
@@ -276,9 +288,14 @@ class CheckpointManager(RankAgreement):
         self.divergence = "warn" if allow_divergence else "raise"
         self._distributed = dist.is_available() and dist.is_initialized()
         self._owned_groups: list[dist.ProcessGroup] = []
+        self._drain_group = self._memory_group = None
         if not self._distributed:
             self._group = self._async_group = None
         elif process_group is not None:
+            if memory is not None and dist.get_world_size(process_group) > 1:
+                raise ConfigurationError("CheckpointManager(memory=...) needs a process group of the memory tier's "
+                                         "own, which the manager cannot create when it is given process_group=; leave "
+                                         "process_group out")
             self._group = self._async_group = process_group
         else:
             pg_timeout = timedelta(seconds=timeout)
@@ -288,11 +305,14 @@ class CheckpointManager(RankAgreement):
             if local is not None:
                 # the drain thread's own group (drain.py): created on the main thread, on every rank alike; it waits
                 # for every rank's upload, so it gets the work's limit, not the liveness one
-                self._owned_groups.append(dist.new_group(
-                    backend="gloo", timeout=timedelta(seconds=max(timeout, work_timeout))))
+                self._drain_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout, work_timeout)))
+                self._owned_groups.append(self._drain_group)
+            if memory is not None:  # the memory tier's thread's own group: created here, on every rank alike
+                self._memory_group = dist.new_group(backend="gloo", timeout=pg_timeout)
+                self._owned_groups.append(self._memory_group)
         self.rank = dist.get_rank(self._group) if self._distributed else 0
         self.world_size = dist.get_world_size(self._group) if self._distributed else 1
-        self._inflight: _SaveFuture | None = None
+        self._inflight: ReportedFuture | None = None
         self._resumed: ResumePoint | None = None  # set by load(): see AtomicStorageWriter(resumed_from=)
         self._lock = threading.Lock()
         self._ops = 0  # operation counter: identical on all ranks (SPMD), names liveness keys
@@ -305,6 +325,9 @@ class CheckpointManager(RankAgreement):
                                         dist.get_process_group_ranks(self._group), timeout)
         self.local = local
         self.local_root = local.local_root if local is not None else None
+        self.memory = memory
+        self._memory: MemorySnapshots | None = None  # built last: a refused tier's _release() finds none
+        self._memory_restored: dict[str, Any] | None = None  # restored_from after a load the memory tier served
         # the tiers' differences live in one policy, picked here; DurableOnly also until TwoTier is set up, so that
         # the _release() of a refused local tier finds one
         self._tier: TierPolicy = DurableOnly(root, run_id, storage_options)
@@ -312,6 +335,16 @@ class CheckpointManager(RankAgreement):
             try:
                 self._tier = TwoTier(self._tier_context(), local)
             except BaseException:  # refused (too few domains...): nothing of this manager may outlive it
+                self._release()
+                raise
+        if memory is not None:
+            try:
+                self._memory = MemorySnapshots(
+                    rank=self.rank, world_size=self.world_size, run_id=run_id, layout=self.layout, options=memory,
+                    domain=resolve_failure_domain(local.failure_domain if local is not None else None),
+                    lineage=self._tier.lineage or self._on_rank0(self._durable_lineage, "read the run's lineage"),
+                    group=self._group, memory_group=self._memory_group, timeout=timeout, translate=self._translate)
+            except BaseException:
                 self._release()
                 raise
         self.durable_every = self._tier.durable_every  # None where no drain can run
@@ -324,14 +357,41 @@ class CheckpointManager(RankAgreement):
             storage_options=self.storage_options, layout=self.layout, timeout=self.timeout,
             work_timeout=self.work_timeout, parallelism=self.parallelism, thread_count=self.thread_count,
             retention=self.retention, lease_seconds=self.lease_seconds, group=self._group,
-            drain_group=self._owned_groups[2] if len(self._owned_groups) > 2 else None, heartbeat=self._heartbeat,
+            drain_group=self._drain_group, heartbeat=self._heartbeat,
             callbacks=self.callbacks, translate=self._translate, on_rank0=self._on_rank0, watch=self._watch,
             resumed=lambda: self._resumed, committed_marker=self._committed_marker, deliver=self._deliver)
 
     @property
     def restored_from(self) -> dict[str, Any] | None:
-        """After ``load()``: which tier served it (see :meth:`load`); None with one tier."""
-        return self._tier.restored_from
+        """After ``load()``: which tier served it (see :meth:`load`); None with one tier and no memory tier."""
+        return self._memory_restored or self._tier.restored_from
+
+    @property
+    def snapshots_skipped(self) -> int:
+        """Snapshots due while the previous one was still in flight: skipped, never queued (0 without a memory
+        tier)."""
+        return self._memory.snapshots_skipped if self._memory is not None else 0
+
+    def _durable_lineage(self) -> str:
+        """Rank 0: the durable run's lineage id (created with a new one if it has none), which the memory tier's
+        records carry without a local tier; a root that cannot be written gives this job a lineage of its own, so
+        its snapshots restore only within it (warned)."""
+        try:
+            return ensure_lineage(self.layout, new_lineage())
+        except (OSError, CheckpointError) as e:
+            if not refuses_writes(e):
+                raise
+            lineage = new_lineage()
+            log.warning("run %r: the durable root %s cannot be written (%s), so the run's lineage could not be "
+                        "recorded; this job's memory snapshots carry lineage %s, which a later job cannot confirm, and "
+                        "will not restore them", self.run_id, self.layout.storage.describe(), first_line(e), lineage)
+            return lineage
+
+    def _newest_elsewhere(self) -> int | None:
+        """Every rank alike: the newest commit sequence of the durable root and the local tier (None: none)."""
+        durable = self._on_rank0(lambda: next_sequence(self.layout) - 1, "read the durable root's commit sequence")
+        found = [n for n in (durable, self._tier.local_sequence()) if n]
+        return max(found, default=None)
 
     # -- saving --------------------------------------------------------------------------
 
@@ -391,7 +451,7 @@ class CheckpointManager(RankAgreement):
         drain = self._wants_drain(durable)
         self._wait_for_async_save()
         op = self._ops
-        result = _SaveFuture()
+        result = ReportedFuture()
         started = time.perf_counter()
         with self._failures_reported("async_save", step, started):
             self._refuse_conflicts(step)
@@ -444,6 +504,26 @@ class CheckpointManager(RankAgreement):
         staged = self._staged
         return 0.0 if staged is None else staged.read.wait()
 
+    @_operation
+    def snapshot(self, step: int, state_dict: dict[str, Any]) -> SnapshotFuture:
+        """Snapshot ``state_dict`` into the memory tier (``memory=MemoryTier(...)``), every rank alike: every
+        ``every``-th call copies this rank's items into its oldest slot now, then, in the background, sends verified
+        copies to ``replicas`` other failure domains and takes the next commit sequence from global rank 0.
+
+        Returns a future that resolves to ``step`` once the snapshot is memory-committed on every rank, or raises the
+        same typed error on every rank (a lost peer: ``PeerLost`` naming it).  A call that takes no snapshot (not
+        due, or the previous one still in flight: counted in ``snapshots_skipped``, never queued) returns a resolved
+        future with ``skipped`` set.  The state dict may change as soon as this returns.
+        """
+        validate_step(step, "CheckpointManager.snapshot(step=...)")
+        if self._memory is None:
+            raise ConfigurationError("CheckpointManager.snapshot needs a memory tier: pass "
+                                     "memory=MemoryTier(path=...) to CheckpointManager")
+        try:
+            return self._memory.snapshot(step, state_dict)
+        except BaseException as e:
+            raise_typed(self._translate(e, f"snapshotting step {step}"))
+
     def wait(self) -> int | None:
         """Wait for the in-flight save, then for the drains in flight or waiting; return the save's step (None if
         there is none).
@@ -452,6 +532,8 @@ class CheckpointManager(RankAgreement):
         failure that nothing has raised yet (once, on every rank).
         """
         step = self._wait_for_async_save()
+        if self._memory is not None:
+            self._memory.wait()
         self._tier.wait()
         return step
 
@@ -468,6 +550,8 @@ class CheckpointManager(RankAgreement):
             return
         try:
             self._wait_for_async_save()
+            if self._memory is not None:
+                self._memory.wait()
         finally:
             try:
                 if self._inflight is None:
@@ -476,9 +560,11 @@ class CheckpointManager(RankAgreement):
                 self._release()
 
     def _release(self) -> None:
-        if self._inflight is not None or self._tier.busy():
-            return  # never destroy the groups under a running save or drain
+        if self._inflight is not None or self._tier.busy() or (self._memory is not None and self._memory.busy()):
+            return  # never destroy the groups under a running save, drain or snapshot
         self._tier.close()
+        if self._memory is not None:
+            self._memory.close()
         self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.close()
@@ -527,6 +613,12 @@ class CheckpointManager(RankAgreement):
                                     then="pass step= too, the step that save belongs to")
         self._wait_for_async_save()
         started = time.perf_counter()
+        self._memory_restored = None
+        if step is None and save_id is None and self._memory is not None:
+            with self._failures_reported("load", step, started):
+                restored = self._memory.restore(state_dict, self._newest_elsewhere())
+            if restored is not None:
+                return self._restored_from_memory(restored, started)
         with self._failures_reported("load", step, started) as attempt:
             root, storage_options, wanted = self.root, self.storage_options, save_id
             local = self._tier.restore(step, state_dict, wanted)
@@ -560,6 +652,8 @@ class CheckpointManager(RankAgreement):
                 raise_typed(failure)
             watch.finish()
         self._resumed = resumed  # P14: later saves supersede the steps above it that this load abandoned
+        if self._memory is not None:
+            self._memory.retire_above(chosen)
         seconds = time.perf_counter() - started
         log.info("loaded run %r step %d (save %s) in %.3fs", self.run_id, chosen, reader.save_id, seconds)
         self._deliver(self.callbacks.on_loaded, "on_loaded", LoadStats(
@@ -572,6 +666,25 @@ class CheckpointManager(RankAgreement):
             tier=(self.restored_from or {}).get("tier"),  # None with one tier: only TwoTier.restore sets it
             bytes_from_replicas=(self.restored_from or {}).get("bytes_fetched", 0)))
         return chosen
+
+    def _restored_from_memory(self, restored: Any, started: float) -> int:
+        """A load the memory tier served: the resume point (P14: later saves and snapshots supersede the steps above
+        it), the abandoned branch's snapshots retired, ``on_loaded``."""
+        def resumed() -> ResumePoint:
+            durable = resume_point(self.layout, restored.step)
+            return ResumePoint(step=restored.step, sequence=max(durable.sequence, known_sequence(self.layout)))
+
+        self._resumed = self._on_rank0(resumed, "read the resume point")
+        self._memory.retire_above(restored.step)
+        self._memory_restored = restored.to_dict()
+        seconds = time.perf_counter() - started
+        log.info("loaded run %r step %d from the %s tier in %.3fs", self.run_id, restored.step, restored.tier, seconds)
+        self._deliver(self.callbacks.on_loaded, "on_loaded", LoadStats(
+            run_id=self.run_id, step=restored.step, save_id=None, world_size=self.world_size, rank=self.rank,
+            seconds=seconds, bytes=restored.bytes, files=0, gb_per_s=restored.bytes / max(seconds, 1e-9) / 1e9,
+            bytes_from_storage=0, bytes_from_peers=restored.bytes_fetched, bytes_to_peers=0, storage_seconds=0.0,
+            exchange_seconds=0.0, tier=restored.tier, bytes_from_replicas=restored.bytes_fetched))
+        return restored.step
 
     @_operation
     def latest_step(self) -> int | None:
@@ -821,19 +934,3 @@ class CheckpointManager(RankAgreement):
             except Exception:
                 pass
         raise_typed(watch.verdict or self._translate(error, f"saving step {step}"))
-
-class _SaveFuture(concurrent.futures.Future):
-    """An async save's future that knows whether its failure has been reported to anyone."""
-
-    reported = False
-
-    def result(self, timeout: float | None = None) -> Any:
-        try:
-            return super().result(timeout)
-        finally:
-            self.reported |= self.done()
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        error = super().exception(timeout)
-        self.reported = True
-        return error

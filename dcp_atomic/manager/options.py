@@ -1,5 +1,5 @@
-"""What a user configures as a group: the local tier (:class:`LocalTierOptions`) and the statistics callbacks
-(:class:`Callbacks`).
+"""What a user configures as a group: the local tier (:class:`LocalTierOptions`), the memory tier
+(:class:`MemoryTier`) and the statistics callbacks (:class:`Callbacks`).
 
 ``CheckpointManager`` took these as flat keywords; grouped, each group checks itself once, where it is built
 (``__post_init__``), and the manager passes it on whole (the local tier reads :class:`LocalTierOptions`, the save,
@@ -64,6 +64,37 @@ class LocalTierOptions:
         arguments.location("LocalTierOptions(local_root=...)", self.local_root)
         arguments.count("LocalTierOptions(replicas=...)", self.replicas, minimum=0, optional=False)
         arguments.instance("LocalTierOptions(failure_domain=...)", self.failure_domain, str, "a string")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTier:
+    """The memory tier (README "Memory tier", P16): ``manager.snapshot(step, state_dict)`` keeps each rank's state in
+    RAM, with verified copies on other failure domains, and ``load()`` restores the newest memory-committed step when
+    no other tier holds a newer one.
+
+    Args:
+        path: a RAM-backed directory on each node (a tmpfs such as ``/dev/shm/dcp_atomic``; each rank passes its
+            node's), existing and writable.
+        every: every N-th ``snapshot`` call takes one (the others return a future marked ``skipped``).
+        replicas: copies of each rank's slot on ranks of other failure domains.
+        slots: memory-committed steps kept per rank (at least 1; 2 keeps the previous step while the next is taken).
+        budget_bytes: the most this rank's slots and the copies it holds may take: ``slots x (1 + replicas) x`` its
+            share of the state, checked at the first snapshot (and against the directory's free space at
+            construction).  None: only the directory's free space bounds it.
+    """
+
+    path: str | os.PathLike
+    every: int = 1
+    replicas: int = 1
+    slots: int = 2
+    budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        arguments.location("MemoryTier(path=...)", self.path)
+        arguments.count("MemoryTier(every=...)", self.every, optional=False)
+        arguments.count("MemoryTier(replicas=...)", self.replicas, minimum=0, optional=False)
+        arguments.count("MemoryTier(slots=...)", self.slots, optional=False)
+        arguments.count("MemoryTier(budget_bytes=...)", self.budget_bytes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,6 +76,8 @@ class TierPolicy(abc.ABC):
     durable_every: int | None
     #: after a load, which tier served it (the manager's ``restored_from``); None where only the durable root can
     restored_from: dict[str, Any] | None = None
+    #: the run's lineage id where the policy knows it (the local tier's, :mod:`~dcp_atomic.protocol.lineage`)
+    lineage: str | None = None
 
     # -- saving
     @abc.abstractmethod
@@ -110,6 +112,11 @@ class TierPolicy(abc.ABC):
                 save_id: str | None) -> tuple[str, int, str, ResumePoint] | None:
         """(root, step, save_id, resume point) to load from a tier other than the durable root, or None: load the
         durable root's choice."""
+
+    @abc.abstractmethod
+    def local_sequence(self) -> int | None:
+        """The newest commit sequence held outside the durable root (None: none), on every rank alike: what a
+        memory restore must not be older than."""
 
     @abc.abstractmethod
     def local_steps(self) -> set[int]:
@@ -174,6 +181,9 @@ class DurableOnly(TierPolicy):
 
     def restore(self, step: int | None, state_dict: dict[str, Any],
                 save_id: str | None) -> tuple[str, int, str, ResumePoint] | None:
+        return None
+
+    def local_sequence(self) -> int | None:
         return None
 
     def local_steps(self) -> set[int]:

@@ -33,7 +33,8 @@ from ..exchange.collective import first_line, from_rank0, gather, raise_typed
 from ..exchange.stall import StallClock
 from ..format.manifest import Marker
 from ..protocol.catalog import latest_step as scan_latest_step
-from ..protocol.commit import ResumePoint, commit_order, listed_steps, next_sequence, read_marker, refuse_committed
+from ..protocol.commit import (ResumePoint, commit_order, known_sequence, listed_steps, next_sequence, note_sequence,
+                               read_marker, refuse_committed)
 from ..protocol.lineage import (create_lineage, describe as describe_lineage, ensure_lineage, lineage_path,
                                  new_lineage, read_lineage, refuses_writes)
 from ..protocol.retention import retain_after_commit
@@ -214,6 +215,7 @@ class TwoTier(TierPolicy):
             raise_typed(ctx.translate(e, f"committing step {step} to the local tier"))
         marker, protected = committed.marker, committed.kept
         self._sequence = max(self._sequence, marker.sequence or 0)
+        note_sequence(ctx.layout, self._sequence)  # the memory tier numbers above it (P10)
         self._held_back = pending.step if pending is not None else None
         writer.last_local_commit = committed
         log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)%s", ctx.run_id, step,
@@ -234,8 +236,9 @@ class TwoTier(TierPolicy):
                 log.warning("local tier %s: retention failed (the next save retries it): %s", self.local_root, e)
 
     def _sequence_floor(self) -> int:
-        """Rank 0: the newest commit sequence of either tier it knows; the durable root's ``LATEST`` is read once
-        per manager (P10 across tiers: a local commit never sorts below a durable one made before it)."""
+        """Rank 0: the newest commit sequence of any tier it knows (a memory snapshot's too); the durable root's
+        ``LATEST`` is read once per manager (P10 across tiers: a local commit never sorts below a durable one or a
+        snapshot made before it)."""
         if self._ctx.rank == 0 and not self._sequence_known:
             try:
                 self._sequence = max(self._sequence, next_sequence(self._ctx.layout) - 1)
@@ -243,6 +246,7 @@ class TwoTier(TierPolicy):
                 log.warning("local tier: could not read the durable root's commit sequence (%s); local commits "
                             "number from the local roots alone", e)
             self._sequence_known = True
+        self._sequence = max(self._sequence, known_sequence(self._ctx.layout))
         return self._sequence
 
     def _durable_pending(self, queued: set[int] | None, group: dist.ProcessGroup | None,
@@ -400,6 +404,7 @@ class TwoTier(TierPolicy):
         newest = max([self._sequence, choice.sequence or 0]
                      + [h.sequence or 0 for held in reports.values() for h in held])
         self._sequence = newest  # a save after this restore numbers above everything seen (P10, P14)
+        note_sequence(ctx.layout, newest)
         for why in choice.skipped:
             log.warning("restore of run %r: %s", ctx.run_id, why)
         if choice.tier == "none":
@@ -530,6 +535,17 @@ class TwoTier(TierPolicy):
                 "%s, %s): they are not loaded and not deleted. If nothing needs them, remove them on that node: "
                 "rm -rf %s", root, steps, ctx.run_id, describe_lineage(self._lineage), lineage_path(ctx.layout),
                 " ".join(os.path.join(tier.roots[leader], ctx.run_id, f"step_{s:010d}") for s in steps[:8]))
+
+    @property
+    def lineage(self) -> str | None:
+        return self._lineage
+
+    def local_sequence(self) -> int | None:
+        """Every root's leader reports its newest local commit of this lineage; every rank gets the newest (a
+        collective)."""
+        mine = [mk.sequence or 0 for mk in of_lineage(local_markers(self.local), self._lineage)
+                ] if self.topology.is_leader else []
+        return max((n for found in self._gathered(mine) for n in found), default=None)
 
     def local_steps(self) -> set[int]:
         """Every root's leader lists its local commits of this lineage; every rank gets the union (a collective)."""

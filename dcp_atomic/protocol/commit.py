@@ -472,6 +472,17 @@ def place_marker(layout: RunLayout, marker: Marker, manifest: Manifest, evidence
     return visible
 
 
+def note_sequence(layout: RunLayout, sequence: int) -> None:
+    """Record that a commit of ``layout``'s run took ``sequence`` outside its root (a memory snapshot, a local commit):
+    this process's next commit there numbers above it (P10: one sequence for every committer)."""
+    _last_sequence[layout.run_dir] = max(sequence, _last_sequence.get(layout.run_dir, 0))
+
+
+def known_sequence(layout: RunLayout) -> int:
+    """The newest sequence this process committed or noted for ``layout``'s run (0: none), read without I/O."""
+    return _last_sequence.get(layout.run_dir, 0)
+
+
 def next_sequence(layout: RunLayout) -> int:
     """The sequence number of the commit global rank 0 is about to make: the newest one it can find, + 1.
 

@@ -12,5 +12,5 @@ __all__, __getattr__, __dir__ = face(__name__, {
                    "remove_failed_attempt", "remove_local_step", "retain_local", "scan_root", "sweep_spool",
                    "Topology"),
     "placement": ("failure_domain",),
-    "tier_restore": ("assemble_step", "choose_restore", "DurableCandidate", "restore_not_found"),
+    "tier_restore": ("assemble_step", "choose_restore", "DurableCandidate", "expand_stateful", "restore_not_found"),
 })

@@ -1,0 +1,180 @@
+"""A rank's state dict as the items of a memory slot, and back.
+
+The state dict is flattened the way DCP flattens it (``Stateful`` values replaced by their ``state_dict()``, nested
+dicts and lists walked, leaves named by dotted paths): tensors are stored as their raw bytes, a DTensor as its local
+shard (its placements and mesh shape recorded, so a restore at the same world size puts the bytes back into the same
+local shard), and any other value ``torch.save``-encoded, decoded on restore by the allow-list
+(:func:`~dcp_atomic.format.safe_pickle.decode_item`), never ``pickle.loads``.
+
+Writing goes through a sink (:class:`~.slots.SlotSink`: ``write(index, offset, data)``, ``finish(index)``), a window
+at a time: a CPU tensor's bytes go from its own memory into the slot (no second host copy); a device tensor is copied
+to the host one window at a time.  Restoring copies the verified bytes straight into the state dict's tensors.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from ..errors import RankConsistencyError
+from ..format.blocks import verify_item
+from ..format.codec import tensor_bytes
+from ..format.safe_pickle import decode_item
+from ..tiers import expand_stateful
+from .slots import SlotItem
+
+WINDOW_BYTES = 16 << 20  # a device tensor crosses to the host this much at a time
+
+
+@dataclass
+class Leaf:
+    """One flattened value at ``path`` (its keys and list indexes from the state dict's top): a tensor's bytes
+    (``tensor``: what is stored, the local shard of a DTensor), or an encoded object."""
+
+    path: tuple
+    value: Any
+    tensor: torch.Tensor | None
+    encoded: bytes | None = None
+
+    @property
+    def key(self) -> str:
+        return ".".join(map(str, self.path))
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size() if self.tensor is not None else len(self.encoded)
+
+
+def leaves_of(expanded: dict[str, Any]) -> list[Leaf]:
+    """Every leaf of an expanded state dict (dicts and lists walked), in a stable order; nothing encoded yet."""
+    leaves: list[Leaf] = []
+
+    def walk(path: tuple, value: Any) -> None:
+        if isinstance(value, dict):
+            for key in value:
+                walk((*path, key), value[key])
+        elif isinstance(value, list):
+            for index, element in enumerate(value):
+                walk((*path, index), element)
+        else:
+            stored = value.to_local() if isinstance(value, DTensor) else value
+            leaves.append(Leaf(path, value, stored if isinstance(stored, torch.Tensor) else None))
+
+    walk((), expanded)
+    return leaves
+
+
+def flatten(state_dict: dict[str, Any]) -> list[Leaf]:
+    """The leaves of a state dict (expanded here), each non-tensor value ``torch.save``-encoded."""
+    leaves = leaves_of(expand_stateful(state_dict))
+    for leaf in leaves:
+        if leaf.tensor is None:
+            stream = io.BytesIO()
+            torch.save(leaf.value, stream)
+            leaf.encoded = stream.getvalue()
+    return leaves
+
+
+def write_leaves(leaves: list[Leaf], sink) -> list[SlotItem]:
+    """Every leaf's bytes into ``sink`` (a window at a time); the items of the slot's record."""
+    items, offset = [], 0
+    for index, leaf in enumerate(leaves):
+        if leaf.tensor is None:
+            sink.write(index, 0, memoryview(leaf.encoded))
+        else:
+            _write_tensor(index, leaf.tensor, sink)
+        value = leaf.value
+        items.append(SlotItem(
+            key=leaf.key, kind="object" if leaf.tensor is None else "dtensor" if isinstance(value, DTensor) else "tensor",
+            offset=offset, nbytes=leaf.nbytes, checksums=sink.finish(index),
+            dtype=None if leaf.tensor is None else str(leaf.tensor.dtype).removeprefix("torch."),
+            shape=None if leaf.tensor is None else tuple(leaf.tensor.shape),
+            dtensor=_placement(value) if isinstance(value, DTensor) else None))
+        offset += leaf.nbytes
+    return items
+
+
+def _write_tensor(index: int, tensor: torch.Tensor, sink) -> None:
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":  # its own memory is the source: no host copy (one if it is not contiguous)
+        sink.write(index, 0, tensor_bytes(tensor.contiguous()))
+        return
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), WINDOW_BYTES):
+        window = flat[start:start + WINDOW_BYTES].cpu()
+        sink.write(index, start, tensor_bytes(window))
+
+
+def _placement(value: DTensor) -> dict:
+    return {"placements": [repr(p) for p in value.placements], "mesh_shape": list(value.device_mesh.shape)}
+
+
+def install(state_dict: dict[str, Any], items: tuple[SlotItem, ...], data: memoryview, where: str) -> None:
+    """Copy the bytes of ``items`` (``data``: the slot) into ``state_dict``, each item verified as it is read:
+    tensors in place, other values decoded by the allow-list; ``Stateful`` values then get their
+    ``load_state_dict``, as ``dcp.load`` does.  A key of the state dict the slot lacks, or a tensor of another dtype,
+    shape or placement, is refused by name before a byte is copied."""
+    expanded = expand_stateful(state_dict)
+    by_key = {item.key: item for item in items}
+    leaves = leaves_of(expanded)
+    missing = [leaf.key for leaf in leaves if leaf.key not in by_key]
+    wrong = [why for leaf in leaves if leaf.key in by_key for why in [_mismatch(by_key[leaf.key], leaf)] if why]
+    if missing or wrong:
+        raise RankConsistencyError(
+            f"{where} does not fit this state dict: "
+            + "; ".join([f"missing key(s) {missing[:6]}"] * bool(missing) + wrong[:6])
+            + ". Nothing was loaded from it.", path=where)
+    for leaf in leaves:
+        item = by_key[leaf.key]
+        stored = data[item.offset:item.offset + item.nbytes]
+        try:
+            verify_item(item.extent(), stored, f"{where} item {leaf.key!r}", path=where)
+            if item.kind == "object":
+                _replace(expanded, leaf.path, decode_item(bytes(stored), key=leaf.key, where=where))
+            else:
+                _copy_into(leaf.tensor, stored)
+        finally:
+            stored.release()
+    for key, value in state_dict.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(expanded[key])
+
+
+def _copy_into(tensor: torch.Tensor, stored: memoryview) -> None:
+    """The stored bytes into ``tensor``'s memory: one memcpy for a contiguous CPU tensor."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        tensor_bytes(tensor)[:] = stored
+        return
+    source = torch.frombuffer(bytearray(stored), dtype=torch.uint8) if len(stored) else torch.empty(0, dtype=torch.uint8)
+    with torch.no_grad():
+        tensor.copy_(source.view(tensor.dtype).view(tensor.shape))
+
+
+def _mismatch(item: SlotItem, leaf: Leaf) -> str | None:
+    """Why the stored ``item`` cannot go into ``leaf`` (None: it fits)."""
+    target, local = leaf.value, leaf.tensor
+    if item.kind == "object":
+        return None if local is None else f"{item.key!r} is a tensor, the slot holds an object"
+    if local is None:
+        return f"{item.key!r} is not a tensor, the slot holds one"
+    if (item.kind == "dtensor") != isinstance(target, DTensor):
+        return f"{item.key!r}: a DTensor on one side only"
+    dtype = str(local.dtype).removeprefix("torch.")
+    if dtype != item.dtype or tuple(local.shape) != item.shape:
+        return f"{item.key!r} is {dtype} {list(local.shape)}, the slot holds {item.dtype} {list(item.shape or ())}"
+    if isinstance(target, DTensor) and _placement(target) != item.dtensor:
+        return f"{item.key!r} is placed {_placement(target)}, the slot's shard was {item.dtensor}"
+    return None
+
+
+def _replace(expanded: dict[str, Any], path: tuple, value: Any) -> None:
+    """Put a decoded object at ``path`` (its container is a dict or a list)."""
+    node = expanded
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value

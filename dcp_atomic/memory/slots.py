@@ -1,0 +1,240 @@
+"""One rank's memory slots on a RAM-backed directory: the bytes, the commit record, and the one check of both.
+
+A slot is one preallocated data file rewritten in place each time it is reused (no new directory, no fsync, no
+rename: tmpfs has nothing to flush, and a step every few seconds cannot afford a directory per step), and beside it
+a self-checksummed commit record (``sealed_json``) naming the run, its lineage, the rank whose share it holds, the
+world size, the step, the commit sequence and every item (key, dtype, shape, offset, length, the xxh3 digest of
+every 4 MiB block).  The record is what makes the bytes a checkpoint (P3 for slots):
+
+1. retire: the record of the slot about to be reused is deleted before a byte of its data changes;
+2. write: the items go into the data file through :class:`SlotSink`, their block digests computed on the way;
+3. commit: the record is written last, once the data is complete and global rank 0 gave it its sequence.
+
+A crash after 1 leaves a slot without a record (never loaded); after 2, a slot whose record is missing (never
+loaded); a record is only ever beside the bytes it describes.  Bytes that changed since (a flipped bit, a truncated
+file) fail :func:`verify_slot`, which checks them with the one check of stored bytes (:mod:`dcp_atomic.format.blocks`).
+
+Layout: ``<path>/<run_id>/r<rank>/slot<k>.data`` and ``slot<k>.commit``; a replica holder keeps its copy of rank
+r's slot k under the same name on its own node's path (a node never holds both: replicas go to other failure
+domains), so "rank r's share of sequence n" is found the same way wherever it lies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import mmap
+import os
+import re
+
+from ..errors import CorruptCheckpointError
+from ..format.blocks import verify_item
+from ..format.integrity import BLOCK_SIZE, BlockHasher
+from ..format.manifest import CONTROL_SCHEMA, ItemExtent, sealed_json, unseal
+
+RECORD_KIND = "memory_slot"
+SPOOL_DIR = ".spool"  # replicas arrive here, are verified, then take their slot's name
+_SLOT_FILE = re.compile(r"^slot(\d+)\.commit$")
+_RANK_DIR = re.compile(r"^r(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotItem:
+    """One item of a rank's share: where its bytes lie in the slot, and what they must be."""
+
+    key: str
+    kind: str  # "tensor" | "dtensor" | "object" (a non-tensor value, torch.save-encoded, decoded by the allow-list)
+    offset: int
+    nbytes: int
+    checksums: tuple[str, ...]
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    dtensor: dict | None = None  # {"placements": [...], "mesh_shape": [...]}: the local shard's place
+
+    def extent(self) -> ItemExtent:
+        """The item as the one block check knows items (:func:`~dcp_atomic.format.blocks.verify_item`)."""
+        return ItemExtent(key=self.key, chunk_offset=None, kind="bytes" if self.kind == "object" else "tensor",
+                          format="raw", pos=self.offset, length=self.nbytes, checksums=list(self.checksums),
+                          block_size=BLOCK_SIZE)
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "kind": self.kind, "offset": self.offset, "nbytes": self.nbytes,
+                "checksums": list(self.checksums), "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape), "dtensor": self.dtensor}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "SlotItem":
+        return cls(key=raw["key"], kind=raw["kind"], offset=int(raw["offset"]), nbytes=int(raw["nbytes"]),
+                   checksums=tuple(raw["checksums"]), dtype=raw["dtype"],
+                   shape=None if raw["shape"] is None else tuple(raw["shape"]), dtensor=raw["dtensor"])
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRecord:
+    """A slot's commit record: whose share of which step it holds, in which commit order."""
+
+    run_id: str
+    lineage: str
+    rank: int  # the rank whose share this is (a replica holder keeps the owner's number)
+    world_size: int
+    step: int
+    sequence: int
+    slot: int
+    length: int
+    items: tuple[SlotItem, ...]
+
+    def to_bytes(self) -> bytes:
+        return sealed_json({"kind": RECORD_KIND, "schema_version": CONTROL_SCHEMA, "run_id": self.run_id,
+                            "lineage": self.lineage, "rank": self.rank, "world_size": self.world_size,
+                            "step": self.step, "sequence": self.sequence, "slot": self.slot, "length": self.length,
+                            "items": [item.to_json() for item in self.items]})
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> "SlotRecord":
+        raw = unseal(data, where, RECORD_KIND)
+        try:
+            return cls(run_id=raw["run_id"], lineage=raw["lineage"], rank=int(raw["rank"]),
+                       world_size=int(raw["world_size"]), step=int(raw["step"]), sequence=int(raw["sequence"]),
+                       slot=int(raw["slot"]), length=int(raw["length"]),
+                       items=tuple(SlotItem.from_json(item) for item in raw["items"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: not a memory slot record ({type(e).__name__}: {e})",
+                                         path=where) from None
+
+
+class SlotDir:
+    """The files of one run on one node's memory path: ``<path>/<run_id>``."""
+
+    def __init__(self, path: str | os.PathLike, run_id: str) -> None:
+        self.path = os.fspath(path)
+        self.run_dir = os.path.join(self.path, run_id)
+
+    def data(self, rank: int, slot: int) -> str:
+        return os.path.join(self.run_dir, f"r{rank}", f"slot{slot}.data")
+
+    def record(self, rank: int, slot: int) -> str:
+        return os.path.join(self.run_dir, f"r{rank}", f"slot{slot}.commit")
+
+    @property
+    def spool(self) -> str:
+        return os.path.join(self.run_dir, SPOOL_DIR)
+
+    def retire(self, rank: int, slot: int) -> None:
+        """Step 1: the record goes before a byte of the data changes."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.record(rank, slot))
+
+    def write_record(self, record: SlotRecord) -> None:
+        """Step 3, last: the data is complete.  Replaced whole by a rename, so a crash leaves the old record or the
+        new one, never half of one (no fsync: the directory lives in RAM and dies with the node)."""
+        path = self.record(record.rank, record.slot)
+        partial = f"{path}.partial"
+        with open(partial, "wb") as f:
+            f.write(record.to_bytes())
+        os.replace(partial, path)
+
+    def records(self, rank: int | None = None) -> list[tuple[str, SlotRecord | CorruptCheckpointError]]:
+        """Every record on this path (``rank``'s, else any rank's, own or replica), parsed, or the reason it cannot
+        be trusted."""
+        found: list[tuple[str, SlotRecord | CorruptCheckpointError]] = []
+        with contextlib.suppress(FileNotFoundError):
+            for rank_dir in sorted(os.listdir(self.run_dir)):
+                if not _RANK_DIR.match(rank_dir) or rank_dir != f"r{rank}" and rank is not None:
+                    continue
+                for name in sorted(os.listdir(os.path.join(self.run_dir, rank_dir))):
+                    if not _SLOT_FILE.match(name):
+                        continue
+                    where = os.path.join(self.run_dir, rank_dir, name)
+                    try:
+                        with open(where, "rb") as f:
+                            found.append((where, SlotRecord.from_bytes(f.read(), where)))
+                    except CorruptCheckpointError as e:
+                        found.append((where, e))
+                    except FileNotFoundError:
+                        continue  # retired while listed
+        return found
+
+    def held_bytes(self) -> int:
+        """Bytes this run's slots take on this path (reused by the next snapshots: free to the budget)."""
+        total = 0
+        for top, _, names in os.walk(self.run_dir):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(top, name)).st_blocks * 512
+        return total
+
+
+class SlotSink:
+    """Where a rank's items go: the slot's data file, rewritten in place, each item's block digests computed as its
+    bytes pass.  ``write(index, offset, data)`` puts bytes of item ``index`` at ``offset`` within that item (in order:
+    a stager feeds it window by window); ``finish(index)`` closes the item and returns its digests."""
+
+    def __init__(self, path: str, sizes: list[int]) -> None:
+        self.path = path
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.sizes = sizes
+        self.length = sum(sizes)
+        self._hashers = [BlockHasher(BLOCK_SIZE) for _ in sizes]
+        self._filled = [0] * len(sizes)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(self._fd).st_size != self.length:  # the same share reuses the file as it is
+                os.ftruncate(self._fd, self.length)
+                if self.length:
+                    os.posix_fallocate(self._fd, 0, self.length)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def write(self, index: int, offset: int, data: memoryview) -> None:
+        if offset != self._filled[index]:
+            raise ValueError(f"slot {self.path}: item {index} written at {offset}, expected {self._filled[index]} "
+                             "(a sink takes each item's bytes in order)")
+        if offset + len(data) > self.sizes[index]:
+            raise ValueError(f"slot {self.path}: item {index} overflows its {self.sizes[index]} bytes")
+        view, at = memoryview(data).cast("B"), self.offsets[index] + offset
+        while view:
+            written = os.pwrite(self._fd, view, at)
+            view, at = view[written:], at + written
+        self._hashers[index].update(data)
+        self._filled[index] += len(data)
+
+    def finish(self, index: int) -> tuple[str, ...]:
+        if self._filled[index] != self.sizes[index]:
+            raise ValueError(f"slot {self.path}: item {index} has {self._filled[index]} of {self.sizes[index]} bytes")
+        return tuple(self._hashers[index].finish())
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@contextlib.contextmanager
+def mapped(path: str, length: int):
+    """The slot's bytes, read-only and in place (an empty slot is an empty view); a file shorter than its record
+    says is damage, named."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < length:
+            raise CorruptCheckpointError(f"{path}: {size} bytes, its commit record names {length} (truncated)",
+                                         path=path, torn=True)
+        if not length:
+            yield memoryview(b"")
+            return
+        m = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ)
+        view = memoryview(m)
+        try:
+            yield view
+        finally:  # a failure's traceback may still hold slices of it: then the collector unmaps it
+            with contextlib.suppress(BufferError):
+                view.release()
+                m.close()
+
+
+def verify_slot(record: SlotRecord, path: str) -> None:
+    """Every block of every item of ``record`` against the bytes at ``path`` (a :class:`CorruptCheckpointError`
+    naming the item and block at the first difference)."""
+    with mapped(path, record.length) as data:
+        for item in record.items:
+            verify_item(item.extent(), data[item.offset:item.offset + item.nbytes],
+                        f"memory slot {path} (rank {record.rank}, step {record.step}) item {item.key!r}", path=path)

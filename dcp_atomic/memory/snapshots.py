@@ -1,0 +1,456 @@
+"""The memory tier (P16): a snapshot of every rank's state in RAM at every step, with verified copies on other failure
+domains, ordered by the one commit sequence, and restores from it.
+
+A snapshot of ``step``, every rank alike:
+
+1. (the caller's thread) the ranks agree that no snapshot is in flight (else this one is skipped and counted, never
+   queued) and, at the first snapshot, that the budget holds ``slots x (1 + replicas)`` shares on every node; each
+   rank retires its oldest slot (its commit record goes first) and writes its items into it (:mod:`.slots`);
+2. (the memory tier's thread, its own process group) every rank sends its slot to its ``replicas`` holders on other
+   failure domains (the local tier's placement) through the one transport; a holder verifies every block against
+   the sender's record before the copy takes the slot's name;
+3. every rank reports to global rank 0, which gives the snapshot the next commit sequence (above every sequence this
+   process knows of any tier, :func:`~dcp_atomic.protocol.commit.note_sequence`) and hands it out;
+4. every rank, and every holder of a copy, writes the commit record; the ranks agree that all did: the snapshot is
+   *memory-committed*, and its future resolves to the step on every rank (or raises the same error on every rank).
+
+A crash anywhere before 4 leaves the new step without a complete set of records: a restore takes the newest
+sequence for which every rank's share has a record and verified bytes, on its own node or a holder's, so it never
+mixes steps.  A restore compares that sequence with the newest commit of the other tiers; memory wins a tie.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .._base import failpoints
+from .._base.futures import ReportedFuture
+from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError
+from ..exchange.collective import CollectiveFailed, agreed_phase, first_line, gather, raise_typed
+from ..exchange.file_transfer import Part, Spooled, discard, transfer
+from ..exchange.transport import PeerError, PeerLink
+from ..format.layout import RunLayout
+from ..protocol.commit import known_sequence, next_sequence, note_sequence
+from ..tiers import Topology
+from .items import flatten, install, write_leaves
+from .slots import SlotDir, SlotRecord, SlotSink, mapped, verify_slot
+
+log = logging.getLogger("dcp_atomic.memory")
+CONSEQUENCE = "the snapshot is not memory-committed; the previous one is intact."
+
+
+class SnapshotFuture(ReportedFuture):
+    """A snapshot's outcome: the step once memory-committed on every rank; ``skipped`` when this call took none
+    (not due, or the previous snapshot still in flight)."""
+
+    skipped = False
+
+
+def _skipped() -> SnapshotFuture:
+    future = SnapshotFuture()
+    future.skipped = True
+    future.set_result(None)
+    return future
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a memory restore loaded: ``tier`` is ``"memory"`` (every rank from its own node) or ``"memory-replica"``
+    (some rank's share came from a holder on another failure domain)."""
+
+    step: int
+    sequence: int
+    tier: str
+    bytes: int  # this rank's share
+    bytes_fetched: int  # of which received from a holder
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tier": self.tier, "step": self.step, "sequence": self.sequence, "save_id": None,
+                "ranks_fetched": int(bool(self.bytes_fetched)), "bytes_fetched": self.bytes_fetched}
+
+
+class MemorySnapshots:
+    """The memory tier of one manager, built by its ``__init__`` on every rank alike (``group``: the manager's, for
+    the caller's thread; ``memory_group``: the memory tier's thread's own)."""
+
+    def __init__(self, *, rank: int, world_size: int, run_id: str, layout: RunLayout, options: Any, domain: str,
+                 lineage: str, group: Any, memory_group: Any, timeout: float,
+                 translate: Callable[[BaseException, str], BaseException]) -> None:
+        self.rank, self.world_size, self.run_id, self.layout = rank, world_size, run_id, layout
+        self.every, self.replicas, self.slots = options.every, options.replicas, options.slots
+        self.budget_bytes = options.budget_bytes
+        self.lineage, self.timeout, self.translate = lineage, timeout, translate
+        self.group, self.memory_group = group, memory_group
+        self.dir = SlotDir(options.path, run_id)
+        self.snapshots_taken = self.snapshots_skipped = 0
+        self._calls = 0
+        self._checked_share = -1  # the largest share the budget was checked for
+        self._floor_read = False  # rank 0: the durable root's sequence read once
+        self._inflight: SnapshotFuture | None = None
+        problems = self._gathered(self._path_problem(), "checking the memory tier's path")
+        refused = [f"rank {r} ({host}): {why}" for r, (host, why) in enumerate(problems) if why]
+        if refused:
+            raise ConfigurationError("MemoryTier(path=...) refused: " + "; ".join(refused[:4]) + ". Give each node a "
+                                     "writable RAM-backed directory (a tmpfs such as /dev/shm) with room for the "
+                                     "budget.", path=self.dir.path)
+        self.topology = Topology.learn(rank, domain, self.dir.path, self.replicas, group)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-atomic-memory")
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _path_problem(self) -> tuple[str, str | None]:
+        """(host, why this rank's path cannot hold the tier, or None)."""
+        path, host = self.dir.path, socket.gethostname()
+        if not os.path.isdir(path):
+            return host, f"{path} does not exist or is not a directory"
+        try:
+            os.makedirs(self.dir.run_dir, exist_ok=True)
+            probe = os.path.join(self.dir.run_dir, f".probe.{os.getpid()}")
+            with open(probe, "wb") as f:
+                f.write(b"\0")
+            os.unlink(probe)
+        except OSError as e:
+            return host, f"{path} is not writable ({os.strerror(e.errno) if e.errno else e})"
+        free = _free_bytes(path) + self.dir.held_bytes()
+        if self.budget_bytes is not None and self.budget_bytes > free:
+            return host, (f"budget_bytes={self.budget_bytes} is more than the {free} bytes {path} can hold (its free "
+                          "space and this run's slots)")
+        return host, None
+
+    def _check_budget(self, shares: list[tuple[int, str, str, int]]) -> None:
+        """Every rank alike, from every rank's (share, host, path, free bytes): each rank's ``slots x (1 + replicas)
+        x share`` within ``budget_bytes``, and each node's total within its path's free bytes."""
+        factor = self.slots * (1 + self.replicas)
+        refused = []
+        if self.budget_bytes is not None:
+            refused += [f"rank {r} needs {factor * share} bytes ({self.slots} slot(s) x (1 + {self.replicas} "
+                        f"replica(s)) x its {share}-byte share), over budget_bytes={self.budget_bytes}"
+                        for r, (share, _, _, _) in enumerate(shares) if factor * share > self.budget_bytes]
+        nodes: dict[tuple[str, str], list[int]] = {}
+        for r, (_, host, path, _) in enumerate(shares):
+            nodes.setdefault((host, path), []).append(r)
+        for (host, path), ranks in nodes.items():
+            needed = sum(factor * shares[r][0] for r in ranks)
+            if needed > shares[ranks[0]][3]:
+                refused.append(f"{host}:{path} needs {needed} bytes for ranks {ranks}, and can hold "
+                               f"{shares[ranks[0]][3]}")
+        if refused:
+            raise ConfigurationError("the memory tier cannot hold its snapshots: " + "; ".join(refused[:4]) +
+                                     ". Raise budget_bytes and the RAM-backed directory's size, or lower slots or "
+                                     "replicas; nothing was snapshotted.", path=self.dir.path,
+                                     needed=factor * shares[self.rank][0], budget=self.budget_bytes)
+        self._checked_share = max(share for share, _, _, _ in shares)
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    def snapshot(self, step: int, state_dict: dict[str, Any]) -> SnapshotFuture:
+        """Steps 1 (here) and 2-4 (on the memory tier's thread); every rank alike."""
+        self._calls += 1
+        if (self._calls - 1) % self.every:
+            return _skipped()
+        leaves = flatten(state_dict)
+        share = sum(leaf.nbytes for leaf in leaves)
+        busy = self._inflight is not None and not self._inflight.done()
+        mine = (busy, share, socket.gethostname(), os.path.realpath(self.dir.path),
+                _free_bytes(self.dir.path) + self.dir.held_bytes())
+        everyone = self._gathered(mine, f"starting the memory snapshot of step {step}")
+        if any(b for b, *_ in everyone):
+            self.snapshots_skipped += 1
+            log.info("memory tier: step %d not snapshotted, the previous snapshot is still in flight (%d skipped so "
+                     "far)", step, self.snapshots_skipped)
+            return _skipped()
+        if any(share > self._checked_share for _, share, *_ in everyone):
+            self._check_budget([(share, host, path, free) for _, share, host, path, free in everyone])
+        self.wait()  # the previous one is done on every rank: raise its failure if nobody has
+        slot = self._oldest_slot()
+        self.dir.retire(self.rank, slot)  # P1 for slots: the record goes before a byte is rewritten
+        written: SlotRecord | BaseException
+        try:
+            sink = SlotSink(self.dir.data(self.rank, slot), [leaf.nbytes for leaf in leaves])
+            try:
+                items = write_leaves(leaves, sink)
+            finally:
+                sink.close()
+            written = SlotRecord(run_id=self.run_id, lineage=self.lineage, rank=self.rank,
+                                 world_size=self.world_size, step=step, sequence=0, slot=slot, length=sink.length,
+                                 items=tuple(items))
+        except OSError as e:
+            written = e
+        failpoints.hit("memory.after_slot_write", self.rank, step)
+        future = self._inflight = SnapshotFuture()
+        self._worker.submit(self._commit, step, written, future, f"memory/{self.run_id}/{self._calls}")
+        return future
+
+    def _oldest_slot(self) -> int:
+        """The slot to reuse: one without a record, else the one holding the lowest sequence (never the newest)."""
+        held: dict[int, int] = {}
+        for _, record in self.dir.records(self.rank):
+            if isinstance(record, SlotRecord) and record.rank == self.rank and record.slot < self.slots:
+                held[record.slot] = record.sequence
+        free = [k for k in range(self.slots) if k not in held]
+        return free[0] if free else min(held, key=lambda k: held[k])
+
+    def _commit(self, step: int, written: SlotRecord | BaseException, future: SnapshotFuture, exchange: str) -> None:
+        """Steps 2-4 on the memory tier's thread; the outcome goes to ``future`` (``exchange``: this snapshot's name,
+        the same on every rank, for the transport's check-in when a peer is lost)."""
+        what = f"memory snapshot of step {step}"
+        try:
+            with agreed_phase(self.memory_group, f"the {what}", f"rank {self.rank} could not write its slot",
+                              then="The previous snapshot is intact.", step=step) as failures:
+                if isinstance(written, BaseException):
+                    failures.append(f"rank {self.rank} could not write its slot {self.dir.path}: {written}")
+            kept = self._replicate(written, step)
+            sequence = self._sequence(step)
+            failpoints.hit("memory.before_record", self.rank, step)
+            with agreed_phase(self.memory_group, f"the {what}", f"rank {self.rank} could not write a commit record",
+                              then="The previous snapshot is intact.", step=step):
+                for record in [written, *kept]:
+                    self.dir.write_record(_with_sequence(record, sequence))
+                failpoints.hit("memory.after_record", self.rank, step)
+        except BaseException as e:  # ours pass as they are; a broken collective gets the liveness verdict
+            typed = self.translate(e, f"the {what}")
+            if isinstance(typed, CollectiveFailed):  # no verdict yet: the transport's check-in names who is gone
+                typed = PeerLink(self.memory_group, self.timeout, exchange).lost(
+                    PeerError(None, first_line(typed)), f"the {what}", CONSEQUENCE)
+            future.set_exception(typed)
+            return
+        self.snapshots_taken += 1
+        future.set_result(step)
+
+    def _replicate(self, record: SlotRecord, step: int) -> list[SlotRecord]:
+        """Step 2: this rank's slot to its holders, and the copies it holds, verified; the records to write."""
+        placement = self.topology.placement
+        sources = placement.held_by(self.rank)
+        outgoing = {holder: [Part.inline("record", record.to_bytes()),
+                             Part("data", record.length, path=self.dir.data(self.rank, record.slot))]
+                    for holder in placement.holders[self.rank]}
+        failpoints.hit("memory.replica_send", self.rank, step)
+        received = transfer(outgoing, {src: self.topology.describe(src) for src in sources}, self.memory_group,
+                            self.dir.spool, what=f"sending the memory snapshot of step {step} to its replica holders",
+                            timeout=self.timeout, exchange_id=f"memory/{self.run_id}",
+                            consequence=CONSEQUENCE)
+        kept: list[SlotRecord] = []
+        with agreed_phase(self.memory_group, f"replicating the memory snapshot of step {step}",
+                          f"rank {self.rank} could not keep a replica", then="The previous snapshot is intact.",
+                          step=step):
+            try:
+                for src, parts in received.items():
+                    copy = SlotRecord.from_bytes(parts["record"], f"the record rank {src} sent")
+                    if (copy.rank, copy.step, copy.run_id) != (src, step, self.run_id):
+                        raise CorruptCheckpointError(f"rank {src} sent the record of rank {copy.rank} step "
+                                                     f"{copy.step}, not its own of step {step}", rank=src)
+                    self.dir.retire(src, copy.slot)
+                    data = parts["data"]
+                    spooled = data.path if isinstance(data, Spooled) else None
+                    if spooled is None:  # an empty share travels inline
+                        spooled = f"{self.dir.data(src, copy.slot)}.partial"
+                        with open(spooled, "wb") as f:
+                            f.write(data)
+                    verify_slot(copy, spooled)
+                    os.makedirs(os.path.dirname(self.dir.data(src, copy.slot)), exist_ok=True)
+                    os.replace(spooled, self.dir.data(src, copy.slot))
+                    kept.append(copy)
+            finally:
+                discard(received)
+        return kept
+
+    def _sequence(self, step: int) -> int:
+        """Step 3: global rank 0 numbers the snapshot above every commit it knows, and hands the number out."""
+        number = 0
+        if self.rank == 0:
+            if not self._floor_read:  # the durable root's newest commit, once per manager
+                try:
+                    note_sequence(self.layout, next_sequence(self.layout) - 1)
+                except (OSError, CheckpointError) as e:
+                    log.warning("memory tier: could not read the durable root's commit sequence (%s); snapshots "
+                                "number from this process's commits alone", first_line(e))
+                self._floor_read = True
+            number = known_sequence(self.layout) + 1
+            note_sequence(self.layout, number)
+        return self._gathered(number, f"numbering the memory snapshot of step {step}", self.memory_group)[0]
+
+    # -- restoring --------------------------------------------------------------------------
+
+    def restore(self, state_dict: dict[str, Any], newest_elsewhere: int | None) -> Restored | None:
+        """Every rank alike: load the newest memory-committed step assemblable from every rank's own slot or a
+        holder's copy, if its sequence is not below ``newest_elsewhere`` (the other tiers' newest commit); None: the
+        other tiers restore."""
+        self.wait()
+        held, notes = self._scan() if self.topology.is_leader else ([], [])
+        everyone = self._gathered((held, notes), "listing the memory tier's snapshots")
+        if self.rank == 0:
+            for rank, (_, said) in enumerate(everyone):
+                for note in said:
+                    log.warning("memory tier (%s): %s", self.topology.describe(rank), note)
+        sources = self._choose([h for h, _ in everyone])
+        if sources is None:
+            return None
+        sequence, step, plan = sources
+        if newest_elsewhere is not None and newest_elsewhere > sequence:
+            log.info("memory tier: step %d (sequence %d) is older than the newest commit of the other tiers "
+                     "(sequence %d): restoring from those", step, sequence, newest_elsewhere)
+            return None
+        received = self._fetch(plan, sequence, step)
+        with agreed_phase(self.group, f"restoring step {step} from the memory tier", f"rank {self.rank}",
+                          then="Nothing more was loaded; restart to restore from another tier.", step=step):
+            holder, slot = plan[self.rank]
+            if holder == self.topology.leader(self.rank):
+                record_path, data_path = self.dir.record(self.rank, slot), self.dir.data(self.rank, slot)
+                with open(record_path, "rb") as f:
+                    record = SlotRecord.from_bytes(f.read(), record_path)
+            else:
+                record, data_path = received
+            if (record.rank, record.sequence, record.step) != (self.rank, sequence, step):
+                raise CorruptCheckpointError(f"{data_path}: holds rank {record.rank} step {record.step} sequence "
+                                             f"{record.sequence}, not rank {self.rank} step {step} sequence "
+                                             f"{sequence} (rewritten since it was listed)", path=data_path)
+            try:
+                with mapped(data_path, record.length) as data:
+                    install(state_dict, record.items, data, f"memory slot {data_path} (rank {self.rank}, step {step})")
+            finally:
+                if holder != self.topology.leader(self.rank):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(data_path)
+        note_sequence(self.layout, max([sequence] + [r[2] for h, _ in everyone for r in h]))
+        fetched = record.length if holder != self.topology.leader(self.rank) else 0
+        tier = "memory-replica" if any(h != self.topology.leader(r) for r, (h, _) in enumerate(plan)) else "memory"
+        log.info("run %r: restored step %d from the memory tier (sequence %d, %s)", self.run_id, step, sequence,
+                 "every rank from its own node" if tier == "memory" else "some ranks from replica holders")
+        return Restored(step=step, sequence=sequence, tier=tier, bytes=record.length, bytes_fetched=fetched)
+
+    def _scan(self) -> tuple[list[tuple[int, int, int, int]], list[str]]:
+        """A node's leader: (owner rank, slot, sequence, step) of every copy on its path with a sound record and
+        verified bytes of this run, lineage and world size; and why each other one is not loaded."""
+        held, notes = [], []
+        for where, record in self.dir.records():
+            if isinstance(record, CorruptCheckpointError):
+                notes.append(f"{where} is not loaded: {record.message}")
+                continue
+            if (record.run_id, record.lineage) != (self.run_id, self.lineage):
+                notes.append(f"{where} (step {record.step}) belongs to another run or lineage ({record.run_id}, "
+                             f"{record.lineage}; this job's: {self.run_id}, {self.lineage}): not loaded, not deleted")
+                continue
+            if record.world_size != self.world_size:
+                notes.append(f"{where} (step {record.step}) was taken at world size {record.world_size}, this job "
+                             f"runs {self.world_size}: the memory tier does not reshard, so it is not used")
+                continue
+            try:
+                verify_slot(record, self.dir.data(record.rank, record.slot))
+            except (CorruptCheckpointError, OSError) as e:
+                notes.append(f"rank {record.rank}'s copy of step {record.step} is damaged, served around: "
+                             f"{getattr(e, 'message', e)}")
+                continue
+            held.append((record.rank, record.slot, record.sequence, record.step))
+        return held, notes
+
+    def _choose(self, held: list[list[tuple[int, int, int, int]]]) -> tuple[int, int, list[tuple[int, int]]] | None:
+        """Every rank alike: the newest (sequence, step, per rank (holder, slot)) for which every rank's share has a
+        verified copy and every copy names the same step; own node first, else the first holder."""
+        by_sequence: dict[int, dict[int, list[tuple[int, int, int]]]] = {}
+        for leader, copies in enumerate(held):
+            for owner, slot, sequence, step in copies:
+                by_sequence.setdefault(sequence, {}).setdefault(owner, []).append((leader, slot, step))
+        for sequence in sorted(by_sequence, reverse=True):
+            shares = by_sequence[sequence]
+            steps = {step for copies in shares.values() for _, _, step in copies}
+            if len(steps) > 1:
+                if self.rank == 0:
+                    log.warning("memory tier: the records of sequence %d name different steps %s: not loaded",
+                                sequence, sorted(steps))
+                continue
+            if set(shares) != set(range(self.world_size)):
+                continue
+            plan = []
+            for rank in range(self.world_size):
+                own = [(leader, slot) for leader, slot, _ in shares[rank] if leader == self.topology.leader(rank)]
+                plan.append(own[0] if own else shares[rank][0][:2])
+            return sequence, steps.pop(), plan
+        return None
+
+    def _fetch(self, plan: list[tuple[int, int]], sequence: int, step: int) -> tuple[SlotRecord, str] | None:
+        """Every rank alike: each share whose copy is on another node comes from that node's leader, spooled here
+        and verified; (its record, its spooled bytes) for this rank, None where its own node holds it."""
+        outgoing: dict[int, list] = {}
+        incoming: dict[int, str] = {}
+        for rank, (holder, slot) in enumerate(plan):
+            if holder == self.topology.leader(rank):
+                continue
+            if holder == self.rank:
+                with open(self.dir.record(rank, slot), "rb") as f:
+                    record = f.read()
+                outgoing[rank] = [Part.inline("record", record),
+                                  Part("data", os.path.getsize(self.dir.data(rank, slot)),
+                                       path=self.dir.data(rank, slot))]
+            if rank == self.rank:
+                incoming[holder] = self.topology.describe(holder)
+        try:
+            received = transfer(outgoing, incoming, self.group, self.dir.spool,
+                                what=f"receiving step {step}'s memory snapshot from replica holders",
+                                timeout=self.timeout, exchange_id=f"memory-restore/{self.run_id}",
+                                consequence="nothing was loaded.")
+        except BaseException as e:
+            raise_typed(self.translate(e, f"restoring step {step} from the memory tier"))
+        if not received:
+            return None
+        parts = next(iter(received.values()))
+        record = SlotRecord.from_bytes(parts["record"], f"the record of step {step} a replica holder sent")
+        data = parts["data"]
+        if not isinstance(data, Spooled):
+            path = os.path.join(self.dir.spool, f"r{self.rank}-inline")
+            with open(path, "wb") as f:
+                f.write(data)
+            return record, path
+        return record, data.path
+
+    def retire_above(self, step: int) -> None:
+        """After a restore of ``step`` from any tier: snapshots of later steps are an abandoned branch (P14); each
+        node's leader retires them (their records first)."""
+        if not self.topology.is_leader:
+            return
+        for where, record in self.dir.records():
+            if isinstance(record, SlotRecord) and record.run_id == self.run_id and record.step > step:
+                self.dir.retire(record.rank, record.slot)
+                log.info("memory tier: retired %s (step %d, after the restored step %d)", where, record.step, step)
+
+    # -- the work in the background -----------------------------------------------------------
+
+    def wait(self) -> None:
+        """Wait for the snapshot in flight; raise its failure if nothing has reported it."""
+        inflight = self._inflight
+        if inflight is None:
+            return
+        concurrent.futures.wait([inflight])
+        error = concurrent.futures.Future.exception(inflight)
+        if error is not None and not inflight.reported:
+            inflight.reported = True
+            raise error
+
+    def busy(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    def _gathered(self, mine: Any, what: str, group: Any = None) -> list[Any]:
+        try:
+            return gather(group or self.group, mine, what)
+        except BaseException as e:
+            raise_typed(self.translate(e, what))
+
+
+def _with_sequence(record: SlotRecord, sequence: int) -> SlotRecord:
+    return dataclasses.replace(record, sequence=sequence)
+
+
+def _free_bytes(path: str) -> int:
+    """What the filesystem of ``path`` can still take (its RAM, for a tmpfs)."""
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+

@@ -1,0 +1,51 @@
+"""Worlds of 4 ranks on 2 simulated nodes (tests.helpers.tiers) that snapshot into the memory tier: each node's
+memory path a directory on its own tmpfs."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
+from tests.helpers.tiers import RUN, _state
+
+
+def memory_path(ctx) -> str:
+    path = os.path.join(ctx.extra["nodes"][ctx.rank // 2], "mem")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def memory_manager(ctx, *, every=1, replicas=1, slots=2, budget_bytes=None, path=None, root=None, **kwargs):
+    """This world's manager with a memory tier on the rank's node (durable root: ``root``, else ``ctx.root``)."""
+    from dcp_atomic import CheckpointManager, MemoryTier
+    from dcp_atomic.exchange import file_transfer
+
+    file_transfer.CHUNK_BYTES = 64 << 10  # replicas cross chunk boundaries
+    kwargs.setdefault("timeout", 10)
+    memory = MemoryTier(path or memory_path(ctx), every=every, replicas=replicas, slots=slots,
+                        budget_bytes=budget_bytes)
+    return CheckpointManager(root or ctx.root, RUN, memory=memory, **kwargs)
+
+
+def trained(world: int, step: int, seed: int = 0):
+    """The model and optimizer of this rank after ``step`` training steps (the same on every run)."""
+    model, optim = _fsdp_app(world, seed)
+    for s in range(1, step + 1):
+        _train_step(model, optim, s)
+    return model, optim
+
+
+def state_of(model, optim, step):
+    return _state(model, optim, step)
+
+
+def full_state(model, optim) -> dict[str, torch.Tensor]:
+    """Every parameter and momentum buffer as full tensors (collectives: every rank alike)."""
+    out = {f"model.{k}": v for k, v in _full(model).items()}
+    for name, param in model.named_parameters():
+        buffer = optim.state[param].get("momentum_buffer")
+        if buffer is not None:
+            out[f"momentum.{name}"] = buffer.full_tensor()
+    return out
