@@ -51,6 +51,7 @@ POINTS = frozenset(
         "memory.replica_send",  # memory tier's thread: every rank, slots agreed, before the copies move (the step)
         "memory.before_record",  # memory tier's thread: every rank, the sequence handed out, before any commit record
         "memory.after_record",  # memory tier's thread: every rank, its records written, before the ranks agree
+        "stage.before_copy",  # the stager's thread of every rank, before it reads a live tensor (the step)
         "reuse.after_link",  # every rank saving with reuse, a base file linked and verified, its other files not written
     }
 )

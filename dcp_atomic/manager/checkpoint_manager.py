@@ -75,7 +75,7 @@ from ..dcp.watched import WatchedReader, WatchedSavePlanner
 from ..dcp.reuse import refuse_unsupported
 from ..dcp.writer import AtomicStorageWriter
 from ..format.integrity import BLOCK_SIZE
-from ..staging import LiveState, Staging, WindowPool
+from ..staging import LiveState, Stager, Staging, WindowPool
 from ..memory import MemorySnapshots, SnapshotFuture
 from ..protocol.lineage import ensure_lineage, new_lineage, refuses_writes
 from ..protocol.commit import known_sequence, next_sequence
@@ -343,7 +343,8 @@ class CheckpointManager(RankAgreement):
                     rank=self.rank, world_size=self.world_size, run_id=run_id, layout=self.layout, options=memory,
                     domain=resolve_failure_domain(local.failure_domain if local is not None else None),
                     lineage=self._tier.lineage or self._on_rank0(self._durable_lineage, "read the run's lineage"),
-                    group=self._group, memory_group=self._memory_group, timeout=timeout, translate=self._translate)
+                    group=self._group, memory_group=self._memory_group, timeout=timeout, translate=self._translate,
+                    stager=None if staging is None else Stager(staging, self._staging_pool))
             except BaseException:
                 self._release()
                 raise
@@ -496,13 +497,14 @@ class CheckpointManager(RankAgreement):
         return result
 
     def wait_staged(self) -> float:
-        """Block until this rank's writer has read every live tensor of the ``async_save`` in flight (with
-        ``staging``), so that they may change (``optimizer.step()``); returns the seconds waited, ``0.0`` at once
-        with no save in flight or without ``staging``.  Each rank waits for its own writer (a rank's writer reads
-        only that rank's tensors), so no collective: call it on any rank, any number of times.  The save's
-        outcome still arrives through its future."""
+        """Block until this rank's writer has read every live tensor of the ``async_save`` in flight, and the
+        stager every live tensor of the latest ``snapshot`` (with ``staging``), so that they may change
+        (``optimizer.step()``); returns the seconds waited, ``0.0`` at once with nothing in flight or without
+        ``staging``.  Each rank waits for its own copies (a rank reads only its own tensors), so no collective:
+        call it on any rank, any number of times.  The outcome still arrives through the future."""
         staged = self._staged
-        return 0.0 if staged is None else staged.read.wait()
+        waited = 0.0 if staged is None else staged.read.wait()
+        return waited + (self._memory.wait_staged() if self._memory is not None else 0.0)
 
     @_operation
     def snapshot(self, step: int, state_dict: dict[str, Any]) -> SnapshotFuture:

@@ -25,6 +25,7 @@ from ..errors import RankConsistencyError
 from ..format.blocks import verify_item
 from ..format.codec import tensor_bytes
 from ..format.safe_pickle import decode_item
+from ..staging import StagedCopy, Stager
 from ..tiers import expand_stateful
 from .slots import SlotItem
 
@@ -81,17 +82,55 @@ def flatten(state_dict: dict[str, Any]) -> list[Leaf]:
 
 
 def write_leaves(leaves: list[Leaf], sink) -> list[SlotItem]:
-    """Every leaf's bytes into ``sink`` (a window at a time); the items of the slot's record."""
-    items, offset = [], 0
+    """Every leaf's bytes into ``sink`` (a window at a time), now; the items of the slot's record."""
+    checksums = {}
     for index, leaf in enumerate(leaves):
         if leaf.tensor is None:
             sink.write(index, 0, memoryview(leaf.encoded))
         else:
             _write_tensor(index, leaf.tensor, sink)
+        checksums[index] = sink.finish(index)
+    return slot_items(leaves, checksums)
+
+
+def stage_leaves(leaves: list[Leaf], sink, stager: Stager, *, step: int, rank: int) -> tuple[StagedCopy, dict]:
+    """The objects (encoded at the call) into ``sink`` now, the tensors through ``stager`` after the call returns
+    (bounded staging: the pool, a version check per tensor); returns the copy in flight and the digests per item,
+    which fill in as items finish (:func:`slot_items` once the copy's ``result()`` returned)."""
+    checksums: dict[int, tuple[str, ...]] = {}
+    tensors = []
+    for index, leaf in enumerate(leaves):
+        if leaf.tensor is None:
+            sink.write(index, 0, memoryview(leaf.encoded))
+            checksums[index] = sink.finish(index)
+        else:
+            tensors.append(index)
+    copy = stager.stage([(leaves[i].key, leaves[i].value) for i in tensors], _Renumbered(sink, tensors, checksums),
+                        step=step, rank=rank)
+    return copy, checksums
+
+
+class _Renumbered:
+    """The stager's item ``i`` is the slot's item ``slot_index[i]``; each finished item's digests kept."""
+
+    def __init__(self, sink, slot_index: list[int], checksums: dict[int, tuple[str, ...]]) -> None:
+        self.sink, self.slot_index, self.checksums = sink, slot_index, checksums
+
+    def write(self, index: int, offset: int, data: memoryview) -> None:
+        self.sink.write(self.slot_index[index], offset, data)
+
+    def finish(self, index: int) -> None:
+        self.checksums[self.slot_index[index]] = self.sink.finish(self.slot_index[index])
+
+
+def slot_items(leaves: list[Leaf], checksums: dict[int, tuple[str, ...]]) -> list[SlotItem]:
+    """The items of the slot's record: each leaf at its offset, with the digests its bytes had in the slot."""
+    items, offset = [], 0
+    for index, leaf in enumerate(leaves):
         value = leaf.value
         items.append(SlotItem(
             key=leaf.key, kind="object" if leaf.tensor is None else "dtensor" if isinstance(value, DTensor) else "tensor",
-            offset=offset, nbytes=leaf.nbytes, checksums=sink.finish(index),
+            offset=offset, nbytes=leaf.nbytes, checksums=checksums[index],
             dtype=None if leaf.tensor is None else str(leaf.tensor.dtype).removeprefix("torch."),
             shape=None if leaf.tensor is None else tuple(leaf.tensor.shape),
             dtensor=_placement(value) if isinstance(value, DTensor) else None))

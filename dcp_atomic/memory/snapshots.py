@@ -32,14 +32,15 @@ from typing import Any, Callable
 
 from .._base import failpoints
 from .._base.futures import ReportedFuture
-from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError
+from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StagingRaceError
 from ..exchange.collective import CollectiveFailed, agreed_phase, first_line, gather, raise_typed
 from ..exchange.file_transfer import Part, Spooled, discard, transfer
 from ..exchange.transport import PeerError, PeerLink
 from ..format.layout import RunLayout
 from ..protocol.commit import known_sequence, next_sequence, note_sequence
+from ..staging import StagedCopy, Stager
 from ..tiers import Topology
-from .items import flatten, install, write_leaves
+from .items import flatten, install, slot_items, stage_leaves, write_leaves
 from .slots import SlotDir, SlotRecord, SlotSink, mapped, verify_slot
 
 log = logging.getLogger("dcp_atomic.memory")
@@ -82,7 +83,10 @@ class MemorySnapshots:
 
     def __init__(self, *, rank: int, world_size: int, run_id: str, layout: RunLayout, options: Any, domain: str,
                  lineage: str, group: Any, memory_group: Any, timeout: float,
-                 translate: Callable[[BaseException, str], BaseException]) -> None:
+                 translate: Callable[[BaseException, str], BaseException], stager: Stager | None = None) -> None:
+        """``stager``: bounded staging (``CheckpointManager(staging=...)``): a snapshot's tensors are copied into the
+        slot after the call returns, through the stager's pool, and :meth:`wait_staged` says when they may change;
+        None: copied at the call."""
         self.rank, self.world_size, self.run_id, self.layout = rank, world_size, run_id, layout
         self.every, self.replicas, self.slots = options.every, options.replicas, options.slots
         self.budget_bytes = options.budget_bytes
@@ -94,6 +98,8 @@ class MemorySnapshots:
         self._checked_share = -1  # the largest share the budget was checked for
         self._floor_read = False  # rank 0: the durable root's sequence read once
         self._inflight: SnapshotFuture | None = None
+        self.stager = stager
+        self._staged: StagedCopy | None = None  # the staging of the latest snapshot (with a stager)
         problems = self._gathered(self._path_problem(), "checking the memory tier's path")
         refused = [f"rank {r} ({host}): {why}" for r, (host, why) in enumerate(problems) if why]
         if refused:
@@ -171,22 +177,64 @@ class MemorySnapshots:
         self.wait()  # the previous one is done on every rank: raise its failure if nobody has
         slot = self._oldest_slot()
         self.dir.retire(self.rank, slot)  # P1 for slots: the record goes before a byte is rewritten
-        written: SlotRecord | BaseException
+        written: SlotRecord | _Staging | BaseException
+        staging = None
         try:
             sink = SlotSink(self.dir.data(self.rank, slot), [leaf.nbytes for leaf in leaves])
             try:
-                items = write_leaves(leaves, sink)
+                if self.stager is None:
+                    written = self._record(step, slot, sink.length, write_leaves(leaves, sink))
+                else:  # finished on the memory tier's thread (_staged_record), which closes the sink
+                    copy, checksums = stage_leaves(leaves, sink, self.stager, step=step, rank=self.rank)
+                    self._staged = copy
+                    written = staging = _Staging(copy, sink, leaves, checksums, slot)
             finally:
-                sink.close()
-            written = SlotRecord(run_id=self.run_id, lineage=self.lineage, rank=self.rank,
-                                 world_size=self.world_size, step=step, sequence=0, slot=slot, length=sink.length,
-                                 items=tuple(items))
+                if staging is None:
+                    sink.close()
         except OSError as e:
             written = e
         failpoints.hit("memory.after_slot_write", self.rank, step)
         future = self._inflight = SnapshotFuture()
         self._worker.submit(self._commit, step, written, future, f"memory/{self.run_id}/{self._calls}")
         return future
+
+    def _record(self, step: int, slot: int, length: int, items: list) -> SlotRecord:
+        """This rank's record of ``slot`` (its sequence given at commit, :func:`_with_sequence`)."""
+        return SlotRecord(run_id=self.run_id, lineage=self.lineage, rank=self.rank, world_size=self.world_size,
+                          step=step, sequence=0, slot=slot, length=length, items=tuple(items))
+
+    def _staged_record(self, step: int, staging: "_Staging") -> SlotRecord | BaseException:
+        """On the memory tier's thread: wait for the staged copy into the slot, then its record; a tensor changed in
+        place before ``wait_staged()`` on any rank is a ``StagingRaceError`` on every rank (agreed here), with the
+        slot left without a record and the previous snapshot intact."""
+        race = written = None
+        try:
+            staging.copy.result()
+            written = self._record(step, staging.slot, staging.sink.length,
+                                   slot_items(staging.leaves, staging.checksums))
+        except StagingRaceError as e:
+            race = e
+        except OSError as e:
+            written = e
+        finally:
+            staging.sink.close()
+        mine = None if race is None else (self.rank, race.details.get("key"), first_line(race))
+        raced = [r for r in self._gathered(mine, f"staging the memory snapshot of step {step}", self.memory_group)
+                 if r is not None]
+        if raced:
+            rank, key, why = raced[0]
+            raise StagingRaceError(
+                f"the memory snapshot of step {step} was not committed: on rank {rank}, {why}"
+                + (f" (and {len(raced) - 1} more rank(s))" if len(raced) > 1 else "")
+                + ". Call wait_staged() before the optimizer step. The previous snapshot is intact.",
+                step=step, rank=rank, key=key)
+        return written
+
+    def wait_staged(self) -> float:
+        """Block until the latest snapshot's staging reads no live tensor any more; the seconds waited (0.0 at once
+        without a stager or a snapshot)."""
+        copy = self._staged
+        return 0.0 if copy is None else copy.wait()
 
     def _oldest_slot(self) -> int:
         """The slot to reuse: one without a record, else the one holding the lowest sequence (never the newest)."""
@@ -202,6 +250,8 @@ class MemorySnapshots:
         the same on every rank, for the transport's check-in when a peer is lost)."""
         what = f"memory snapshot of step {step}"
         try:
+            if isinstance(written, _Staging):
+                written = self._staged_record(step, written)
             with agreed_phase(self.memory_group, f"the {what}", f"rank {self.rank} could not write its slot",
                               then="The previous snapshot is intact.", step=step) as failures:
                 if isinstance(written, BaseException):
@@ -443,6 +493,17 @@ class MemorySnapshots:
             return gather(group or self.group, mine, what)
         except BaseException as e:
             raise_typed(self.translate(e, what))
+
+
+@dataclass
+class _Staging:
+    """A slot being filled by the stager (bounded staging): completed on the memory tier's thread."""
+
+    copy: StagedCopy
+    sink: SlotSink
+    leaves: list
+    checksums: dict
+    slot: int
 
 
 def _with_sequence(record: SlotRecord, sequence: int) -> SlotRecord:

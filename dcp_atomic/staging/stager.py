@@ -33,6 +33,7 @@ from typing import Any, Iterable, Protocol
 
 import torch
 
+from .._base import failpoints
 from ..format.codec import tensor_bytes
 from .options import Staging
 from .pool import WindowPool
@@ -145,6 +146,7 @@ class StagedCopy:
     def _run(self) -> None:
         try:
             try:
+                failpoints.hit("stage.before_copy", self.rank, self.step)
                 self._copy_live()
             finally:
                 self.released.open()

@@ -29,19 +29,22 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LiveTensor:
-    """A lazily staged tensor: its key, the live (local) tensor, and its version counter at the call."""
+    """A lazily staged tensor: its key, the live (local) tensor whose bytes are read, and the version counter at the
+    call of ``watched``, the tensor the caller handed over.  For a DTensor that is the DTensor itself: an in-place op
+    on it (an FSDP2 parameter's ``add_`` in ``optimizer.step()``) moves its counter, which a state dict's detached
+    alias shares, while its local shard's counter (``to_local()``) does not move."""
 
     key: str
     tensor: torch.Tensor
     version: int
+    watched: torch.Tensor | None = None
 
     @classmethod
     def record(cls, key: str, tensor: torch.Tensor) -> "LiveTensor":
-        local = local_tensor(tensor)
-        return cls(key, local, internals.version_counter(local))
+        return cls(key, local_tensor(tensor), internals.version_counter(tensor), tensor)
 
     def raise_if_changed(self, step: int | None, rank: int | None) -> None:
-        now = internals.version_counter(self.tensor)
+        now = internals.version_counter(self.watched if self.watched is not None else self.tensor)
         if now == self.version:
             return
         where = "" if step is None else f" of step {step}"
