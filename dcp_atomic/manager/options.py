@@ -31,7 +31,7 @@ _DEFAULT = _Default()
 
 @dataclasses.dataclass(frozen=True)
 class LocalTierOptions:
-    """The local tier (README "Two tiers"): saves go to ``local_root`` first.
+    """The local tier (Concepts, "Two tiers"): saves go to ``local_root`` first.
 
     Args:
         local_root: this node's own storage (a local path; each rank passes its node's): saves go there first, with
