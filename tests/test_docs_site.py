@@ -49,6 +49,7 @@ def test_a_broken_link_fails_the_build(tmp_path):
         f.write("\nSee [a page that is not there](no-such-page.md).\n")
     with open(os.path.join(REPO, "mkdocs.yml")) as f:
         config = f.read().replace("docs_dir: docs", f"docs_dir: {docs}").replace("paths: [.]", f"paths: [{REPO}]")
+        config = config.replace("- scripts/", f"- {REPO}/scripts/")  # the hooks
     (tmp_path / "mkdocs.yml").write_text(config)
     done = build_site(str(tmp_path / "mkdocs.yml"), str(tmp_path / "site"))
     assert done.returncode != 0 and "no-such-page.md" in done.stdout + done.stderr, done.stderr[-3000:]
