@@ -105,10 +105,8 @@ class AtomicStorageReader(SharedReads, StorageReader):
     """Read a committed dcp_atomic checkpoint.
 
     Args:
-        root: as for :class:`AtomicStorageWriter`; may be ``None`` and come from
-            ``dcp.load(..., checkpoint_id="<root>/<run_id>/step_<N>")``.
-        run_id: as for :class:`AtomicStorageWriter`; may be ``None`` and come from ``checkpoint_id`` too.
-        storage_options: as for :class:`AtomicStorageWriter`.
+        root, run_id, storage_options: as for :class:`AtomicStorageWriter`; ``root`` and ``run_id``
+            may be ``None`` and come from ``dcp.load(..., checkpoint_id="<root>/<run_id>/step_<N>")``.
         step: the step to load; ``None`` loads what ``LATEST`` names (a ``checkpoint_id`` sets it).
         parallelism: this job's layout, compared with the saved one (P6).
         allow_reshard: consent to load a checkpoint saved with another tp / pp size.

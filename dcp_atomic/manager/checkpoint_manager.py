@@ -155,7 +155,9 @@ def _grouped(local: LocalTierOptions | None, callbacks: Callbacks | None,
 
 
 class CheckpointManager(RankAgreement):
-    """Args:
+    """Save every N steps in the background, keep the last K, resume; every rank builds one.
+
+    Args:
         root, run_id, storage_options: where checkpoints live (see AtomicStorageWriter).
         parallelism: this job's layout (None: inferred from DTensor meshes where possible).
         keep_last: keep this many most recently committed steps (None: keep all); short for
