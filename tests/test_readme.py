@@ -41,4 +41,6 @@ def test_python_and_console_blocks_run_as_written(tmp_path, monkeypatch):
     assert any(command.startswith("dcp-atomic") for command in commands), commands
     run_page(README)
     assert list_steps("ckpt", "quickstart") == [10, 20]  # what the console block's comment says ls shows
+    restarted = run_page(README)  # the job restarts: it resumes after the latest committed step, verified
+    assert restarted["start"] == 21 and list_steps("ckpt", "quickstart") == [10, 20]
 
