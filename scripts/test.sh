@@ -21,6 +21,15 @@ if ! log=$(.venv/bin/lint-imports 2>&1); then
     echo "$log" >&2
     exit 1
 fi
+# The documentation site (mkdocs.yml), built strictly: a broken link, a page left out of the navigation or an API
+# reference that no longer resolves fails the run here (never with --quiet: it hides the warnings from --strict).
+site=$(mktemp -d)
+if ! log=$(NO_MKDOCS_2_WARNING=1 .venv/bin/python -m mkdocs build --strict -d "$site" 2>&1); then
+    rm -rf "$site"
+    echo "$log" >&2
+    exit 1
+fi
+rm -rf "$site"
 # Parallel workers (pytest-xdist): the suite mostly waits (timeouts, liveness, servers), so more workers than
 # cores pay off; every test is isolated in its ports (tests/ports.py), directories and mounts.
 exec .venv/bin/python -m pytest -n "${DCP_ATOMIC_TEST_WORKERS:-4}" "$@"

@@ -134,5 +134,5 @@ def test_every_json_output_carries_the_schema_version(root, tmp_path, capsys):
     assert main(["--json", "verify", root, RUN, "--all"]) == 0  # an array, as before: each report versioned
     reports = json.loads(capsys.readouterr().out)
     assert reports and all(r["schema"] == JSON_SCHEMA for r in reports), reports
-    with open(os.path.join(HERE, "README.md")) as f:
-        assert f'`"schema": {JSON_SCHEMA}`' in f.read(), "the README documents the version the CLI prints"
+    with open(os.path.join(HERE, "docs", "cli.md")) as f:
+        assert f'`"schema": {JSON_SCHEMA}`' in f.read(), "docs/cli.md documents the version the CLI prints"

@@ -47,7 +47,7 @@ def test_every_exported_name_and_every_keyword_is_in_the_api_reference():
 
 def test_every_page_the_readme_links_to_exists():
     readme = _read("README.md")
-    links = set(re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)\)", readme))
+    links = set(re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#[\w.-]+)?\)", readme))
     assert "docs/api.md" in links
     missing = [link for link in links if not os.path.exists(os.path.join(HERE, link))]
     assert not missing, missing

@@ -3,16 +3,15 @@
 A tiny random Llama is saved the way a training job saves it (``{"model": model.state_dict()}`` through the
 manager, so every stored key carries a ``model.`` prefix), exported with ``--strip-prefix`` (and ``--tie`` when
 the embeddings are tied), and loaded by ``AutoModelForCausalLM.from_pretrained``: no missing, unexpected or
-mismatched key, and logits bit-exact.  The README's own example runs here the same way ``tests/test_readme.py``
-runs it, followed by the same logits check.  Names that cannot come out as asked are refused by name, before a
-byte is written, and an existing export is replaced only with ``--force``.
+mismatched key, and logits bit-exact.  The documented example (docs/cli.md) runs here the same way
+``tests/test_docs_site.py`` runs it, followed by the same logits check.  Names that cannot come out as asked are
+refused by name, before a byte is written, and an existing export is replaced only with ``--force``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ import torch
 
 from dcp_atomic import CheckpointManager
 from dcp_atomic.tools.cli import main
+from tests.helpers.markdown_blocks import blocks, console_commands
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' (transformers is a test extra)")
 from safetensors import safe_open  # noqa: E402 - after the skip: both come with the test extra
@@ -85,18 +85,17 @@ def test_export_loads_in_transformers_with_no_missing_or_unexpected_key_and_bit_
     _assert_loads_as(out, model)
 
 
-def test_the_readme_export_example_loads_in_transformers(tmp_path, monkeypatch):
-    """The README's Llama block and its export and load commands, run the way tests/test_readme.py runs them."""
-    with open(os.path.join(HERE, "README.md")) as f:
-        readme = f.read()
-    blocks = re.findall(r"^```(\w*)\n(.*?)^```", readme, re.M | re.S)
-    (llama_block,) = [body for language, body in blocks if language == "python" and "LlamaForCausalLM" in body]
-    commands = [line[2:] for language, body in blocks if language == "console" for line in body.splitlines()
-                if line.startswith("$ ") and "hf-model" in line]
+def test_the_documented_export_example_loads_in_transformers(tmp_path, monkeypatch):
+    """docs/cli.md's Llama block and its export and load commands, run the way tests/test_docs_site.py runs them,
+    then the export compared with the model itself."""
+    page = blocks(os.path.join(HERE, "docs", "cli.md"))
+    (llama_block,) = [b.body for b in page if b.language == "python" and "LlamaForCausalLM" in b.body]
+    commands = [command for b in page if b.language == "console" for command, _ in console_commands(b)
+                if "hf-model" in command]
     assert any("--strip-prefix" in c for c in commands) and any("from_pretrained" in c for c in commands), commands
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "readme"}
-    exec(compile(llama_block, "README.md llama block", "exec"), namespace)  # noqa: S102
+    namespace: dict = {"__name__": "docs"}
+    exec(compile(llama_block, "docs/cli.md llama block", "exec"), namespace)  # noqa: S102
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
                PYTHONPATH=HERE)
     for command in commands:

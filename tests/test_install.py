@@ -1,26 +1,22 @@
-"""A newcomer's install, exactly as the README's "Install into your own environment" shows it: into a fresh venv, from
-this clone (a built wheel, not the editable checkout), then the command line and the README's quick start run from
-a directory outside the clone, so a module or file missing from the package fails here."""
+"""A newcomer's install, exactly as "Install into your own environment" (docs/getting-started.md) shows it: into a
+fresh venv, from this clone (a built wheel, not the editable checkout), then the command line and the README's quick
+start run from a directory outside the clone, so a module or file missing from the package fails here."""
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers.markdown_blocks import blocks
+
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH = "torch==2.13.0"  # "your build": the one this machine holds (a bare `torch` would download a CUDA build)
-
-
-def _readme_blocks() -> list[tuple[str, str]]:
-    with open(os.path.join(HERE, "README.md")) as f:
-        return re.findall(r"^```(\w*)\n(.*?)^```", f.read(), re.M | re.S)
 
 
 def _clean_copy(destination) -> str:
@@ -36,7 +32,8 @@ def _clean_copy(destination) -> str:
 
 
 def _install_commands(clone: str) -> list[str]:
-    [block] = [body for language, body in _readme_blocks() if language == "text" and body.startswith("pip install torch")]
+    [block] = [b.body for b in blocks(os.path.join(HERE, "docs", "getting-started.md"))
+               if b.language == "text" and b.body.startswith("pip install torch")]
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
     return [TORCH.join(c.rsplit("torch", 1)) if c == "pip install torch" else c.replace("/path/to/dcp_atomic", clone)
             for c in commands]
@@ -64,8 +61,8 @@ def test_the_readme_install_into_a_fresh_venv_gives_a_working_cli_and_quick_star
     where = _run('python -c "import dcp_atomic, dcp_atomic.integrations, s3fs; print(dcp_atomic.__file__)"', venv,
                  str(elsewhere)).stdout
     assert where.strip().startswith(venv), f"imported from {where.strip()}, not the installed package"
-    quick_start = next(body for language, body in _readme_blocks() if language == "python")
+    quick_start = next(b.body for b in blocks(os.path.join(HERE, "README.md")) if b.language == "python")
     (elsewhere / "quick_start.py").write_text(quick_start)
     _run("python quick_start.py", venv, str(elsewhere))
-    listed = _run("dcp-atomic ls ckpt exp1", venv, str(elsewhere)).stdout
-    assert "1000" in listed, listed
+    listed = _run("dcp-atomic ls ckpt quickstart", venv, str(elsewhere)).stdout
+    assert "20" in listed, listed  # the README's quick start keeps steps 10 and 20

@@ -307,3 +307,22 @@ def test_a_rank_or_a_node_killed_at_any_phase_restores_the_newest_memory_committ
             (phase, victims, o.error[o.error.find("ilent"):][:200]) for o in survivors]
         expected = step if PHASES[phase] else step - 1
     assert assert_all_ok(_run(_restore, root, nodes)) == [(expected, "memory", True)] * WORLD
+
+
+def test_one_process_restores_top_level_objects_into_the_callers_state_dict(tmp_path):
+    """One process, no replicas: tensors are copied in place and objects (top-level and nested) are put back into
+    the state dict the caller passed, as ``dcp.load`` does (a top-level int stayed at its old value before)."""
+    from dcp_atomic import CheckpointManager, MemoryTier
+
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    state = {"w": torch.arange(8.0), "step": 0, "nested": {"epoch": 0}}
+    with CheckpointManager(str(tmp_path / "ckpt"), RUN, memory=MemoryTier(str(memory), replicas=0)) as manager:
+        for step in (1, 2, 3):
+            state["w"] += 1
+            state["step"], state["nested"]["epoch"] = step, step
+            assert manager.snapshot(step, state).result() == step
+    fresh = {"w": torch.zeros(8), "step": -1, "nested": {"epoch": -1}}
+    with CheckpointManager(str(tmp_path / "ckpt"), RUN, memory=MemoryTier(str(memory), replicas=0)) as manager:
+        assert manager.load(fresh) == 3 and manager.restored_from["tier"] == "memory"
+    assert torch.equal(fresh["w"], torch.arange(8.0) + 3) and fresh["step"] == 3 and fresh["nested"] == {"epoch": 3}

@@ -37,7 +37,9 @@ LOAD_CONTEXT_ATTR = "dcp_atomic_load_context"  # set on DCP's Metadata by Atomic
 
 
 class AtomicSavePlanner(DefaultSavePlanner):
-    """Args:
+    """DCP's save planner plus what needs the tensors themselves: copies that differ across ranks, layout inference.
+
+    Args:
         divergence: ``"raise"`` (default) refuses keys whose copies differ across ranks;
             ``"warn"`` saves them (DCP keeps rank 0's copy), logs them and marks them per-rank.
         layout_dependent: globs of keys whose layout depends on tensor_parallel_size

@@ -124,15 +124,15 @@ class AtomicStorageWriter(StorageWriter):
             committed supersedes that step instead of raising ``CommitConflictError`` (P14).
         stock_readable: ``True`` writes each tensor as a torch.save container so torch's own
             FileSystemReader opens the attempt (interop); the default ``False`` writes raw blocks,
-            the faster format (see README, "Formats and compression", for the measurements).
+            the faster format (Concepts, "Formats and compression", for the measurements).
         timeout: seconds any wait of this writer may take.
         storage_options: fsspec options (e.g. an S3 endpoint).
         reuse: store only what changed since the run's latest committed step below this one (P15,
             :mod:`.reuse`): each rank's unchanged items (compared by their block digests) go into stable files,
             each linked from that step when it holds exactly them (a hard link on POSIX roots, a server-side copy
             on S3 and GCS); with ``compression`` the zstd frames' digests decide. Refused on other fsspec
-            filesystems, with ``stock_readable`` and DCP plan caching. Default off (README, "Reuse").
-        live_state: the manager's bounded staging of this save (``CheckpointManager(staging=...)``, README "Bounded
+            filesystems, with ``stock_readable`` and DCP plan caching. Default off (Concepts, "Reuse").
+        live_state: the manager's bounded staging of this save (``CheckpointManager(staging=...)``, Concepts, "Bounded
             staging"): DCP was handed the live state (:class:`~dcp_atomic.staging.LiveState`), so device tensors are
             read through its pool, and once this rank has read every tensor, a tensor changed in place meanwhile
             fails the save (``StagingRaceError``) and the live tensors are released for ``wait_staged()``.

@@ -160,7 +160,9 @@ def _grouped(local: LocalTierOptions | None, callbacks: Callbacks | None,
 
 
 class CheckpointManager(RankAgreement):
-    """Args:
+    """Save every N steps in the background, keep the last K, resume; every rank builds one.
+
+    Args:
         root, run_id, storage_options: where checkpoints live (see AtomicStorageWriter).
         parallelism: this job's layout (None: inferred from DTensor meshes where possible).
         keep_last: keep this many most recently committed steps (None: keep all); short for
@@ -190,22 +192,22 @@ class CheckpointManager(RankAgreement):
         local: the local tier (:class:`~.options.LocalTierOptions`: ``local_root``, ``replicas``,
             ``durable_every``, ``keep_local``, ``failure_domain``): saves go to each node's own storage first, are
             replicated to other failure domains and drained to ``root`` in the background; ``load`` restores from the
-            newest step assemblable from local roots, replicas or ``root`` (README, "Two tiers").  None: one tier,
+            newest step assemblable from local roots, replicas or ``root`` (Concepts, "Two tiers").  None: one tier,
             ``root``.
         local_root, replicas, durable_every, keep_local, failure_domain, on_saved, on_loaded, on_failed, on_drained:
             deprecated (a ``DeprecationWarning`` each; they go in the next minor release): the flat form of
             ``local`` and ``callbacks``.  Passing a group both ways is an ``ArgumentError``.
         reuse: each save stores only what changed since the run's latest committed step below it; what did not
             is linked from that step (hard links on POSIX roots, server-side copies on S3 and GCS;
-            ``AtomicStorageWriter(reuse=True)``, README "Reuse"); with ``local_root`` in the local roots, and the
+            ``AtomicStorageWriter(reuse=True)``, Concepts, "Reuse"); with ``local_root`` in the local roots, and the
             drain links what the durable root's previous step holds instead of uploading it. Default off.
-        staging: bounded staging for ``async_save`` (:class:`~dcp_atomic.staging.Staging`, README "Bounded
+        staging: bounded staging for ``async_save`` (:class:`~dcp_atomic.staging.Staging`, Concepts, "Bounded
             staging"): no whole host copy of the state; the live tensors are read after the call returns, and
             :meth:`wait_staged` says when they may change again.  None: DCP stages a host copy of the state.
         memory: the memory tier (:class:`~.options.MemoryTier`: ``path``, ``every``, ``replicas``, ``slots``,
             ``budget_bytes``): :meth:`snapshot` keeps every rank's state in RAM with verified copies on other failure
             domains, and ``load()`` restores the newest memory-committed step unless another tier holds a newer
-            commit (README "Memory tier").  Needs the manager's own process groups (refused with
+            commit (docs: "The memory tier").  Needs the manager's own process groups (refused with
             ``process_group=``).  None: no memory tier.
     """
 
@@ -404,7 +406,7 @@ class CheckpointManager(RankAgreement):
 
         Raises the typed error if the save failed.  Before saving, raises the failure of an
         earlier ``async_save`` that nothing has reported yet (see ``async_save``).  With ``local_root``
-        the step is committed to the local tier (replicas verified, README "Two tiers"), and queued for the
+        the step is committed to the local tier (replicas verified, Concepts, "Two tiers"), and queued for the
         background drain to ``root`` if ``durable`` says so (None: the ``durable_every`` policy); the save
         never waits for a drain.  Without ``local_root`` every save is durable and ``durable`` is ignored.
         """

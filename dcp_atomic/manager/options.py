@@ -31,7 +31,7 @@ _DEFAULT = _Default()
 
 @dataclasses.dataclass(frozen=True)
 class LocalTierOptions:
-    """The local tier (README "Two tiers"): saves go to ``local_root`` first.
+    """The local tier (Concepts, "Two tiers"): saves go to ``local_root`` first.
 
     Args:
         local_root: this node's own storage (a local path; each rank passes its node's): saves go there first, with
@@ -68,7 +68,7 @@ class LocalTierOptions:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryTier:
-    """The memory tier (README "Memory tier", P16): ``manager.snapshot(step, state_dict)`` keeps each rank's state in
+    """The memory tier (docs: "The memory tier", P16): ``manager.snapshot(step, state_dict)`` keeps each rank's state in
     RAM, with verified copies on other failure domains, and ``load()`` restores the newest memory-committed step when
     no other tier holds a newer one.
 

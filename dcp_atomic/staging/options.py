@@ -21,7 +21,9 @@ from ..errors import ArgumentError
 
 @dataclass(frozen=True)
 class Staging:
-    """Args:
+    """Bounded staging for ``async_save``: the live tensors read through a pool after the call, not a host copy.
+
+    Args:
         pool_bytes: host memory for the windows copies go through (pinned for device tensors); the staging's peak
             extra host memory, beside the eager copies.
         window_bytes: one window: a tensor larger than it is copied in several.  At most ``pool_bytes``.
