@@ -38,22 +38,15 @@ def combine_crc32(first: int, second: int, second_length: int) -> int:
     32x32 bit-matrix squarings, no byte read)."""
     if second_length <= 0:
         return first
-    odd = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]  # the operator for one zero bit
-    even = _gf2_square(odd)
-    odd = _gf2_square(even)
-    while True:  # apply len(B) zero bytes to crc(A), one bit of the length at a time
-        even = _gf2_square(odd)
+    operator = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]  # appending one zero bit
+    for _ in range(3):
+        operator = _gf2_square(operator)  # ... one zero byte
+    while second_length:  # len(B) zero bytes appended to A, one bit of the length at a time
         if second_length & 1:
-            first = _gf2_times(even, first)
+            first = _gf2_times(operator, first)
         second_length >>= 1
-        if not second_length:
-            break
-        odd = _gf2_square(even)
-        if second_length & 1:
-            first = _gf2_times(odd, first)
-        second_length >>= 1
-        if not second_length:
-            break
+        if second_length:
+            operator = _gf2_square(operator)
     return first ^ second
 
 
