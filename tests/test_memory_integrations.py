@@ -1,0 +1,80 @@
+"""The memory tier (P16) turned on with one argument from the frameworks' own entry points: torchtitan's checkpoint
+config, Lightning's strategy, the Accelerate integration.
+
+Worlds of 2 ranks as 2 simulated nodes (failure domains nodeA/nodeB), each node's memory path on its own tmpfs, the
+durable root on disk.  Each test trains a few steps snapshotting every step, then starts a fresh job (a new world)
+that restores: the exact state of the last snapshot, and ``restored_from`` saying memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from tests.harness import assert_all_ok, run_world
+from tests.helpers.memory import memory_path, two_nodes_env
+from tests.helpers.tier_integrations import FOLDER, _titan
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+
+
+def _world(fn, root, nodes, timeout=120):
+    return assert_all_ok(run_world(fn, WORLD, root, rank_env=two_nodes_env, extra={"nodes": nodes},
+                                   timeout=timeout))
+
+
+def _same(a, b) -> bool:
+    """Two ``(weights, optimizer moments)`` pairs are equal, tensor by tensor."""
+    return all(a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+               for part in (0, 1))
+
+
+def _durable_steps(root: str) -> list[int]:
+    return sorted(int(os.path.basename(os.path.dirname(p))[5:])
+                  for p in glob.glob(os.path.join(root, FOLDER, "step_*", "COMMITTED")))
+
+
+# -- torchtitan ---------------------------------------------------------------------------------------------------
+
+
+def _titan_memory(ctx):
+    """Snapshot steps 1-5 (no durable save: interval 10), then a fresh job restores."""
+    memory = {"memory_path": memory_path(ctx), "interval": 10}
+    first = _titan(ctx, 5, data_seed=1, tier=False, **memory)
+    again = _titan(ctx, 5, data_seed=2, tier=False, **memory)
+    return {"snapshots": sorted(first["snapshots"]), "saved": sorted(first["saved"]), "started": again["started"],
+            "exact": _same(again["start"], first["snapshots"][5]), "tier": (again["served"] or {}).get("tier")}
+
+
+def test_torchtitan_memory_path_snapshots_every_step_and_a_fresh_job_restores_the_last_from_memory(root, nodes):
+    for out in _world(_titan_memory, root, nodes):
+        assert out == {"snapshots": [1, 2, 3, 4, 5], "saved": [], "started": 5, "exact": True, "tier": "memory"}, out
+    assert _durable_steps(root) == []
+
+
+def _titan_side_by_side(ctx):
+    """Durable every 2 steps and memory every step: the restore takes step 5 from memory; then a job whose newest
+    commit is durable (step 6, no snapshot of it) restores that from the folder.  The durable saves are synchronous:
+    an async one commits after the next snapshot, and the newest by commit sequence is then the durable step."""
+    tiers = {"tier": False, "memory_path": memory_path(ctx), "interval": 2, "async_mode": "disabled"}
+    both = _titan(ctx, 5, data_seed=1, **tiers)
+    newest_memory = _titan(ctx, 6, data_seed=2, memory_interval=4, **tiers)
+    newest_durable = _titan(ctx, 6, data_seed=3, **tiers)
+    return {"saved": sorted(both["saved"]), "snapshots": sorted(both["snapshots"]),
+            "memory": (newest_memory["started"], (newest_memory["served"] or {}).get("tier"),
+                       _same(newest_memory["start"], both["snapshots"][5])),
+            "second_job": (sorted(newest_memory["saved"]), sorted(newest_memory["snapshots"])),
+            "durable": (newest_durable["started"], newest_durable["served"],
+                        _same(newest_durable["start"], newest_memory["saved"][6]))}
+
+
+def test_torchtitan_durable_interval_and_memory_every_step_side_by_side_restore_the_newest(root, nodes):
+    for out in _world(_titan_side_by_side, root, nodes, timeout=180):
+        assert out == {"saved": [2, 4], "snapshots": [1, 2, 3, 4, 5], "memory": (5, "memory", True),
+                       "second_job": ([6], []), "durable": (6, None, True)}, out
+    assert _durable_steps(root) == [2, 4, 6]
