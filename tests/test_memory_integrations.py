@@ -78,3 +78,44 @@ def test_torchtitan_durable_interval_and_memory_every_step_side_by_side_restore_
         assert out == {"saved": [2, 4], "snapshots": [1, 2, 3, 4, 5], "memory": (5, "memory", True),
                        "second_job": ([6], []), "durable": (6, None, True)}, out
     assert _durable_steps(root) == [2, 4, 6]
+
+
+# -- Accelerate ---------------------------------------------------------------------------------------------------
+
+
+def _accelerate_job(ctx, steps: int):
+    """An Accelerator job (DDP over gloo) with the memory tier: ``load()``, then train and snapshot each step up to
+    ``steps`` (each waited for); its start and its state after each snapshot."""
+    from dcp_atomic import MemoryTier
+    from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
+    from tests.test_accelerate import _job, _snapshot, _train_step
+
+    job = _job(seed=ctx.extra.get("seed", 0))
+    accelerator, model, optimizer, _, scheduler, counter = job
+    memory = MemoryTier(memory_path(ctx))
+    with AcceleratorCheckpoint(accelerator, ctx.root, "exp", memory=memory, timeout=15) as checkpoint:
+        started = checkpoint.load() or 0
+        out = {"started": started, "tier": (checkpoint.restored_from or {}).get("tier"),
+               "start": _snapshot(accelerator, model, optimizer, scheduler, counter), "snapshots": {}}
+        for step in range(started + 1, steps + 1):
+            _train_step(*job)
+            assert checkpoint.snapshot(step).result() == step
+            out["snapshots"][step] = _snapshot(accelerator, model, optimizer, scheduler, counter)
+        out["steps"] = checkpoint.manager.steps()
+    return out
+
+
+def _accelerate_memory(ctx):
+    first = _accelerate_job(ctx, 3)
+    ctx.extra["seed"] = 123  # everything that matters comes from the snapshot
+    again = _accelerate_job(ctx, 3)
+    return first, again
+
+
+def test_accelerate_memory_tier_snapshots_every_step_and_a_fresh_job_restores_the_last_from_memory(root, nodes):
+    from tests.test_accelerate import _assert_same
+
+    for first, again in _world(_accelerate_memory, root, nodes):
+        assert (first["started"], first["tier"], sorted(first["snapshots"]), first["steps"]) == (0, None, [1, 2, 3], [])
+        assert (again["started"], again["tier"], again["snapshots"]) == (3, "memory", {})
+        _assert_same(again["start"], first["snapshots"][3], "restored")  # weights, optimizer, lr, registered object
