@@ -119,3 +119,45 @@ def test_accelerate_memory_tier_snapshots_every_step_and_a_fresh_job_restores_th
         assert (first["started"], first["tier"], sorted(first["snapshots"]), first["steps"]) == (0, None, [1, 2, 3], [])
         assert (again["started"], again["tier"], again["snapshots"]) == (3, "memory", {})
         _assert_same(again["start"], first["snapshots"][3], "restored")  # weights, optimizer, lr, registered object
+
+
+# -- Lightning ----------------------------------------------------------------------------------------------------
+
+
+def _lightning_job(ctx, max_steps, ckpt_path=None, seed=0):
+    """``fit`` with ``AtomicModelParallelStrategy(memory=...)``, each snapshot waited for (none skipped): the
+    module (its state at each snapshot, and at the start) and the strategy."""
+    from dcp_atomic import MemoryTier
+    from dcp_atomic.integrations.lightning import AtomicModelParallelStrategy
+    from tests.test_lightning_tier import _tracked_module
+
+    pl, Tracked = _tracked_module()
+
+    class Waiting(Tracked):
+        def on_train_batch_end(self, *args):  # after the strategy's callback took the step's snapshot
+            assert self.trainer.strategy.snapshotted.result() == self.trainer.global_step
+
+    strategy = AtomicModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=30,
+                                           memory=MemoryTier(memory_path(ctx)))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=ctx.root, strategy=strategy,
+                         enable_checkpointing=False)
+    module = Waiting(seed=seed)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, strategy, Tracked.saved
+
+
+def _lightning_memory(ctx):
+    from dcp_atomic.integrations.lightning import MEMORY
+    from tests.helpers.lightning import _same
+
+    _, _, saved = _lightning_job(ctx, 3)
+    module, strategy, _ = _lightning_job(ctx, 4, ckpt_path=MEMORY, seed=99)
+    weights, optimizer = saved[3]
+    return {"snapshots": sorted(saved), "tier": (strategy.restored_from or {}).get("tier"),
+            "exact": _same(module.at_start, weights) and _same(module.optimizer_at_start, optimizer)}
+
+
+def test_lightning_strategy_memory_snapshots_every_step_and_a_fresh_fit_resumes_the_last_from_memory(root, nodes):
+    for out in _world(_lightning_memory, root, nodes, timeout=180):
+        assert out == {"snapshots": [1, 2, 3], "tier": "memory", "exact": True}, out
