@@ -124,7 +124,7 @@ def test_accelerate_memory_tier_snapshots_every_step_and_a_fresh_job_restores_th
 # -- Lightning ----------------------------------------------------------------------------------------------------
 
 
-def _lightning_job(ctx, max_steps, ckpt_path=None, seed=0):
+def _lightning_job(ctx, max_steps, ckpt_path=None, seed=0, callbacks=()):
     """``fit`` with ``AtomicModelParallelStrategy(memory=...)``, each snapshot waited for (none skipped): the
     module (its state at each snapshot, and at the start) and the strategy."""
     from dcp_atomic import MemoryTier
@@ -141,7 +141,7 @@ def _lightning_job(ctx, max_steps, ckpt_path=None, seed=0):
                                            memory=MemoryTier(memory_path(ctx)))
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=ctx.root, strategy=strategy,
-                         enable_checkpointing=False)
+                         callbacks=list(callbacks), enable_checkpointing=bool(callbacks))
     module = Waiting(seed=seed)
     trainer.fit(module, ckpt_path=ckpt_path)
     return module, strategy, Tracked.saved
@@ -151,13 +151,25 @@ def _lightning_memory(ctx):
     from dcp_atomic.integrations.lightning import MEMORY
     from tests.helpers.lightning import _same
 
-    _, _, saved = _lightning_job(ctx, 3)
-    module, strategy, _ = _lightning_job(ctx, 4, ckpt_path=MEMORY, seed=99)
-    weights, optimizer = saved[3]
-    return {"snapshots": sorted(saved), "tier": (strategy.restored_from or {}).get("tier"),
-            "exact": _same(module.at_start, weights) and _same(module.optimizer_at_start, optimizer)}
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    def exact(module, state):
+        return _same(module.at_start, state[0]) and _same(module.optimizer_at_start, state[1])
+
+    def files():  # last.ckpt names step 2 (every 2 steps): older than the memory tier's newest
+        return [ModelCheckpoint(dirpath=os.path.join(ctx.root, "ckpts"), every_n_train_steps=2, save_last=True,
+                                save_top_k=0)]
+
+    _, _, saved = _lightning_job(ctx, 3, callbacks=files())
+    module, strategy, resumed_saved = _lightning_job(ctx, 4, ckpt_path=MEMORY, seed=99)  # snapshots step 4
+    from_memory = ((strategy.restored_from or {}).get("tier"), exact(module, saved[3]))
+    finder = [ModelCheckpoint(dirpath=os.path.join(ctx.root, "ckpts"), save_top_k=0)]  # "last" is looked up there
+    module, strategy, _ = _lightning_job(ctx, 5, ckpt_path="last", seed=98, callbacks=finder)
+    return {"snapshots": sorted(saved), "memory": from_memory,
+            "last": ((strategy.restored_from or {}).get("tier"), exact(module, resumed_saved[4]))}
 
 
-def test_lightning_strategy_memory_snapshots_every_step_and_a_fresh_fit_resumes_the_last_from_memory(root, nodes):
+def test_lightning_strategy_memory_snapshots_every_step_and_a_fresh_fit_and_an_older_last_ckpt_resume_the_last_from_memory(
+        root, nodes):
     for out in _world(_lightning_memory, root, nodes, timeout=180):
-        assert out == {"snapshots": [1, 2, 3], "tier": "memory", "exact": True}, out
+        assert out == {"snapshots": [1, 2, 3], "memory": ("memory", True), "last": ("memory", True)}, out
