@@ -38,8 +38,8 @@ What changes and why:
   drain can bring it back; the end of ``fit`` waits for the last drain, and a save outside ``fit``
   (``trainer.save_checkpoint`` afterwards) waits for its own, so every file is durable when they return.
 
-The memory tier (``strategy(memory=MemoryTier("/dev/shm/ckpt", every=1))``; docs/memory.md): at the end of every
-``every``-th training batch the strategy snapshots the whole Lightning checkpoint (weights, optimizer states, loops,
+The memory tier (``strategy(memory=MemoryTier("/dev/shm/ckpt", every=1))``; docs/memory.md): at the end of each
+training batch whose ``global_step`` is a multiple of ``every`` the strategy snapshots the whole Lightning checkpoint (weights, optimizer states, loops,
 callbacks) into RAM on each node, with verified copies on other failure domains, through one ``CheckpointManager``
 (run ``<run_id>-memory`` under the trainer's ``default_root_dir``); before each optimizer step it waits for
 ``wait_staged()`` (with ``staging=Staging(...)``).  ``fit(ckpt_path=MEMORY)`` resumes from the newest memory-committed
@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -189,14 +190,19 @@ class _AtomicCheckpointing:
         super().setup(trainer)
         if self.memory is None or self.memory_manager is not None:
             return
-        self.memory_manager = CheckpointManager(trainer.default_root_dir, f"{self.run_id}-memory", memory=self.memory,
+        # the strategy picks the steps (global_step % every): the tier takes every call it is given
+        memory = dataclasses.replace(self.memory, every=1)
+        self.memory_manager = CheckpointManager(trainer.default_root_dir, f"{self.run_id}-memory", memory=memory,
                                                 staging=self.staging, parallelism=self.parallelism,
                                                 timeout=self.timeout)
         if not any(isinstance(c, _MemorySnapshots) for c in trainer.callbacks):
             trainer.callbacks.append(_memory_callback(self._package)())
 
     def snapshot(self, trainer: Any) -> Any:
-        """Snapshot Lightning's whole checkpoint as of now (every rank alike): the manager's future."""
+        """Snapshot Lightning's whole checkpoint as of now at every ``every``-th step (every rank alike): the
+        manager's future, or None at a step not due."""
+        if trainer.global_step % self.memory.every:
+            return None
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state = self._sharded_state(checkpoint)
         state[LIGHTNING_META_KEY] = (checkpoint,)
@@ -517,8 +523,8 @@ def strategy_class(package: str = "pytorch_lightning") -> type:
 
 
 class _MemorySnapshots:
-    """The strategy's callback with ``memory=``: a snapshot at the end of each training batch (the memory tier takes
-    every ``every``-th), ``wait_staged()`` before each optimizer step.  Mixed over ``Callback`` of the strategy's
+    """The strategy's callback with ``memory=``: a snapshot at the end of each training batch (the strategy takes
+    those of every ``every``-th step), ``wait_staged()`` before each optimizer step.  Mixed over ``Callback`` of the strategy's
     package (:func:`_memory_callback`): a Trainer calls only its own package's callbacks."""
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
