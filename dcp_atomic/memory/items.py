@@ -116,9 +116,9 @@ def _placement(value: DTensor) -> dict:
 
 def install(state_dict: dict[str, Any], items: tuple[SlotItem, ...], data: memoryview, where: str) -> None:
     """Copy the bytes of ``items`` (``data``: the slot) into ``state_dict``, each item verified as it is read:
-    tensors in place, other values decoded by the allow-list (a top-level one replaced in ``state_dict``);
-    ``Stateful`` values then get their ``load_state_dict``, as ``dcp.load`` does.  A key of the state dict the slot
-    lacks, or a tensor of another dtype, shape or placement, is refused by name before a byte is copied."""
+    tensors in place, other values decoded by the allow-list; ``Stateful`` values then get their
+    ``load_state_dict``, as ``dcp.load`` does.  A key of the state dict the slot lacks, or a tensor of another dtype,
+    shape or placement, is refused by name before a byte is copied."""
     expanded = expand_stateful(state_dict)
     by_key = {item.key: item for item in items}
     leaves = leaves_of(expanded)
@@ -143,7 +143,7 @@ def install(state_dict: dict[str, Any], items: tuple[SlotItem, ...], data: memor
     for key, value in state_dict.items():
         if isinstance(value, Stateful):
             value.load_state_dict(expanded[key])
-        else:  # a top-level object was decoded into the expanded copy: the caller's dict gets it, as from dcp.load
+        else:  # a top-level object decoded above went into the expanded copy of this dict: put it back (dcp.load's)
             state_dict[key] = expanded[key]
 
 
