@@ -15,6 +15,11 @@ S3/GCS as the manager has them (its keyword arguments pass through)::
     ...
     checkpoint.save(step)                   # instead of accelerator.save_state(...)
 
+The memory tier (docs/memory.md) is one argument, ``memory=MemoryTier("/dev/shm/ckpt")``: ``checkpoint.snapshot(step)``
+then keeps the same state in RAM on each node with verified copies on other failure domains, ``load()`` restores the
+newest step of any tier (``checkpoint.restored_from`` says which), and ``checkpoint.wait_staged()`` belongs before
+``optimizer.step()`` (with ``staging=Staging(...)``, the save in flight reads the live tensors until then).
+
 What goes in, per index as Accelerate numbers them: ``model`` / ``model_<i>`` (``get_model_state_dict``: DDP's
 ``module.`` prefix dropped, FSDP1/FSDP2 sharded as DTensors, so a changed world size reshards), ``optimizer`` /
 ``optimizer_<i>`` (``get_optimizer_state_dict`` against the model that owns its parameters), ``scheduler_<i>``,
@@ -45,7 +50,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, UnsafeItemError
+from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigurationError, CorruptCheckpointError,
+                      UnsafeItemError)
 from ..exchange.collective import gather
 from ..manager import CheckpointManager
 from ..format.safe_pickle import load_refusal
@@ -75,8 +81,8 @@ class AcceleratorCheckpoint:
         accelerator: the job's ``Accelerator``, after ``prepare``: what it holds then is what is saved (models,
             optimizers, schedulers, dataloaders and ``register_for_checkpointing`` objects).
         root, run_id, manager_kwargs: the manager's (``keep_last``, ``local=LocalTierOptions(...)``,
-            ``storage_options``, ``compression``...); build it after the ``Accelerator``, which starts the process
-            group.
+            ``memory=MemoryTier(...)``, ``staging=Staging(...)``, ``storage_options``, ``compression``...); build it
+            after the ``Accelerator``, which starts the process group.
     """
 
     def __init__(self, accelerator: Any, root: Any, run_id: str, **manager_kwargs: Any) -> None:
@@ -192,6 +198,33 @@ class AcceleratorCheckpoint:
         ``durable`` as :meth:`CheckpointManager.save`.  A job's first save into a run that already holds steps
         is refused unless the job called :meth:`load` first: saving without resuming would start a new branch
         whose retention removes the run's newest steps (another experiment's, under a reused run id)."""
+        self._refuse_new_branch()
+        self._clear_fresh = True
+        with self._fresh_optimizers():
+            done = self.manager.save(step, self._state(saving=True), metadata=metadata, durable=durable)
+        self.accelerator.project_configuration.iteration += 1  # as save_state counts its saves
+        return done
+
+    def snapshot(self, step: int):
+        """Snapshot ``step`` into the memory tier (``memory=MemoryTier(...)``; every rank calls it): the same state
+        as :meth:`save`, copied before this returns; the returned future resolves to ``step`` once memory-committed
+        on every rank (:meth:`CheckpointManager.snapshot`).  Refused before :meth:`load`, as :meth:`save` is."""
+        self._refuse_new_branch()
+        self._clear_fresh = True
+        with self._fresh_optimizers():
+            return self.manager.snapshot(step, self._state(saving=True))
+
+    def wait_staged(self) -> float:
+        """Before ``optimizer.step()``: wait until the save in flight no longer reads the live tensors
+        (:meth:`CheckpointManager.wait_staged`); the seconds waited."""
+        return self.manager.wait_staged()
+
+    @property
+    def restored_from(self) -> dict[str, Any] | None:
+        """After :meth:`load`: which tier served it, as :attr:`CheckpointManager.restored_from` says."""
+        return self.manager.restored_from
+
+    def _refuse_new_branch(self) -> None:
         if not self._resumed_or_checked:
             held = self.manager.steps()
             if held:
@@ -200,23 +233,23 @@ class AcceleratorCheckpoint:
                     "AcceleratorCheckpoint.load() first to resume them (a later save of a lower step then starts a "
                     "new branch, on purpose), or save into another run_id")
             self._resumed_or_checked = True
-        self._clear_fresh = True
-        with self._fresh_optimizers():
-            done = self.manager.save(step, self._state(saving=True), metadata=metadata, durable=durable)
-        self.accelerator.project_configuration.iteration += 1  # as save_state counts its saves
-        return done
 
     def load(self, step: int | None = None, *, allow_reshard: bool = False) -> int | None:
-        """Load ``step`` (default: the most recent committed step) into everything the Accelerator holds; returns
-        the step, or None when the run has no checkpoint yet (a fresh start: nothing is changed)."""
+        """Load ``step`` (default: the newest step of any tier, the memory tier's included) into everything the
+        Accelerator holds; returns the step, or None when the run has no checkpoint yet (a fresh start: nothing is
+        changed)."""
         self._resumed_or_checked = True
-        if step is None and not self.manager.steps():
+        if step is None and self.manager.memory is None and not self.manager.steps():
             return None
         self._clear_fresh = True
         with self._fresh_optimizers():
             state = self._state(saving=False)
             try:
                 chosen = self.manager.load(state, step=step, allow_reshard=allow_reshard)
+            except CheckpointNotFoundError:
+                if step is None:  # no tier holds a step (the memory tier is only known by looking): a fresh start
+                    return None
+                raise
             except CheckpointError as e:  # every rank alike: the manager agrees on a load's failure
                 self._refuse_other_objects(step if step is not None else e.details.get("step"), e)
                 raise

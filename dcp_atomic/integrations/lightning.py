@@ -38,6 +38,16 @@ What changes and why:
   drain can bring it back; the end of ``fit`` waits for the last drain, and a save outside ``fit``
   (``trainer.save_checkpoint`` afterwards) waits for its own, so every file is durable when they return.
 
+The memory tier (``strategy(memory=MemoryTier("/dev/shm/ckpt", every=1))``; docs/memory.md): at the end of each
+training batch whose ``global_step`` is a multiple of ``every`` the strategy snapshots the whole Lightning
+checkpoint (weights, optimizer states, loops, callbacks) into RAM on each node, with verified copies on other failure domains, through one ``CheckpointManager``
+(run ``<run_id>-memory`` under the trainer's ``default_root_dir``); before each optimizer step it waits for
+``wait_staged()`` (with ``staging=Staging(...)``).  ``fit(ckpt_path=MEMORY)`` resumes from the newest memory-committed
+step (a fresh job on the same nodes; none held is a ``CheckpointNotFoundError``), and ``fit(ckpt_path=<a file>)`` or
+``"last"`` takes the newest memory snapshot instead of the file when it is of a later step, saying so in a log line;
+``strategy.restored_from`` says which tier served.  Missing: a fresh ``fit()`` without ``ckpt_path`` does not look
+in memory (Lightning asks the strategy to load only when a path is given).
+
 Moving a job onto this strategy: ``fit(ckpt_path=<a directory stock ModelParallelStrategy saved>)`` (its DCP
 checkpoint and ``meta.pt``) resumes from it, read as stock reads it and said once to be unverified (it carries no
 digests); every save from then on is a commit as above, and the stock directories the resumed callbacks rotate out
@@ -56,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -79,7 +90,8 @@ from ..protocol.catalog import DEFAULT_TIMEOUT
 from ..errors import CheckpointError, CheckpointNotFoundError, shorten
 from ..format.layout import RunLayout, parse_checkpoint_id
 from ..manager import CheckpointManager
-from ..manager.options import Callbacks, LocalTierOptions
+from ..manager.options import Callbacks, LocalTierOptions, MemoryTier
+from ..staging import Staging
 from ..format.parallelism import Parallelism
 from ..dcp.planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..dcp.reader import AtomicStorageReader
@@ -99,6 +111,8 @@ _UNSAFE_RUN_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 STOCK_META = "meta.pt"  # stock ModelParallelStrategy's directory: Lightning's non-tensor state (torch.save)
 STOCK_DCP_METADATA = ".metadata"  # beside it, torch's FileSystemWriter's index of the __<rank>_<n>.distcp files
 _STOCK_FILES = f"DCP's {STOCK_DCP_METADATA} with its *.distcp files, and Lightning's {STOCK_META}"
+MEMORY = "dcp_atomic:memory"  # fit(ckpt_path=MEMORY): resume from the newest memory-committed step
+LIGHTNING_META_KEY = "lightning"  # in a snapshot: Lightning's non-tensor state, one object
 TIER_DIGEST_CHARS = 12  # "tier-<12 hex>": never a name's run, whose digest has 8 (checkpoint_id_for)
 
 
@@ -140,14 +154,15 @@ class _AtomicCheckpointing:
     def __init__(self, *args: Any, run_id: str = "lightning", parallelism: Parallelism | None = None,
                  compression: str | None = None, timeout: float = DEFAULT_TIMEOUT, local_root: str | None = None,
                  replicas: int = 1, keep_local: int = 2, failure_domain: str | None = None, reuse: bool = False,
-                 **kwargs: Any) -> None:
+                 memory: MemoryTier | None = None, staging: Staging | None = None, **kwargs: Any) -> None:
         """``run_id`` names the folder under each ``dirpath`` that holds the runs; ``parallelism`` is recorded
         for reshard checks (None: inferred from the DTensor meshes, Lightning's ``data_parallel`` /
         ``tensor_parallel`` names included).  ``local_root`` (each node's own absolute path), ``replicas``,
         ``keep_local``, ``failure_domain``: the local tier, as ``CheckpointManager`` takes them (module doc).
         ``reuse``: a save stores only what changed since the previous step of its run (P15, README "Reuse"): with
         ``local_root`` every file of a directory (one run per directory); without it, a re-saved name such as
-        ``last.ckpt`` (one run per file name)."""
+        ``last.ckpt`` (one run per file name).  ``memory``, ``staging``: the memory tier and bounded staging of its
+        snapshots (module doc)."""
         if local_root is not None and not os.path.isabs(os.fspath(local_root)):
             raise arguments.refused(f"{type(self).__name__}(local_root=...)", local_root,
                                     "an absolute path on each node's own storage", then="nothing was saved")
@@ -164,13 +179,69 @@ class _AtomicCheckpointing:
         self._tiers: dict[tuple[str, str], _Tier] = {}
         self._redrained: set[tuple[str, int]] = set()  # (dirpath, step) this job drained again (_quiet_point)
         self._fitting = False
+        arguments.instance(f"{type(self).__name__}(memory=...)", memory, MemoryTier, "a dcp_atomic.MemoryTier")
+        arguments.instance(f"{type(self).__name__}(staging=...)", staging, Staging, "a dcp_atomic.Staging")
+        self.memory, self.staging = memory, staging
+        self.memory_manager: CheckpointManager | None = None  # built at setup, every rank alike
+        self.snapshotted: Any = None  # the latest snapshot's future (a SnapshotFuture)
+
+    def setup(self, trainer: Any) -> None:
+        """With ``memory``: the manager of the snapshots, and the callback that takes them (module doc)."""
+        super().setup(trainer)
+        if self.memory is None or self.memory_manager is not None:
+            return
+        # the strategy picks the steps (global_step % every): the tier takes every call it is given
+        memory = dataclasses.replace(self.memory, every=1)
+        self.memory_manager = CheckpointManager(trainer.default_root_dir, f"{self.run_id}-memory", memory=memory,
+                                                staging=self.staging, parallelism=self.parallelism,
+                                                timeout=self.timeout)
+        if not any(isinstance(c, _MemorySnapshots) for c in trainer.callbacks):
+            trainer.callbacks.append(_memory_callback(self._package)())
+
+    def snapshot(self, trainer: Any) -> Any:
+        """Snapshot Lightning's whole checkpoint as of now at every ``every``-th step (every rank alike): the
+        manager's future, or None at a step not due."""
+        if trainer.global_step % self.memory.every:
+            return None
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        state = self._sharded_state(checkpoint)
+        state[LIGHTNING_META_KEY] = (checkpoint,)
+        self.snapshotted = self.memory_manager.snapshot(trainer.global_step, state)
+        return self.snapshotted
+
+    def _restore_from_memory(self, state: dict[str, Any], newer_than: int | None) -> dict[str, Any] | None:
+        """Lightning's checkpoint of the newest memory-committed step, loaded into ``state`` (the model's and
+        optimizers' own tensors), when it is above ``newer_than``; else None, ``state`` left for the file's load."""
+        if self.memory_manager is None:
+            return None
+        state[LIGHTNING_META_KEY] = (None,)
+        try:
+            step = self.memory_manager.load(state)
+        except CheckpointNotFoundError:
+            if newer_than is None:
+                raise
+            return None
+        finally:
+            meta = state.pop(LIGHTNING_META_KEY)[0]
+        if newer_than is not None and step <= newer_than:
+            return None
+        self.restored_from = self.memory_manager.restored_from
+        log.info("resuming from step %d of the memory tier (%s)%s", step, (self.restored_from or {}).get("tier"),
+                 "" if newer_than is None else f", newer than step {newer_than} of the file")
+        return meta
+
+    @staticmethod
+    def _sharded_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The sharded part of Lightning's ``checkpoint``, taken out of it: what DCP (or a snapshot) stores."""
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        return state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         path = os.path.abspath(self.broadcast(os.fspath(filepath)))
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        state = self._sharded_state(checkpoint)
         if self.local_root is not None:
             return self._tier_save(checkpoint, path, state)
         checkpoint_id = checkpoint_id_for(path, checkpoint["global_step"], self.run_id)
@@ -263,11 +334,16 @@ class _AtomicCheckpointing:
         path = self.broadcast(os.fspath(checkpoint_path))
         state = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(self.optimizers)})
+        if path == MEMORY:
+            if self.memory_manager is None:
+                raise CheckpointNotFoundError(f"fit(ckpt_path={MEMORY!r}) needs the memory tier: pass "
+                                              f"memory=MemoryTier(...) to {type(self).__name__}")
+            meta = self._restore_from_memory(state, None)
+            self._install(state, set_model_state_dict, set_optimizer_state_dict)
+            return meta
         if os.path.isdir(path):  # what stock ModelParallelStrategy saved: a job moving onto this strategy
             meta = self._stock_load(path, state, weights_only)
-            set_model_state_dict(self.model, state["state_dict"])
-            for i, optimizer in enumerate(self.optimizers):
-                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
+            self._install(state, set_model_state_dict, set_optimizer_state_dict)
             return meta
         record = _pointer_record(path)
         checkpoint_id = None if record is None else checkpoint_id_of(path, record)
@@ -279,6 +355,10 @@ class _AtomicCheckpointing:
         meta.pop(POINTER_KEY, None)  # loaded here: AtomicCheckpointHooks must not load it again
         meta.pop(SAVE_ID_KEY, None)
         meta.pop(SEQUENCE_KEY, None)
+        newer = self._restore_from_memory(state, meta.get("global_step", -1))
+        if newer is not None:
+            self._install(state, set_model_state_dict, set_optimizer_state_dict)
+            return newer
         if record.get("tier") and self.local_root is not None:
             self._tier_load(path, record, state)
         else:  # one tier, or a local-tier file read where this job has no local root: its durable copy
@@ -296,10 +376,13 @@ class _AtomicCheckpointing:
             if record.get("save_id") not in (None, reader.save_id):
                 raise CheckpointError(f"{path} names save {record['save_id']} of {checkpoint_id}, but "
                                       f"{reader.save_id} is stored there: resume from another file", path=path)
+        self._install(state, set_model_state_dict, set_optimizer_state_dict)
+        return meta
+
+    def _install(self, state: dict[str, Any], set_model_state_dict: Any, set_optimizer_state_dict: Any) -> None:
         set_model_state_dict(self.model, state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
-        return meta
 
     def _stock_load(self, path: str, state: dict[str, Any], weights_only: bool | None) -> dict[str, Any]:
         """Fill ``state`` from a directory stock ``ModelParallelStrategy(save_distributed_checkpoint=True)`` saved
@@ -394,11 +477,15 @@ class _AtomicCheckpointing:
         """Close the managers (their process groups; a drain still running is waited for)."""
         self._fitting = False
         tiers, self._tiers = list(self._tiers.values()), {}
-        for tier in tiers:
+        managers = [(tier.manager, f"the local tier of {tier.directory}") for tier in tiers]
+        if self.memory_manager is not None:
+            managers.append((self.memory_manager, "the memory tier"))
+            self.memory_manager = None
+        for manager, what in managers:
             try:
-                tier.manager.close()
+                manager.close()
             except Exception as e:  # noqa: BLE001 - on_train_end raised it already, or an exception is on its way
-                log.error("closing the local tier of %s: %s: %s", tier.directory, type(e).__name__, e)
+                log.error("closing %s: %s: %s", what, type(e).__name__, e)
         super().teardown()
 
     def _local_tier(self) -> LocalTierOptions | None:
@@ -431,8 +518,26 @@ def strategy_class(package: str = "pytorch_lightning") -> type:
     base = importlib.import_module(f"{package}.strategies").ModelParallelStrategy
     name = _CLASS_NAMES[package]
     return type(name, (_AtomicCheckpointing, base),
-                {"__module__": __name__, "__qualname__": name, "__doc__": f"``{package}``'s ``ModelParallelStrategy`` "
+                {"__module__": __name__, "__qualname__": name, "_package": package, "__doc__": f"``{package}``'s ``ModelParallelStrategy`` "
                  "whose sharded checkpoints are dcp_atomic commits (see the module docstring)."})
+
+
+class _MemorySnapshots:
+    """The strategy's callback with ``memory=``: a snapshot at the end of each training batch (the strategy takes
+    those of every ``every``-th step), ``wait_staged()`` before each optimizer step.  Mixed over ``Callback`` of the strategy's
+    package (:func:`_memory_callback`): a Trainer calls only its own package's callbacks."""
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        trainer.strategy.snapshot(trainer)
+
+    def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
+        trainer.strategy.memory_manager.wait_staged()
+
+
+@functools.cache
+def _memory_callback(package: str) -> type:
+    base = importlib.import_module(f"{package}.callbacks").Callback
+    return type("MemorySnapshots", (_MemorySnapshots, base), {"__module__": __name__})
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,13 @@ verified from the local roots, the replicas on other nodes (a replaced node gets
 ``load_step`` names a step of either tier.  Everything runs through one :class:`dcp_atomic.CheckpointManager` built
 with the trainer (its own process groups: the drain needs one), so rollbacks, interval saves and the async modes
 keep their meaning; ``async_with_pinned_mem`` stages synchronously there, as ``async`` does.
+
+The memory tier (``memory_path="/dev/shm/ckpt"``; docs/memory.md): every ``memory_interval``-th step torchtitan's
+``save(step)`` also snapshots the whole training state into RAM on each node, with ``memory_replicas`` verified copies
+on other failure domains, while ``interval`` keeps deciding the saves to ``folder`` (or ``local_root``).  A load takes
+the newest step by commit sequence over memory, the local roots and ``folder``; ``self.tier.restored_from`` says which
+tier served.  ``staging_pool_bytes`` bounds the host memory the async saves stage through (no whole host copy of the
+state): ``maybe_wait_for_staging()``, which the trainer calls before the optimizer step, waits for the live tensors.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ from .._base import arguments
 from .._base.retry import Deadline
 from ..protocol.retention import apply_gc, plan_gc
 from ..manager import CheckpointManager as TierManager
-from ..manager.options import LocalTierOptions
+from ..manager.options import LocalTierOptions, MemoryTier
+from ..staging import Staging
 from ..dcp.writer import AtomicStorageWriter
 
 log = logging.getLogger(__name__)
@@ -88,11 +96,30 @@ class AtomicCheckpointManager(CheckpointManager):
         keep_local: int = 2
         """With ``local_root``: steps kept on each node (a step still draining is kept besides)."""
 
+        memory_path: str | None = None
+        """A RAM-backed directory on each node (a tmpfs such as ``/dev/shm/ckpt``): the memory tier (module docstring).
+        None: no snapshots."""
+
+        memory_interval: int = 1
+        """With ``memory_path``: snapshot the steps that are multiples of it (``interval`` still decides the saves)."""
+
+        memory_replicas: int = 1
+        """With ``memory_path``: copies of each rank's snapshot on ranks of other failure domains."""
+
+        memory_slots: int = 2
+        """With ``memory_path``: snapshots kept per rank."""
+
+        staging_pool_bytes: int | None = None
+        """Host memory the async saves stage through (``dcp_atomic.Staging``): no whole host copy of the state.
+        None: DCP's own staging."""
+
         def __post_init__(self) -> None:
             arguments.count("checkpoint.durable_every", self.durable_every, optional=False)
-            if self.local_root is not None and not os.path.isabs(self.local_root):
-                raise arguments.refused("checkpoint.local_root", self.local_root,
-                                        "an absolute path on each node's own storage")
+            arguments.count("checkpoint.memory_interval", self.memory_interval, optional=False)
+            for name in ("local_root", "memory_path"):
+                path = getattr(self, name)
+                if path is not None and not os.path.isabs(path):
+                    raise arguments.refused(f"checkpoint.{name}", path, "an absolute path on each node's own storage")
             keep = self.keep_latest_k  # torchtitan refuses 1 (its purge may hit the save in flight); ours cannot
             self.keep_latest_k = 0 if keep == 1 else keep
             try:
@@ -115,29 +142,52 @@ class AtomicCheckpointManager(CheckpointManager):
         self._retiring: concurrent.futures.Future | None = None
         self.durable_every = config.durable_every
         self._saving_last = False
-        self.tier: TierManager | None = None  # the two-tier manager, with local_root
-        if config.local_root is not None:  # its own groups (not self.pg): the drain needs one of its own
-            self.tier = TierManager(self.root, self.run_id, local=LocalTierOptions(
-                                        config.local_root, replicas=config.replicas, keep_local=config.keep_local),
+        self.memory_interval = config.memory_interval
+        self.snapshotted = None  # the latest snapshot's future (a SnapshotFuture), with memory_path
+        self.tier: TierManager | None = None  # the tiered manager, with local_root, memory_path or staging_pool_bytes
+        local = None if config.local_root is None else LocalTierOptions(
+            config.local_root, replicas=config.replicas, keep_local=config.keep_local)
+        memory = None if config.memory_path is None else MemoryTier(
+            config.memory_path, replicas=config.memory_replicas, slots=config.memory_slots)
+        staging = None if config.staging_pool_bytes is None else Staging(
+            pool_bytes=config.staging_pool_bytes, window_bytes=min(Staging.window_bytes, config.staging_pool_bytes))
+        if local or memory or staging:  # its own groups (not self.pg): the drain and the snapshots need their own
+            self.tier = TierManager(self.root, self.run_id, local=local, memory=memory, staging=staging,
                                     keep_last=config.keep_latest_k or None,
                                     compression=config.compression, reuse=config.reuse, timeout=config.timeout)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        if self.tier is not None and self.tier.memory is not None and curr_step % self.memory_interval == 0:
+            # copied before this returns (the trainer may step at once); committed in the background, never queued
+            self.snapshotted = self.tier.snapshot(curr_step, self._flattened_model_states_sd())
         self._saving_last = last_step  # the local tier drains the last step whatever durable_every says
         try:
             return super()._save(curr_step, last_step)
         finally:
             self._saving_last = False
 
-    def _load(self, step: int = -1) -> bool:
-        """With the local tier: the newest step assemblable from either tier (or ``step``), through the manager.
+    def _maybe_wait_for_staging(self) -> None:
+        """torchtitan's trainer calls it before the optimizer step: with bounded staging, the save in flight must have
+        read the live tensors by then."""
+        super()._maybe_wait_for_staging()
+        if self.tier is not None:
+            self.tier.wait_staged()
 
-        Only when neither tier holds a step does torchtitan's own ``_load`` run (``initial_load_path``, Hugging Face
+    def _load(self, step: int = -1) -> bool:
+        """With a tier: the newest step assemblable from any tier (or ``step``), through the manager.
+
+        Only when no tier holds a step does torchtitan's own ``_load`` run (``initial_load_path``, Hugging Face
         assets, a fresh start), so a restart never takes an initial checkpoint over this run's own steps.
         """
         if self.tier is None:
             return super()._load(step)
         held = self.tier.steps()
+        if not held and self.tier.memory is not None and step == -1:
+            try:  # only the memory tier may hold a step: the manager's load looks there first
+                self._load_from_tier(step, model_only=False)
+                return True
+            except CheckpointNotFoundError:
+                return super()._load(step)
         if not held:
             if step != -1:
                 raise CheckpointNotFoundError(
@@ -145,13 +195,17 @@ class AtomicCheckpointManager(CheckpointManager):
                     f"({self.tier.local_root} on this node) nor in {self.folder}; set load_step=-1 for a fresh start",
                     step=step)
             return super()._load(step)
-        model_only = (held[-1] if step == -1 else step) == 0  # torchtitan's seed checkpoint is the model alone
+        # torchtitan's seed checkpoint is the model alone; with memory the newest may be a (full) snapshot instead
+        self._load_from_tier(step, model_only=(held[-1] if step == -1 else step) == 0 and self.tier.memory is None)
+        return True
+
+    def _load_from_tier(self, step: int, model_only: bool) -> None:
         states = self._states_to_load(model_only)
         loaded = self.tier.load(states, step=None if step == -1 else step)
         if MODEL in self.states:  # torchtitan flattens the model's keys into the state dict, as its own dcp_load
             self.states[MODEL].load_state_dict(states)
-        log.info("loaded step %d of run %s from the %s tier", loaded, self.run_id, self.tier.restored_from["tier"])
-        return True
+        log.info("loaded step %d of run %s from the %s tier", loaded, self.run_id,
+                 (self.tier.restored_from or {}).get("tier", "durable"))
 
     def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
         """Our step directory, so torchtitan's "is it there" checks look where the checkpoint is."""

@@ -11,8 +11,16 @@ from tests.helpers.fsdp_app import _fsdp_app, _full, _train_step
 from tests.helpers.tiers import RUN, _state
 
 
+def two_nodes_env(rank: int) -> dict[str, str]:
+    """A world of 2 as 2 simulated nodes of one rank each (failure domains nodeA/nodeB)."""
+    return {"DCP_ATOMIC_FAILURE_DOMAIN": "nodeAB"[4 + rank], "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(rank)}
+
+
 def memory_path(ctx) -> str:
-    path = os.path.join(ctx.extra["nodes"][ctx.rank // 2], "mem")
+    """The memory path on the rank's node (the world's ranks spread evenly over ``ctx.extra["nodes"]``)."""
+    nodes = ctx.extra["nodes"]
+    path = os.path.join(nodes[ctx.rank * len(nodes) // ctx.world_size], "mem")
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -52,7 +52,8 @@ def _full(model, optim):
 def _titan(ctx, last_step: int, data_seed: int, last: bool = False, folder: str = FOLDER, tier: bool = True,
            **config):
     """One torchtitan job (build from the config, ``load(step=load_step)``, train to ``last_step`` saving every
-    interval, ``close()``): where it started, the exact state there and at every save, and the tier that served."""
+    interval, ``close()``): where it started, the exact state there and at every save and every snapshot (each waited
+    for: none skipped), and the tier that served."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     from dcp_atomic.integrations.torchtitan import AtomicCheckpointManager
@@ -76,13 +77,16 @@ def _titan(ctx, last_step: int, data_seed: int, last: bool = False, folder: str 
     served = manager.tier.restored_from if manager.tier is not None else None
     started = train_state["step"]
     at_start = _full(model, optim)
-    saved = {}
+    saved, snapshots = {}, {}
     for step in range(started + 1, last_step + 1):
         _train_step(model, optim, data_seed * 1000 + step)
         train_state["step"] = step
         if manager.save(step, last_step=last and step == last_step):
             saved[step] = _full(model, optim)
+        if manager.snapshotted is not None:
+            assert manager.snapshotted.result() == step
+            snapshots[step], manager.snapshotted = _full(model, optim), None
         manager.maybe_wait_for_staging()
     manager.maybe_wait_for_saving()
     manager.close()
-    return {"started": started, "start": at_start, "saved": saved, "served": served}
+    return {"started": started, "start": at_start, "saved": saved, "snapshots": snapshots, "served": served}

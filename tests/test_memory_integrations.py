@@ -1,0 +1,175 @@
+"""The memory tier (P16) turned on with one argument from the frameworks' own entry points: torchtitan's checkpoint
+config, Lightning's strategy, the Accelerate integration.
+
+Worlds of 2 ranks as 2 simulated nodes (failure domains nodeA/nodeB), each node's memory path on its own tmpfs, the
+durable root on disk.  Each test trains a few steps snapshotting every step, then starts a fresh job (a new world)
+that restores: the exact state of the last snapshot, and ``restored_from`` saying memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from tests.harness import assert_all_ok, run_world
+from tests.helpers.memory import memory_path, two_nodes_env
+from tests.helpers.tier_integrations import FOLDER, _titan
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+
+
+def _world(fn, root, nodes, timeout=120):
+    return assert_all_ok(run_world(fn, WORLD, root, rank_env=two_nodes_env, extra={"nodes": nodes},
+                                   timeout=timeout))
+
+
+def _same(a, b) -> bool:
+    """Two ``(weights, optimizer moments)`` pairs are equal, tensor by tensor."""
+    return all(a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+               for part in (0, 1))
+
+
+def _durable_steps(root: str) -> list[int]:
+    return sorted(int(os.path.basename(os.path.dirname(p))[5:])
+                  for p in glob.glob(os.path.join(root, FOLDER, "step_*", "COMMITTED")))
+
+
+# -- torchtitan ---------------------------------------------------------------------------------------------------
+
+
+def _titan_memory(ctx):
+    """Snapshot steps 1-5 (no durable save: interval 10), then a fresh job restores."""
+    memory = {"memory_path": memory_path(ctx), "interval": 10}
+    first = _titan(ctx, 5, data_seed=1, tier=False, **memory)
+    again = _titan(ctx, 5, data_seed=2, tier=False, **memory)
+    return {"snapshots": sorted(first["snapshots"]), "saved": sorted(first["saved"]), "started": again["started"],
+            "exact": _same(again["start"], first["snapshots"][5]), "tier": (again["served"] or {}).get("tier")}
+
+
+def test_torchtitan_memory_path_snapshots_every_step_and_a_fresh_job_restores_the_last_from_memory(root, nodes):
+    for out in _world(_titan_memory, root, nodes):
+        assert out == {"snapshots": [1, 2, 3, 4, 5], "saved": [], "started": 5, "exact": True, "tier": "memory"}, out
+    assert _durable_steps(root) == []
+
+
+def _titan_side_by_side(ctx):
+    """Durable every 2 steps and memory every step: the restore takes step 5 from memory; then a job whose newest
+    commit is durable (step 6, no snapshot of it) restores that from the folder.  The durable saves are synchronous:
+    an async one commits after the next snapshot, and the newest by commit sequence is then the durable step."""
+    tiers = {"tier": False, "memory_path": memory_path(ctx), "interval": 2, "async_mode": "disabled"}
+    both = _titan(ctx, 5, data_seed=1, **tiers)
+    newest_memory = _titan(ctx, 6, data_seed=2, memory_interval=4, **tiers)
+    newest_durable = _titan(ctx, 6, data_seed=3, **tiers)
+    return {"saved": sorted(both["saved"]), "snapshots": sorted(both["snapshots"]),
+            "memory": (newest_memory["started"], (newest_memory["served"] or {}).get("tier"),
+                       _same(newest_memory["start"], both["snapshots"][5])),
+            "second_job": (sorted(newest_memory["saved"]), sorted(newest_memory["snapshots"])),
+            "durable": (newest_durable["started"], newest_durable["served"],
+                        _same(newest_durable["start"], newest_memory["saved"][6]))}
+
+
+def test_torchtitan_durable_interval_and_memory_every_step_side_by_side_restore_the_newest(root, nodes):
+    for out in _world(_titan_side_by_side, root, nodes, timeout=180):
+        assert out == {"saved": [2, 4], "snapshots": [1, 2, 3, 4, 5], "memory": (5, "memory", True),
+                       "second_job": ([6], []), "durable": (6, None, True)}, out
+    assert _durable_steps(root) == [2, 4, 6]
+
+
+# -- Accelerate ---------------------------------------------------------------------------------------------------
+
+
+def _accelerate_job(ctx, steps: int):
+    """An Accelerator job (DDP over gloo) with the memory tier: ``load()``, then train and snapshot each step up to
+    ``steps`` (each waited for); its start and its state after each snapshot."""
+    from dcp_atomic import MemoryTier
+    from dcp_atomic.integrations.accelerate import AcceleratorCheckpoint
+    from tests.test_accelerate import _job, _snapshot, _train_step
+
+    job = _job(seed=ctx.extra.get("seed", 0))
+    accelerator, model, optimizer, _, scheduler, counter = job
+    memory = MemoryTier(memory_path(ctx))
+    with AcceleratorCheckpoint(accelerator, ctx.root, "exp", memory=memory, timeout=15) as checkpoint:
+        started = checkpoint.load() or 0
+        out = {"started": started, "tier": (checkpoint.restored_from or {}).get("tier"),
+               "start": _snapshot(accelerator, model, optimizer, scheduler, counter), "snapshots": {}}
+        for step in range(started + 1, steps + 1):
+            _train_step(*job)
+            assert checkpoint.snapshot(step).result() == step
+            out["snapshots"][step] = _snapshot(accelerator, model, optimizer, scheduler, counter)
+        out["steps"] = checkpoint.manager.steps()
+    return out
+
+
+def _accelerate_memory(ctx):
+    first = _accelerate_job(ctx, 3)
+    ctx.extra["seed"] = 123  # everything that matters comes from the snapshot
+    again = _accelerate_job(ctx, 3)
+    return first, again
+
+
+def test_accelerate_memory_tier_snapshots_every_step_and_a_fresh_job_restores_the_last_from_memory(root, nodes):
+    from tests.test_accelerate import _assert_same
+
+    for first, again in _world(_accelerate_memory, root, nodes):
+        assert (first["started"], first["tier"], sorted(first["snapshots"]), first["steps"]) == (0, None, [1, 2, 3], [])
+        assert (again["started"], again["tier"], again["snapshots"]) == (3, "memory", {})
+        _assert_same(again["start"], first["snapshots"][3], "restored")  # weights, optimizer, lr, registered object
+
+
+# -- Lightning ----------------------------------------------------------------------------------------------------
+
+
+def _lightning_job(ctx, max_steps, ckpt_path=None, seed=0, callbacks=()):
+    """``fit`` with ``AtomicModelParallelStrategy(memory=...)``, each snapshot waited for (none skipped): the
+    module (its state at each snapshot, and at the start) and the strategy."""
+    from dcp_atomic import MemoryTier
+    from dcp_atomic.integrations.lightning import AtomicModelParallelStrategy
+    from tests.test_lightning_tier import _tracked_module
+
+    pl, Tracked = _tracked_module()
+
+    class Waiting(Tracked):
+        def on_train_batch_end(self, *args):  # after the strategy's callback took the step's snapshot
+            assert self.trainer.strategy.snapshotted.result() == self.trainer.global_step
+
+    strategy = AtomicModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=30,
+                                           memory=MemoryTier(memory_path(ctx)))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=ctx.root, strategy=strategy,
+                         callbacks=list(callbacks), enable_checkpointing=bool(callbacks))
+    module = Waiting(seed=seed)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, strategy, Tracked.saved
+
+
+def _lightning_memory(ctx):
+    from dcp_atomic.integrations.lightning import MEMORY
+    from tests.helpers.lightning import _same
+
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    def exact(module, state):
+        return _same(module.at_start, state[0]) and _same(module.optimizer_at_start, state[1])
+
+    def files():  # last.ckpt names step 2 (every 2 steps): older than the memory tier's newest
+        return [ModelCheckpoint(dirpath=os.path.join(ctx.root, "ckpts"), every_n_train_steps=2, save_last=True,
+                                save_top_k=0)]
+
+    _, _, saved = _lightning_job(ctx, 3, callbacks=files())
+    module, strategy, resumed_saved = _lightning_job(ctx, 4, ckpt_path=MEMORY, seed=99)  # snapshots step 4
+    from_memory = ((strategy.restored_from or {}).get("tier"), exact(module, saved[3]))
+    finder = [ModelCheckpoint(dirpath=os.path.join(ctx.root, "ckpts"), save_top_k=0)]  # "last" is looked up there
+    module, strategy, _ = _lightning_job(ctx, 5, ckpt_path="last", seed=98, callbacks=finder)
+    return {"snapshots": sorted(saved), "memory": from_memory,
+            "last": ((strategy.restored_from or {}).get("tier"), exact(module, resumed_saved[4]))}
+
+
+def test_lightning_strategy_memory_snapshots_every_step_and_a_fresh_fit_and_an_older_last_ckpt_resume_the_last_from_memory(
+        root, nodes):
+    for out in _world(_lightning_memory, root, nodes, timeout=180):
+        assert out == {"snapshots": [1, 2, 3], "memory": ("memory", True), "last": ("memory", True)}, out
