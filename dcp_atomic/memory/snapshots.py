@@ -40,7 +40,7 @@ from ..format.layout import RunLayout
 from ..protocol.commit import known_sequence, next_sequence, note_sequence
 from ..tiers import Topology
 from .items import flatten, install, write_leaves
-from .slots import SlotDir, SlotRecord, SlotSink, mapped, verify_slot
+from .slots import SlotDir, SlotRecord, SlotSink, mapped, newest_complete, verify_slot
 
 log = logging.getLogger("dcp_atomic.memory")
 CONSEQUENCE = "the snapshot is not memory-committed; the previous one is intact."
@@ -256,7 +256,7 @@ class MemorySnapshots:
                     verify_slot(copy, spooled)
                     os.makedirs(os.path.dirname(self.dir.data(src, copy.slot)), exist_ok=True)
                     os.replace(spooled, self.dir.data(src, copy.slot))
-                    kept.append(copy)
+                    kept.append(dataclasses.replace(copy, holder=self.rank))
             finally:
                 discard(received)
         return kept
@@ -353,26 +353,21 @@ class MemorySnapshots:
     def _choose(self, held: list[list[tuple[int, int, int, int]]]) -> tuple[int, int, list[tuple[int, int]]] | None:
         """Every rank alike: the newest (sequence, step, per rank (holder, slot)) for which every rank's share has a
         verified copy and every copy names the same step; own node first, else the first holder."""
-        by_sequence: dict[int, dict[int, list[tuple[int, int, int]]]] = {}
-        for leader, copies in enumerate(held):
-            for owner, slot, sequence, step in copies:
-                by_sequence.setdefault(sequence, {}).setdefault(owner, []).append((leader, slot, step))
-        for sequence in sorted(by_sequence, reverse=True):
-            shares = by_sequence[sequence]
-            steps = {step for copies in shares.values() for _, _, step in copies}
-            if len(steps) > 1:
-                if self.rank == 0:
-                    log.warning("memory tier: the records of sequence %d name different steps %s: not loaded",
-                                sequence, sorted(steps))
-                continue
-            if set(shares) != set(range(self.world_size)):
-                continue
-            plan = []
-            for rank in range(self.world_size):
-                own = [(leader, slot) for leader, slot, _ in shares[rank] if leader == self.topology.leader(rank)]
-                plan.append(own[0] if own else shares[rank][0][:2])
-            return sequence, steps.pop(), plan
-        return None
+        def mixed(sequence: int, steps: list[int]) -> None:
+            if self.rank == 0:
+                log.warning("memory tier: the records of sequence %d name different steps %s: not loaded", sequence,
+                            steps)
+
+        found = newest_complete([(owner, sequence, step, (leader, slot)) for leader, copies in enumerate(held)
+                                 for owner, slot, sequence, step in copies], self.world_size, mixed)
+        if found is None:
+            return None
+        sequence, step, places = found
+        plan = []
+        for rank in range(self.world_size):
+            own = [place for place in places[rank] if place[0] == self.topology.leader(rank)]
+            plan.append(own[0] if own else places[rank][0])
+        return sequence, step, plan
 
     def _fetch(self, plan: list[tuple[int, int]], sequence: int, step: int) -> tuple[SlotRecord, str] | None:
         """Every rank alike: each share whose copy is on another node comes from that node's leader, spooled here
