@@ -13,15 +13,11 @@ import os
 from dcp_atomic.memory import SlotRecord
 from dcp_atomic.tools.cli import main
 from tests.harness import assert_all_ok
+from tests.helpers.memory import one_node_per_rank
 from tests.helpers.tiers import RUN, _flip_byte, _run
 
 WORLD = 2
 STEPS = 3
-
-
-def _one_node_per_rank(rank: int) -> dict[str, str]:
-    return {"DCP_ATOMIC_FAILURE_DOMAIN": "nodeAB"[4 + rank], "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "GROUP_RANK": str(rank)}
 
 
 def _snapshot_steps(ctx):
@@ -61,7 +57,7 @@ def _record(nodes, node, rank, step):
 
 
 def test_ls_show_verify_list_own_and_replica_slots_and_the_step_this_node_can_restore(root, nodes, capsys):
-    assert_all_ok(_run(_snapshot_steps, root, nodes, world=WORLD, rank_env=_one_node_per_rank))
+    assert_all_ok(_run(_snapshot_steps, root, nodes, world=WORLD, rank_env=one_node_per_rank))
     for node in range(2):
         code, listing = _listed(capsys, "ls", nodes, node)
         assert code == 0 and listing["run"] == RUN
@@ -83,7 +79,7 @@ def test_ls_show_verify_list_own_and_replica_slots_and_the_step_this_node_can_re
 
 def test_a_flipped_byte_is_failed_by_verify_naming_rank_slot_and_path_and_ls_still_lists_the_seal(root, nodes,
                                                                                                     capsys):
-    assert_all_ok(_run(_snapshot_steps, root, nodes, world=WORLD, rank_env=_one_node_per_rank))
+    assert_all_ok(_run(_snapshot_steps, root, nodes, world=WORLD, rank_env=one_node_per_rank))
     record = _record(nodes, 1, 0, 3)  # rank 0's replica on node B
     data = record.replace(".commit", ".data")
     _flip_byte(data, offset=200)
@@ -104,7 +100,7 @@ def test_a_flipped_byte_is_failed_by_verify_naming_rank_slot_and_path_and_ls_sti
 
 
 def test_a_record_resealed_with_another_step_is_listed_as_its_seal_says_and_failed_by_verify(root, nodes, capsys):
-    assert_all_ok(_run(_snapshot_steps, root, nodes, world=WORLD, rank_env=_one_node_per_rank))
+    assert_all_ok(_run(_snapshot_steps, root, nodes, world=WORLD, rank_env=one_node_per_rank))
     path = _record(nodes, 0, 0, 2)
     with open(path, "rb") as f:
         record = SlotRecord.from_bytes(f.read(), path)

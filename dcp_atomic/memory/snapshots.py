@@ -27,11 +27,13 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .._base import failpoints
 from .._base.futures import ReportedFuture
+from .._base.stats import SnapshotStats
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError
 from ..exchange.collective import CollectiveFailed, agreed_phase, first_line, gather, raise_typed
 from ..exchange.file_transfer import Part, Spooled, discard, transfer
@@ -82,11 +84,12 @@ class MemorySnapshots:
 
     def __init__(self, *, rank: int, world_size: int, run_id: str, layout: RunLayout, options: Any, domain: str,
                  lineage: str, group: Any, memory_group: Any, timeout: float,
-                 translate: Callable[[BaseException, str], BaseException]) -> None:
+                 translate: Callable[[BaseException, str], BaseException],
+                 deliver: Callable[[SnapshotStats], None] = lambda stats: None) -> None:
         self.rank, self.world_size, self.run_id, self.layout = rank, world_size, run_id, layout
         self.every, self.replicas, self.slots = options.every, options.replicas, options.slots
         self.budget_bytes = options.budget_bytes
-        self.lineage, self.timeout, self.translate = lineage, timeout, translate
+        self.lineage, self.timeout, self.translate, self.deliver = lineage, timeout, translate, deliver
         self.group, self.memory_group = group, memory_group
         self.dir = SlotDir(options.path, run_id)
         self.snapshots_taken = self.snapshots_skipped = 0
@@ -152,6 +155,7 @@ class MemorySnapshots:
 
     def snapshot(self, step: int, state_dict: dict[str, Any]) -> SnapshotFuture:
         """Steps 1 (here) and 2-4 (on the memory tier's thread); every rank alike."""
+        started = time.perf_counter()
         self._calls += 1
         if (self._calls - 1) % self.every:
             return _skipped()
@@ -185,7 +189,8 @@ class MemorySnapshots:
             written = e
         failpoints.hit("memory.after_slot_write", self.rank, step)
         future = self._inflight = SnapshotFuture()
-        self._worker.submit(self._commit, step, written, future, f"memory/{self.run_id}/{self._calls}")
+        self._worker.submit(self._commit, step, written, future, f"memory/{self.run_id}/{self._calls}", started,
+                            time.perf_counter() - started)
         return future
 
     def _oldest_slot(self) -> int:
@@ -197,9 +202,10 @@ class MemorySnapshots:
         free = [k for k in range(self.slots) if k not in held]
         return free[0] if free else min(held, key=lambda k: held[k])
 
-    def _commit(self, step: int, written: SlotRecord | BaseException, future: SnapshotFuture, exchange: str) -> None:
+    def _commit(self, step: int, written: SlotRecord | BaseException, future: SnapshotFuture, exchange: str,
+                started: float, call_seconds: float) -> None:
         """Steps 2-4 on the memory tier's thread; the outcome goes to ``future`` (``exchange``: this snapshot's name,
-        the same on every rank, for the transport's check-in when a peer is lost)."""
+        the same on every rank, for the transport's check-in when a peer is lost), its statistics to ``deliver``."""
         what = f"memory snapshot of step {step}"
         try:
             with agreed_phase(self.memory_group, f"the {what}", f"rank {self.rank} could not write its slot",
@@ -222,6 +228,12 @@ class MemorySnapshots:
             future.set_exception(typed)
             return
         self.snapshots_taken += 1
+        self.deliver(SnapshotStats(
+            run_id=self.run_id, step=step, sequence=sequence, world_size=self.world_size, rank=self.rank,
+            slot=written.slot, call_seconds=call_seconds, committed_seconds=time.perf_counter() - started,
+            bytes=written.length, replica_bytes_sent=written.length * len(self.topology.placement.holders[self.rank]),
+            replica_bytes_received=sum(copy.length for copy in kept), gb_per_s=written.length / max(call_seconds, 1e-9)
+            / 1e9, snapshots_skipped=self.snapshots_skipped))
         future.set_result(step)
 
     def _replicate(self, record: SlotRecord, step: int) -> list[SlotRecord]:
