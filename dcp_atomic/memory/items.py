@@ -143,6 +143,8 @@ def install(state_dict: dict[str, Any], items: tuple[SlotItem, ...], data: memor
     for key, value in state_dict.items():
         if isinstance(value, Stateful):
             value.load_state_dict(expanded[key])
+        else:  # a top-level object decoded above went into the expanded copy of this dict: put it back (dcp.load's)
+            state_dict[key] = expanded[key]
 
 
 def _copy_into(tensor: torch.Tensor, stored: memoryview) -> None:
