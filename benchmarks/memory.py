@@ -45,7 +45,7 @@ from benchmarks import report
 from benchmarks.common import (GB, MiB, BenchError, assert_bit_exact, clear, fs_type, quiet_warnings, say,
                                tensor_bytes, transformer_state, zeroed_like)
 from benchmarks.tiers import NODES, WORLD, node_env, node_roots
-from benchmarks.world import Progress, gather, measured
+from benchmarks.world import Progress, gather, launch, measured
 
 SLOTS, REPLICAS = 2, 1
 RANKS_PER_NODE = WORLD // NODES
@@ -311,14 +311,8 @@ def run(args: argparse.Namespace) -> dict:
         rounds = args.repeats + (0 if args.no_warmup else 1)
         ops = rounds * len(ROWS)
         progress = Progress(total=ops, started=time.monotonic())
-        from testbed.worlds import run_world
-
-        outcomes = run_world(_rank, WORLD, disk, args=(plan, progress), rank_env=node_env,
-                             timeout=args.op_timeout * (ops + 10) + 60, pg_timeout=args.op_timeout)
-        failed = [o for o in outcomes if not o.ok]
-        if failed:
-            raise BenchError("\n".join(f"rank {o.rank}: {o.error_type} (exit {o.exitcode}): {o.error}" for o in failed))
-        raw = outcomes[0].value
+        raw = launch(_rank, WORLD, disk, args=(plan, progress), op_timeout=args.op_timeout, ops=ops + 10,
+                     rank_env=node_env)
     rows = _summary(raw["samples"], data_bytes)
     nodes_memory = _memory(raw["footprints"])
     checks = _targets(rows, nodes_memory)
