@@ -9,6 +9,7 @@
     python benchmarks/bench.py tiers [options]     two tiers: local saves + replicas vs direct disk / S3, world 4
     python benchmarks/bench.py reuse [options]     store a byte once: a LoRA-shaped fine-tune, reuse on / off / stock
     python benchmarks/bench.py staging [options]   bounded staging: async_save's host memory with / without Staging
+    python benchmarks/bench.py memory [options]    the memory tier: snapshots and restores vs the local tier, world 4
     python benchmarks/bench.py SCENARIO --help     what it measures, its options
     python benchmarks/bench.py SCENARIO --smoke    seconds: proves it still runs (tests/test_benchmarks.py)
 
@@ -28,7 +29,7 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == HERE:
     sys.path[0] = os.path.dirname(HERE)  # import benchmarks.* and testbed.* as packages, never as loose files
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank, as in a job whose ranks share cores
 
-SCENARIOS = ("large", "small", "compression", "s3", "restore", "tiers", "reuse", "staging")
+SCENARIOS = ("large", "small", "compression", "s3", "restore", "tiers", "reuse", "staging", "memory")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,12 +20,14 @@ from benchmarks.common import BenchError, PeakRss, assert_bit_exact, bytes_on_di
 from benchmarks.contenders import Contenders, checkpoint_path
 
 
-def launch(fn: Callable, world: int, root: str, *, args: tuple = (), op_timeout: float, ops: int) -> Any:
-    """Run ``fn(ctx, *args)`` on a fresh world of ``world`` ranks; rank 0's return value, or BenchError naming
-    every failed rank.  ``op_timeout`` bounds one collective, ``ops * op_timeout`` the whole world."""
+def launch(fn: Callable, world: int, root: str, *, args: tuple = (), op_timeout: float, ops: int,
+           rank_env: Callable[[int], dict[str, str]] | None = None) -> Any:
+    """Run ``fn(ctx, *args)`` on a fresh world of ``world`` ranks (one node, else the nodes ``rank_env`` gives each
+    rank); rank 0's return value, or BenchError naming every failed rank.  ``op_timeout`` bounds one collective,
+    ``ops * op_timeout`` the whole world."""
     from testbed.worlds import run_world
 
-    outcomes = run_world(fn, world, root, args=args, env={"LOCAL_WORLD_SIZE": str(world)},
+    outcomes = run_world(fn, world, root, args=args, env={"LOCAL_WORLD_SIZE": str(world)}, rank_env=rank_env,
                          timeout=op_timeout * max(1, ops) + 60, pg_timeout=op_timeout)
     failed = [o for o in outcomes if not o.ok]
     if failed:

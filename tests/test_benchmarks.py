@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = ("pytest", "_pytest", "tests")  # what no benchmark may import
 # the tests below, one each
-SMOKED_FROM_BENCH_SH = {"large", "small", "compression", "s3", "restore", "tiers", "reuse", "staging"}
+SMOKED_FROM_BENCH_SH = {"large", "small", "compression", "s3", "restore", "tiers", "reuse", "staging", "memory"}
 
 # Installed into a checkout's throwaway venv: refuses imports of the names it is given in every process the venv
 # runs (bench.py, the forkserver and its ranks, pip), and logs each to $BENCH_CHECKOUT_LOG, so an import that a
@@ -245,6 +245,27 @@ def test_two_tiers_smoke(checkout, root):
         ("restore from replicas >= 2x faster than from S3", True),
         ("drain no slower than a direct s3 save", True),
         ("drain no slower than a direct disk save", True)]
+
+
+def test_memory_tier_smoke(checkout, root):
+    document = _run(checkout, root, "memory")
+    assert document["scenario"] == "memory"
+    config = document["config"]
+    assert (config["world"], config["nodes"], config["slots"], config["replicas"]) == (4, 2, 2, 1)
+    assert config["tmpfs"] == "tmpfs mounts"  # root here: each node its own mount
+    rows = document["summary"]
+    assert set(rows) == {"snapshot (memory-committed)", "local-tier save", "direct save to disk",
+                         "gloo send of one share (floor)", "restore from own slots", "restore from replica slots",
+                         "local-tier restore from replicas"}
+    for name, row in rows.items():
+        assert row["seconds"] > 0 and len(row["runs"]) == 1, name
+    snapshot = rows["snapshot (memory-committed)"]
+    assert 0 < snapshot["call_seconds"] <= snapshot["seconds"]
+    for node, name in zip(document["memory"], "AB"):  # each node: its ranks' own slots and the other node's copies
+        assert node["node"] == name and node["tmpfs_bytes"] >= node["budget_bytes"] > 0, node
+        assert node["snapshots_skipped"] == 0
+    assert [(c["target"].split(" ")[0], c["value"] is not None) for c in document["targets"]] == [
+        ("snapshot", True), ("restore", True), ("tmpfs", True)]
 
 
 def test_bench_sh_installs_what_each_scenario_needs(tmp_path):

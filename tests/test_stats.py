@@ -24,7 +24,7 @@ def test_the_documented_schema_is_the_dataclasses_schema():
     from dcp_atomic._base import stats
 
     for prefix, cls in [("Save", stats.SaveStats), ("Per rank", stats.RankSaveStats), ("Load", stats.LoadStats),
-                        ("Failure", stats.FailureStats), ("Drain", stats.DrainStats)]:
+                        ("Failure", stats.FailureStats), ("Drain", stats.DrainStats), ("Snapshot", stats.SnapshotStats)]:
         hints = typing.get_type_hints(cls)
         declared = {f.name: str(hints[f.name]).replace("typing.", "").replace("dcp_atomic._base.stats.", "")
                     for f in dataclasses.fields(cls)}
@@ -122,6 +122,44 @@ def test_callbacks_deliver_the_documented_schema_for_saves_loads_and_failures(ro
         # the raising on_failed did not replace the typed error; each callback failure was counted
         assert (seen["save_raised"], seen["async_raised"]) == ("StorageError", "StorageError"), seen
         assert seen["callback_failures"] == 3, seen
+
+
+def _snapshotting_job(ctx):
+    """Rank r alone on simulated node r, one replica on the other: three snapshots, their statistics."""
+    from dcp_atomic import Callbacks, CheckpointManager, MemoryTier
+
+    path = os.path.join(ctx.extra["nodes"][ctx.rank], "mem")
+    os.makedirs(path, exist_ok=True)
+    seen: list = []
+    with CheckpointManager(ctx.root, RUN, timeout=20, memory=MemoryTier(path, replicas=1, slots=2),
+                           callbacks=Callbacks(on_snapshot=seen.append)) as manager:
+        for step in (1, 2, 3):
+            assert manager.snapshot(step, _state(ctx.rank, step)).result() == step
+        return {"snapshots": seen, "skipped": manager.snapshots_skipped}
+
+
+def test_every_rank_receives_each_memory_committed_snapshots_documented_statistics(root, nodes):
+    from tests.helpers.memory import one_node_per_rank
+    from tests.helpers.tiers import _run
+
+    results = assert_all_ok(_run(_snapshotting_job, root, nodes, world=2, rank_env=one_node_per_rank))
+    documented = _table("Snapshot")
+    shares = []
+    for rank, seen in enumerate(results):
+        snapshots = seen["snapshots"]
+        assert [s["step"] for s in snapshots] == [1, 2, 3], snapshots
+        for s in snapshots:
+            assert _schema_problems(s, documented) == [], (s, _schema_problems(s, documented))
+            assert (s["kind"], s["rank"], s["world_size"], s["run_id"]) == ("snapshot", rank, 2, RUN), s
+            assert s["bytes"] >= sum(t.nbytes for t in _state(rank, 1).values()) and s["replica_bytes_sent"] == \
+                s["bytes"], s  # one replica
+            assert s["committed_seconds"] >= s["call_seconds"] > 0, s
+            assert s["snapshots_skipped"] == seen["skipped"] == 0, s
+        assert [s["sequence"] for s in snapshots] == sorted({s["sequence"] for s in snapshots}), snapshots
+        shares.append(snapshots[-1])
+    assert shares[0]["replica_bytes_received"] == shares[1]["bytes"] > 0, shares  # each holds the other's copy
+    assert shares[1]["replica_bytes_received"] == shares[0]["bytes"], shares
+    assert shares[0]["sequence"] == shares[1]["sequence"], shares
 
 
 def _confirmed_from_marker_job(ctx):

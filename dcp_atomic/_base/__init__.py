@@ -15,5 +15,5 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "key_prefixes": ("data_prefix", "DATA_PREFIX_PATTERN", "MAX_DATA_PREFIXES", "validate_data_prefixes"),
     "progress": ("format_size", "Progress"),
     "retry": ("Deadline", "REREAD_SECONDS", "retry_until"),
-    "stats": ("DrainStats", "FailureStats", "LoadStats", "ReadStats", "SaveStats"),
+    "stats": ("DrainStats", "FailureStats", "LoadStats", "ReadStats", "SaveStats", "SnapshotStats"),
 })

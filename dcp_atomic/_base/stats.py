@@ -140,6 +140,28 @@ class DrainStats(_Stats):
 
 
 @dataclass
+class SnapshotStats(_Stats):
+    """A memory-committed snapshot (the memory tier), on every rank with its own share: what the call blocked the
+    training loop for, how long until the step was memory-committed, and the bytes it moved."""
+
+    run_id: str
+    step: int
+    sequence: int
+    world_size: int
+    rank: int
+    slot: int
+    call_seconds: float  # inside snapshot(): the slot written; the caller's state may change after it
+    committed_seconds: float  # from the call to memory-committed on every rank (replicas verified, records written)
+    bytes: int  # this rank's share, written into its slot
+    replica_bytes_sent: int  # this rank's share times the holders it went to
+    replica_bytes_received: int  # other ranks' shares this rank verified and keeps as replicas
+    gb_per_s: float  # bytes over call_seconds
+    snapshots_skipped: int  # so far: due while the previous one was in flight (``manager.snapshots_skipped``)
+    schema_version: int = SCHEMA_VERSION
+    kind: str = "snapshot"
+
+
+@dataclass
 class ReadStats(_Stats):
     """What one rank's ``read_data`` cost (``AtomicStorageReader.read_stats`` after a load)."""
 

@@ -68,7 +68,7 @@ from ..dcp.planners import AtomicLoadPlanner, AtomicSavePlanner
 from ..protocol.retention import DEFAULT_LEASE_SECONDS, remove_step, retain_after_commit
 from ..protocol.retention_policy import Retention
 from .._base.retry import Deadline
-from .._base.stats import FailureStats, LoadStats, SaveStats
+from .._base.stats import FailureStats, LoadStats, SaveStats, SnapshotStats
 from .._base import internals
 from .._base.futures import ReportedFuture
 from ..dcp.watched import WatchedReader, WatchedSavePlanner
@@ -346,7 +346,8 @@ class CheckpointManager(RankAgreement):
                     domain=resolve_failure_domain(local.failure_domain if local is not None else None),
                     lineage=self._tier.lineage or self._on_rank0(self._durable_lineage, "read the run's lineage"),
                     group=self._group, memory_group=self._memory_group, timeout=timeout, translate=self._translate,
-                    stager=None if staging is None else Stager(staging, self._staging_pool))
+                    stager=None if staging is None else Stager(staging, self._staging_pool),
+                    deliver=lambda stats: self._deliver(self.callbacks.on_snapshot, "on_snapshot", stats))
             except BaseException:
                 self._release()
                 raise
@@ -895,7 +896,8 @@ class CheckpointManager(RankAgreement):
             return
         self._deliver(self.callbacks.on_failed, "on_failed", stats)
 
-    def _deliver(self, callback: StatsCallback | None, name: str, stats: SaveStats | LoadStats | FailureStats) -> None:
+    def _deliver(self, callback: StatsCallback | None, name: str,
+                 stats: SaveStats | LoadStats | FailureStats | SnapshotStats) -> None:
         """Hand ``stats`` to a user callback; its failure is logged and counted, never the operation's."""
         if callback is None:
             return

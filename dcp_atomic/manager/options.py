@@ -111,12 +111,15 @@ class Callbacks:
         on_drained: a drain's statistics (``stats.DrainStats``; rank 0, once the step is committed to the durable
             root).  A failed drain goes to ``on_failed`` (operation ``"drain"``) on every rank and is raised once by
             ``wait()`` / ``close()``.
+        on_snapshot: a memory-committed snapshot's statistics (``stats.SnapshotStats``; every rank, its own share,
+            from the memory tier's thread).
     """
 
     on_saved: StatsCallback | None = None
     on_loaded: StatsCallback | None = None
     on_failed: StatsCallback | None = None
     on_drained: StatsCallback | None = None
+    on_snapshot: StatsCallback | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

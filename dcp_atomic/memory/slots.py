@@ -26,6 +26,7 @@ import dataclasses
 import mmap
 import os
 import re
+from typing import Any, Callable
 
 from ..errors import CorruptCheckpointError
 from ..format.blocks import verify_item
@@ -82,12 +83,13 @@ class SlotRecord:
     slot: int
     length: int
     items: tuple[SlotItem, ...]
+    holder: int | None = None  # the rank keeping this copy for its owner on another failure domain; None: the owner's
 
     def to_bytes(self) -> bytes:
         return sealed_json({"kind": RECORD_KIND, "schema_version": CONTROL_SCHEMA, "run_id": self.run_id,
                             "lineage": self.lineage, "rank": self.rank, "world_size": self.world_size,
                             "step": self.step, "sequence": self.sequence, "slot": self.slot, "length": self.length,
-                            "items": [item.to_json() for item in self.items]})
+                            "items": [item.to_json() for item in self.items], "holder": self.holder})
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> "SlotRecord":
@@ -96,10 +98,40 @@ class SlotRecord:
             return cls(run_id=raw["run_id"], lineage=raw["lineage"], rank=int(raw["rank"]),
                        world_size=int(raw["world_size"]), step=int(raw["step"]), sequence=int(raw["sequence"]),
                        slot=int(raw["slot"]), length=int(raw["length"]),
-                       items=tuple(SlotItem.from_json(item) for item in raw["items"]))
+                       items=tuple(SlotItem.from_json(item) for item in raw["items"]),
+                       holder=None if raw.get("holder") is None else int(raw["holder"]))
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{where}: not a memory slot record ({type(e).__name__}: {e})",
                                          path=where) from None
+
+
+def slot_of(where: str) -> tuple[int, int]:
+    """(rank, slot) a record's path names (``.../r<rank>/slot<k>.commit``): where an unreadable record belongs."""
+    return int(_RANK_DIR.match(os.path.basename(os.path.dirname(where)))[1]), int(_SLOT_FILE.match(
+        os.path.basename(where))[1])
+
+
+def newest_complete(copies: list[tuple[int, int, int, Any]], world_size: int,
+                    on_mixed: Callable[[int, list[int]], None] | None = None
+                    ) -> tuple[int, int, dict[int, list[Any]]] | None:
+    """Which step a restore can assemble from ``copies`` (owner rank, sequence, step, where it lies), each a sound
+    one: the newest sequence for which every rank ``0..world_size-1`` has a copy and every copy names the same step,
+    as (sequence, step, per rank the places of its copies).  A sequence whose copies name different steps is never
+    taken, and ``on_mixed`` hears of every one (older ones too): a record re-sealed with another step cannot mix two
+    steps into one restore, nor pass unnoticed."""
+    by_sequence: dict[int, dict[int, list[tuple[Any, int]]]] = {}
+    for owner, sequence, step, where in copies:
+        by_sequence.setdefault(sequence, {}).setdefault(owner, []).append((where, step))
+    newest = None
+    for sequence in sorted(by_sequence, reverse=True):
+        shares = by_sequence[sequence]
+        steps = {step for found in shares.values() for _, step in found}
+        if len(steps) > 1:
+            if on_mixed is not None:
+                on_mixed(sequence, sorted(steps))
+        elif newest is None and set(shares) == set(range(world_size)):
+            newest = sequence, steps.pop(), {rank: [where for where, _ in found] for rank, found in shares.items()}
+    return newest
 
 
 class SlotDir:

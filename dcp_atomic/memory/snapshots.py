@@ -27,11 +27,13 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .._base import failpoints
 from .._base.futures import ReportedFuture
+from .._base.stats import SnapshotStats
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StagingRaceError
 from ..exchange.collective import CollectiveFailed, agreed_phase, first_line, gather, raise_typed
 from ..exchange.file_transfer import Part, Spooled, discard, transfer
@@ -41,7 +43,7 @@ from ..protocol.commit import known_sequence, next_sequence, note_sequence
 from ..staging import StagedCopy, Stager
 from ..tiers import Topology
 from .items import flatten, install, slot_items, stage_leaves, write_leaves
-from .slots import SlotDir, SlotRecord, SlotSink, mapped, verify_slot
+from .slots import SlotDir, SlotRecord, SlotSink, mapped, newest_complete, verify_slot
 
 log = logging.getLogger("dcp_atomic.memory")
 CONSEQUENCE = "the snapshot is not memory-committed; the previous one is intact."
@@ -83,14 +85,15 @@ class MemorySnapshots:
 
     def __init__(self, *, rank: int, world_size: int, run_id: str, layout: RunLayout, options: Any, domain: str,
                  lineage: str, group: Any, memory_group: Any, timeout: float,
-                 translate: Callable[[BaseException, str], BaseException], stager: Stager | None = None) -> None:
+                 translate: Callable[[BaseException, str], BaseException], stager: Stager | None = None,
+                 deliver: Callable[[SnapshotStats], None] = lambda stats: None) -> None:
         """``stager``: bounded staging (``CheckpointManager(staging=...)``): a snapshot's tensors are copied into the
         slot after the call returns, through the stager's pool, and :meth:`wait_staged` says when they may change;
-        None: copied at the call."""
+        None: copied at the call.  ``deliver``: each memory-committed snapshot's statistics, on every rank."""
         self.rank, self.world_size, self.run_id, self.layout = rank, world_size, run_id, layout
         self.every, self.replicas, self.slots = options.every, options.replicas, options.slots
         self.budget_bytes = options.budget_bytes
-        self.lineage, self.timeout, self.translate = lineage, timeout, translate
+        self.lineage, self.timeout, self.translate, self.deliver = lineage, timeout, translate, deliver
         self.group, self.memory_group = group, memory_group
         self.dir = SlotDir(options.path, run_id)
         self.snapshots_taken = self.snapshots_skipped = 0
@@ -158,6 +161,7 @@ class MemorySnapshots:
 
     def snapshot(self, step: int, state_dict: dict[str, Any]) -> SnapshotFuture:
         """Steps 1 (here) and 2-4 (on the memory tier's thread); every rank alike."""
+        started = time.perf_counter()
         self._calls += 1
         if (self._calls - 1) % self.every:
             return _skipped()
@@ -195,7 +199,8 @@ class MemorySnapshots:
             written = e
         failpoints.hit("memory.after_slot_write", self.rank, step)
         future = self._inflight = SnapshotFuture()
-        self._worker.submit(self._commit, step, written, future, f"memory/{self.run_id}/{self._calls}")
+        self._worker.submit(self._commit, step, written, future, f"memory/{self.run_id}/{self._calls}", started,
+                            time.perf_counter() - started)
         return future
 
     def _record(self, step: int, slot: int, length: int, items: list) -> SlotRecord:
@@ -245,9 +250,10 @@ class MemorySnapshots:
         free = [k for k in range(self.slots) if k not in held]
         return free[0] if free else min(held, key=lambda k: held[k])
 
-    def _commit(self, step: int, written: SlotRecord | BaseException, future: SnapshotFuture, exchange: str) -> None:
+    def _commit(self, step: int, written: SlotRecord | BaseException, future: SnapshotFuture, exchange: str,
+                started: float, call_seconds: float) -> None:
         """Steps 2-4 on the memory tier's thread; the outcome goes to ``future`` (``exchange``: this snapshot's name,
-        the same on every rank, for the transport's check-in when a peer is lost)."""
+        the same on every rank, for the transport's check-in when a peer is lost), its statistics to ``deliver``."""
         what = f"memory snapshot of step {step}"
         try:
             if isinstance(written, _Staging):
@@ -272,6 +278,12 @@ class MemorySnapshots:
             future.set_exception(typed)
             return
         self.snapshots_taken += 1
+        self.deliver(SnapshotStats(
+            run_id=self.run_id, step=step, sequence=sequence, world_size=self.world_size, rank=self.rank,
+            slot=written.slot, call_seconds=call_seconds, committed_seconds=time.perf_counter() - started,
+            bytes=written.length, replica_bytes_sent=written.length * len(self.topology.placement.holders[self.rank]),
+            replica_bytes_received=sum(copy.length for copy in kept), snapshots_skipped=self.snapshots_skipped,
+            gb_per_s=written.length / max(time.perf_counter() - started, 1e-9) / 1e9))
         future.set_result(step)
 
     def _replicate(self, record: SlotRecord, step: int) -> list[SlotRecord]:
@@ -306,7 +318,7 @@ class MemorySnapshots:
                     verify_slot(copy, spooled)
                     os.makedirs(os.path.dirname(self.dir.data(src, copy.slot)), exist_ok=True)
                     os.replace(spooled, self.dir.data(src, copy.slot))
-                    kept.append(copy)
+                    kept.append(dataclasses.replace(copy, holder=self.rank))
             finally:
                 discard(received)
         return kept
@@ -403,26 +415,21 @@ class MemorySnapshots:
     def _choose(self, held: list[list[tuple[int, int, int, int]]]) -> tuple[int, int, list[tuple[int, int]]] | None:
         """Every rank alike: the newest (sequence, step, per rank (holder, slot)) for which every rank's share has a
         verified copy and every copy names the same step; own node first, else the first holder."""
-        by_sequence: dict[int, dict[int, list[tuple[int, int, int]]]] = {}
-        for leader, copies in enumerate(held):
-            for owner, slot, sequence, step in copies:
-                by_sequence.setdefault(sequence, {}).setdefault(owner, []).append((leader, slot, step))
-        for sequence in sorted(by_sequence, reverse=True):
-            shares = by_sequence[sequence]
-            steps = {step for copies in shares.values() for _, _, step in copies}
-            if len(steps) > 1:
-                if self.rank == 0:
-                    log.warning("memory tier: the records of sequence %d name different steps %s: not loaded",
-                                sequence, sorted(steps))
-                continue
-            if set(shares) != set(range(self.world_size)):
-                continue
-            plan = []
-            for rank in range(self.world_size):
-                own = [(leader, slot) for leader, slot, _ in shares[rank] if leader == self.topology.leader(rank)]
-                plan.append(own[0] if own else shares[rank][0][:2])
-            return sequence, steps.pop(), plan
-        return None
+        def mixed(sequence: int, steps: list[int]) -> None:
+            if self.rank == 0:
+                log.warning("memory tier: the records of sequence %d name different steps %s: not loaded", sequence,
+                            steps)
+
+        found = newest_complete([(owner, sequence, step, (leader, slot)) for leader, copies in enumerate(held)
+                                 for owner, slot, sequence, step in copies], self.world_size, mixed)
+        if found is None:
+            return None
+        sequence, step, places = found
+        plan = []
+        for rank in range(self.world_size):
+            own = [place for place in places[rank] if place[0] == self.topology.leader(rank)]
+            plan.append(own[0] if own else places[rank][0])
+        return sequence, step, plan
 
     def _fetch(self, plan: list[tuple[int, int]], sequence: int, step: int) -> tuple[SlotRecord, str] | None:
         """Every rank alike: each share whose copy is on another node comes from that node's leader, spooled here

@@ -25,6 +25,12 @@ def memory_path(ctx) -> str:
     return path
 
 
+def one_node_per_rank(rank: int) -> dict[str, str]:
+    """``rank_env`` of a world of 2 on the 2 simulated nodes: rank r alone on node r (failure domain nodeA/nodeB)."""
+    return {"DCP_ATOMIC_FAILURE_DOMAIN": "nodeAB"[4 + rank], "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(rank)}
+
+
 def memory_manager(ctx, *, every=1, replicas=1, slots=2, budget_bytes=None, path=None, root=None, **kwargs):
     """This world's manager with a memory tier on the rank's node (durable root: ``root``, else ``ctx.root``)."""
     from dcp_atomic import CheckpointManager, MemoryTier

@@ -35,6 +35,7 @@ from ...errors import ArgumentError, CheckpointError
 from ...protocol.retention_policy import Best
 from ...stores.backends import missing_backend_message
 from .commands import cmd_demo, cmd_diff, cmd_export, cmd_gc, cmd_import, cmd_ls, cmd_rm, cmd_show, cmd_stats, cmd_verify
+from .memory import cmd_ls as cmd_memory_ls, cmd_show as cmd_memory_show, cmd_verify as cmd_memory_verify
 from .output import JSON_SCHEMA, CliError, CopyProgress
 
 __all__ = ["main", "build_parser", "CliError", "CopyProgress", "JSON_SCHEMA", "STORAGE_OPTIONS_ENV"]
@@ -148,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", nargs="?")
     p.add_argument("--local-root", help="this node's local_root (two tiers): also list the steps it holds; other "
                    "nodes' local roots are not visible from here")
+    _add_memory_option(p, cmd_memory_ls, "list this node's memory slots of RUN (records only)")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("show", parents=[after], help="manifest summary of a step (default: latest)")
@@ -156,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", nargs="?", type=_step)
     p.add_argument("--local-root", help="this node's local_root (two tiers): show the step as this root holds it, "
                    "and whether the root (durable) holds it too")
+    _add_memory_option(p, cmd_memory_show, "show the slots of STEP on this node (default: the newest step this "
+                       "node can restore alone) and their items")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("verify", parents=[after], help="re-read every byte and check every checksum")
@@ -166,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int, default=4)
     p.add_argument("--local", action="store_true", help="ROOT is a node's local_root (two tiers): partial copies "
                    "a tier restore kept there are reported as such (anywhere else a partial-copy note fails the step)")
+    _add_memory_option(p, cmd_memory_verify, "re-read every slot of RUN on this node (STEP: that step's) against "
+                       "its record's digests; exit 1 on any damage")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("diff", parents=[after], help="keys added, removed, changed and unchanged between two steps")
@@ -253,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_memory_option(parser: argparse.ArgumentParser, command: Callable[[Any], int], what: str) -> None:
+    parser.add_argument("--memory", dest="memory_command", action="store_const", const=command, default=None,
+                        help=f"ROOT is a node's memory tier path (MemoryTier(path=...)): {what}")
+
+
 def _add_global_options(parser: argparse.ArgumentParser, *, after_subcommand: bool) -> None:
     """Options accepted before the subcommand and after it; one not given after it keeps its value from before."""
 
@@ -313,6 +324,11 @@ def _run(argv: list[str]) -> int:
         root = getattr(args, "root", None)
         if getattr(args, "run", None) is not None:
             validate_run_id(args.run)
+        if getattr(args, "memory_command", None) is not None:
+            if not args.run:
+                raise CliError(f"dcp-atomic {args.command}: --memory needs RUN (the run id whose slots to read)",
+                               code=2, kind="UsageError")
+            return args.memory_command(args)
         return args.func(args)
     except CliError as e:
         return _report(as_json, e.kind, e.message, e.code)
