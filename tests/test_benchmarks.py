@@ -326,5 +326,9 @@ def test_store_a_byte_once_on_s3_smoke(checkout, root):
         assert len(full) == len(reuse) == 3 and min(full) > 20e6  # 24 MB of state, every save
         assert reuse[0] > 20e6 and reuse[1] > 20e6  # no base; then the stable files are written
         assert reuse[2] < 0.05 * full[2]  # copied server-side: not uploaded
+        assert len(rows["reuse"]["downloaded"]) == 3  # data bytes read per save (copies verified by a download)
     checks = [c for c in document["targets"] if c["medium"] == "s3"]
-    assert len(checks) == 2 and all(c["value"] < 0.05 for c in checks)
+    uploaded = [c for c in checks if c["target"].startswith("S3: reuse uploaded")]
+    assert len(uploaded) == 2 and all(c["value"] < 0.05 for c in uploaded)
+    assert {c["target"].split(" <=")[0] for c in checks} == {"S3: reuse uploaded", "S3: reuse reads",
+                                                            "S3: reuse save time"}
