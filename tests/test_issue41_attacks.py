@@ -6,8 +6,7 @@
   that looked before the marker claimed "stalled" after it.
 * A frozen global rank 0 (``SIGSTOP``): it hosts the rendezvous store, so the waiters' reads go unanswered; they must
   still give up at the stall deadline, saying "unknown", not after a second wait for the store (twice the deadline).
-* A durable store that freezes (a hung NFS server, a ``SIGSTOP``ped FUSE daemon) after a drain failed: the next
-  save asks whether the durable-pending step became durable; it must not hang training on that read.
+* A durable store that freezes after a drain failed: ``tests/test_durable_pending_frozen_store.py``.
 * ``gc`` with a lease shorter than the drain, run while rank 0 commits the drained step: the commit withdraws its
   marker, the drain retries, and the step ends durable and loadable on every rank.
 """
@@ -15,8 +14,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 
 import pytest
@@ -24,7 +21,6 @@ import torch
 
 from dcp_atomic._base import failpoints
 
-from tests.fault_fixtures import nfs_clients_ctx
 from tests.harness import assert_all_ok
 from testbed.worlds import run_world
 from tests.helpers.drain import _one_node_each
@@ -187,62 +183,3 @@ def test_gc_racing_a_drain_s_commit_never_leaves_a_durable_step_without_its_file
     assert seen[0][0] == [1], seen  # gc ran under the commit
     assert all(exact for _, exact in seen), seen
     assert _marker_of(durable, 1)
-
-
-def _save_after_the_store_froze(ctx, daemon_pid, signal_dir):
-    from dcp_atomic import CheckpointManager, LocalTierOptions
-    from dcp_atomic.tiers import drain
-
-    drain.RETRY_BACKOFF = 0.01
-    failpoints.arm("drain.before_upload", lambda rank, step: (_ for _ in ()).throw(OSError(28, "injected: full")))
-    seen = {}
-    local = LocalTierOptions(os.path.join(signal_dir, "node"), replicas=0, keep_local=1, durable_every=None)
-    with CheckpointManager(ctx.root, RUN, local=local, timeout=STALL) as manager:
-        manager.save(1, {"w": torch.arange(64.0)}, durable=True)
-        try:
-            manager.wait()
-        except Exception as e:  # noqa: BLE001 - the drain failed: step 1 is durable-pending
-            seen["drain"] = type(e).__name__
-        failpoints.disarm_all()
-        os.kill(daemon_pid, signal.SIGSTOP)  # the durable store stops answering (the test thaws it later)
-        open(os.path.join(signal_dir, "frozen"), "w").close()
-        started = time.monotonic()
-        manager.save(2, {"w": torch.arange(64.0) * 2}, durable=False)
-        seen["save_seconds"] = time.monotonic() - started
-        manager.save(3, {"w": torch.arange(64.0) * 3}, durable=False)
-        seen["both_seconds"] = time.monotonic() - started
-        seen["local"] = sorted(os.listdir(os.path.join(signal_dir, "node", RUN)))  # nothing that reads the store
-        while not os.path.exists(os.path.join(signal_dir, "thawed")):
-            time.sleep(0.05)
-    return seen
-
-
-def test_a_save_after_the_durable_store_froze_does_not_hang_on_the_durable_pending_step(tmp_path):
-    """Step 1's drain failed (durable-pending); then the durable mount freezes.  The next saves ask whether step 1
-    became durable: they wait for the frozen store at most the stall deadline, once, and keep step 1 (not durable as
-    far as anyone knows).  Before, the save blocked on the frozen mount until the store came back."""
-    with nfs_clients_ctx(cache_seconds=0.0) as clients:
-        signal_dir = os.path.join(clients.base, "signals")
-        os.mkdir(signal_dir)
-
-        def thaw_later():  # whatever happens in the job, the store comes back after 4 stall periods
-            deadline = time.monotonic() + 60
-            while not os.path.exists(os.path.join(signal_dir, "frozen")) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(STALL * 4)
-            os.kill(clients.a.proc.pid, signal.SIGCONT)
-            open(os.path.join(signal_dir, "thawed"), "w").close()
-
-        thread = threading.Thread(target=thaw_later, daemon=True)
-        thread.start()
-        try:
-            [seen] = assert_all_ok(run_world(_save_after_the_store_froze, 1, clients.a.path,
-                                             args=(clients.a.proc.pid, signal_dir), timeout=120))
-        finally:
-            thread.join(timeout=70)
-            os.kill(clients.a.proc.pid, signal.SIGCONT)
-    assert seen["drain"] == "StorageError", seen
-    assert seen["save_seconds"] < STALL + 3, seen  # before: until the store was thawed (4 stall periods)
-    assert seen["both_seconds"] < STALL + 6, seen  # the second save does not wait again
-    steps = [name for name in seen["local"] if name.startswith("step_")]
-    assert steps == ["step_0000000001", "step_0000000003"], seen  # step 1 kept past keep_local=1: not known to be durable

@@ -14,7 +14,7 @@ import zlib
 import pytest
 
 from tests.harness import assert_all_ok, run_world
-from tests.helpers.reuse_state import CHUNK, RUN, Messages, empty, exact, full, mesh, state
+from tests.helpers.reuse_state import CHUNK, load_step_from_a_store as _load, save_steps_on_a_store as _save_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,34 +24,6 @@ STABLE_KEY = re.compile(r"/step_(\d{10})/[^/]+/__(\d+)_s\d+\.distcp$")
 def _stable_bytes_read(proxy) -> int:
     return sum(r.reply_bytes for r in proxy.requests() if r.op not in ("PUT", "UPLOAD_PART", "HEAD")
                and STABLE_KEY.search("/" + r.key))
-
-
-def _save_steps(ctx, steps):
-    import torch.distributed.checkpoint as dcp
-
-    from dcp_atomic import AtomicStorageWriter
-
-    world = mesh(ctx.world_size)
-    messages = Messages()
-    for step in steps:
-        dcp.save(state(world, step), storage_writer=AtomicStorageWriter(
-            ctx.root, RUN, step, reuse=True, timeout=30, storage_options=ctx.extra["storage_options"]))
-    return messages.lines
-
-
-def _load(ctx, step):
-    from dcp_atomic import CheckpointManager
-
-    world = mesh(ctx.world_size)
-    manager = CheckpointManager(ctx.root, RUN, timeout=30, storage_options=ctx.extra["storage_options"])
-    loaded = empty(world)
-    try:
-        manager.load(loaded, step=step)
-        return exact(full(loaded), full(state(world, step)))
-    except Exception as e:  # noqa: BLE001 - the type is the answer
-        return type(e).__name__
-    finally:
-        manager.close()
 
 
 def _shard_checksums(s3, step: int) -> dict[str, str | None]:

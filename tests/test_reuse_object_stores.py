@@ -10,7 +10,9 @@ import re
 import pytest
 
 from tests.harness import assert_all_ok, run_world
-from tests.helpers.reuse_state import CHUNK, RUN, Messages, empty, exact, full, mesh, state
+from tests.helpers.reuse_state import CHUNK, RUN, empty, exact, full, mesh, state
+from tests.helpers.reuse_state import load_step_from_a_store as _load_step
+from tests.helpers.reuse_state import save_steps_on_a_store as _save_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -89,34 +91,6 @@ def test_a_frozen_base_is_copied_server_side_never_uploaded_and_loads_after_its_
 
 
 # -- a damaged base object is not copied into the new step -----------------------------------------------------------
-
-
-def _save_steps(ctx, steps):
-    import torch.distributed.checkpoint as dcp
-
-    from dcp_atomic import AtomicStorageWriter
-
-    world = mesh(ctx.world_size)
-    messages = Messages()
-    for step in steps:
-        dcp.save(state(world, step), storage_writer=AtomicStorageWriter(
-            ctx.root, RUN, step, reuse=True, timeout=30, storage_options=ctx.extra["storage_options"]))
-    return messages.lines
-
-
-def _load_step(ctx, step):
-    from dcp_atomic import CheckpointManager
-
-    world = mesh(ctx.world_size)
-    manager = CheckpointManager(ctx.root, RUN, timeout=30, storage_options=ctx.extra["storage_options"])
-    loaded = empty(world)
-    try:
-        manager.load(loaded, step=step)
-        return exact(full(loaded), full(state(world, step)))
-    except Exception as e:  # noqa: BLE001 - the type is the answer
-        return type(e).__name__
-    finally:
-        manager.close()
 
 
 def test_a_damaged_base_object_is_not_kept_that_rank_uploads_and_the_damaged_step_fails_typed(s3_seaweedfs):

@@ -60,3 +60,34 @@ def full(state) -> dict:
 
 def exact(loaded: dict, expected: dict) -> bool:
     return all(torch.equal(loaded[k], expected[k]) for k in ("base", "adapter")) and loaded["step"] == expected["step"]
+
+
+def save_steps_on_a_store(ctx, steps) -> list[str]:
+    """Rank function: ``steps`` saved with reuse through the writer, onto ``ctx.extra["storage_options"]``'s store;
+    the writer's log lines on this rank."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    world = mesh(ctx.world_size)
+    messages = Messages()
+    for step in steps:
+        dcp.save(state(world, step), storage_writer=AtomicStorageWriter(
+            ctx.root, RUN, step, reuse=True, timeout=30, storage_options=ctx.extra["storage_options"]))
+    return messages.lines
+
+
+def load_step_from_a_store(ctx, step):
+    """Rank function: ``step`` loaded through the manager; True when exact, else the error's type name."""
+    from dcp_atomic import CheckpointManager
+
+    world = mesh(ctx.world_size)
+    manager = CheckpointManager(ctx.root, RUN, timeout=30, storage_options=ctx.extra["storage_options"])
+    loaded = empty(world)
+    try:
+        manager.load(loaded, step=step)
+        return exact(full(loaded), full(state(world, step)))
+    except Exception as e:  # noqa: BLE001 - the type is the answer
+        return type(e).__name__
+    finally:
+        manager.close()
