@@ -44,9 +44,11 @@ class StageSink(Protocol):
     """Where staged bytes go: ``write`` a window of item ``index`` at byte ``offset`` (copy it before returning),
     ``finish`` once the item is whole.  The memory tier's slot writer is one."""
 
-    def write(self, index: int, offset: int, data: memoryview) -> None: ...
+    def write(self, index: int, offset: int, data: memoryview) -> None:
+        """Take bytes ``offset..offset+len(data)`` of item ``index``, in order; the window is reused on return."""
 
-    def finish(self, index: int) -> None: ...
+    def finish(self, index: int) -> None:
+        """Item ``index`` is whole: its bytes are final (the slot writer computes its digests here)."""
 
 
 @dataclass
