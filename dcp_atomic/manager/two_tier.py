@@ -174,12 +174,13 @@ class TwoTier(TierPolicy):
         """A local save that fails (ENOSPC on a node, a peer lost, a replica refused) leaves nothing on this rank's
         local root: its attempt directory goes before the error is raised, on every rank (the ranks of a root remove
         the same one; whoever is first), so a disk sized for ``keep_local + 1`` steps keeps saving.  Never a step
-        with a marker here: a commit that reached this root is not a failed attempt.  A failure for space while local
+        rank 0 decided (a rank holding its marker keeps the files: the root's leader may record it after this rank
+        fails) or with a marker here: a commit that reached this root is not a failed attempt.  A failure for space while local
         retention keeps a durable-pending step says so (:meth:`_held_back_note`): that step may be what fills it."""
         try:
             yield
         except BaseException as e:
-            if writer.save_id is not None:
+            if writer.save_id is not None and not getattr(writer, "decided", False):
                 remove_failed_attempt(self.local, step, writer.save_id, self.topology.describe(self._ctx.rank))
             if self._held_back is not None and isinstance(e, CheckpointError) and _out_of_space(e):
                 raise type(e)(f"{e.message.rstrip()} {self._held_back_note()}", **e.details) from e

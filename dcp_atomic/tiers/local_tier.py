@@ -153,11 +153,14 @@ class LocalWriter(WatchedWriter):
 
     ``topology`` (set by the manager) goes into ``ranks.json``: each rank's failure domain and the domains holding
     its replicas, so ``dcp-atomic show`` can say where a step's copies were, in either tier.  ``provisional_for``
-    (set by the manager; global rank 0's counts) goes into the step's local marker (:attr:`Marker.provisional_for`)."""
+    (set by the manager; global rank 0's counts) goes into the step's local marker (:attr:`Marker.provisional_for`).
+    ``decided``: this rank holds rank 0's marker of the step (:func:`commit_local`); from then on its files are a
+    commit's, never a failed attempt's, even if recording the marker fails on some root."""
 
     staged: Staged | None = None
     topology: "Topology | None" = None
     provisional_for: str | None = None
+    decided: bool = False
 
     def _publish(self, manifest: Manifest, metadata_bytes: bytes) -> None:
         storage, layout = self.storage, self.layout
@@ -596,6 +599,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
             "(space, permissions) or lower replicas.", step=step)
     marker_bytes, kept = from_rank0(group, decision, f"sharing step {step}'s local marker")
     marker = Marker.from_json(marker_bytes, where=f"step {step} local marker from rank 0")
+    writer.decided = True  # another rank of this root may be slower to record the marker: keep the files for it
     with agreed_phase(group, f"step {step} is local-committed (sequence {marker.sequence}) but recording its "
                       "marker on every local root", topology.describe(rank),
                       then="The step stays restorable from the other roots; check the named local_root.", step=step):
