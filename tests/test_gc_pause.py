@@ -341,3 +341,20 @@ def test_read_metadata_on_its_own_leaves_no_lease(tmp_path):
     metadata = AtomicStorageReader(str(tmp_path), "run", 1).read_metadata()
     assert "w" in metadata.state_dict_metadata
     assert gc.isenabled() and gc_pause.leases_held() == 0
+
+
+def test_a_step_opened_for_its_tensors_leaves_no_lease(tmp_path):
+    """``diff`` and ``export`` open steps with StepTensors and may read no key at all (digests agree): the lease the
+    reader's set-up begins must not keep the collector off until the watchdog (an in-process ``diff`` did)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+    from dcp_atomic.tools.diff import diff_steps
+
+    for step in (1, 2):
+        dcp.save({"w": torch.arange(4.0)}, storage_writer=AtomicStorageWriter(str(tmp_path), "run", step), no_dist=True)
+    assert gc.isenabled() and gc_pause.leases_held() == 0
+    report = diff_steps(str(tmp_path), "run", 1, 2)
+    assert report.unchanged == ["w"] and report.unchanged_by_digest == 1, report
+    assert gc.isenabled() and gc_pause.leases_held() == 0

@@ -36,6 +36,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._base import internals
+from .._base.gc_pause import STORAGE, leave
 from ..format.codec import tensor_bytes
 from ..errors import CheckpointError, ConfigurationError
 from ..stores.storage import publish_stream
@@ -86,6 +87,7 @@ class StepTensors:
         self.reader = AtomicStorageReader(root, run_id, step, timeout=timeout, storage_options=storage_options)
         self.metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(self.metadata, True)
+        leave(STORAGE)  # set_up begins a load's GC lease (gc_pause); reads here come one key at a time, or never
         self.bytes_read = 0  # data bytes read from storage by load() and load_object(), all keys
 
     @property
