@@ -288,7 +288,7 @@ def _frozen_state(step: int) -> dict:
             "adapter": torch.full((8, 16), float(step)), "meta": {"step": step}}
 
 
-def test_reuse_on_gs_rewrites_unchanged_files_server_side_and_every_step_loads_alone(faulty_gcs):
+def test_reuse_on_gs_rewrites_unchanged_files_server_side_verified_by_crc32c_and_every_step_loads_alone(faulty_gcs):
     gcs = faulty_gcs
     frozen_bytes = 256 * 1024 * 4
 
@@ -300,15 +300,20 @@ def test_reuse_on_gs_rewrites_unchanged_files_server_side_and_every_step_loads_a
     def sent() -> int:
         return sum(r.request_bytes for r in gcs.proxy.requests())
 
+    def received() -> int:
+        return sum(r.reply_bytes for r in gcs.proxy.requests())
+
     assert save(1)["bytes_reused"] == 0  # no base
     before = sent()
     assert save(2)["bytes_reused"] == 0  # the stable file is written (uploaded) once
     assert sent() - before >= frozen_bytes
     for step in (3, 4):
-        before = sent()
+        before, read_before = sent(), received()
         stats = save(step)
         assert stats["bytes_reused"] == frozen_bytes and stats["bytes_written"] < 4096, stats
         assert sent() - before < 64 * 1024, "the frozen tensor was uploaded again"
+        # the copy is verified by its crc32c against the one recorded when the base was written, not downloaded
+        assert received() - read_before < 64 * 1024, "the rewritten copy was downloaded to verify it"
         rewrites = [r for r in gcs.proxy.requests("POST") if "/rewriteTo/" in r.key and f"step_{step:010d}" in r.key]
         assert rewrites and all(r.status == 200 for r in rewrites), [r.key for r in gcs.proxy.requests("POST")]
     for step in (1, 2, 3):  # every older step gone, step 3 (step 4's base) included
@@ -338,3 +343,26 @@ def test_a_base_object_deleted_before_its_rewrite_on_gs_is_named_not_the_new_ste
     [line] = [r.getMessage() for r in caplog.records if "could not link" in r.getMessage()]
     assert f"gs://{gcs.bucket}/ckpt/{base} (the source of the copy)" in line, line
     assert f"step_{3:010d}" not in line, line
+
+
+def test_a_base_object_changed_in_the_bucket_is_caught_by_the_copys_crc32c_on_gs_and_written_again(gcs, caplog):
+    """Another client rewrote the base's stable object (same size, one bit): GCS's crc32c of the copy is of those
+    bytes, not the one recorded when the base was written, so the save writes the file again and loads exactly."""
+    def save(step):
+        writer = AtomicStorageWriter(gcs.root, RUN, step, timeout=20, reuse=True, storage_options=gcs.options)
+        dcp.save(_frozen_state(step), storage_writer=writer)
+        return writer.last_stats
+
+    save(1)
+    save(2)
+    [base] = [k for k in gcs.keys() if re.search(rf"step_{2:010d}/[^/]+/__0_s\d+\.distcp$", k)]
+    data = bytearray(gcs.fs.cat_file(f"{gcs.bucket}/ckpt/{base}"))
+    data[1000] ^= 0x01
+    gcs.fs.pipe_file(f"{gcs.bucket}/ckpt/{base}", bytes(data))
+    with caplog.at_level(logging.WARNING, logger="dcp_atomic.writer"):
+        assert save(3)["bytes_reused"] == 0
+    assert any("has the store's checksum crc32c:" in r.getMessage() for r in caplog.records), caplog.text
+    reader = AtomicStorageReader(gcs.root, RUN, 3, timeout=10, storage_options=gcs.options)
+    target = {"frozen": torch.zeros(256, 1024), "adapter": torch.zeros(8, 16), "meta": {"step": -1}}
+    dcp.load(target, storage_reader=reader)
+    assert torch.equal(target["frozen"], _frozen_state(3)["frozen"])

@@ -121,7 +121,7 @@ class FileEntry:
     size: int
     items: list[ItemExtent] = field(default_factory=list)  # schema 2: in the rank's shard, not in manifest.json
     # the store's own checksum of the object, as it reported it when the object was written (S3: "crc32:<hex>",
-    # stores/object_checksum.py): a server-side copy of it is verified by the copy's checksum, not by a download.
+    # GCS: "crc32c:<hex>", stores/object_checksum.py): a server-side copy of it is verified by the copy's checksum, not by a download.
     # In the rank's shard only, absent when None (older readers ignore it).
     checksum: str | None = None
 
@@ -184,9 +184,9 @@ class ManifestShard:
 
 
 def _checksum(value: Any) -> str | None:
-    """A file's recorded store checksum: absent, or ``crc32:`` and 8 hex digits (anything else is malformed)."""
-    if value is not None and not (isinstance(value, str) and re.fullmatch(r"crc32:[0-9a-f]{8}", value)):
-        raise ValueError(f"file checksum {value!r} is not crc32:<8 hex digits>")
+    """A file's recorded store checksum: absent, or ``crc32:``/``crc32c:`` and 8 hex digits (else malformed)."""
+    if value is not None and not (isinstance(value, str) and re.fullmatch(r"crc32c?:[0-9a-f]{8}", value)):
+        raise ValueError(f"file checksum {value!r} is not crc32:<8 hex digits> or crc32c:<8 hex digits>")
     return value
 
 

@@ -33,10 +33,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
+from typing import IO, Any
 from urllib.parse import quote, unquote
 
 from ..errors import CommitConflictError, ConfigurationError, StorageError
+from . import object_checksum
 from .object_retry import ObjectRequests, RetryPolicy, chain, copy_source_missing, settle_write
 from .storage import FsspecStorage
 from .._base import internals
@@ -171,14 +172,24 @@ class GCSStorage(FsspecStorage):
         headers, data = self.fs.call("GET", self.fs.url(path))
         return data, headers.get("X-Goog-Generation") or None
 
-    def link(self, source: str, target: str) -> None:
+    def open_write(self, path: str) -> IO[bytes]:
+        return _Checksummed(self.fs.open(path, "wb"))
+
+    def close_write(self, stream: "_Checksummed") -> str | None:
+        """Complete the upload; the CRC32C of the bytes sent (:mod:`.object_checksum`), which GCS's own must equal."""
+        stream.close()
+        return stream.crc32c.value()
+
+    def link(self, source: str, target: str) -> str | None:
         """A server-side rewrite (gcsfs ``cp_file``, reuse, P15): GCS copies the object, no byte of it passes through
-        this process; each request goes through this store's retry policy.  ``FileNotFoundError`` where ``source``
-        is gone."""
+        this process; each request goes through this store's retry policy.  Returns the copy's CRC32C from its
+        metadata (one small request; the caller compares it with the one recorded at write, instead of downloading
+        the copy).  ``FileNotFoundError`` where ``source`` is gone."""
         try:
             self.fs.cp_file(source, target)
         except FileNotFoundError:
             raise copy_source_missing(self._url(source)) from None
+        return object_checksum.from_gcs_metadata(self.fs.info(target))
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         try:
@@ -241,3 +252,19 @@ class GCSStorage(FsspecStorage):
                      headers={"Content-Type": f'multipart/related; boundary="{_BOUNDARY}"'}, data=body,
                      json_out=True, ifGenerationMatch=generation)
         self.fs.invalidate_cache(path)
+
+
+class _Checksummed:
+    """A gcsfs upload stream that computes the CRC32C of what is written through it (everything else is the
+    stream's: ``discard`` on abort, ``close`` to complete)."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._stream = stream
+        self.crc32c = object_checksum.Crc32c()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self.crc32c.update(data)
+        return self._stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

@@ -9,6 +9,11 @@ the copy's full-object CRC32 (AWS S3 computes it over the bytes it copies; moto 
 recorded.  Stores that return none (SeaweedFS; a store configured ``when_required``) leave the copy to be verified
 by its block digests, as before.  The value is ``"crc32:<8 hex digits>"`` (the manifest shard records it:
 ``FileEntry.checksum``).
+
+GCS keeps a CRC32C of every object and reports it in the object's metadata, a rewrite's copy included.  The upload
+API returns none that gcsfs keeps, so the writer computes the CRC32C of the bytes it sends (:class:`Crc32c`, the C
+``google-crc32c`` that gcsfs's dependencies bring) and the copy's is read from its metadata after the rewrite
+(``"crc32c:<8 hex digits>"``).  A value of one algorithm never equals one of the other.
 """
 
 from __future__ import annotations
@@ -75,3 +80,35 @@ def of_parts(parts: list[tuple[int | None, int]]) -> str | None:
 
 def render(crc: int) -> str:
     return f"crc32:{crc:08x}"
+
+
+class Crc32c:
+    """The CRC32C of bytes as they are written (GCS's object checksum), or None where ``google-crc32c`` is missing
+    (the copy is then verified by its block digests, as on a store that reports no checksum)."""
+
+    def __init__(self) -> None:
+        try:
+            import google_crc32c
+        except ImportError:  # gcsfs's dependencies bring it; a trimmed install only loses the shortcut
+            self._checksum = None
+        else:
+            self._checksum = google_crc32c.Checksum()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        if self._checksum is not None:
+            self._checksum.update(data if isinstance(data, bytes) else bytes(data))  # it takes read-only bytes only
+
+    def value(self) -> str | None:
+        return None if self._checksum is None else f"crc32c:{self._checksum.digest().hex()}"
+
+
+def from_gcs_metadata(info: dict | None) -> str | None:
+    """An object's CRC32C from its GCS metadata (``crc32c``: base64 of 4 big-endian bytes), or None."""
+    value = (info or {}).get("crc32c")
+    if not isinstance(value, str):
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        return None
+    return f"crc32c:{raw.hex()}" if len(raw) == 4 else None
