@@ -332,3 +332,18 @@ def test_store_a_byte_once_on_s3_smoke(checkout, root):
     assert len(uploaded) == 2 and all(c["value"] < 0.05 for c in uploaded)
     assert {c["target"].split(" <=")[0] for c in checks} == {"S3: reuse uploaded", "S3: reuse reads",
                                                             "S3: reuse save time"}
+
+
+def test_gpu_check_dry_run_on_cpu_with_its_staging_round(tmp_path):
+    """The device script runs only where a GPU is lent: its CPU dry run keeps it working here, the staging round
+    included (each save loaded back bit-exact against the state at the call, although the state changes after)."""
+    done = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), "--cpu", "--gb", "0.01",
+                           "--repeats", "1", "--staging-gb", "0.04", "--pool-gb", "0.03125", "--window-mb", "8",
+                           "--steps", "1", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    staging = report["staging"]
+    for name in ("dcp_atomic", "dcp_default_stager"):
+        assert staging[name]["loaded_bit_exact"] and staging[name]["call_seconds"] > 0, staging
+    assert staging["pool_bytes"] == 32 << 20 and set(staging["targets"]) == {"call_stall_le_50ms", "pinned_le_pool"}
