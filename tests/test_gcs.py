@@ -10,6 +10,7 @@ is imported; the rank processes inherit it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -288,14 +289,17 @@ def _frozen_state(step: int) -> dict:
             "adapter": torch.full((8, 16), float(step)), "meta": {"step": step}}
 
 
+def _reused_save(gcs: GCSTarget, step: int) -> dict:
+    writer = AtomicStorageWriter(gcs.root, RUN, step, timeout=20, reuse=True, storage_options=gcs.options)
+    dcp.save(_frozen_state(step), storage_writer=writer)
+    return writer.last_stats
+
+
 def test_reuse_on_gs_rewrites_unchanged_files_server_side_verified_by_crc32c_and_every_step_loads_alone(faulty_gcs):
     gcs = faulty_gcs
     frozen_bytes = 256 * 1024 * 4
 
-    def save(step):
-        writer = AtomicStorageWriter(gcs.root, RUN, step, timeout=20, reuse=True, storage_options=gcs.options)
-        dcp.save(_frozen_state(step), storage_writer=writer)
-        return writer.last_stats
+    save = functools.partial(_reused_save, gcs)
 
     def sent() -> int:
         return sum(r.request_bytes for r in gcs.proxy.requests())
@@ -329,10 +333,7 @@ def test_reuse_on_gs_rewrites_unchanged_files_server_side_verified_by_crc32c_and
 def test_a_base_object_deleted_before_its_rewrite_on_gs_is_named_not_the_new_steps_object(gcs, caplog):
     """The rewrite request names both objects; a 404 to it means its source is gone, and the fallback's log line
     names that object, not the new step's (the new step saves the file itself and loads)."""
-    def save(step):
-        writer = AtomicStorageWriter(gcs.root, RUN, step, timeout=20, reuse=True, storage_options=gcs.options)
-        dcp.save(_frozen_state(step), storage_writer=writer)
-        return writer.last_stats
+    save = functools.partial(_reused_save, gcs)
 
     save(1)
     save(2)
@@ -348,10 +349,7 @@ def test_a_base_object_deleted_before_its_rewrite_on_gs_is_named_not_the_new_ste
 def test_a_base_object_changed_in_the_bucket_is_caught_by_the_copys_crc32c_on_gs_and_written_again(gcs, caplog):
     """Another client rewrote the base's stable object (same size, one bit): GCS's crc32c of the copy is of those
     bytes, not the one recorded when the base was written, so the save writes the file again and loads exactly."""
-    def save(step):
-        writer = AtomicStorageWriter(gcs.root, RUN, step, timeout=20, reuse=True, storage_options=gcs.options)
-        dcp.save(_frozen_state(step), storage_writer=writer)
-        return writer.last_stats
+    save = functools.partial(_reused_save, gcs)
 
     save(1)
     save(2)

@@ -58,14 +58,19 @@ def combine_crc32(first: int, second: int, second_length: int) -> int:
 def from_reply(reply: dict | None) -> int | None:
     """The CRC32 a store's reply (PutObject, UploadPart, CopyObjectResult) reports, or None (none given, or not a
     plain full CRC32: a composite ``...-N`` value)."""
-    value = (reply or {}).get(REPLY_FIELD)
+    raw = _four_bytes((reply or {}).get(REPLY_FIELD))
+    return None if raw is None else int.from_bytes(raw, "big")
+
+
+def _four_bytes(value: object) -> bytes | None:
+    """A checksum as the stores send it (base64 of 4 big-endian bytes), or None where it is anything else."""
     if not isinstance(value, str):
         return None
     try:
         raw = base64.b64decode(value, validate=True)
     except ValueError:
         return None
-    return int.from_bytes(raw, "big") if len(raw) == 4 else None
+    return raw if len(raw) == 4 else None
 
 
 def of_parts(parts: list[tuple[int | None, int]]) -> str | None:
@@ -104,11 +109,5 @@ class Crc32c:
 
 def from_gcs_metadata(info: dict | None) -> str | None:
     """An object's CRC32C from its GCS metadata (``crc32c``: base64 of 4 big-endian bytes), or None."""
-    value = (info or {}).get("crc32c")
-    if not isinstance(value, str):
-        return None
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except ValueError:
-        return None
-    return f"crc32c:{raw.hex()}" if len(raw) == 4 else None
+    raw = _four_bytes((info or {}).get("crc32c"))
+    return None if raw is None else f"crc32c:{raw.hex()}"
