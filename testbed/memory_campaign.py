@@ -204,6 +204,8 @@ class Expected:
     upper: int  # the newest step that may have committed
     tiers: tuple[str, ...]
     exact_step: int | None = None  # a failpoint kill of every victim at a known phase: the step itself
+    saving: frozenset[int] = frozenset()  # every durable save begun so far, and every one that returned (a step saved
+    saved: frozenset[int] = frozenset()  # is never snapshotted again: restores never go below it)
 
 
 @dataclass
@@ -229,23 +231,24 @@ class Verdict:
 
 
 def _expected(plan: Plan, start: int, seen: Seen, outcomes: list[Outcome], wiped: tuple[int, ...],
-              durable: tuple[int, int]) -> Expected:
+              saving: frozenset[int], saved: frozenset[int]) -> Expected:
     """The restore the next world must make after ``plan``'s kill (``start``: this round's restored step;
-    ``durable``: the newest step any rank saw saved, and the newest any began to save, over every round)."""
+    ``saving``, ``saved``: the durable saves any rank began, and saw return, over every round)."""
     if wiped == (0, 1):
-        return Expected(durable[0], durable[1], ("durable",) if durable[1] else ("durable", "none"))
+        newest = max(saved, default=0)
+        return Expected(newest, max(saving, default=0), ("durable",) if newest else ("durable", "none"),
+                        saving=saving, saved=saved)
     lower, upper = max(seen.committed, start), max(seen.attempted, start)
     tiers = ("memory-replica",) if wiped else ("memory", "memory-replica")
     exact = None
     if plan.how == "failpoint" and not wiped and all(outcomes[v].killed for v in plan.victims):
         dying = start + plan.nth
         exact = dying if PHASES[plan.phase] else dying - 1
-    return Expected(lower, upper, tiers, exact)
+    return Expected(lower, upper, tiers, exact, saving, saved)
 
 
-def _judge(verdict: Verdict, seen: Seen, expected: Expected) -> None:
-    """The restore the world after the kill made (``seen.restored``) against ``expected``."""
-    restored = seen.restored
+def _judge(verdict: Verdict, restored: list, expected: Expected) -> None:
+    """The restore the world after the kill made (per rank: step, tier, exact) against ``expected``."""
     if any(r is None for r in restored):
         verdict.problems.append(f"ranks {[k for k, r in enumerate(restored) if r is None]} never reported a restore")
         return
@@ -261,9 +264,9 @@ def _judge(verdict: Verdict, seen: Seen, expected: Expected) -> None:
     if expected.exact_step is not None and step != expected.exact_step:
         verdict.problems.append(f"step {step}, the failpoint's phase says {expected.exact_step}")
     allowed = expected.tiers
-    if step in seen.saved and "durable" not in allowed:  # saved after its snapshot: the newer commit
+    if step in expected.saved and "durable" not in allowed:  # saved after its snapshot: the newer commit
         allowed = ("durable",)
-    elif step in seen.saving and "durable" not in allowed:  # a save the kill may or may not have finished
+    elif step in expected.saving and "durable" not in allowed:  # a save the kill may or may not have finished
         allowed = (*allowed, "durable")
     if tier not in allowed:
         verdict.problems.append(f"restored from {tier}, expected {' or '.join(allowed)}")
@@ -298,7 +301,8 @@ def run_campaign(rounds: int, seed: int, root: str, nodes: list[str], *, say: Ca
     os.makedirs(durable_root, exist_ok=True)
     verdicts: list[Verdict] = []
     pending: tuple[Verdict, Expected] | None = None
-    durable = (0, 0)
+    saving: frozenset[int] = frozenset()
+    saved: frozenset[int] = frozenset()
     for number in range(rounds + 1):
         plan = plan_round(seed, number) if number < rounds else Plan(number)
         shutil.rmtree(witness, ignore_errors=True)
@@ -316,7 +320,7 @@ def run_campaign(rounds: int, seed: int, root: str, nodes: list[str], *, say: Ca
         seen = read_witness(witness)
         if pending is not None:  # this world's restore judges the previous round
             verdict, expected = pending
-            _judge(verdict, seen, expected)
+            _judge(verdict, seen.restored, expected)
             say(verdict.line(seed))
             verdicts.append(verdict)
         if not plan.how:
@@ -331,8 +335,8 @@ def run_campaign(rounds: int, seed: int, root: str, nodes: list[str], *, say: Ca
         wiped = plan.wipe if (seen.committed > start or plan.wipe == (0, 1)) else ()
         _wipe(nodes, wiped)
         verdict.wiped = wiped
-        durable = (max([durable[0], *seen.saved]), max([durable[1], *seen.saving]))
-        pending = verdict, _expected(plan, start, seen, outcomes, wiped, durable)
+        saving, saved = saving | seen.saving, saved | seen.saved
+        pending = verdict, _expected(plan, start, seen, outcomes, wiped, saving, saved)
     return verdicts
 
 
