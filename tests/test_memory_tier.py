@@ -117,6 +117,42 @@ def test_a_wiped_node_restores_from_replicas_and_no_memory_left_restores_the_dur
     assert outcomes == [(2, None, True)] * WORLD, outcomes  # the durable root's step (one tier: no restored_from)
 
 
+def _restore_then_fail_the_next_snapshot(ctx):
+    """Restore, then snapshot the next step with rank 2's new slot damaged before it is sent: its holder on node A
+    refuses the copy, so that snapshot fails on every rank.  (step, tier, the failure's type)."""
+    from dcp_atomic._base import failpoints
+    from dcp_atomic.errors import CheckpointError
+
+    def damage(rank, step):
+        if rank == 2:
+            own = glob.glob(os.path.join(_mem(ctx.extra["nodes"], 1), RUN, "r2", "slot*.data"))
+            _flip_byte(max(own, key=os.path.getmtime))
+
+    model, optim = trained(WORLD, 0, seed=7)
+    with memory_manager(ctx) as manager:
+        step = manager.load(state_of(model, optim, 0))
+        tier = manager.restored_from["tier"]
+        failpoints.arm("memory.replica_send", damage)
+        _train_step(model, optim, step + 1)
+        try:
+            manager.snapshot(step + 1, state_of(model, optim, step + 1)).result()
+        except CheckpointError as e:
+            return step, tier, type(e).__name__
+    return step, tier, None
+
+
+def test_a_node_restored_from_replicas_keeps_the_restored_step_through_a_failed_next_snapshot(root, nodes):
+    """Node B wiped: its ranks restore step 3 from node A's copies.  Their next snapshot must not take the slot of
+    those copies: when it fails, step 3 is still the newest memory-committed step (before, the holders retired the
+    copies of step 3 to receive step 4, and the restore fell back past it)."""
+    assert_all_ok(_run(_snapshot_steps, root, nodes, 3))
+    shutil.rmtree(os.path.join(_mem(nodes, 1), RUN))
+    outcomes = assert_all_ok(_run(_restore_then_fail_the_next_snapshot, root, nodes))
+    assert outcomes == [(3, "memory-replica", "StorageError")] * WORLD, outcomes
+    outcomes = assert_all_ok(_run(_restore, root, nodes))
+    assert outcomes == [(3, "memory", True)] * WORLD, outcomes
+
+
 def test_a_durable_save_after_the_newest_snapshot_is_newer_by_commit_sequence_and_wins(root, nodes):
     """By commit sequence, not step: the durable save of step 3, after the snapshot of step 3, is the newer commit."""
     assert_all_ok(_run(_snapshot_steps, root, nodes, 3, (3,)))
