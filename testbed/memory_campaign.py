@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -216,6 +217,7 @@ class Verdict:
     tier: str = ""
     seconds: float = 0.0
     wiped: tuple[int, ...] = ()
+    killed: tuple[int, ...] = ()  # the ranks SIGKILLed (a node's second rank may have died of its mate's error first)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -275,7 +277,8 @@ def _judge(verdict: Verdict, restored: list, expected: Expected) -> None:
 def _judge_kill(verdict: Verdict, outcomes: list[Outcome]) -> None:
     """Every victim died (killed, or an error once its node-mate was killed); every survivor reported a typed error."""
     plan = verdict.plan
-    if not any(outcomes[v].killed for v in plan.victims):
+    verdict.killed = tuple(o.rank for o in outcomes if o.killed)
+    if not verdict.killed:
         verdict.problems.append(f"no victim was killed: {[(o.rank, o.error_type, o.exitcode) for o in outcomes]}")
     for o in outcomes:
         if o.killed:
@@ -342,19 +345,22 @@ def run_campaign(rounds: int, seed: int, root: str, nodes: list[str], *, say: Ca
 
 def summary(verdicts: list[Verdict], seed: int) -> list[str]:
     """The campaign's summary lines: rounds, kills, restores by tier, steps lost, failures with their round."""
-    tiers: dict[str, int] = {}
-    for v in verdicts:
-        tiers[v.tier or "?"] = tiers.get(v.tier or "?", 0) + 1
-    lost = [v.lost for v in verdicts if v.lost is not None]
-    ways: dict[str, int] = {}
-    for v in verdicts:
-        key = f"{'node' if len(v.plan.victims) == 2 else 'rank'} by {v.plan.how}"
-        ways[key] = ways.get(key, 0) + 1
+    ways = Counter(f"{'node' if len(v.plan.victims) == 2 else 'rank'} by {v.plan.how}" for v in verdicts)
+    tiers = Counter(v.tier or "?" for v in verdicts)
     failed = [v for v in verdicts if v.problems]
-    lines = [f"rounds {len(verdicts)}, kills {sum(ways.values())} ({', '.join(f'{k} {n}' for k, n in sorted(ways.items()))}), "
-             f"wipes: one node {sum(len(v.wiped) == 1 for v in verdicts)}, both {sum(len(v.wiped) == 2 for v in verdicts)}",
+
+    def lost(served) -> str:
+        steps = [v.lost for v in verdicts if v.lost is not None and served(v.tier)]
+        return f"max {max(steps, default=0)}, mean {sum(steps) / max(len(steps), 1):.2f} over {len(steps)}"
+
+    lines = [f"rounds {len(verdicts)}, kills {sum(bool(v.killed) for v in verdicts)} "
+             f"({', '.join(f'{k} {n}' for k, n in sorted(ways.items()))}; "
+             f"{sum(len(v.killed) for v in verdicts)} ranks SIGKILLed); wiped after the kill: one node "
+             f"{sum(len(v.wiped) == 1 for v in verdicts)}, both {sum(len(v.wiped) == 2 for v in verdicts)}",
              "restores by tier: " + ", ".join(f"{k} {n}" for k, n in sorted(tiers.items())),
-             f"steps lost: max {max(lost, default=0)}, mean {sum(lost) / max(len(lost), 1):.2f}",
+             f"steps lost: from memory {lost(lambda tier: tier.startswith('memory'))}; "
+             f"from the durable root {lost(lambda tier: not tier.startswith('memory'))}",
+             f"seconds per round: mean {sum(v.seconds for v in verdicts) / max(len(verdicts), 1):.1f}",
              f"failures: {len(failed)}"]
     lines += [f"  round {v.plan.round} (seed {seed}; reproduce: --seed {seed} --rounds {v.plan.round + 1}): "
               + "; ".join(v.problems) for v in failed]
