@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dcp_atomic.memory import SlotRecord
+from testbed.memory_campaign import PHASES
 from tests.fault_fixtures import small_tmpfs_ctx
 from tests.harness import assert_all_ok
 from tests.helpers.fsdp_app import _train_step
@@ -115,6 +116,51 @@ def test_a_wiped_node_restores_from_replicas_and_no_memory_left_restores_the_dur
         shutil.rmtree(os.path.join(_mem(nodes, node), RUN), ignore_errors=True)
     outcomes = assert_all_ok(_run(_restore, root, nodes))
     assert outcomes == [(2, None, True)] * WORLD, outcomes  # the durable root's step (one tier: no restored_from)
+
+
+def _restore_then_fail_the_next_snapshot(ctx, damaged):
+    """Restore, then snapshot the next step with rank ``damaged``'s new slot damaged before it is sent: its holder
+    refuses the copy, so that snapshot fails on every rank.  (step, tier, the failure's type)."""
+    from dcp_atomic._base import failpoints
+    from dcp_atomic.errors import CheckpointError
+
+    def damage(rank, step):
+        if rank == damaged:
+            own = glob.glob(os.path.join(_mem(ctx.extra["nodes"], rank // 2), RUN, f"r{rank}", "slot*.data"))
+            _flip_byte(max(own, key=os.path.getmtime))
+
+    model, optim = trained(WORLD, 0, seed=7)
+    with memory_manager(ctx) as manager:
+        step = manager.load(state_of(model, optim, 0))
+        tier = manager.restored_from["tier"]
+        failpoints.arm("memory.replica_send", damage)
+        _train_step(model, optim, step + 1)
+        try:
+            manager.snapshot(step + 1, state_of(model, optim, step + 1)).result()
+        except CheckpointError as e:
+            return step, tier, type(e).__name__
+    return step, tier, None
+
+
+@pytest.mark.parametrize("lost", ["node B's memory", "rank 0 before its record"])
+def test_a_share_restored_from_its_replica_survives_a_failed_next_snapshot(root, nodes, lost):
+    """Step 3 is restored with a share from its holder's copy (node B wiped; or rank 0 killed after the sequence,
+    before its own record).  The next snapshot must not take that share's slot: when it fails, step 3 is still the
+    newest memory-committed step (before, the holder retired its copy of step 3 to receive step 4, and the restart
+    found no checkpoint)."""
+    if lost == "rank 0 before its record":
+        def rank_env(rank):
+            return {**_node_env(rank), "DCP_ATOMIC_FAILPOINTS": "memory.before_record#3=kill" if rank == 0 else None}
+
+        assert _run(_snapshot_steps, root, nodes, 3, rank_env=rank_env)[0].killed
+    else:
+        assert_all_ok(_run(_snapshot_steps, root, nodes, 3))
+        shutil.rmtree(os.path.join(_mem(nodes, 1), RUN))
+    damaged = 0 if lost == "rank 0 before its record" else 2
+    outcomes = assert_all_ok(_run(_restore_then_fail_the_next_snapshot, root, nodes, damaged))
+    assert outcomes == [(3, "memory-replica", "StorageError")] * WORLD, outcomes
+    outcomes = assert_all_ok(_run(_restore, root, nodes))
+    assert outcomes == [(3, "memory", True)] * WORLD, outcomes
 
 
 def test_a_durable_save_after_the_newest_snapshot_is_newer_by_commit_sequence_and_wins(root, nodes):
@@ -265,10 +311,6 @@ def test_every_second_call_snapshots_and_the_others_are_not_counted_as_skipped_i
 
 
 # -- kills --------------------------------------------------------------------------------------------------------
-
-# phase -> does the step killed there survive? (before_record: rank 0 gave the sequence and every share's copy is
-# verified on a live holder, whose record makes the share whole)
-PHASES = {"after_slot_write": False, "replica_send": False, "before_record": True, "after_record": True}
 
 
 def _resume_then_die(ctx, expected, last):

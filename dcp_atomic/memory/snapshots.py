@@ -376,6 +376,8 @@ class MemorySnapshots:
             try:
                 with mapped(data_path, record.length) as data:
                     install(state_dict, record.items, data, f"memory slot {data_path} (rank {self.rank}, step {step})")
+                if holder != self.topology.leader(self.rank):
+                    self._keep_restored(record, data_path)
             finally:
                 if holder != self.topology.leader(self.rank):
                     with contextlib.suppress(FileNotFoundError):
@@ -386,6 +388,22 @@ class MemorySnapshots:
         log.info("run %r: restored step %d from the memory tier (sequence %d, %s)", self.run_id, step, sequence,
                  "every rank from its own node" if tier == "memory" else "some ranks from replica holders")
         return Restored(step=step, sequence=sequence, tier=tier, bytes=record.length, bytes_fetched=fetched)
+
+    def _keep_restored(self, record: SlotRecord, fetched: str) -> None:
+        """This rank's share, restored from a holder's copy, becomes its own slot again (the record last, as at a
+        snapshot).  Without it the next snapshot takes that slot (it has no record here: a wiped node, or a rank
+        killed before its record) and the holder retires its copy of the restored step to receive the new one: a
+        failed snapshot then left the restored step nowhere."""
+        data = self.dir.data(self.rank, record.slot)
+        self.dir.retire(self.rank, record.slot)
+        try:
+            os.makedirs(os.path.dirname(data), exist_ok=True)
+            os.replace(fetched, data)
+            self.dir.write_record(dataclasses.replace(record, holder=None))
+        except OSError as e:
+            log.warning("memory tier: rank %d could not keep its restored share of step %d as its own slot %s (%s); "
+                        "until the next snapshot commits, only the holder's copy holds it", self.rank, record.step,
+                        data, first_line(e))
 
     def _scan(self) -> tuple[list[tuple[int, int, int, int]], list[str]]:
         """A node's leader: (owner rank, slot, sequence, step) of every copy on its path with a sound record and
