@@ -8,7 +8,9 @@ local shard), and any other value ``torch.save``-encoded, decoded on restore by 
 
 Writing goes through a sink (:class:`~.slots.SlotSink`: ``write(index, offset, data)``, ``finish(index)``), a window
 at a time: a CPU tensor's bytes go from its own memory into the slot (no second host copy); a device tensor is copied
-to the host one window at a time.  Restoring copies the verified bytes straight into the state dict's tensors.
+to the host one window at a time.  Restoring copies the verified bytes straight into the state dict's tensors.  A
+durable copy of a slot gets the state back as the snapshot took it (its containers, read-only tensors over the slot's
+bytes: :func:`durable_state`).
 """
 
 from __future__ import annotations

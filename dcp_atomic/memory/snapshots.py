@@ -17,6 +17,11 @@ A snapshot of ``step``, every rank alike:
 A crash anywhere before 4 leaves the new step without a complete set of records: a restore takes the newest
 sequence for which every rank's share has a record and verified bytes, on its own node or a holder's, so it never
 mixes steps.  A restore compares that sequence with the newest commit of the other tiers; memory wins a tie.
+
+Durable copies (``durable_every``): once every N-th snapshot is memory-committed, the next call on the caller's thread
+(a snapshot, or the manager's ``wait()``/``close()``) saves its slot as a durable step through the manager
+(:class:`DurableCopies`), from the slot's bytes, and pins the slot until that save is done: a snapshot that would
+rewrite it is skipped and counted (P16: a slot a drain still reads is never rewritten), never made to wait.
 """
 
 from __future__ import annotations
