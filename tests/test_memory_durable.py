@@ -165,3 +165,34 @@ def test_a_failed_durable_copy_reaches_wait_on_every_rank_and_the_snapshot_stays
     assert raised is not None and raised[1], outcomes
     assert outcomes == [(raised, [("async_save", 2)], (2, "memory", True))] * WORLD, outcomes
     assert _durable_steps(root) == []
+
+
+def _with_a_local_tier(ctx, first):
+    """The first job snapshots 1-5 with a local tier (no drain of its own saves): the copies of 2 and 4 are local
+    saves drained to the durable root, the copy of 4 committed after snapshot 5.  The next restores the newest step,
+    then step 4 by number: (step, tier, exact) each."""
+    from dcp_atomic import LocalTierOptions
+
+    local = LocalTierOptions(os.path.join(ctx.extra["nodes"][ctx.rank // 2], "local"), replicas=1,
+                             durable_every=None)
+    model, optim = trained(WORLD, 0, seed=0 if first else 7)
+    with memory_manager(ctx, local=local, durable_every=2) as manager:
+        if first:
+            for step in range(1, 6):
+                _train_step(model, optim, step)
+                assert manager.snapshot(step, state_of(model, optim, step)).result() == step
+                if step % 2:  # the copy of step - 1 started in this call, after the snapshot of step committed
+                    manager.wait()
+            return manager.steps(tier="local")
+        seen = []
+        for step in (None, 4):
+            loaded = manager.load(state_of(model, optim, 0), step=step)
+            seen.append((loaded, manager.restored_from["tier"], _exact_at(model, optim, loaded)))
+        return seen
+
+
+def test_with_a_local_tier_the_copies_drain_to_the_durable_root_and_memory_still_wins_for_a_newer_step(root, nodes):
+    assert assert_all_ok(_run(_with_a_local_tier, root, nodes, True)) == [[2, 4]] * WORLD
+    assert _durable_steps(root) == [2, 4]
+    outcomes = assert_all_ok(_run(_with_a_local_tier, root, nodes, False))
+    assert outcomes == [[(5, "memory", True), (4, "local", True)]] * WORLD, outcomes

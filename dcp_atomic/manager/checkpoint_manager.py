@@ -78,7 +78,7 @@ from ..format.integrity import BLOCK_SIZE
 from ..staging import LiveState, StableState, Stager, Staging, WindowPool
 from ..memory import MemorySnapshots, SnapshotFuture
 from ..protocol.lineage import ensure_lineage, new_lineage, refuses_writes
-from ..protocol.commit import known_sequence, next_sequence
+from ..protocol.commit import COPY_OF_MEMORY_SEQUENCE, known_sequence, memory_order, next_sequence
 from ..tiers import failure_domain as resolve_failure_domain
 from .options import Callbacks, LocalTierOptions, MemoryTier, StatsCallback
 from .tiering import DurableOnly, TierContext, TierPolicy
@@ -157,9 +157,6 @@ def _grouped(local: LocalTierOptions | None, callbacks: Callbacks | None,
     if callbacks is None:
         callbacks = Callbacks(**{name: value for name, value in given.items() if _FLAT[name] == "callbacks"})
     return local, callbacks
-
-
-COPY_OF_MEMORY_SEQUENCE = "dcp_atomic.copy_of_memory_sequence"  # a durable copy's metadata: its snapshot's sequence
 
 
 class _DurableCopies:
@@ -430,18 +427,15 @@ class CheckpointManager(RankAgreement):
         return max(found, default=None)
 
     def _durable_sequence_for_memory(self) -> int:
-        """Rank 0: the durable root's newest commit sequence as a memory restore compares it.  A durable copy of a
-        memory snapshot (``MemoryTier(durable_every=)``) commits after the snapshots taken while it was saved, with
-        a higher sequence and the same bytes as its own snapshot: it counts as that snapshot's sequence, so memory's
-        newer steps still win, and memory's copy of the same step wins the tie."""
+        """Rank 0: the durable root's newest commit sequence, as a memory restore compares it (:func:`memory_order`:
+        a durable copy of a snapshot counts as that snapshot)."""
         sequence = next_sequence(self.layout) - 1
         step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
                                 missing_root_ok=True) if sequence > 0 else None
         if step is None:
             return sequence
         committed = read_committed(self.layout, step, Deadline(self.timeout))
-        copied = (committed.manifest.user_metadata or {}).get(COPY_OF_MEMORY_SEQUENCE)
-        return copied if isinstance(copied, int) and committed.marker.sequence == sequence else sequence
+        return memory_order(committed.marker, committed.manifest) if committed.marker.sequence == sequence else sequence
 
     # -- saving --------------------------------------------------------------------------
 
