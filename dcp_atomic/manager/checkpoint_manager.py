@@ -174,6 +174,8 @@ class _DurableCopies:
             return manager._async_save(step, state_dict, {COPY_OF_MEMORY_SEQUENCE: sequence},
                                        manager._wants_drain(True), stable=True)
         except CheckpointError as e:
+            log.warning("run %r: the durable copy of memory step %d did not start (%s); it is raised by wait() or "
+                        "the next call, and the snapshot stays memory-committed", manager.run_id, step, first_line(e))
             failed = ReportedFuture()
             failed.set_exception(e)
             with manager._lock:
