@@ -69,14 +69,14 @@ def _titan_side_by_side(ctx):
             "memory": (newest_memory["started"], (newest_memory["served"] or {}).get("tier"),
                        _same(newest_memory["start"], both["snapshots"][5])),
             "second_job": (sorted(newest_memory["saved"]), sorted(newest_memory["snapshots"])),
-            "durable": (newest_durable["started"], newest_durable["served"],
+            "durable": (newest_durable["started"], (newest_durable["served"] or {}).get("tier"),
                         _same(newest_durable["start"], newest_memory["saved"][6]))}
 
 
 def test_torchtitan_durable_interval_and_memory_every_step_side_by_side_restore_the_newest(root, nodes):
     for out in _world(_titan_side_by_side, root, nodes, timeout=180):
         assert out == {"saved": [2, 4], "snapshots": [1, 2, 3, 4, 5], "memory": (5, "memory", True),
-                       "second_job": ([6], []), "durable": (6, None, True)}, out
+                       "second_job": ([6], []), "durable": (6, "durable", True)}, out
     assert _durable_steps(root) == [2, 4, 6]
 
 

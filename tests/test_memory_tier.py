@@ -115,7 +115,7 @@ def test_a_wiped_node_restores_from_replicas_and_no_memory_left_restores_the_dur
     for node in range(2):
         shutil.rmtree(os.path.join(_mem(nodes, node), RUN), ignore_errors=True)
     outcomes = assert_all_ok(_run(_restore, root, nodes))
-    assert outcomes == [(2, None, True)] * WORLD, outcomes  # the durable root's step (one tier: no restored_from)
+    assert outcomes == [(2, "durable", True)] * WORLD, outcomes  # the durable root served in memory's place
 
 
 def _restore_then_fail_the_next_snapshot(ctx, damaged):
@@ -166,7 +166,7 @@ def test_a_share_restored_from_its_replica_survives_a_failed_next_snapshot(root,
 def test_a_durable_save_after_the_newest_snapshot_is_newer_by_commit_sequence_and_wins(root, nodes):
     """By commit sequence, not step: the durable save of step 3, after the snapshot of step 3, is the newer commit."""
     assert_all_ok(_run(_snapshot_steps, root, nodes, 3, (3,)))
-    assert assert_all_ok(_run(_restore, root, nodes)) == [(3, None, True)] * WORLD
+    assert assert_all_ok(_run(_restore, root, nodes)) == [(3, "durable", True)] * WORLD
 
 
 def _with_local_tier(ctx, first):

@@ -75,10 +75,10 @@ from ..dcp.watched import WatchedReader, WatchedSavePlanner
 from ..dcp.reuse import refuse_unsupported
 from ..dcp.writer import AtomicStorageWriter
 from ..format.integrity import BLOCK_SIZE
-from ..staging import LiveState, Stager, Staging, WindowPool
+from ..staging import LiveState, StableState, Stager, Staging, WindowPool
 from ..memory import MemorySnapshots, SnapshotFuture
 from ..protocol.lineage import ensure_lineage, new_lineage, refuses_writes
-from ..protocol.commit import known_sequence, next_sequence
+from ..protocol.commit import COPY_OF_MEMORY_SEQUENCE, known_sequence, memory_order, next_sequence
 from ..tiers import failure_domain as resolve_failure_domain
 from .options import Callbacks, LocalTierOptions, MemoryTier, StatsCallback
 from .tiering import DurableOnly, TierContext, TierPolicy
@@ -157,6 +157,34 @@ def _grouped(local: LocalTierOptions | None, callbacks: Callbacks | None,
     if callbacks is None:
         callbacks = Callbacks(**{name: value for name, value in given.items() if _FLAT[name] == "callbacks"})
     return local, callbacks
+
+
+class _DurableCopies:
+    """How the memory tier saves its durable copies (:class:`~dcp_atomic.memory.snapshots.DurableCopies`): through
+    the manager's one save path (``async_save``: the local tier and its drain, or the durable root), so the one
+    committer, retention, lineage and statistics apply.  A copy that cannot start is a failed save like any other:
+    reported to ``on_failed`` and raised by ``wait()`` or the next call, never by the snapshot."""
+
+    def __init__(self, manager: "CheckpointManager") -> None:
+        self.manager = manager
+
+    def save(self, step: int, state_dict: dict[str, Any], sequence: int) -> concurrent.futures.Future:
+        manager = self.manager
+        try:
+            return manager._async_save(step, state_dict, {COPY_OF_MEMORY_SEQUENCE: sequence},
+                                       manager._wants_drain(True), stable=True)
+        except CheckpointError as e:
+            log.warning("run %r: the durable copy of memory step %d did not start (%s); it is raised by wait() or "
+                        "the next call, and the snapshot stays memory-committed", manager.run_id, step, first_line(e))
+            failed = ReportedFuture()
+            failed.set_exception(e)
+            with manager._lock:
+                manager._inflight = failed
+            return failed
+
+    def busy(self) -> bool:
+        inflight = self.manager._inflight
+        return inflight is not None and not inflight.done()
 
 
 class CheckpointManager(RankAgreement):
@@ -329,7 +357,8 @@ class CheckpointManager(RankAgreement):
         self.local_root = local.local_root if local is not None else None
         self.memory = memory
         self._memory: MemorySnapshots | None = None  # built last: a refused tier's _release() finds none
-        self._memory_restored: dict[str, Any] | None = None  # restored_from after a load the memory tier served
+        # restored_from after a load the memory tier served, or the durable root served in its place
+        self._memory_restored: dict[str, Any] | None = None
         # the tiers' differences live in one policy, picked here; DurableOnly also until TwoTier is set up, so that
         # the _release() of a refused local tier finds one
         self._tier: TierPolicy = DurableOnly(root, run_id, storage_options)
@@ -347,7 +376,8 @@ class CheckpointManager(RankAgreement):
                     lineage=self._tier.lineage or self._on_rank0(self._durable_lineage, "read the run's lineage"),
                     group=self._group, memory_group=self._memory_group, timeout=timeout, translate=self._translate,
                     stager=None if staging is None else Stager(staging, self._staging_pool),
-                    deliver=lambda stats: self._deliver(self.callbacks.on_snapshot, "on_snapshot", stats))
+                    deliver=lambda stats: self._deliver(self.callbacks.on_snapshot, "on_snapshot", stats),
+                    durable=_DurableCopies(self))
             except BaseException:
                 self._release()
                 raise
@@ -367,7 +397,8 @@ class CheckpointManager(RankAgreement):
 
     @property
     def restored_from(self) -> dict[str, Any] | None:
-        """After ``load()``: which tier served it (see :meth:`load`); None with one tier and no memory tier."""
+        """After ``load()``: which tier served it (see :meth:`load`); None with one tier and no memory tier (with a
+        memory tier and no local one, ``"durable"`` when the durable root served)."""
         return self._memory_restored or self._tier.restored_from
 
     @property
@@ -393,9 +424,20 @@ class CheckpointManager(RankAgreement):
 
     def _newest_elsewhere(self) -> int | None:
         """Every rank alike: the newest commit sequence of the durable root and the local tier (None: none)."""
-        durable = self._on_rank0(lambda: next_sequence(self.layout) - 1, "read the durable root's commit sequence")
+        durable = self._on_rank0(self._durable_sequence_for_memory, "read the durable root's commit sequence")
         found = [n for n in (durable, self._tier.local_sequence()) if n]
         return max(found, default=None)
+
+    def _durable_sequence_for_memory(self) -> int:
+        """Rank 0: the durable root's newest commit sequence, as a memory restore compares it (:func:`memory_order`:
+        a durable copy of a snapshot counts as that snapshot)."""
+        sequence = next_sequence(self.layout) - 1
+        step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
+                                missing_root_ok=True) if sequence > 0 else None
+        if step is None:
+            return sequence
+        committed = read_committed(self.layout, step, Deadline(self.timeout))
+        return memory_order(committed.marker, committed.manifest) if committed.marker.sequence == sequence else sequence
 
     # -- saving --------------------------------------------------------------------------
 
@@ -452,7 +494,12 @@ class CheckpointManager(RankAgreement):
         queued for the drain, ``durable`` as for ``save``), not once it is drained.
         """
         validate_step(step, "CheckpointManager.async_save(step=...)")
-        drain = self._wants_drain(durable)
+        return self._async_save(step, state_dict, metadata, self._wants_drain(durable))
+
+    def _async_save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None,
+                    drain: bool | None, stable: bool = False) -> ReportedFuture:
+        """:meth:`async_save`'s work; ``stable``: nothing changes ``state_dict`` until the save is done (a durable
+        copy of a pinned memory slot), so it is written as it is, without staging."""
         self._wait_for_async_save()
         op = self._ops
         result = ReportedFuture()
@@ -460,13 +507,14 @@ class CheckpointManager(RankAgreement):
         with self._failures_reported("async_save", step, started):
             self._refuse_conflicts(step)
             watch = self._watch(f"saving step {step}")
-            staged = None if self.staging is None else LiveState(self.staging, self._staging_pool)
+            staged = None if self.staging is None or stable else LiveState(self.staging, self._staging_pool)
             writer = self._writer(step, watch, metadata, staged)
             self._staged = staged
+            stager = StableState() if stable else staged
             try:
                 pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
                                          process_group=self._async_group,
-                                         **({"async_stager": staged} if staged is not None else {}))
+                                         **({"async_stager": stager} if stager is not None else {}))
             except BaseException as e:
                 if staged is not None:
                     staged.release()
@@ -539,6 +587,8 @@ class CheckpointManager(RankAgreement):
         step = self._wait_for_async_save()
         if self._memory is not None:
             self._memory.wait()
+            if self._memory.flush_durable():
+                self._wait_for_async_save()
         self._tier.wait()
         return step
 
@@ -557,6 +607,8 @@ class CheckpointManager(RankAgreement):
             self._wait_for_async_save()
             if self._memory is not None:
                 self._memory.wait()
+                if self._memory.flush_durable():
+                    self._wait_for_async_save()
         finally:
             try:
                 if self._inflight is None:
@@ -659,6 +711,9 @@ class CheckpointManager(RankAgreement):
         self._resumed = resumed  # P14: later saves supersede the steps above it that this load abandoned
         if self._memory is not None:
             self._memory.retire_above(chosen)
+            if local is None:  # the memory tier was asked first: say that the durable root served
+                self._memory_restored = {"tier": "durable", "step": chosen, "save_id": reader.save_id,
+                                         "ranks_fetched": 0, "bytes_fetched": 0}
         seconds = time.perf_counter() - started
         log.info("loaded run %r step %d (save %s) in %.3fs", self.run_id, chosen, reader.save_id, seconds)
         self._deliver(self.callbacks.on_loaded, "on_loaded", LoadStats(

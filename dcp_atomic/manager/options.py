@@ -81,6 +81,10 @@ class MemoryTier:
         budget_bytes: the most this rank's slots and the copies it holds may take: ``slots x (1 + replicas) x`` its
             share of the state, checked at the first snapshot (and against the directory's free space at
             construction).  None: only the directory's free space bounds it.
+        durable_every: every N-th memory-committed snapshot also becomes a durable step of the same number, written
+            from its slot's bytes in the background through ``async_save`` (the local tier and its drain with
+            ``local=``); the slot stays pinned until that save is done, and a snapshot that would rewrite it is
+            skipped and counted.  None: no durable copies (``save()`` beside the snapshots).
     """
 
     path: str | os.PathLike
@@ -88,6 +92,7 @@ class MemoryTier:
     replicas: int = 1
     slots: int = 2
     budget_bytes: int | None = None
+    durable_every: int | None = None
 
     def __post_init__(self) -> None:
         arguments.location("MemoryTier(path=...)", self.path)
@@ -95,6 +100,7 @@ class MemoryTier:
         arguments.count("MemoryTier(replicas=...)", self.replicas, minimum=0, optional=False)
         arguments.count("MemoryTier(slots=...)", self.slots, optional=False)
         arguments.count("MemoryTier(budget_bytes=...)", self.budget_bytes)
+        arguments.count("MemoryTier(durable_every=...)", self.durable_every)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,14 +33,15 @@ from ..exchange.collective import first_line, from_rank0, gather, raise_typed
 from ..exchange.stall import StallClock
 from ..format.manifest import Marker
 from ..protocol.catalog import latest_step as scan_latest_step
-from ..protocol.commit import (ResumePoint, commit_order, known_sequence, listed_steps, next_sequence, note_sequence,
-                               read_marker, refuse_committed)
+from ..protocol.commit import (ResumePoint, commit_order, known_sequence, listed_steps, memory_order, next_sequence,
+                               note_sequence, read_marker, refuse_committed)
 from ..protocol.lineage import (create_lineage, describe as describe_lineage, ensure_lineage, lineage_path,
                                  new_lineage, read_lineage, refuses_writes)
 from ..protocol.retention import retain_after_commit
 from ..tiers.drain import Drained, Drainer, DrainJob
 from ..tiers.local_tier import (LocalWriter, Topology, commit_local, local_markers, merge_held, of_lineage, open_local,
-                                remove_failed_attempt, remove_local_step, retain_local, scan_root, sweep_spool)
+                                read_manifest, remove_failed_attempt, remove_local_step, retain_local, scan_root,
+                                sweep_spool)
 from ..tiers.placement import failure_domain as resolve_failure_domain
 from ..tiers.tier_restore import DurableCandidate, assemble_step, choose_restore, restore_not_found
 from .options import DEFAULT_DURABLE_EVERY, LocalTierOptions
@@ -542,10 +543,18 @@ class TwoTier(TierPolicy):
         return self._lineage
 
     def local_sequence(self) -> int | None:
-        """Every root's leader reports its newest local commit of this lineage; every rank gets the newest (a
+        """Every root's leader reports its newest local commit of this lineage, as a memory restore compares it
+        (:func:`memory_order`: a local copy of a snapshot counts as that snapshot); every rank gets the newest (a
         collective)."""
-        mine = [mk.sequence or 0 for mk in of_lineage(local_markers(self.local), self._lineage)
-                ] if self.topology.is_leader else []
+        mine = []
+        markers = of_lineage(local_markers(self.local), self._lineage) if self.topology.is_leader else []
+        if markers:  # sorted by commit order: the newest last
+            try:
+                mine = [memory_order(markers[-1], read_manifest(self.local, markers[-1]))]
+            except (OSError, CheckpointError) as e:
+                log.warning("local tier: could not read the manifest of local step %d (%s); it counts at its own "
+                            "commit sequence", markers[-1].step, first_line(e))
+                mine = [markers[-1].sequence or 0]
         return max((n for found in self._gathered(mine) for n in found), default=None)
 
     def local_steps(self) -> set[int]:

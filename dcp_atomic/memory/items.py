@@ -8,12 +8,15 @@ local shard), and any other value ``torch.save``-encoded, decoded on restore by 
 
 Writing goes through a sink (:class:`~.slots.SlotSink`: ``write(index, offset, data)``, ``finish(index)``), a window
 at a time: a CPU tensor's bytes go from its own memory into the slot (no second host copy); a device tensor is copied
-to the host one window at a time.  Restoring copies the verified bytes straight into the state dict's tensors.
+to the host one window at a time.  Restoring copies the verified bytes straight into the state dict's tensors.  A
+durable copy of a slot gets the state back as the snapshot took it (its containers, read-only tensors over the slot's
+bytes: :func:`durable_state`).
 """
 
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,34 +54,50 @@ class Leaf:
         return self.tensor.numel() * self.tensor.element_size() if self.tensor is not None else len(self.encoded)
 
 
-def leaves_of(expanded: dict[str, Any]) -> list[Leaf]:
-    """Every leaf of an expanded state dict (dicts and lists walked), in a stable order; nothing encoded yet."""
+@dataclass(frozen=True)
+class Hole:
+    """Where leaf ``index`` sat in the state dict's containers (:func:`flatten`'s shape); a DTensor's mesh,
+    placements, global size and stride kept beside it, so that its local shard can be put back into one
+    (:func:`durable_state`)."""
+
+    index: int
+    dtensor: tuple | None = None
+
+
+def shaped_leaves(expanded: dict[str, Any]) -> tuple[list[Leaf], dict[str, Any]]:
+    """Every leaf of an expanded state dict (dicts and lists walked), in a stable order, nothing encoded yet; and
+    the state's shape: its containers as they are, each leaf replaced by its :class:`Hole`."""
     leaves: list[Leaf] = []
 
-    def walk(path: tuple, value: Any) -> None:
+    def walk(path: tuple, value: Any) -> Any:
         if isinstance(value, dict):
-            for key in value:
-                walk((*path, key), value[key])
-        elif isinstance(value, list):
-            for index, element in enumerate(value):
-                walk((*path, index), element)
-        else:
-            stored = value.to_local() if isinstance(value, DTensor) else value
-            leaves.append(Leaf(path, value, stored if isinstance(stored, torch.Tensor) else None))
+            return {key: walk((*path, key), value[key]) for key in value}
+        if isinstance(value, list):
+            return [walk((*path, index), element) for index, element in enumerate(value)]
+        stored = value.to_local() if isinstance(value, DTensor) else value
+        leaves.append(Leaf(path, value, stored if isinstance(stored, torch.Tensor) else None))
+        layout = ((value.device_mesh, tuple(value.placements), value.size(), value.stride())
+                  if isinstance(value, DTensor) else None)
+        return Hole(len(leaves) - 1, layout)
 
-    walk((), expanded)
-    return leaves
+    return leaves, walk((), expanded)
 
 
-def flatten(state_dict: dict[str, Any]) -> list[Leaf]:
-    """The leaves of a state dict (expanded here), each non-tensor value ``torch.save``-encoded."""
-    leaves = leaves_of(expand_stateful(state_dict))
+def leaves_of(expanded: dict[str, Any]) -> list[Leaf]:
+    """Every leaf of an expanded state dict (dicts and lists walked), in a stable order; nothing encoded yet."""
+    return shaped_leaves(expanded)[0]
+
+
+def flatten(state_dict: dict[str, Any]) -> tuple[list[Leaf], dict[str, Any]]:
+    """The leaves of a state dict (expanded here), each non-tensor value ``torch.save``-encoded, and its shape
+    (:func:`shaped_leaves`)."""
+    leaves, shape = shaped_leaves(expand_stateful(state_dict))
     for leaf in leaves:
         if leaf.tensor is None:
             stream = io.BytesIO()
             torch.save(leaf.value, stream)
             leaf.encoded = stream.getvalue()
-    return leaves
+    return leaves, shape
 
 
 def write_leaves(leaves: list[Leaf], sink) -> list[SlotItem]:
@@ -147,6 +166,39 @@ def _write_tensor(index: int, tensor: torch.Tensor, sink) -> None:
     for start in range(0, flat.numel(), WINDOW_BYTES):
         window = flat[start:start + WINDOW_BYTES].cpu()
         sink.write(index, start, tensor_bytes(window))
+
+
+def durable_state(shape: dict[str, Any], items: tuple[SlotItem, ...], data: memoryview, where: str) -> dict[str, Any]:
+    """The state a durable copy of a slot saves: ``shape`` (:func:`flatten`'s, the same containers as the state the
+    snapshot took) with every leaf read from the slot's bytes ``data``: tensors as read-only views of them (no
+    copy: the slot is pinned until the save is done), a DTensor's local shard put back into its mesh and placements,
+    objects decoded by the allow-list.  So the copy holds the snapshot's bytes, whatever training did since."""
+    def fill(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {key: fill(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [fill(value) for value in node]
+        item = items[node.index]
+        if item.kind == "object":
+            return decode_item(bytes(data[item.offset:item.offset + item.nbytes]), key=item.key, where=where)
+        local = _tensor_over(item, data)
+        if node.dtensor is None:
+            return local
+        mesh, placements, size, stride = node.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=size, stride=stride)
+
+    return fill(shape)
+
+
+def _tensor_over(item: SlotItem, data: memoryview) -> torch.Tensor:
+    """The item's bytes in ``data`` as a tensor of its dtype and shape, sharing the memory (read-only)."""
+    dtype = getattr(torch, item.dtype)
+    if not item.nbytes:
+        return torch.empty(item.shape, dtype=dtype)
+    with warnings.catch_warnings():  # the slot is mapped read-only: nothing writes these tensors
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        flat = torch.frombuffer(data, dtype=dtype, count=item.nbytes // dtype.itemsize, offset=item.offset)
+    return flat.view(item.shape)
 
 
 def _placement(value: DTensor) -> dict:

@@ -17,6 +17,11 @@ A snapshot of ``step``, every rank alike:
 A crash anywhere before 4 leaves the new step without a complete set of records: a restore takes the newest
 sequence for which every rank's share has a record and verified bytes, on its own node or a holder's, so it never
 mixes steps.  A restore compares that sequence with the newest commit of the other tiers; memory wins a tie.
+
+Durable copies (``durable_every``): once every N-th snapshot is memory-committed, the next call on the caller's thread
+(a snapshot, or the manager's ``wait()``/``close()``) saves its slot as a durable step through the manager
+(:class:`DurableCopies`), from the slot's bytes, and pins the slot until that save is done: a snapshot that would
+rewrite it is skipped and counted (P16: a slot a drain still reads is never rewritten), never made to wait.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from .._base import failpoints
 from .._base.futures import ReportedFuture
@@ -42,7 +47,7 @@ from ..format.layout import RunLayout
 from ..protocol.commit import known_sequence, next_sequence, note_sequence
 from ..staging import StagedCopy, Stager
 from ..tiers import Topology
-from .items import flatten, install, slot_items, stage_leaves, write_leaves
+from .items import durable_state, flatten, install, slot_items, stage_leaves, write_leaves
 from .slots import SlotDir, SlotRecord, SlotSink, mapped, newest_complete, verify_slot
 
 log = logging.getLogger("dcp_atomic.memory")
@@ -86,10 +91,12 @@ class MemorySnapshots:
     def __init__(self, *, rank: int, world_size: int, run_id: str, layout: RunLayout, options: Any, domain: str,
                  lineage: str, group: Any, memory_group: Any, timeout: float,
                  translate: Callable[[BaseException, str], BaseException], stager: Stager | None = None,
-                 deliver: Callable[[SnapshotStats], None] = lambda stats: None) -> None:
+                 deliver: Callable[[SnapshotStats], None] = lambda stats: None,
+                 durable: DurableCopies | None = None) -> None:
         """``stager``: bounded staging (``CheckpointManager(staging=...)``): a snapshot's tensors are copied into the
         slot after the call returns, through the stager's pool, and :meth:`wait_staged` says when they may change;
-        None: copied at the call.  ``deliver``: each memory-committed snapshot's statistics, on every rank."""
+        None: copied at the call.  ``deliver``: each memory-committed snapshot's statistics, on every rank.
+        ``durable``: how the manager saves a durable copy (``options.durable_every``; needed when that is set)."""
         self.rank, self.world_size, self.run_id, self.layout = rank, world_size, run_id, layout
         self.every, self.replicas, self.slots = options.every, options.replicas, options.slots
         self.budget_bytes = options.budget_bytes
@@ -103,6 +110,11 @@ class MemorySnapshots:
         self._inflight: SnapshotFuture | None = None
         self.stager = stager
         self._staged: StagedCopy | None = None  # the staging of the latest snapshot (with a stager)
+        self.durable_every, self.durable = options.durable_every, durable
+        self._since_copy = 0  # memory-committed snapshots since the last durable copy started
+        self._due: SlotRecord | None = None  # the newest memory-committed slot, once a durable copy of it is due
+        self._pinned: _Pin | None = None  # the slot the latest durable copy reads, until its save is done
+        self._shapes: dict[int, Any] = {}  # per slot: the containers of the state it holds (items.flatten)
         problems = self._gathered(self._path_problem(), "checking the memory tier's path")
         refused = [f"rank {r} ({host}): {why}" for r, (host, why) in enumerate(problems) if why]
         if refused:
@@ -165,22 +177,29 @@ class MemorySnapshots:
         self._calls += 1
         if (self._calls - 1) % self.every:
             return _skipped()
-        leaves = flatten(state_dict)
+        leaves, shape = flatten(state_dict)
         share = sum(leaf.nbytes for leaf in leaves)
         busy = self._inflight is not None and not self._inflight.done()
-        mine = (busy, share, socket.gethostname(), os.path.realpath(self.dir.path),
+        copying = self.durable is not None and self.durable.busy()
+        mine = (busy, self._pin_blocks(), copying, share, socket.gethostname(), os.path.realpath(self.dir.path),
                 _free_bytes(self.dir.path) + self.dir.held_bytes())
         everyone = self._gathered(mine, f"starting the memory snapshot of step {step}")
         if any(b for b, *_ in everyone):
-            self.snapshots_skipped += 1
-            log.info("memory tier: step %d not snapshotted, the previous snapshot is still in flight (%d skipped so "
-                     "far)", step, self.snapshots_skipped)
-            return _skipped()
-        if any(share > self._checked_share for _, share, *_ in everyone):
-            self._check_budget([(share, host, path, free) for _, share, host, path, free in everyone])
+            return self._skip(step, "the previous snapshot is still in flight")
+        if any(share > self._checked_share for _, _, _, share, *_ in everyone):
+            self._check_budget([(share, host, path, free) for _, _, _, share, host, path, free in everyone])
         self.wait()  # the previous one is done on every rank: raise its failure if nobody has
+        if self._due is not None and not any(c for _, _, c, *_ in everyone):  # every rank alike: all are done
+            self._start_durable_copy()
+            if self.slots == 1:  # the one slot is the one just pinned
+                return self._skip(step, self._pinned_reason())
+        if any(b for _, b, *_ in everyone):
+            return self._skip(step, self._pinned_reason())
         slot = self._oldest_slot()
+        if self._due is not None and self._due.slot == slot:  # its copy could not start yet: the next one is due
+            self._due = None
         self.dir.retire(self.rank, slot)  # P1 for slots: the record goes before a byte is rewritten
+        self._shapes[slot] = shape
         written: SlotRecord | _Staging | BaseException
         staging = None
         try:
@@ -202,6 +221,53 @@ class MemorySnapshots:
         self._worker.submit(self._commit, step, written, future, f"memory/{self.run_id}/{self._calls}", started,
                             time.perf_counter() - started)
         return future
+
+    def _skip(self, step: int, why: str) -> SnapshotFuture:
+        """Every rank alike: this call takes no snapshot (counted, logged with ``why``), never waits for one."""
+        self.snapshots_skipped += 1
+        log.info("memory tier: step %d not snapshotted, %s (%d skipped so far)", step, why, self.snapshots_skipped)
+        return _skipped()
+
+    # -- durable copies ------------------------------------------------------------------------
+
+    def _pin_blocks(self) -> bool:
+        """Whether the slot the next snapshot would reuse is the one a durable copy still reads."""
+        pin = self._pinned
+        return pin is not None and not pin.future.done() and self._oldest_slot() == pin.slot
+
+    def _pinned_reason(self) -> str:
+        pin = self._pinned
+        return (f"its slot would be slot {pin.slot}, which holds step {pin.step} for its durable copy still being "
+                "saved (a slower durable store than snapshots: raise slots, or durable_every)")
+
+    def _start_durable_copy(self) -> None:
+        """Every rank alike, on the caller's thread (the only one that starts manager operations): save the due
+        slot as a durable step of its number, from its bytes (read-only, in place), and pin the slot until that
+        save is done.  The manager's ``async_save`` reports the outcome; the snapshot stays memory-committed."""
+        record, self._due, self._since_copy = self._due, None, 0
+        path = self.dir.data(self.rank, record.slot)
+        held = contextlib.ExitStack()
+        try:
+            data = held.enter_context(mapped(path, record.length))
+            state = durable_state(self._shapes[record.slot], record.items, data,
+                                  f"memory slot {path} (rank {self.rank}, step {record.step})")
+            future = self.durable.save(record.step, state, record.sequence)
+        except BaseException:
+            held.close()
+            raise
+        self._pinned = _Pin(record.slot, record.step, future)
+        future.add_done_callback(lambda _: held.close())  # the mapping goes once the writer has read it
+        log.info("memory tier: saving step %d (sequence %d) to the durable root from slot %d", record.step,
+                 record.sequence, record.slot)
+
+    def flush_durable(self) -> bool:
+        """Every rank alike, with no snapshot in flight (:meth:`wait` returned on every rank): start the durable copy
+        that is due, if any (``wait()`` and ``close()``: a job that stops after a due snapshot still gets its copy);
+        whether one started."""
+        if self._due is None or self.durable.busy():
+            return False
+        self._start_durable_copy()
+        return True
 
     def _record(self, step: int, slot: int, length: int, items: list) -> SlotRecord:
         """This rank's record of ``slot`` (its sequence given at commit, :func:`_with_sequence`)."""
@@ -278,6 +344,10 @@ class MemorySnapshots:
             future.set_exception(typed)
             return
         self.snapshots_taken += 1
+        if self.durable_every is not None:
+            self._since_copy += 1
+            if self._since_copy >= self.durable_every:
+                self._due = _with_sequence(written, sequence)
         self.deliver(SnapshotStats(
             run_id=self.run_id, step=step, sequence=sequence, world_size=self.world_size, rank=self.rank,
             slot=written.slot, call_seconds=call_seconds, committed_seconds=time.perf_counter() - started,
@@ -518,6 +588,26 @@ class MemorySnapshots:
             return gather(group or self.group, mine, what)
         except BaseException as e:
             raise_typed(self.translate(e, what))
+
+
+class DurableCopies(Protocol):
+    """What the memory tier needs of the manager for durable copies (``MemoryTier(durable_every=...)``)."""
+
+    def save(self, step: int, state_dict: dict[str, Any], sequence: int) -> concurrent.futures.Future:
+        """Start saving ``state_dict`` as durable step ``step`` (a copy of memory's ``sequence``) in the background,
+        every rank alike; the future says when the save is done (its failure is the manager's to report)."""
+
+    def busy(self) -> bool:
+        """Whether a save of this rank is still in flight (another copy cannot start without waiting for it)."""
+
+
+@dataclass(frozen=True)
+class _Pin:
+    """A slot a durable copy still reads: never rewritten until ``future`` is done."""
+
+    slot: int
+    step: int
+    future: concurrent.futures.Future
 
 
 @dataclass

@@ -86,3 +86,19 @@ class LiveState:
             return value.detach().clone()
         self.live.append(LiveTensor.record(key, value))
         return value
+
+
+class StableState:
+    """DCP's ``AsyncStager`` for a state nothing changes until its save is done (a durable copy of a memory slot,
+    which stays pinned until then): handed to the writer as it is, no host copy at the call."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing is staged."""
+
+    def close(self) -> None:
+        """Nothing to free."""

@@ -9,7 +9,7 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "drain": ("Drained", "Drainer"),
     "drain_plan": ("DrainJob",),
     "local_tier": ("commit_local", "local_markers", "LocalWriter", "merge_held", "of_lineage", "open_local",
-                   "remove_failed_attempt", "remove_local_step", "retain_local", "scan_root", "sweep_spool",
+                   "read_manifest", "remove_failed_attempt", "remove_local_step", "retain_local", "scan_root", "sweep_spool",
                    "Topology"),
     "placement": ("failure_domain",),
     "tier_restore": ("assemble_step", "choose_restore", "DurableCandidate", "expand_stateful", "restore_not_found"),

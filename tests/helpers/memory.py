@@ -31,7 +31,8 @@ def one_node_per_rank(rank: int) -> dict[str, str]:
             "GROUP_RANK": str(rank)}
 
 
-def memory_manager(ctx, *, every=1, replicas=1, slots=2, budget_bytes=None, path=None, root=None, **kwargs):
+def memory_manager(ctx, *, every=1, replicas=1, slots=2, budget_bytes=None, durable_every=None, path=None, root=None,
+                   **kwargs):
     """This world's manager with a memory tier on the rank's node (durable root: ``root``, else ``ctx.root``)."""
     from dcp_atomic import CheckpointManager, MemoryTier
     from dcp_atomic.exchange import file_transfer
@@ -39,7 +40,7 @@ def memory_manager(ctx, *, every=1, replicas=1, slots=2, budget_bytes=None, path
     file_transfer.CHUNK_BYTES = 64 << 10  # replicas cross chunk boundaries
     kwargs.setdefault("timeout", 10)
     memory = MemoryTier(path or memory_path(ctx), every=every, replicas=replicas, slots=slots,
-                        budget_bytes=budget_bytes)
+                        budget_bytes=budget_bytes, durable_every=durable_every)
     return CheckpointManager(root or ctx.root, RUN, memory=memory, **kwargs)
 
 

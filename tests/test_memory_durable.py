@@ -1,0 +1,198 @@
+"""Durable copies of memory-committed snapshots (``MemoryTier(durable_every=N)``): every N-th memory-committed
+snapshot becomes a durable step of the same number, saved from its slot's bytes while training goes on, its slot
+pinned until that save is done; a restore orders the copy by its snapshot's sequence.
+
+Worlds of 4 ranks as 2 simulated nodes (failure domains nodeA/nodeB), each node's memory path on its own tmpfs, the
+durable root on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import torch
+import torch.distributed as dist
+
+from dcp_atomic.memory import SlotRecord
+from dcp_atomic.protocol import scan_markers
+from dcp_atomic.format import RunLayout
+from dcp_atomic.stores import open_storage
+from tests.harness import assert_all_ok
+from tests.helpers.fsdp_app import _train_step
+from tests.helpers.memory import full_state, memory_manager, memory_path, state_of, trained
+from tests.helpers.tiers import RUN, _run, WORLD
+
+
+def _exact_at(model, optim, step) -> bool:
+    """This job's state is exactly the reference run's after ``step`` steps (collectives: every rank alike)."""
+    got, want = full_state(model, optim), full_state(*trained(WORLD, step))
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _durable_steps(root) -> list[int]:
+    return [marker.step for marker in scan_markers(RunLayout(open_storage(root), RUN))]
+
+
+def _own_slot_steps(ctx) -> list[int]:
+    """The steps this rank's own slots hold (their commit records, on its node's memory path)."""
+    rank_dir = os.path.join(memory_path(ctx), RUN, f"r{ctx.rank}")
+    steps = []
+    for name in sorted(os.listdir(rank_dir)):
+        if name.endswith(".commit"):
+            with open(os.path.join(rank_dir, name), "rb") as f:
+                steps.append(SlotRecord.from_bytes(f.read(), name).step)
+    return sorted(steps)
+
+
+def _snapshot_every_step(ctx, last):
+    """Snapshot steps 1..``last`` with ``durable_every=2``; training changes the tensors right after each
+    ``snapshot()`` returns, so a durable copy (started at the next call) finds the live state a step ahead.  The
+    copy of 6 is held for a second (its write), so it commits after the snapshot of 7 is memory-committed."""
+    from dcp_atomic._base import failpoints
+
+    failpoints.arm("write.before_data#3", "sleep:1")  # the 3rd durable write: the copy of 6
+    model, optim = trained(WORLD, 0)
+    future = None
+    with memory_manager(ctx, durable_every=2) as manager:
+        for step in range(1, last + 1):
+            _train_step(model, optim, step)  # the live tensors move on while the previous snapshot commits
+            if future is not None:
+                assert future.result() == step - 1
+            future = manager.snapshot(step, state_of(model, optim, step))
+            if step % 2:  # the copy of step - 1 started in this call: done before a later call needs its slot
+                manager.wait()
+        assert future.result() == last
+        return manager.snapshots_skipped
+
+
+def _restore_then_wipe_then_restore(ctx):
+    """With memory intact: the newest snapshot; every node's memory wiped: the newest durable copy; then each
+    durable step by number.  (step, tier, exact) each."""
+    model, optim = trained(WORLD, 0, seed=7)
+    seen = []
+    with memory_manager(ctx) as manager:
+        step = manager.load(state_of(model, optim, 0))
+        seen.append((step, manager.restored_from["tier"], _exact_at(model, optim, step)))
+        dist.barrier()
+        if ctx.rank % 2 == 0:  # each node's first rank empties its memory path: the node lost its RAM
+            shutil.rmtree(os.path.join(memory_path(ctx), RUN))
+        dist.barrier()
+        step = manager.load(state_of(model, optim, 0))
+        seen.append((step, manager.restored_from["tier"], _exact_at(model, optim, step)))
+        for older in (4, 2):
+            step = manager.load(state_of(model, optim, 0), step=older)
+            seen.append((step, manager.restored_from["tier"], _exact_at(model, optim, step)))
+    return seen
+
+
+def test_durable_every_2_copies_the_even_snapshots_from_their_slots_and_a_wiped_memory_restores_the_newest(
+        root, nodes):
+    assert assert_all_ok(_run(_snapshot_every_step, root, nodes, 7)) == [0] * WORLD
+    assert _durable_steps(root) == [2, 4, 6]
+    outcomes = assert_all_ok(_run(_restore_then_wipe_then_restore, root, nodes))
+    # memory's 7 is newer than the copy of 6 that committed after it; the copies hold their own steps' state
+    assert outcomes == [[(7, "memory", True), (6, "durable", True), (4, "durable", True),
+                         (2, "durable", True)]] * WORLD, outcomes
+
+
+def _snapshots_past_a_slow_copy(ctx):
+    """The copy of step 2 held in its write until released; snapshots 4 and 5 would rewrite its slot."""
+    from dcp_atomic._base import failpoints
+
+    released = threading.Event()
+    failpoints.arm("write.before_data", lambda rank, step: released.wait(30))
+    model, optim = trained(WORLD, 0)
+    with memory_manager(ctx, durable_every=2, slots=2) as manager:
+        taken = []
+        for step in range(1, 6):
+            _train_step(model, optim, step)
+            future = manager.snapshot(step, state_of(model, optim, step))
+            taken.append(future.result())
+        held = _own_slot_steps(ctx)
+        durable_before = manager.steps(tier="durable")
+        released.set()
+        manager.wait()
+        _train_step(model, optim, 6)
+        after = manager.snapshot(6, state_of(model, optim, 6)).result()
+        skipped = manager.snapshots_skipped
+    failpoints.disarm("write.before_data")
+    with memory_manager(ctx) as manager:
+        fresh, fresh_optim = trained(WORLD, 0, seed=7)
+        manager.load(state_of(fresh, fresh_optim, 0), step=2)
+        exact = _exact_at(fresh, fresh_optim, 2)
+    return taken, skipped, held, durable_before, after, exact
+
+
+def test_a_snapshot_that_would_rewrite_the_slot_a_slow_durable_copy_reads_is_skipped_and_counted(root, nodes):
+    outcomes = assert_all_ok(_run(_snapshots_past_a_slow_copy, root, nodes))
+    # 4 and 5 skipped (the slot of 2 is pinned), 2 and 3 still held, the copy of 2 exact; then 6 is taken, and
+    # close() saves the copy due at 6
+    assert outcomes == [([1, 2, 3, None, None], 2, [2, 3], [], 6, True)] * WORLD, outcomes
+    assert _durable_steps(root) == [2, 6]
+
+
+def _a_failing_copy(ctx):
+    """The durable copy of step 2 fails in its write (an injected I/O error); what ``wait()`` raises, what
+    ``on_failed`` heard, and what a fresh job restores."""
+    from dcp_atomic import Callbacks
+    from dcp_atomic._base import failpoints
+
+    failed = []
+    model, optim = trained(WORLD, 0)
+    with memory_manager(ctx, durable_every=2, callbacks=Callbacks(on_failed=failed.append)) as manager:
+        for step in (1, 2):
+            _train_step(model, optim, step)
+            assert manager.snapshot(step, state_of(model, optim, step)).result() == step
+        failpoints.arm("write.before_data", "raise")
+        try:
+            manager.wait()  # starts the copy of 2 that is due, and waits for it
+            raised = None
+        except Exception as e:
+            raised = (type(e).__name__, "step 2" in str(e))
+        failpoints.disarm("write.before_data")
+    restored, restored_optim = trained(WORLD, 0, seed=7)
+    with memory_manager(ctx) as manager:
+        step = manager.load(state_of(restored, restored_optim, 0))
+        served = (step, manager.restored_from["tier"], _exact_at(restored, restored_optim, step))
+    return raised, [(f["operation"], f["step"]) for f in failed], served
+
+
+def test_a_failed_durable_copy_reaches_wait_on_every_rank_and_the_snapshot_stays_restorable(root, nodes):
+    outcomes = assert_all_ok(_run(_a_failing_copy, root, nodes))
+    raised = outcomes[0][0]
+    assert raised is not None and raised[1], outcomes
+    assert outcomes == [(raised, [("async_save", 2)], (2, "memory", True))] * WORLD, outcomes
+    assert _durable_steps(root) == []
+
+
+def _with_a_local_tier(ctx, first):
+    """The first job snapshots 1-5 with a local tier (no drain of its own saves): the copies of 2 and 4 are local
+    saves drained to the durable root, the copy of 4 committed after snapshot 5.  The next restores the newest step,
+    then step 4 by number: (step, tier, exact) each."""
+    from dcp_atomic import LocalTierOptions
+
+    local = LocalTierOptions(os.path.join(ctx.extra["nodes"][ctx.rank // 2], "local"), replicas=1,
+                             durable_every=None)
+    model, optim = trained(WORLD, 0, seed=0 if first else 7)
+    with memory_manager(ctx, local=local, durable_every=2) as manager:
+        if first:
+            for step in range(1, 6):
+                _train_step(model, optim, step)
+                assert manager.snapshot(step, state_of(model, optim, step)).result() == step
+                if step % 2:  # the copy of step - 1 started in this call, after the snapshot of step committed
+                    manager.wait()
+            return manager.steps(tier="local")
+        seen = []
+        for step in (None, 4):
+            loaded = manager.load(state_of(model, optim, 0), step=step)
+            seen.append((loaded, manager.restored_from["tier"], _exact_at(model, optim, loaded)))
+        return seen
+
+
+def test_with_a_local_tier_the_copies_drain_to_the_durable_root_and_memory_still_wins_for_a_newer_step(root, nodes):
+    assert assert_all_ok(_run(_with_a_local_tier, root, nodes, True)) == [[2, 4]] * WORLD
+    assert _durable_steps(root) == [2, 4]
+    outcomes = assert_all_ok(_run(_with_a_local_tier, root, nodes, False))
+    assert outcomes == [[(5, "memory", True), (4, "local", True)]] * WORLD, outcomes
