@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -154,6 +155,9 @@ def _rank(ctx, plan: dict) -> dict | None:
                 with manager(run, False) as fresh:
                     assert fresh.load(fresh_job.state) == step, fresh.restored_from
                 assert_bit_exact(reference, fresh_job.state["train"].state_dict(), f"rank {ctx.rank}, {run}")
+                dist.barrier()  # the node's memory back for the next round
+                if ctx.rank % RANKS_PER_NODE == 0:
+                    shutil.rmtree(os.path.join(plan["nodes"][node], run))
             mine[name].append(row)
     everyone = gather(mine)
     return everyone if ctx.rank == 0 else None
@@ -175,7 +179,9 @@ def _cloned(tree):
 def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
     with contextlib.ExitStack() as stack:
-        nodes, how = stack.enter_context(node_roots(256 * MiB))
+        # a node's 2 ranks hold 2 slots of their own and 2 replicas of the other node's: 4 x the state's half, with
+        # AdamW's two moments 3 x the parameters' fp32 bytes (about hidden^2 of them)
+        nodes, how = stack.enter_context(node_roots(48 * args.hidden ** 2 + 64 * MiB))
         disk = stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-steps-durable-", dir="/var/tmp"))
         say(f"steps: world {WORLD} as {NODES} nodes, the demo's model at hidden {args.hidden}, batch {args.batch}, "
             f"{args.steps} timed steps per contender, {args.repeats} round(s); memory paths: {how}")
