@@ -22,7 +22,7 @@ from dcp_atomic.stores import open_storage
 from tests.harness import assert_all_ok
 from tests.helpers.fsdp_app import _train_step
 from tests.helpers.memory import full_state, memory_manager, memory_path, state_of, trained
-from tests.helpers.tiers import RUN, _run, WORLD
+from tests.helpers.tiers import RUN, WORLD, _flip_byte, _run
 
 
 def _exact_at(model, optim, step) -> bool:
@@ -164,6 +164,49 @@ def test_a_failed_durable_copy_reaches_wait_on_every_rank_and_the_snapshot_stays
     raised = outcomes[0][0]
     assert raised is not None and raised[1], outcomes
     assert outcomes == [(raised, [("async_save", 2)], (2, "memory", True))] * WORLD, outcomes
+    assert _durable_steps(root) == []
+
+
+def _a_damaged_slot(ctx):
+    """Rank 2's own slot of step 2 gets a flipped byte after step 2 is memory-committed, before its durable copy
+    starts (at ``wait()``): what ``wait()`` raises on each rank, what ``on_failed`` heard, what a fresh job restores."""
+    from dcp_atomic import Callbacks
+
+    failed = []
+    model, optim = trained(WORLD, 0)
+    with memory_manager(ctx, durable_every=2, callbacks=Callbacks(on_failed=failed.append)) as manager:
+        for step in (1, 2):
+            _train_step(model, optim, step)
+            assert manager.snapshot(step, state_of(model, optim, step)).result() == step
+        if ctx.rank == 2:
+            rank_dir = os.path.join(memory_path(ctx), RUN, "r2")
+            for name in os.listdir(rank_dir):
+                if name.endswith(".commit"):
+                    with open(os.path.join(rank_dir, name), "rb") as f:
+                        record = SlotRecord.from_bytes(f.read(), name)
+                    if record.step == 2:  # a byte inside its first weight (a tensor, not an encoded object)
+                        item = next(i for i in record.items if i.kind != "object" and i.key.endswith("weight"))
+                        _flip_byte(os.path.join(rank_dir, name.replace(".commit", ".data")), item.offset + 5)
+        dist.barrier()
+        try:
+            manager.wait()  # starts the copy of 2 that is due: its slot no longer matches its record
+            raised = None
+        except Exception as e:
+            raised = (type(e).__name__, "rank 2" in str(e) and "step 2" in str(e) and "weight" in str(e))
+    restored, restored_optim = trained(WORLD, 0, seed=7)
+    with memory_manager(ctx) as manager:
+        step = manager.load(state_of(restored, restored_optim, 0))
+        served = (step, manager.restored_from["tier"], _exact_at(restored, restored_optim, step))
+    return raised, [(f["operation"], f["step"]) for f in failed], served
+
+
+def test_a_slot_damaged_before_its_durable_copy_is_refused_on_every_rank_never_sealed(root, nodes):
+    """The copy verifies the slot against its record first: a flipped byte never becomes a durable step that
+    verifies; every rank raises the same failure (one rank refusing alone would leave the others in its save), and
+    the restore serves rank 2's share from its replica."""
+    outcomes = assert_all_ok(_run(_a_damaged_slot, root, nodes))
+    assert outcomes == [(("CorruptCheckpointError", True), [("async_save", 2)], (2, "memory-replica", True))] * WORLD, \
+        outcomes
     assert _durable_steps(root) == []
 
 

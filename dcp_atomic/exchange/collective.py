@@ -168,7 +168,8 @@ def first_line(error: BaseException) -> str:
     """The error's type and its last non-blank line, shortened: the cause, in the one line a message naming a rank
     or a step has room for (a DCP traceback's last line is the error itself)."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return f"{type(error).__name__}: {shorten(lines[-1], 300) if lines else ''}"
+    text, named = shorten(lines[-1], 300) if lines else "", f"{type(error).__name__}: "
+    return text if text.startswith(named) else named + text  # a CheckpointError's text names its type already
 
 
 class CollectiveFailed(RankFailureError):

@@ -174,13 +174,23 @@ class _DurableCopies:
             return manager._async_save(step, state_dict, {COPY_OF_MEMORY_SEQUENCE: sequence},
                                        manager._wants_drain(True), stable=True)
         except CheckpointError as e:
-            log.warning("run %r: the durable copy of memory step %d did not start (%s); it is raised by wait() or "
-                        "the next call, and the snapshot stays memory-committed", manager.run_id, step, first_line(e))
-            failed = ReportedFuture()
-            failed.set_exception(e)
-            with manager._lock:
-                manager._inflight = failed
-            return failed
+            return self._failed(step, e)
+
+    def refuse(self, step: int, error: CheckpointError) -> None:
+        manager = self.manager
+        manager._report_failure("async_save", step, error, time.perf_counter())
+        self._failed(step, error)
+
+    def _failed(self, step: int, error: CheckpointError) -> ReportedFuture:
+        """The copy's failure, raised once by ``wait()`` or the next call (as a failed ``async_save``)."""
+        manager = self.manager
+        log.warning("run %r: the durable copy of memory step %d did not start (%s); it is raised by wait() or the "
+                    "next call, and the snapshot stays memory-committed", manager.run_id, step, first_line(error))
+        failed = ReportedFuture()
+        failed.set_exception(error)
+        with manager._lock:
+            manager._inflight = failed
+        return failed
 
     def busy(self) -> bool:
         inflight = self.manager._inflight

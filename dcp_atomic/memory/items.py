@@ -172,13 +172,21 @@ def durable_state(shape: dict[str, Any], items: tuple[SlotItem, ...], data: memo
     """The state a durable copy of a slot saves: ``shape`` (:func:`flatten`'s, the same containers as the state the
     snapshot took) with every leaf read from the slot's bytes ``data``: tensors as read-only views of them (no
     copy: the slot is pinned until the save is done), a DTensor's local shard put back into its mesh and placements,
-    objects decoded by the allow-list.  So the copy holds the snapshot's bytes, whatever training did since."""
+    objects decoded by the allow-list.  So the copy holds the snapshot's bytes, whatever training did since.  Each
+    item is verified against the record's block digests first (``CorruptCheckpointError`` naming it): the save
+    seals what it writes with digests of its own, so a byte that changed in the slot would otherwise become a
+    durable step that verifies."""
     def fill(node: Any) -> Any:
         if isinstance(node, dict):
             return {key: fill(value) for key, value in node.items()}
         if isinstance(node, list):
             return [fill(value) for value in node]
         item = items[node.index]
+        stored = data[item.offset:item.offset + item.nbytes]
+        try:
+            verify_item(item.extent(), stored, f"{where} item {item.key!r}", path=where)
+        finally:
+            stored.release()
         if item.kind == "object":
             return decode_item(bytes(data[item.offset:item.offset + item.nbytes]), key=item.key, where=where)
         local = _tensor_over(item, data)

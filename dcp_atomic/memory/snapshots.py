@@ -247,10 +247,26 @@ class MemorySnapshots:
         record, self._due, self._since_copy = self._due, None, 0
         path = self.dir.data(self.rank, record.slot)
         held = contextlib.ExitStack()
+        problem = None
         try:
             data = held.enter_context(mapped(path, record.length))
             state = durable_state(self._shapes[record.slot], record.items, data,
                                   f"memory slot {path} (rank {self.rank}, step {record.step})")
+        except (OSError, CheckpointError) as e:
+            held.close()
+            problem = f"rank {self.rank} ({socket.gethostname()}): {first_line(e)}"
+        # every rank alike: a slot one rank cannot read is a copy none starts (the others would wait in its save)
+        problems = [p for p in self._gathered(problem, f"reading the slots for the durable copy of step {record.step}")
+                    if p]
+        if problems:
+            held.close()
+            self.durable.refuse(record.step, CorruptCheckpointError(
+                f"the durable copy of memory step {record.step} (sequence {record.sequence}) was not started: "
+                + "; ".join(problems[:4]) + ". The snapshot stays memory-committed; the next due snapshot is copied "
+                "instead (a damaged slot: check the node's RAM, `dcp-atomic verify PATH RUN --memory`)",
+                path=path))
+            return
+        try:
             future = self.durable.save(record.step, state, record.sequence)
         except BaseException:
             held.close()
@@ -596,6 +612,9 @@ class DurableCopies(Protocol):
     def save(self, step: int, state_dict: dict[str, Any], sequence: int) -> concurrent.futures.Future:
         """Start saving ``state_dict`` as durable step ``step`` (a copy of memory's ``sequence``) in the background,
         every rank alike; the future says when the save is done (its failure is the manager's to report)."""
+
+    def refuse(self, step: int, error: CheckpointError) -> None:
+        """The copy of ``step`` cannot start (every rank alike): reported as that copy's failed save would be."""
 
     def busy(self) -> bool:
         """Whether a save of this rank is still in flight (another copy cannot start without waiting for it)."""
