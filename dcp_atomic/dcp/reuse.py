@@ -62,6 +62,12 @@ STATS = ("bytes_written", "bytes_reused")  # the writer's per-rank statistics of
 # 32 MiB tensors wrote 486 MiB at 1 GiB, 69 MiB at 64 MiB, 39 MiB at 16 MiB); below it the files multiply (links,
 # server-side copies per save) for little, and loads read a rank's files in parallel either way.
 STABLE_FILE_BYTES = 64 << 20
+# A base file (stable or plain) is linked when its unchanged items hold at least this share of its bytes; the rest
+# of it is dead in the new step (referenced by no item of it).  So a linked file is at most half dead, a step's files
+# hold at most twice the bytes it references, and a file below the share costs the rewrite of less than half of it
+# (compaction into new stable files).  Half by measurement (benchmarks/reuse.py, docs/benchmarks.md): the first
+# reused save after a plain one links the plain files whole, and one changed element costs its item.
+LINK_SHARE = 0.5
 # The fields of an item's record that must equal the base's for the item to count as unchanged (its place, pos and
 # relative_path, is the file's concern: see _same_file).
 _COMPARED = ("kind", "format", "length", "checksums", "block_size", "payload", "codec", "planes", "logical_length",
@@ -139,8 +145,8 @@ def plan_rank(encode: Encode, new_encoder: Callable[[], Encoder], items: list[Wr
               ctx: ReuseContext) -> Outcome:
     """Split this rank's items by content against ``base`` (each candidate's bytes as ``encode`` stores them with
     the save's codec, ``new_encoder()``: a zstd frame of an unchanged block is the same frame, so compressed saves
-    compare as exactly as raw ones);
-    link each stable file of the base whose every item is unchanged; put the other unchanged items into new stable
+    compare as exactly as raw ones); link each file of the base (stable or plain) whose unchanged items are at least
+    ``LINK_SHARE`` of its bytes, its items referenced where they lie; put the other unchanged items into new stable
     files (at most ``STABLE_FILE_BYTES`` each)."""
     base_items = base.items()
     candidates = [(item, base_items[ident][1]) for item in items
@@ -155,22 +161,39 @@ def plan_rank(encode: Encode, new_encoder: Callable[[], Encoder], items: list[Wr
     others = [item for item in items if id(item) not in kept]
     linked: list[WriteResult] = []
     linked_files: list[FileEntry] = []
-    for entry in sorted((f for f in base.shard.files if STABLE_FILE_PATTERN.fullmatch(f.name)), key=lambda f: f.name):
-        extents = sorted(entry.items, key=lambda i: i.pos)
-        pairs = [unchanged.get((e.key, tuple(e.chunk_offset or ()))) for e in extents]
-        if not pairs or None in pairs or not _same_file(pairs, entry) or not _link_verified(ctx, base, entry):
+    for source, target, held in _files_to_link(base, unchanged, ctx.rank):
+        referenced = FileEntry(name=target, rank=ctx.rank, size=source.size, items=[e for e, _ in held],
+                               checksum=source.checksum)
+        if not _link_verified(ctx, base, source, referenced):
             continue
         linked += [WriteResult(index=item.index, size_in_bytes=extent.length,
-                               storage_data=dataclasses.replace(written, relative_path=entry.name, offset=extent.pos))
-                   for (item, written), extent in zip(pairs, extents)]
-        linked_files.append(entry)
-        for item, _ in pairs:
+                               storage_data=dataclasses.replace(written, relative_path=target, offset=extent.pos))
+                   for extent, (item, written) in held]
+        linked_files.append(referenced)
+        for _, (item, _) in held:
             del unchanged[_identity(item)]
     stable = _new_stable_files(ctx.rank, sorted(unchanged.items()), {f.name for f in linked_files}, ctx.threads)
-    log.info("reuse: rank %d: %d of %d items unchanged since step %d; %d stable file(s) linked (%d bytes not "
-             "written), %d written", ctx.rank, len(kept), len(items), base.step, len(linked_files),
-             sum(f.size for f in linked_files), len(stable))
+    log.info("reuse: rank %d: %d of %d items unchanged since step %d; %d base file(s) linked (%d bytes not "
+             "written, %d of them referenced), %d stable file(s) written", ctx.rank, len(kept), len(items),
+             base.step, len(linked_files), sum(f.size for f in linked_files),
+             sum(e.length for f in linked_files for e in f.items), len(stable))
     return Outcome(others, stable, linked, linked_files)
+
+
+def _files_to_link(base: Base, unchanged: dict, rank: int) -> list[tuple[FileEntry, str, list]]:
+    """The base's files worth linking: (the base's record, the name it gets in this attempt, [(extent, (item,
+    record))] of its unchanged items).  A file qualifies when its unchanged items are at least ``LINK_SHARE`` of its
+    bytes; a stable file keeps its name (the drain matches it), a plain one takes a stable name no kept stable file
+    holds (this save's own plain files keep theirs)."""
+    chosen = []
+    for entry in sorted(base.shard.files, key=lambda f: f.name):
+        held = [(extent, unchanged[ident]) for extent in sorted(entry.items, key=lambda i: i.pos)
+                if (ident := (extent.key, tuple(extent.chunk_offset or ()))) in unchanged]
+        if held and sum(extent.length for extent, _ in held) >= LINK_SHARE * entry.size:
+            chosen.append((entry, held))
+    taken = {entry.name for entry, _ in chosen if STABLE_FILE_PATTERN.fullmatch(entry.name)}
+    names = (name for j in itertools.count() if (name := stable_file_name(rank, j)) not in taken)
+    return [(entry, entry.name if entry.name in taken else next(names), held) for entry, held in chosen]
 
 
 def _new_stable_files(rank: int, unchanged: list, taken: set[str], threads: int) -> list[tuple[str, list[WriteItem]]]:
@@ -216,30 +239,15 @@ def _probe(encode: Encode, encoder: Encoder, item: WriteItem, extent: ItemExtent
     return written
 
 
-def _same_file(unchanged: list, entry: FileEntry) -> bool:
-    """The stable file this save would write for these items (``(item, record)`` in canonical order) is byte for
-    byte the base's ``entry``: the same items in the same order at the same offsets with the same records, tiling
-    the file."""
-    base = sorted(entry.items, key=lambda i: i.pos)
-    if len(base) != len(unchanged):
-        return False
-    pos = 0
-    for (item, written), extent in zip(unchanged, base):
-        if ((extent.key, tuple(extent.chunk_offset or ())) != _identity(item) or extent.pos != pos
-                or any(getattr(written, f) != getattr(extent, f) for f in _COMPARED)):
-            return False
-        pos += extent.length
-    return pos == entry.size
-
-
-def _link_verified(ctx: ReuseContext, base: Base, entry: FileEntry) -> bool:
-    """Link the base's stable file into this attempt (:func:`..protocol.links.link_verified`); False where that
-    fails: the caller writes the file."""
-    source = ctx.layout.data_file(base.step, base.save_id, entry.name, base.data_prefixes)
-    target = ctx.layout.data_file(ctx.step, ctx.save_id, entry.name, ctx.data_prefixes)
+def _link_verified(ctx: ReuseContext, base: Base, source: FileEntry, referenced: FileEntry) -> bool:
+    """Link the base's file ``source`` into this attempt as ``referenced.name``
+    (:func:`..protocol.links.link_verified`: the items this step references are checked, the dead bytes between
+    them need not match anything); False where that fails: the caller writes those items."""
+    source_path = ctx.layout.data_file(base.step, base.save_id, source.name, base.data_prefixes)
+    target = ctx.layout.data_file(ctx.step, ctx.save_id, referenced.name, ctx.data_prefixes)
     failpoints.hit("reuse.before_link", ctx.rank, base.step)
-    if not link_verified(ctx.storage, source, target, entry, rank=ctx.rank, base_step=base.step,
-                         where=f"step {base.step} save {base.save_id} {entry.name}", threads=ctx.threads):
+    if not link_verified(ctx.storage, source_path, target, referenced, rank=ctx.rank, base_step=base.step,
+                         where=f"step {base.step} save {base.save_id} {source.name}", threads=ctx.threads):
         return False
     failpoints.hit("reuse.after_link", ctx.rank, ctx.step)
     return True

@@ -403,7 +403,8 @@ class AtomicStorageWriter(StorageWriter):
             self.last_marker = self._publish(manifest, metadata_bytes)
         except OSError as e:
             raise storage_error(e, self.rank, e.filename or attempt, phase="committing") from e
-        self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
+        # bytes: what the step's items hold (written + reused); a file linked from the base may hold dead bytes too
+        self.last_stats = {"bytes": sum(s.bytes for s in stats), "files": len(manifest.files),
                            "bytes_written": sum(s.bytes_written for s in stats),
                            "bytes_reused": sum(s.bytes_reused for s in stats),
                            "commit_seconds": time.monotonic() - started,

@@ -106,12 +106,15 @@ def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, r
     base step (``link_kind``), then check it: by the store's checksum of the copy against the one ``entry`` recorded
     when the base was written, where the store reports both (S3, :mod:`..stores.object_checksum`: nothing is
     downloaded), else against ``entry``'s block digests; False (logged, nothing left behind) where either fails, and
-    the caller writes or uploads the file instead."""
+    the caller writes or uploads the file instead.  ``entry`` is the new step's record of the file: its size, and
+    only the items that step references (a save links a base file whose other items changed: their bytes are dead,
+    checked by nothing and read by no one)."""
+    name = source.rsplit("/", 1)[-1]  # the base's name of the file (a plain file is linked under a stable name)
     try:
         reported = storage.link(source, target)
     except (OSError, StorageError) as e:  # the base removed meanwhile, no hard links, a copy the store refuses
         log.warning("reuse: rank %d could not link %s from step %d by %s (%s); writing it instead",
-                    rank, entry.name, base_step, storage.link_kind, _refusal(e))
+                    rank, name, base_step, storage.link_kind, _refusal(e))
         return False
     if reported is not None and entry.checksum is not None:  # the store's checksum of the copy: no download
         if reported == entry.checksum:
@@ -119,7 +122,7 @@ def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, r
         log.warning("reuse: rank %d: the %s of %s from step %d has the store's checksum %s, but the base recorded %s "
                     "when it was written: the base object was changed or damaged in the store, so it is not reused: "
                     "writing it instead. The base step, and every step copied from it, may be damaged: run "
-                    "`dcp-atomic verify` on them", rank, storage.link_kind, entry.name, base_step, reported,
+                    "`dcp-atomic verify` on them", rank, storage.link_kind, name, base_step, reported,
                     entry.checksum)
         return _unlink(rank, storage, target)
     try:
@@ -127,11 +130,11 @@ def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, r
     except CorruptCheckpointError as e:
         log.warning("reuse: rank %d: the base's %s (step %d) does not match its digests, so it is not reused: "
                     "writing it instead. The base step, and every step sharing its file, is damaged: %s", rank,
-                    entry.name, base_step, e)
+                    name, base_step, e)
         return _unlink(rank, storage, target)
     except (OSError, StorageError) as e:
         log.warning("reuse: rank %d could not verify the %s of %s from step %d (%s); writing it instead", rank,
-                    storage.link_kind, entry.name, base_step, e)
+                    storage.link_kind, name, base_step, e)
         return _unlink(rank, storage, target)
     return True
 
