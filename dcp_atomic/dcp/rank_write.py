@@ -40,7 +40,7 @@ from ..format.integrity import BlockSink, HashingWriter, block_digest
 from ..format.layout import data_file_name
 from ..format.manifest import ShardRef
 from ..format.safe_pickle import load_refusal
-from ..protocol.links import Base
+from ..protocol.links import Base, referenced_bytes
 from ..staging import WindowPool
 from .reuse import ReuseContext, plan_rank
 
@@ -180,7 +180,7 @@ class RankWrite:
             self.stats.files[entry.name] = entry.size
             if entry.checksum is not None:  # a copy's equals its source's (protocol/links.link_verified)
                 self.stats.checksums[entry.name] = entry.checksum
-            referenced = sum(item.length for item in entry.items)  # a linked file's dead bytes are no one's
+            referenced = referenced_bytes(entry)  # a linked file's dead bytes are no one's
             self.stats.bytes += referenced
             self.stats.bytes_reused += referenced
         written = {id(item) for item in outcome.others} | {id(item) for _, group in outcome.stable for item in group}

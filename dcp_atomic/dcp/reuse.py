@@ -12,19 +12,27 @@ written or uploaded again.
   ``RankWrite.encode_item``) into a sink that stores nothing (:class:`_Probe`), so its digests are those of exactly
   the bytes a write would store; it is unchanged only if every field of its record (format, codec, lengths, block
   digests) equals the base's.  Declarations (``requires_grad``, "frozen") never decide.
-* **Physically per file**: the unchanged items live in the rank's stable files (``layout.stable_file_name``), in
-  canonical order (key, chunk offset), at most ``STABLE_FILE_BYTES`` each.  A stable file of the base whose every item
-  is unchanged (same records, so the same bytes at the same offsets) is ``Storage.link()``ed into the new attempt
-  under the same name (``link_kind``: a hard link on POSIX, a server-side copy on S3 and GCS), then verified against
-  its block digests (:func:`..protocol.links.link_verified`, at every link: on POSIX it may be the only copy, on an
-  object store the copy is new bytes), and its extents become this save's: no data byte of it is written.  The
-  other unchanged items are written into new stable files, so that the next save can link them.  A link that fails
-  (another filesystem, no hard links, the base removed meanwhile, a copy the store refuses) or a damaged base file
-  means its items are written, logged.
+* **Physically per file**: each file of the base (stable or plain) whose unchanged items hold at least
+  ``LINK_SHARE`` of its bytes is ``Storage.link()``ed into the new attempt (``link_kind``: a hard link on POSIX, a
+  server-side copy on S3 and GCS): a stable file under its name, a plain one under a stable name
+  (``layout.stable_file_name``), so the first reused save after a plain one links the plain files.  The new step
+  records the whole file and only the items it references there, each where it lies
+  (:func:`..protocol.links.referencing`); the other bytes of the file (items that changed since) are *dead* in the
+  new step.  The link is verified against the referenced items' block digests
+  (:func:`..protocol.links.link_verified`, at every link: on POSIX it may be the only copy, on an object store the
+  copy is new bytes), and no data byte of it is written.  The other unchanged items (those of files below the
+  share) are written into new stable files, in canonical order (key, chunk offset), at most ``STABLE_FILE_BYTES``
+  each, so that the next save can link them.  A link that fails (another filesystem, no hard links, the base
+  removed meanwhile, a copy the store refuses) or a damaged base file means its items are written, logged.
 
-Every step stays whole: a hard link is a second name for one inode and a server-side copy is an object of its own,
-so retiring or deleting any step, the base included, leaves the others' bytes in place; readers, ``verify``,
-retention, ``gc`` and the drain need nothing new.
+So one changed element costs its item; a linked file is at most half dead, and a file that falls below the share is
+compacted (its live items rewritten) by the save that finds it so.  Every step stays whole: a hard link is a second
+name for one inode and a server-side copy is an object of its own, so retiring or deleting any step, the base
+included, leaves the others' bytes in place.  Dead bytes are read by no one: a load reads items by their records,
+and ``verify`` checks exactly the items its step references (damage in bytes a step does not reference does not
+fail it; ``verify`` of a step that does reference them names every step that shares the damaged bytes); retention
+and ``gc`` remove steps by name, never by content; the drain links a durable file that holds every item a local one
+references (:func:`..protocol.links.holds_referenced`) or uploads the file whole.
 
 Refused (typed, before anything is written): roots that can neither hard-link nor copy in place (generic fsspec
 filesystems), ``stock_readable`` and DCP plan caching.  With ``compression`` an item is probed through the save's
@@ -52,7 +60,7 @@ from ..format.codec import Encoder
 from ..format.integrity import BlockSink, block_digest
 from ..format.layout import STABLE_FILE_PATTERN, RunLayout, stable_file_name
 from ..format.manifest import FileEntry, ItemExtent
-from ..protocol.links import Base, link_verified
+from ..protocol.links import Base, link_verified, referenced_bytes, referencing
 
 log = logging.getLogger("dcp_atomic.writer")  # the writer's: what users filter on
 
@@ -69,7 +77,7 @@ STABLE_FILE_BYTES = 64 << 20
 # reused save after a plain one links the plain files whole, and one changed element costs its item.
 LINK_SHARE = 0.5
 # The fields of an item's record that must equal the base's for the item to count as unchanged (its place, pos and
-# relative_path, is the file's concern: see _same_file).
+# relative_path, is the file's concern: see _files_to_link).
 _COMPARED = ("kind", "format", "length", "checksums", "block_size", "payload", "codec", "planes", "logical_length",
              "frames", "dtype", "chunk_sizes")
 # How a save stores one item (``RankWrite.encode_item``): its blocks into the sink, its record (``WrittenItem``) back.
@@ -133,7 +141,8 @@ class _Probe:
 @dataclass
 class Outcome:
     """What reuse decided for one rank's save: the items left to the ordinary files, the stable files to write
-    (name, items in canonical order), and the base's stable files linked with their items' results."""
+    (name, items in canonical order), and the base files linked (the new step's records of them, only the items
+    it references) with their items' results."""
 
     others: list[WriteItem]
     stable: list[tuple[str, list[WriteItem]]]
@@ -162,8 +171,7 @@ def plan_rank(encode: Encode, new_encoder: Callable[[], Encoder], items: list[Wr
     linked: list[WriteResult] = []
     linked_files: list[FileEntry] = []
     for source, target, held in _files_to_link(base, unchanged, ctx.rank):
-        referenced = FileEntry(name=target, rank=ctx.rank, size=source.size, items=[e for e, _ in held],
-                               checksum=source.checksum)
+        referenced = referencing(source, target, ctx.rank, [extent for extent, _ in held])
         if not _link_verified(ctx, base, source, referenced):
             continue
         linked += [WriteResult(index=item.index, size_in_bytes=extent.length,
@@ -176,7 +184,7 @@ def plan_rank(encode: Encode, new_encoder: Callable[[], Encoder], items: list[Wr
     log.info("reuse: rank %d: %d of %d items unchanged since step %d; %d base file(s) linked (%d bytes not "
              "written, %d of them referenced), %d stable file(s) written", ctx.rank, len(kept), len(items),
              base.step, len(linked_files), sum(f.size for f in linked_files),
-             sum(e.length for f in linked_files for e in f.items), len(stable))
+             sum(referenced_bytes(f) for f in linked_files), len(stable))
     return Outcome(others, stable, linked, linked_files)
 
 
