@@ -458,6 +458,56 @@ def test_one_changed_item_costs_only_that_item_and_its_file_stays_linked(tmp_pat
     assert sum(inodes.values()) < 4 * tensor + 4096  # five steps of three tensors: the three and b's new value
 
 
+def test_dead_bytes_are_read_by_no_load_and_damage_there_fails_only_the_steps_that_reference_them(tmp_path, capsys):
+    """Steps 1, 2 and 3 share one inode (step 1's plain file, linked by 2 and 3 under a stable name); step 3 changed
+    b, so b's old bytes in it are dead there.  A byte flipped in them fails steps 1 and 2, which reference them, each
+    report naming the other and not step 3, which loads exactly and verifies: no load or ``verify`` of it reads a
+    dead byte.  A byte flipped in a, which all three reference, fails all three, each naming the other two."""
+    from dcp_atomic.tools.cli import main
+
+    root = str(tmp_path)
+    tensors = {name: torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(i))
+               for i, name in enumerate("abc")}
+    for step in (1, 2, 3):
+        if step == 3:
+            tensors["b"][7, 7] += 1.0
+        _save_tensors(root, step, tensors)
+    shared = os.path.join(_attempt(root, 1), "__0_0.distcp")
+    assert _inode_of(root, 2, "__0_s0.distcp") == _inode_of(root, 3, "__0_s0.distcp") == _inode(shared)
+    records = {step: {f["name"]: f for f in json.load(open(os.path.join(_attempt(root, step), "manifest.0.json")))
+                      ["files"]} for step in (1, 3)}
+    linked = records[3]["__0_s0.distcp"]
+    assert {i["key"] for i in linked["items"]} == {"a", "c"} and linked["size"] == os.path.getsize(shared)
+    where = {i["key"]: i["pos"] for i in records[1]["__0_0.distcp"]["items"]}
+
+    def load_step_3():
+        import torch.distributed.checkpoint as dcp
+
+        from dcp_atomic import AtomicStorageReader
+
+        out = {name: torch.zeros_like(t) for name, t in tensors.items()} | {"adapter": torch.zeros(4, 4)}
+        reader = AtomicStorageReader(root, RUN, 3)
+        dcp.load(out, storage_reader=reader)
+        referenced = sum(i["length"] for f in records[3].values() for i in f["items"])
+        assert reader.read_stats.storage_bytes == referenced  # every referenced byte once, no dead one
+        return all(torch.equal(out[name], t) for name, t in tensors.items())
+
+    _flip(shared, where["b"] + 1000)  # b's old bytes: live in steps 1 and 2, dead in step 3
+    assert load_step_3()
+    capsys.readouterr()
+    assert main(["verify", root, RUN, "3"]) == 0
+    assert main(["verify", "--all", root, RUN]) == 1
+    out = capsys.readouterr().out
+    assert "step 3: OK" in out and "step 1: FAILED" in out and "step 2: FAILED" in out, out
+    assert "is in step(s) 2, which" in out and "is in step(s) 1, which" in out and "3, which" not in out, out
+    _flip(shared, where["b"] + 1000)  # back as it was
+    _flip(shared, where["a"] + 1000)  # a: referenced by every step
+    assert main(["verify", "--all", root, RUN]) == 1
+    out = capsys.readouterr().out
+    for step, others in ((1, "2, 3"), (2, "1, 3"), (3, "1, 2")):
+        assert f"step {step}: FAILED" in out and f"is in step(s) {others}, which" in out, out
+
+
 def test_a_file_mostly_changed_is_compacted_and_a_damaged_plain_file_is_not_linked(tmp_path, caplog):
     """Below ``LINK_SHARE`` a base file is not linked: its unchanged items are rewritten into a stable file of their
     own (no step keeps a mostly dead file), which the next save links.  A plain base file that fails its digests is

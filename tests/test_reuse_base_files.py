@@ -141,3 +141,33 @@ def test_on_s3_the_plain_objects_are_copied_server_side_and_only_the_changed_ite
     assert copied[3] >= 2 and ITEM <= uploaded[3] < ITEM + 4096  # layer3's chunk of rank 0, and the adapters
     for step in (1, 2, 3):
         assert _load(s3.root, step, s3.options()), step
+
+
+def test_a_record_holds_another_only_where_it_records_every_item_the_other_references_at_its_place():
+    """The one rule of which record holds which bytes (``protocol.links``): a step that links a base file records
+    its whole size and only the items it references (the rest is dead there); another record of the file holds
+    those bytes only with the same rank and size and every referenced item at the same place with the same digests.
+    The drain relies on it to link a durable file instead of uploading the local one."""
+    import dataclasses
+
+    from dcp_atomic.format.manifest import FileEntry, ItemExtent
+    from dcp_atomic.protocol.links import holds_referenced, referenced_bytes, referencing
+
+    def extent(key, pos, length, digest):
+        return ItemExtent(key=key, chunk_offset=[0], kind="tensor", format="raw", pos=pos, length=length,
+                          checksums=[digest], block_size=1 << 22)
+
+    a, b, c = extent("a", 0, 100, "1" * 16), extent("b", 100, 50, "2" * 16), extent("c", 150, 100, "3" * 16)
+    plain = FileEntry("__0_0.distcp", 0, 250, [a, b, c], checksum="crc32:00000001")
+    linked = referencing(plain, "__0_s0.distcp", 0, [a, c])  # b changed: its bytes are dead in the new step
+    assert (linked.name, linked.rank, linked.size, linked.items, linked.checksum) == (
+        "__0_s0.distcp", 0, 250, [a, c], "crc32:00000001")
+    assert referenced_bytes(linked) == 200 and referenced_bytes(plain) == 250
+    assert holds_referenced(plain, linked) and holds_referenced(linked, linked)  # under another name too
+    assert not holds_referenced(linked, referencing(plain, "__0_s0.distcp", 0, [a, b]))  # b is dead there
+    assert not holds_referenced(dataclasses.replace(plain, size=251), linked)  # another size: another file
+    assert not holds_referenced(dataclasses.replace(plain, rank=1), linked)
+    assert not holds_referenced(dataclasses.replace(plain, items=[a, b, dataclasses.replace(c, pos=140)]), linked)
+    assert not holds_referenced(dataclasses.replace(plain, items=[a, b, dataclasses.replace(c, checksums=["4" * 16])]),
+                                linked)
+    assert not holds_referenced(plain, referencing(plain, "__0_s0.distcp", 0, []))  # nothing referenced
