@@ -73,8 +73,9 @@ STABLE_FILE_BYTES = 64 << 20
 # A base file (stable or plain) is linked when its unchanged items hold at least this share of its bytes; the rest
 # of it is dead in the new step (referenced by no item of it).  So a linked file is at most half dead, a step's files
 # hold at most twice the bytes it references, and a file below the share costs the rewrite of less than half of it
-# (compaction into new stable files).  Half by measurement (benchmarks/reuse.py, docs/benchmarks.md): the first
-# reused save after a plain one links the plain files whole, and one changed element costs its item.
+# (compaction into new stable files).  Half is that bound, not a tuned value; measured with it (benchmarks/reuse.py,
+# docs/benchmarks.md, 1 GB base at world 2): the first reused save after a plain one wrote 1.0% of a step, and three
+# kept steps with one changed element held 1.05x one step.
 LINK_SHARE = 0.5
 # The fields of an item's record that must equal the base's for the item to count as unchanged (its place, pos and
 # relative_path, is the file's concern: see _files_to_link).
