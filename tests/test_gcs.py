@@ -307,11 +307,10 @@ def test_reuse_on_gs_rewrites_unchanged_files_server_side_verified_by_crc32c_and
     def received() -> int:
         return sum(r.reply_bytes for r in gcs.proxy.requests())
 
-    assert save(1)["bytes_reused"] == 0  # no base
     before = sent()
-    assert save(2)["bytes_reused"] == 0  # the stable file is written (uploaded) once
+    assert save(1)["bytes_reused"] == 0  # no base: the frozen tensor is uploaded once, in a plain file
     assert sent() - before >= frozen_bytes
-    for step in (3, 4):
+    for step in (2, 3, 4):  # step 2 rewrites step 1's plain object under a stable name, steps 3 and 4 that one
         before, read_before = sent(), received()
         stats = save(step)
         assert stats["bytes_reused"] == frozen_bytes and stats["bytes_written"] < 4096, stats

@@ -181,7 +181,7 @@ def _mutate(rng: random.Random, manifest: dict, path: tuple) -> str:
     elif kind == "swap":
         pool = [v for v in _siblings(manifest, last) if v != old] if len(path) == 5 else []
         pool += {"format": ["raw", "torch_save"], "codec": ["none", "zstd"], "kind": ["tensor", "bytes"],
-                 "dtype": _relabels(manifest, parent)}.get(last, [])
+                 "dtype": _relabels(manifest, parent) if last == "dtype" else []}.get(last, [])
         pool = [v for v in pool if v != old]
         new = rng.choice(pool) if pool else rng.choice(_ODD_VALUES)
     elif kind == "string":
@@ -203,23 +203,30 @@ def _fuzz(root: str, seed: int, rounds: int) -> list[dict]:
     results = []
     for step, (fmt, options) in enumerate(FORMATS.items()):
         _save(root, step, options)
-        pristine = Sealed(root, step)
-        assert _load(root, step)[0] == "exact", f"{fmt}: the pristine checkpoint must load"
-        paths = _paths(pristine.manifest)
-        for case in range(rounds * len(paths)):
-            rng = random.Random(f"{seed}/{fmt}/{case}")
-            path = paths[case % len(paths)]
-            ck = Sealed(root, step)
-            what = _mutate(rng, ck.manifest, path)
-            data = ck.write_manifest()
-            try:
-                outcome, detail = _load(root, step)
-                problems = _side_tools(root, step, data, ck.manifest_path)
-            finally:
-                pristine.restore()
-            results.append({"format": fmt, "mutation": what, "outcome": outcome, "detail": detail,
-                            "tools": problems})
-        assert _load(root, step)[0] == "exact", f"{fmt}: the checkpoint must be pristine again"
+        results += _fuzz_step(root, step, fmt, seed, rounds)
+    return results
+
+
+def _fuzz_step(root: str, step: int, fmt: str, seed: int, rounds: int) -> list[dict]:
+    """``rounds`` one-field mutations of every manifest field (shards' items included) of the saved ``step``."""
+    results = []
+    pristine = Sealed(root, step)
+    assert _load(root, step)[0] == "exact", f"{fmt}: the pristine checkpoint must load"
+    paths = _paths(pristine.manifest)
+    for case in range(rounds * len(paths)):
+        rng = random.Random(f"{seed}/{fmt}/{case}")
+        path = paths[case % len(paths)]
+        ck = Sealed(root, step)
+        what = _mutate(rng, ck.manifest, path)
+        data = ck.write_manifest()
+        try:
+            outcome, detail = _load(root, step)
+            problems = _side_tools(root, step, data, ck.manifest_path)
+        finally:
+            pristine.restore()
+        results.append({"format": fmt, "mutation": what, "outcome": outcome, "detail": detail,
+                        "tools": problems})
+    assert _load(root, step)[0] == "exact", f"{fmt}: the checkpoint must be pristine again"
     return results
 
 
@@ -238,6 +245,41 @@ def test_one_field_mutations_of_a_resealed_manifest_never_load_wrong_values(root
     formats = {r["format"] for r in results if r["outcome"] == "refused"}
     assert refused >= len(results) // 2 and formats == set(FORMATS), (refused, formats)
     print(f"{len(results)} mutations, {refused} refused, {time.monotonic() - started:.1f}s")
+
+
+def _save_reused_with_dead_bytes(root: str) -> int:
+    """Step 11 saved with reuse over step 10, which differs in ``ones`` alone: step 10's one plain file (one writer
+    thread) holds the tensors (more than half its bytes, the two pickled ``meta`` items the rest), so step 11 links
+    it under a stable name, and ``ones``'s old bytes there, with the pickles', are dead in step 11 (no item of it
+    references them).  Returns 11."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+
+    before = _state() | {"ones": torch.full((48,), 2.0)}
+    for step, state in ((10, before), (11, _state())):
+        dcp.save(state, storage_writer=AtomicStorageWriter(root, RUN, step, block_size=BLOCK, thread_count=1,
+                                                           reuse=True))
+    files = Sealed(root, 11).manifest["files"]
+    dead = [f["name"] for f in files if sum(i["length"] for i in f["items"]) < f["size"]]
+    assert dead and all("_s" in name for name in dead), files  # linked under stable names, with dead bytes
+    return 11
+
+
+@pytest.mark.slow
+def test_one_field_mutations_of_a_reused_step_with_dead_bytes_never_load_wrong_values(root):
+    """A reused step whose linked file holds bytes it does not reference (reuse, P15): re-sealed one-field changes
+    of its file records and items (a size, a place moved into the dead bytes, an item dropped or duplicated) are
+    refused or load exactly, and the tools raise only our typed errors."""
+    step = _save_reused_with_dead_bytes(root)
+    results = _fuzz_step(root, step, "reused", seed=20261205, rounds=2)
+    silent = [r for r in results if r["outcome"] == "silent"]
+    untyped = [r for r in results if r["outcome"] == "untyped"]
+    crashed = [r for r in results if r["tools"]]
+    assert not silent, f"{len(silent)} silent wrong loads, e.g. {silent[:5]}"
+    assert not untyped, f"{len(untyped)} loads failed without our typed error, e.g. {untyped[:5]}"
+    assert not crashed, f"{len(crashed)} tool crashes, e.g. {crashed[:5]}"
+    assert len(results) >= 100 and sum(r["outcome"] == "refused" for r in results) >= len(results) // 2
 
 
 @pytest.mark.parametrize("case", ["payload_shifted", "format_flipped", "zstd_logical_length_missing"])

@@ -1,9 +1,10 @@
 """Reuse (P15) through both tiers, on two simulated nodes of two ranks (each node's local root its own tmpfs, the
 durable root on disk): each local save hard-links the node's unchanged stable files from the previous local step;
-replicas hold whole copies (rot in a node's linked file is served around); the drain links a stable file that the durable root's previous step holds with the same
-records instead of uploading it again, verified at every link; every step loads from the durable root alone after
-every node is replaced and its base is deleted; a job resized to 2 ranks saves in full, never linking another
-world's files."""
+replicas hold whole copies (rot in a node's linked file is served around); the drain links a file of the durable
+root's previous step that holds every item a local stable file references (step 1's plain files, which the local
+step 2 linked under stable names, included) instead of uploading it again, verified at every link; every step loads
+from the durable root alone after every node is replaced and its base is deleted; a job resized to 2 ranks saves in
+full, never linking another world's files."""
 
 from __future__ import annotations
 
@@ -70,13 +71,17 @@ def test_reuse_through_both_tiers_links_locally_and_in_the_drain_and_each_step_l
     values = assert_all_ok(_run(_both_tiers, root, nodes))
     assert all(v["exact"] for v in values), values
     drained = values[0]["drained"]
-    assert drained[1][1] == 0 and drained[2][1] == 0  # no base; then the stable files are written and uploaded
-    for step in (3, 4):
+    assert drained[1][1] == 0  # no base: every file uploaded
+    for step in (2, 3, 4):
         bytes_, reused = drained[step]
         assert reused >= 4 * QUARTER and reused <= bytes_, drained  # every rank's stable file linked, not uploaded
-    # The durable root: steps 3 and 4 hold step 2's stable files (hard links: one inode each)
+    # The durable root: step 2 holds step 1's plain files under stable names (the local save linked them so, and the
+    # drain finds the durable step 1's plain file holding every item the local stable file references); steps 3
+    # and 4 the same files (hard links: one inode each)
     durable = {step: _stable_files(root, step) for step in (2, 3, 4)}
     assert sorted(durable[2]) == [f"__{r}_s0.distcp" for r in range(4)], durable
+    plain = {os.stat(p).st_ino for p in glob.glob(os.path.join(root, RUN, f"step_{1:010d}", "*", "__*.distcp"))}
+    assert set(durable[2].values()) <= plain, (durable, plain)
     assert durable[3] == durable[2] and durable[4] == durable[2], durable
     # Each node's local root: its own ranks' stable files linked from the previous local step (keep_local=2: 3, 4)
     for node, own in zip(nodes, ((0, 1), (2, 3))):

@@ -163,16 +163,18 @@ def test_the_record_of_an_empty_chunk_verifies_as_it_loads(root):
 
 
 def test_hard_linked_steps_are_blamed_only_for_damaged_bytes_not_for_another_steps_records(root):
-    """Steps 3 and 4 link step 2's stable file (reuse).  A re-sealed change to step 3's record of one of its blocks
-    fails step 3 (its load refuses too) but the bytes are intact: no other step is said to hold damaged bytes, and
-    steps 2 and 4 verify.  A flipped byte of the file is then named in every step that links it."""
+    """Steps 2, 3 and 4 link step 1's plain file (reuse: step 2 under a stable name, 3 and 4 step 2's).  A re-sealed
+    change to step 3's record of one of its blocks fails step 3 (its load refuses too) but the bytes are intact: no
+    other step is said to hold damaged bytes, and steps 1, 2 and 4 verify.  A flipped byte of the file is then named
+    in every step that links it, under either name."""
     from tests.helpers.reuse_state import frozen
     from tests.test_reuse import _inode, _load_one, _save_one, _stable
 
     base = frozen()
     for step in (1, 2, 3, 4):
         _save_one(root, step, base)
-    assert _inode(_stable(root, 2, 0)) == _inode(_stable(root, 3, 0)) == _inode(_stable(root, 4, 0))
+    plain = os.path.join(os.path.dirname(_stable(root, 1, 0)), "__0_0.distcp")
+    assert _inode(plain) == _inode(_stable(root, 2, 0)) == _inode(_stable(root, 3, 0)) == _inode(_stable(root, 4, 0))
     ck = Sealed(root, 3)
     stable = os.path.basename(_stable(root, 3, 0))
     (entry,) = [entry for entry in ck.manifest["files"] if entry["name"] == stable]
@@ -186,7 +188,7 @@ def test_hard_linked_steps_are_blamed_only_for_damaged_bytes_not_for_another_ste
     code, out = _verify(root, 3)
     assert code == 1 and "step 3: FAILED" in out and "checksum mismatch" in out, out
     assert "hold the same damaged bytes" not in out, out
-    for step in (2, 4):
+    for step in (1, 2, 4):
         assert _verify(root, step)[0] == 0, step
     ck.restore()
     with open(_stable(root, 3, 0), "r+b") as f:
@@ -195,4 +197,4 @@ def test_hard_linked_steps_are_blamed_only_for_damaged_bytes_not_for_another_ste
         f.seek(4096)
         f.write(bytes([byte[0] ^ 0x01]))
     code, out = _verify(root, 3)
-    assert code == 1 and "is in step(s) 2, 4, which hold the same damaged bytes" in out, out
+    assert code == 1 and "is in step(s) 1, 2, 4, which hold the same damaged bytes" in out, out

@@ -40,7 +40,7 @@ from ..format.integrity import BlockSink, HashingWriter, block_digest
 from ..format.layout import data_file_name
 from ..format.manifest import ShardRef
 from ..format.safe_pickle import load_refusal
-from ..protocol.links import Base
+from ..protocol.links import Base, referenced_bytes
 from ..staging import WindowPool
 from .reuse import ReuseContext, plan_rank
 
@@ -90,9 +90,9 @@ class RankStats:
     host: str
     files: dict[str, int] = field(default_factory=dict)  # name -> size
     checksums: dict[str, str] = field(default_factory=dict)  # name -> the store's checksum (stores.object_checksum)
-    bytes: int = 0  # the data files of this rank in this step: bytes_written + bytes_reused
+    bytes: int = 0  # this rank's items in this step: bytes_written + bytes_reused
     bytes_written: int = 0  # by this save
-    bytes_reused: int = 0  # linked from the base step (reuse, P15), not written
+    bytes_reused: int = 0  # the items it references in files linked from the base step (reuse, P15), not written
     items: int = 0
     write_seconds: float = 0.0
     fsync_seconds: float = 0.0
@@ -173,15 +173,16 @@ class RankWrite:
 
     def _reuse(self, items: list[WriteItem], results: list[WriteResult]):
         """Reuse (:mod:`.reuse`): (the items for the ordinary files, [(the stable file, its items)] to write or []);
-        a stable file linked from the base adds its items' results to ``results`` instead."""
+        a file linked from the base adds its items' results to ``results`` instead."""
         outcome = plan_rank(self.encode_item, self.form.encoder, items, self.base, self.ctx)
         results.extend(outcome.linked)
         for entry in outcome.linked_files:
             self.stats.files[entry.name] = entry.size
             if entry.checksum is not None:  # a copy's equals its source's (protocol/links.link_verified)
                 self.stats.checksums[entry.name] = entry.checksum
-            self.stats.bytes += entry.size
-            self.stats.bytes_reused += entry.size
+            referenced = referenced_bytes(entry)  # a linked file's dead bytes are no one's
+            self.stats.bytes += referenced
+            self.stats.bytes_reused += referenced
         written = {id(item) for item in outcome.others} | {id(item) for _, group in outcome.stable for item in group}
         self.progress.add(sum(_planned_bytes(item) for item in items if id(item) not in written))  # the linked ones
         return outcome.others, outcome.stable

@@ -12,19 +12,27 @@ written or uploaded again.
   ``RankWrite.encode_item``) into a sink that stores nothing (:class:`_Probe`), so its digests are those of exactly
   the bytes a write would store; it is unchanged only if every field of its record (format, codec, lengths, block
   digests) equals the base's.  Declarations (``requires_grad``, "frozen") never decide.
-* **Physically per file**: the unchanged items live in the rank's stable files (``layout.stable_file_name``), in
-  canonical order (key, chunk offset), at most ``STABLE_FILE_BYTES`` each.  A stable file of the base whose every item
-  is unchanged (same records, so the same bytes at the same offsets) is ``Storage.link()``ed into the new attempt
-  under the same name (``link_kind``: a hard link on POSIX, a server-side copy on S3 and GCS), then verified against
-  its block digests (:func:`..protocol.links.link_verified`, at every link: on POSIX it may be the only copy, on an
-  object store the copy is new bytes), and its extents become this save's: no data byte of it is written.  The
-  other unchanged items are written into new stable files, so that the next save can link them.  A link that fails
-  (another filesystem, no hard links, the base removed meanwhile, a copy the store refuses) or a damaged base file
-  means its items are written, logged.
+* **Physically per file**: each file of the base (stable or plain) whose unchanged items hold at least
+  ``LINK_SHARE`` of its bytes is ``Storage.link()``ed into the new attempt (``link_kind``: a hard link on POSIX, a
+  server-side copy on S3 and GCS): a stable file under its name, a plain one under a stable name
+  (``layout.stable_file_name``), so the first reused save after a plain one links the plain files.  The new step
+  records the whole file and only the items it references there, each where it lies
+  (:func:`..protocol.links.referencing`); the other bytes of the file (items that changed since) are *dead* in the
+  new step.  The link is verified against the referenced items' block digests
+  (:func:`..protocol.links.link_verified`, at every link: on POSIX it may be the only copy, on an object store the
+  copy is new bytes), and no data byte of it is written.  The other unchanged items (those of files below the
+  share) are written into new stable files, in canonical order (key, chunk offset), at most ``STABLE_FILE_BYTES``
+  each, so that the next save can link them.  A link that fails (another filesystem, no hard links, the base
+  removed meanwhile, a copy the store refuses) or a damaged base file means its items are written, logged.
 
-Every step stays whole: a hard link is a second name for one inode and a server-side copy is an object of its own,
-so retiring or deleting any step, the base included, leaves the others' bytes in place; readers, ``verify``,
-retention, ``gc`` and the drain need nothing new.
+So one changed element costs its item; a linked file is at most half dead, and a file that falls below the share is
+compacted (its live items rewritten) by the save that finds it so.  Every step stays whole: a hard link is a second
+name for one inode and a server-side copy is an object of its own, so retiring or deleting any step, the base
+included, leaves the others' bytes in place.  Dead bytes are read by no one: a load reads items by their records,
+and ``verify`` checks exactly the items its step references (damage in bytes a step does not reference does not
+fail it; ``verify`` of a step that does reference them names every step that shares the damaged bytes); retention
+and ``gc`` remove steps by name, never by content; the drain links a durable file that holds every item a local one
+references (:func:`..protocol.links.holds_referenced`) or uploads the file whole.
 
 Refused (typed, before anything is written): roots that can neither hard-link nor copy in place (generic fsspec
 filesystems), ``stock_readable`` and DCP plan caching.  With ``compression`` an item is probed through the save's
@@ -52,7 +60,7 @@ from ..format.codec import Encoder
 from ..format.integrity import BlockSink, block_digest
 from ..format.layout import STABLE_FILE_PATTERN, RunLayout, stable_file_name
 from ..format.manifest import FileEntry, ItemExtent
-from ..protocol.links import Base, link_verified
+from ..protocol.links import Base, link_verified, referenced_bytes, referencing
 
 log = logging.getLogger("dcp_atomic.writer")  # the writer's: what users filter on
 
@@ -62,8 +70,15 @@ STATS = ("bytes_written", "bytes_reused")  # the writer's per-rank statistics of
 # 32 MiB tensors wrote 486 MiB at 1 GiB, 69 MiB at 64 MiB, 39 MiB at 16 MiB); below it the files multiply (links,
 # server-side copies per save) for little, and loads read a rank's files in parallel either way.
 STABLE_FILE_BYTES = 64 << 20
+# A base file (stable or plain) is linked when its unchanged items hold at least this share of its bytes; the rest
+# of it is dead in the new step (referenced by no item of it).  So a linked file is at most half dead, a step's files
+# hold at most twice the bytes it references, and a file below the share costs the rewrite of less than half of it
+# (compaction into new stable files).  Half is that bound, not a tuned value; measured with it (benchmarks/reuse.py,
+# docs/benchmarks.md, 1 GB base at world 2): the first reused save after a plain one wrote 1.0% of a step, and three
+# kept steps with one changed element held 1.05x one step.
+LINK_SHARE = 0.5
 # The fields of an item's record that must equal the base's for the item to count as unchanged (its place, pos and
-# relative_path, is the file's concern: see _same_file).
+# relative_path, is the file's concern: see _files_to_link).
 _COMPARED = ("kind", "format", "length", "checksums", "block_size", "payload", "codec", "planes", "logical_length",
              "frames", "dtype", "chunk_sizes")
 # How a save stores one item (``RankWrite.encode_item``): its blocks into the sink, its record (``WrittenItem``) back.
@@ -127,7 +142,8 @@ class _Probe:
 @dataclass
 class Outcome:
     """What reuse decided for one rank's save: the items left to the ordinary files, the stable files to write
-    (name, items in canonical order), and the base's stable files linked with their items' results."""
+    (name, items in canonical order), and the base files linked (the new step's records of them, only the items
+    it references) with their items' results."""
 
     others: list[WriteItem]
     stable: list[tuple[str, list[WriteItem]]]
@@ -139,8 +155,8 @@ def plan_rank(encode: Encode, new_encoder: Callable[[], Encoder], items: list[Wr
               ctx: ReuseContext) -> Outcome:
     """Split this rank's items by content against ``base`` (each candidate's bytes as ``encode`` stores them with
     the save's codec, ``new_encoder()``: a zstd frame of an unchanged block is the same frame, so compressed saves
-    compare as exactly as raw ones);
-    link each stable file of the base whose every item is unchanged; put the other unchanged items into new stable
+    compare as exactly as raw ones); link each file of the base (stable or plain) whose unchanged items are at least
+    ``LINK_SHARE`` of its bytes, its items referenced where they lie; put the other unchanged items into new stable
     files (at most ``STABLE_FILE_BYTES`` each)."""
     base_items = base.items()
     candidates = [(item, base_items[ident][1]) for item in items
@@ -155,22 +171,38 @@ def plan_rank(encode: Encode, new_encoder: Callable[[], Encoder], items: list[Wr
     others = [item for item in items if id(item) not in kept]
     linked: list[WriteResult] = []
     linked_files: list[FileEntry] = []
-    for entry in sorted((f for f in base.shard.files if STABLE_FILE_PATTERN.fullmatch(f.name)), key=lambda f: f.name):
-        extents = sorted(entry.items, key=lambda i: i.pos)
-        pairs = [unchanged.get((e.key, tuple(e.chunk_offset or ()))) for e in extents]
-        if not pairs or None in pairs or not _same_file(pairs, entry) or not _link_verified(ctx, base, entry):
+    for source, target, held in _files_to_link(base, unchanged, ctx.rank):
+        referenced = referencing(source, target, ctx.rank, [extent for extent, _ in held])
+        if not _link_verified(ctx, base, source, referenced):
             continue
         linked += [WriteResult(index=item.index, size_in_bytes=extent.length,
-                               storage_data=dataclasses.replace(written, relative_path=entry.name, offset=extent.pos))
-                   for (item, written), extent in zip(pairs, extents)]
-        linked_files.append(entry)
-        for item, _ in pairs:
+                               storage_data=dataclasses.replace(written, relative_path=target, offset=extent.pos))
+                   for extent, (item, written) in held]
+        linked_files.append(referenced)
+        for _, (item, _) in held:
             del unchanged[_identity(item)]
     stable = _new_stable_files(ctx.rank, sorted(unchanged.items()), {f.name for f in linked_files}, ctx.threads)
-    log.info("reuse: rank %d: %d of %d items unchanged since step %d; %d stable file(s) linked (%d bytes not "
-             "written), %d written", ctx.rank, len(kept), len(items), base.step, len(linked_files),
-             sum(f.size for f in linked_files), len(stable))
+    log.info("reuse: rank %d: %d of %d items unchanged since step %d; %d base file(s) linked (%d bytes not "
+             "written, %d of them referenced), %d stable file(s) written", ctx.rank, len(kept), len(items),
+             base.step, len(linked_files), sum(f.size for f in linked_files),
+             sum(referenced_bytes(f) for f in linked_files), len(stable))
     return Outcome(others, stable, linked, linked_files)
+
+
+def _files_to_link(base: Base, unchanged: dict, rank: int) -> list[tuple[FileEntry, str, list]]:
+    """The base's files worth linking: (the base's record, the name it gets in this attempt, [(extent, (item,
+    record))] of its unchanged items).  A file qualifies when its unchanged items are at least ``LINK_SHARE`` of its
+    bytes; a stable file keeps its name (the drain matches it), a plain one takes a stable name no kept stable file
+    holds (this save's own plain files keep theirs)."""
+    chosen = []
+    for entry in sorted(base.shard.files, key=lambda f: f.name):
+        held = [(extent, unchanged[ident]) for extent in sorted(entry.items, key=lambda i: i.pos)
+                if (ident := (extent.key, tuple(extent.chunk_offset or ()))) in unchanged]
+        if held and sum(extent.length for extent, _ in held) >= LINK_SHARE * entry.size:
+            chosen.append((entry, held))
+    taken = {entry.name for entry, _ in chosen if STABLE_FILE_PATTERN.fullmatch(entry.name)}
+    names = (name for j in itertools.count() if (name := stable_file_name(rank, j)) not in taken)
+    return [(entry, entry.name if entry.name in taken else next(names), held) for entry, held in chosen]
 
 
 def _new_stable_files(rank: int, unchanged: list, taken: set[str], threads: int) -> list[tuple[str, list[WriteItem]]]:
@@ -216,30 +248,15 @@ def _probe(encode: Encode, encoder: Encoder, item: WriteItem, extent: ItemExtent
     return written
 
 
-def _same_file(unchanged: list, entry: FileEntry) -> bool:
-    """The stable file this save would write for these items (``(item, record)`` in canonical order) is byte for
-    byte the base's ``entry``: the same items in the same order at the same offsets with the same records, tiling
-    the file."""
-    base = sorted(entry.items, key=lambda i: i.pos)
-    if len(base) != len(unchanged):
-        return False
-    pos = 0
-    for (item, written), extent in zip(unchanged, base):
-        if ((extent.key, tuple(extent.chunk_offset or ())) != _identity(item) or extent.pos != pos
-                or any(getattr(written, f) != getattr(extent, f) for f in _COMPARED)):
-            return False
-        pos += extent.length
-    return pos == entry.size
-
-
-def _link_verified(ctx: ReuseContext, base: Base, entry: FileEntry) -> bool:
-    """Link the base's stable file into this attempt (:func:`..protocol.links.link_verified`); False where that
-    fails: the caller writes the file."""
-    source = ctx.layout.data_file(base.step, base.save_id, entry.name, base.data_prefixes)
-    target = ctx.layout.data_file(ctx.step, ctx.save_id, entry.name, ctx.data_prefixes)
+def _link_verified(ctx: ReuseContext, base: Base, source: FileEntry, referenced: FileEntry) -> bool:
+    """Link the base's file ``source`` into this attempt as ``referenced.name``
+    (:func:`..protocol.links.link_verified`: the items this step references are checked, the dead bytes between
+    them need not match anything); False where that fails: the caller writes those items."""
+    source_path = ctx.layout.data_file(base.step, base.save_id, source.name, base.data_prefixes)
+    target = ctx.layout.data_file(ctx.step, ctx.save_id, referenced.name, ctx.data_prefixes)
     failpoints.hit("reuse.before_link", ctx.rank, base.step)
-    if not link_verified(ctx.storage, source, target, entry, rank=ctx.rank, base_step=base.step,
-                         where=f"step {base.step} save {base.save_id} {entry.name}", threads=ctx.threads):
+    if not link_verified(ctx.storage, source_path, target, referenced, rank=ctx.rank, base_step=base.step,
+                         where=f"step {base.step} save {base.save_id} {source.name}", threads=ctx.threads):
         return False
     failpoints.hit("reuse.after_link", ctx.rank, ctx.step)
     return True

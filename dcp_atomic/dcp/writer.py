@@ -128,9 +128,10 @@ class AtomicStorageWriter(StorageWriter):
         timeout: seconds any wait of this writer may take.
         storage_options: fsspec options (e.g. an S3 endpoint).
         reuse: store only what changed since the run's latest committed step below this one (P15,
-            :mod:`.reuse`): each rank's unchanged items (compared by their block digests) go into stable files,
-            each linked from that step when it holds exactly them (a hard link on POSIX roots, a server-side copy
-            on S3 and GCS); with ``compression`` the zstd frames' digests decide. Refused on other fsspec
+            :mod:`.reuse`): each rank's unchanged items (compared by their block digests) are referenced where
+            they lie in that step's files, each file linked when they hold at least half its bytes (a hard link on
+            POSIX roots, a server-side copy on S3 and GCS; the rest of the file is dead in the new step, read by
+            no one), the others written into stable files; with ``compression`` the zstd frames' digests decide. Refused on other fsspec
             filesystems, with ``stock_readable`` and DCP plan caching. Default off (Concepts, "Reuse").
         live_state: the manager's bounded staging of this save (``CheckpointManager(staging=...)``, Concepts, "Bounded
             staging"): DCP was handed the live state (:class:`~dcp_atomic.staging.LiveState`), so device tensors are
@@ -403,7 +404,8 @@ class AtomicStorageWriter(StorageWriter):
             self.last_marker = self._publish(manifest, metadata_bytes)
         except OSError as e:
             raise storage_error(e, self.rank, e.filename or attempt, phase="committing") from e
-        self.last_stats = {"bytes": manifest.total_bytes, "files": len(manifest.files),
+        # bytes: what the step's items hold (written + reused); a file linked from the base may hold dead bytes too
+        self.last_stats = {"bytes": sum(s.bytes for s in stats), "files": len(manifest.files),
                            "bytes_written": sum(s.bytes_written for s in stats),
                            "bytes_reused": sum(s.bytes_reused for s in stats),
                            "commit_seconds": time.monotonic() - started,

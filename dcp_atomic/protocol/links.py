@@ -11,7 +11,10 @@ three things, which live here, below both:
   POSIX, a server-side copy on S3 and GCS), then checked against the base's block digests before it counts
   (:func:`link_verified`); a link that fails or a file that does not match is removed and the caller stores the
   bytes itself;
-* **the identity of a stored file**: two records of it say the same bytes (:func:`same_stored_file`).
+* **which record holds which bytes**: a step that links a base file records the file's whole size and only the items
+  it references there (:func:`referencing`); the bytes between them are *dead* in that step: no load, ``verify`` or
+  statistic of it reads or counts them (:func:`referenced_bytes`), and a file counts as holding another record's
+  bytes when it records every item that record references, at the same place (:func:`holds_referenced`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from .._base.retry import Deadline
 from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..format.blocks import verify_stored_file
-from ..format.layout import STABLE_FILE_PATTERN, RunLayout
+from ..format.layout import RunLayout
 from ..format.manifest import FileEntry, ItemExtent, ManifestShard
 from .catalog import most_recent, resolve, scan_markers
 from .commit import read_committed, read_shard
@@ -106,12 +109,15 @@ def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, r
     base step (``link_kind``), then check it: by the store's checksum of the copy against the one ``entry`` recorded
     when the base was written, where the store reports both (S3, :mod:`..stores.object_checksum`: nothing is
     downloaded), else against ``entry``'s block digests; False (logged, nothing left behind) where either fails, and
-    the caller writes or uploads the file instead."""
+    the caller writes or uploads the file instead.  ``entry`` is the new step's record of the file: its size, and
+    only the items that step references (a save links a base file whose other items changed: their bytes are dead,
+    checked by nothing and read by no one)."""
+    name = source.rsplit("/", 1)[-1]  # the base's name of the file (a plain file is linked under a stable name)
     try:
         reported = storage.link(source, target)
     except (OSError, StorageError) as e:  # the base removed meanwhile, no hard links, a copy the store refuses
         log.warning("reuse: rank %d could not link %s from step %d by %s (%s); writing it instead",
-                    rank, entry.name, base_step, storage.link_kind, _refusal(e))
+                    rank, name, base_step, storage.link_kind, _refusal(e))
         return False
     if reported is not None and entry.checksum is not None:  # the store's checksum of the copy: no download
         if reported == entry.checksum:
@@ -119,7 +125,7 @@ def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, r
         log.warning("reuse: rank %d: the %s of %s from step %d has the store's checksum %s, but the base recorded %s "
                     "when it was written: the base object was changed or damaged in the store, so it is not reused: "
                     "writing it instead. The base step, and every step copied from it, may be damaged: run "
-                    "`dcp-atomic verify` on them", rank, storage.link_kind, entry.name, base_step, reported,
+                    "`dcp-atomic verify` on them", rank, storage.link_kind, name, base_step, reported,
                     entry.checksum)
         return _unlink(rank, storage, target)
     try:
@@ -127,11 +133,11 @@ def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, r
     except CorruptCheckpointError as e:
         log.warning("reuse: rank %d: the base's %s (step %d) does not match its digests, so it is not reused: "
                     "writing it instead. The base step, and every step sharing its file, is damaged: %s", rank,
-                    entry.name, base_step, e)
+                    name, base_step, e)
         return _unlink(rank, storage, target)
     except (OSError, StorageError) as e:
         log.warning("reuse: rank %d could not verify the %s of %s from step %d (%s); writing it instead", rank,
-                    storage.link_kind, entry.name, base_step, e)
+                    storage.link_kind, name, base_step, e)
         return _unlink(rank, storage, target)
     return True
 
@@ -159,12 +165,13 @@ def _unlink(rank: int, storage: Any, target: str) -> bool:
     return False
 
 
-def base_stable_files(layout: RunLayout, step: int, ranks: list[int]) -> dict[str, tuple[int, str, FileEntry]]:
-    """For a copy of ``step`` into ``layout`` from elsewhere (the drain): the stable files that the run's latest
-    committed step below it holds for ``ranks``, by name -> (base step, path, record).  Chosen and read as a save's
-    base (:func:`choose_base`, each rank's own shard); none where there is no base or it cannot be read (logged)."""
+def base_files(layout: RunLayout, step: int, ranks: list[int]) -> list[tuple[int, str, FileEntry]]:
+    """For a copy of ``step`` into ``layout`` from elsewhere (the drain): the data files (plain and stable) that the
+    run's latest committed step below it holds for ``ranks``, as (base step, path, record).  Chosen and read as a
+    save's base (:func:`choose_base`, each rank's own shard); none where there is no base or it cannot be read
+    (logged)."""
     chosen = choose_base(layout, step, 0.0)
-    found: dict[str, tuple[int, str, FileEntry]] = {}
+    found: list[tuple[int, str, FileEntry]] = []
     if chosen is None:
         return found
     try:  # the marker and manifest once, for every rank's shard
@@ -175,18 +182,35 @@ def base_stable_files(layout: RunLayout, step: int, ranks: list[int]) -> dict[st
         return found
     for rank in ranks:
         base = load_base(layout, rank, *chosen, BASE_WAIT_SECONDS, committed=committed)
-        for entry in base.shard.files if base is not None else ():
-            if STABLE_FILE_PATTERN.fullmatch(entry.name):
-                found[entry.name] = (base.step, layout.data_file(base.step, base.save_id, entry.name,
-                                                                 base.data_prefixes), entry)
+        found += [(base.step, layout.data_file(base.step, base.save_id, entry.name, base.data_prefixes), entry)
+                  for entry in (base.shard.files if base is not None else ())]
     return found
 
 
-def same_stored_file(entry: FileEntry, other: FileEntry) -> bool:
-    """Two records of one file say the same bytes: name, rank, size and every item's place and record (block digests
-    included)."""
-    return ((entry.name, entry.rank, entry.size) == (other.name, other.rank, other.size)
-            and sorted(entry.items, key=lambda i: i.pos) == sorted(other.items, key=lambda i: i.pos))
+def referencing(source: FileEntry, name: str, rank: int, items: list[ItemExtent]) -> FileEntry:
+    """The new step's record of the base file ``source`` linked into it as ``name``: the file's whole size (a link
+    is the whole file, its store checksum the base's) and, of its items, only ``items``, those the new step
+    references (each at its place and with its record in ``source``).  The other bytes of the file are dead in the
+    new step: referenced by none of its items, so no load or ``verify`` of it reads them."""
+    return FileEntry(name=name, rank=rank, size=source.size, items=list(items), checksum=source.checksum)
+
+
+def referenced_bytes(entry: FileEntry) -> int:
+    """The bytes of a data file that its step references (its items' stored lengths): the file's size less its dead
+    bytes (:func:`referencing`).  What a step's statistics count as its bytes."""
+    return sum(item.length for item in entry.items)
+
+
+def holds_referenced(other: FileEntry, entry: FileEntry) -> bool:
+    """``other``'s record of a stored file says the bytes that ``entry`` references: the same rank and size, and
+    every item of ``entry`` at the same place with the same record (block digests included).  ``other`` may record
+    more items: a save that links a base file references only its unchanged ones, the rest is dead (:mod:`..dcp
+    .reuse`), so one file has records of several sizes and the names differ (a plain file is linked under a stable
+    name).  The inverse of :func:`referencing`: ``holds_referenced(source, referencing(source, ...))``."""
+    if (entry.rank, entry.size) != (other.rank, other.size) or not entry.items:
+        return False
+    held = {(item.pos, item.key, tuple(item.chunk_offset or ())): item for item in other.items}
+    return all(held.get((item.pos, item.key, tuple(item.chunk_offset or ()))) == item for item in entry.items)
 
 
 def _verify(storage: Any, path: str, entry: FileEntry, where: str, threads: int) -> None:

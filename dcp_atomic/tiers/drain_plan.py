@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .._base import failpoints
-from ..protocol.links import base_stable_files, link_verified, same_stored_file
+from ..protocol.links import base_files, holds_referenced, link_verified
 from ..errors import (CheckpointError, CommitConflictError, CorruptCheckpointError, DrainStalledError,
                       IncompleteStepError, StorageError)
 from ..exchange.stall import StallClock
@@ -194,16 +194,22 @@ def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: l
 
 def _reusable(durable: RunLayout, job: DrainJob, sources: list[int], entries: list[FileEntry]
               ) -> dict[str, tuple[int, str]]:
-    """Reuse (P15) across the drain: the stable files of this share that the durable root's latest committed step
-    below ``job.step`` holds with the same records (name -> (that step, its path)), so they are linked there
-    (:func:`~..protocol.links.link_verified`) instead of uploaded again.  Nothing where the local step has no stable file
-    or the durable store can neither hard-link nor copy in place."""
+    """Reuse (P15) across the drain: for each stable file of this share, a file of the durable root's latest committed
+    step below ``job.step`` that holds the bytes it references (:func:`~..protocol.links.holds_referenced`: under
+    its name, or the plain file a local save linked under a stable name), as name -> (that step, its path), so it
+    is linked there (:func:`~..protocol.links.link_verified`) instead of uploaded again.  Nothing where the local
+    step has no stable file or the durable store can neither hard-link nor copy in place."""
     stable = [entry for entry in entries if STABLE_FILE_PATTERN.fullmatch(entry.name)]
     if not stable or durable.storage.link_kind is None:
         return {}
-    base = base_stable_files(durable, job.step, sources)
-    return {entry.name: base[entry.name][:2] for entry in stable
-            if entry.name in base and same_stored_file(entry, base[entry.name][2])}
+    base = base_files(durable, job.step, sources)
+    reusable = {}
+    for entry in stable:
+        held = [(step, path, other) for step, path, other in base if holds_referenced(other, entry)]
+        if held:  # the same name first: the file the durable step already links on
+            step, path, _ = min(held, key=lambda found: found[2].name != entry.name)
+            reusable[entry.name] = (step, path)
+    return reusable
 
 
 def upload_control(local: RunLayout, durable: RunLayout, job: DrainJob) -> bytes:

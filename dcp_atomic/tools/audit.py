@@ -132,9 +132,10 @@ def _unread_damage(layout: RunLayout, committed: Committed, timeout: float) -> l
 
 def _shared_damage(layout: RunLayout, step: int, name: str, path: str, timeout: float) -> list[str]:
     """The other committed steps that hold this very file and whose own records find it damaged too: reuse (P15)
-    hard-links a stable file into the next steps under its name, one inode for all, so damaged bytes here are
-    damaged there.  A file that fails only this step's records (its manifest or ``.metadata`` altered, not its
-    bytes) is named in no other step."""
+    hard-links a base file into the next steps (a stable file under its name, a plain one under a stable name), one
+    inode for all, so damaged bytes here are damaged there wherever a step references them.  A file that fails only
+    this step's records (its manifest or ``.metadata`` altered, not its bytes), or whose damage lies in bytes another
+    step does not reference, is named in no other step."""
     storage = layout.storage
     if not storage.hard_links:
         return []
@@ -146,21 +147,30 @@ def _shared_damage(layout: RunLayout, step: int, name: str, path: str, timeout: 
     for marker in scan_markers(layout):
         if marker.step == step:
             continue
-        other = layout.data_file(marker.step, marker.save_id, name)
         try:
-            if storage.file_version(other) != mine:
-                continue
             committed = read_committed(layout, marker.step, Deadline(timeout))
-            committed.load_items(layout, {name}, Deadline(timeout))
+            prefixes = committed.manifest.data_prefixes
+            names = {f.name for f in committed.manifest.files
+                     if _version(storage, layout.data_file(marker.step, marker.save_id, f.name, prefixes)) == mine}
+            if not names:
+                continue
+            committed.load_items(layout, names, Deadline(timeout))
         except (OSError, CheckpointError):
             continue
-        entry = next((f for f in committed.manifest.files if f.name == name), None)
-        if entry is not None and _bytes_damaged(storage, other, entry):
+        if any(_bytes_damaged(storage, layout.data_file(marker.step, marker.save_id, f.name, prefixes), f)
+               for f in committed.manifest.files if f.name in names):
             sharing.append(marker.step)
     if not sharing:
         return []
     return [f"{path}: the same file (hard-linked by reuse) is in step(s) {', '.join(map(str, sharing))}, which hold "
             "the same damaged bytes; an earlier step or another tier that holds its own copy may still serve"]
+
+
+def _version(storage: Storage, path: str) -> tuple | None:
+    try:
+        return storage.file_version(path)
+    except OSError:
+        return None
 
 
 def _bytes_damaged(storage: Storage, path: str, entry: FileEntry) -> bool:
