@@ -133,8 +133,24 @@ def test_a_snapshot_that_would_rewrite_the_slot_a_slow_durable_copy_reads_is_ski
     assert _durable_steps(root) == [2, 6]
 
 
-def _a_failing_copy(ctx):
-    """The durable copy of step 2 fails in its write (an injected I/O error); what ``wait()`` raises, what
+def _flip_a_weight_byte_of_step_2(ctx):
+    """On rank 2: a byte inside the first weight (a tensor, not an encoded object) of its own slot of step 2."""
+    if ctx.rank != 2:
+        return
+    rank_dir = os.path.join(memory_path(ctx), RUN, "r2")
+    for name in os.listdir(rank_dir):
+        if name.endswith(".commit"):
+            with open(os.path.join(rank_dir, name), "rb") as f:
+                record = SlotRecord.from_bytes(f.read(), name)
+            if record.step == 2:
+                item = next(i for i in record.items if i.kind != "object" and i.key.endswith("weight"))
+                _flip_byte(os.path.join(rank_dir, name.replace(".commit", ".data")), item.offset + 5)
+
+
+def _a_copy_that_fails(ctx, harm):
+    """Steps 1 and 2 snapshotted with ``durable_every=2``, then the copy of step 2 (started by ``wait()``) meets
+    ``harm``: ``"write"``, an injected I/O error in its write; ``"slot"``, a byte of rank 2's slot of step 2 flipped
+    after its snapshot committed.  What ``wait()`` raised (its type, whether it names what it should), what
     ``on_failed`` heard, and what a fresh job restores."""
     from dcp_atomic import Callbacks
     from dcp_atomic._base import failpoints
@@ -145,12 +161,17 @@ def _a_failing_copy(ctx):
         for step in (1, 2):
             _train_step(model, optim, step)
             assert manager.snapshot(step, state_of(model, optim, step)).result() == step
-        failpoints.arm("write.before_data", "raise")
+        if harm == "write":
+            failpoints.arm("write.before_data", "raise")
+        else:
+            _flip_a_weight_byte_of_step_2(ctx)
+            dist.barrier()
+        names = ("step 2",) if harm == "write" else ("step 2", "rank 2", "weight")
         try:
             manager.wait()  # starts the copy of 2 that is due, and waits for it
             raised = None
         except Exception as e:
-            raised = (type(e).__name__, "step 2" in str(e))
+            raised = (type(e).__name__, all(name in str(e) for name in names))
         failpoints.disarm("write.before_data")
     restored, restored_optim = trained(WORLD, 0, seed=7)
     with memory_manager(ctx) as manager:
@@ -160,51 +181,18 @@ def _a_failing_copy(ctx):
 
 
 def test_a_failed_durable_copy_reaches_wait_on_every_rank_and_the_snapshot_stays_restorable(root, nodes):
-    outcomes = assert_all_ok(_run(_a_failing_copy, root, nodes))
+    outcomes = assert_all_ok(_run(_a_copy_that_fails, root, nodes, "write"))
     raised = outcomes[0][0]
     assert raised is not None and raised[1], outcomes
     assert outcomes == [(raised, [("async_save", 2)], (2, "memory", True))] * WORLD, outcomes
     assert _durable_steps(root) == []
 
 
-def _a_damaged_slot(ctx):
-    """Rank 2's own slot of step 2 gets a flipped byte after step 2 is memory-committed, before its durable copy
-    starts (at ``wait()``): what ``wait()`` raises on each rank, what ``on_failed`` heard, what a fresh job restores."""
-    from dcp_atomic import Callbacks
-
-    failed = []
-    model, optim = trained(WORLD, 0)
-    with memory_manager(ctx, durable_every=2, callbacks=Callbacks(on_failed=failed.append)) as manager:
-        for step in (1, 2):
-            _train_step(model, optim, step)
-            assert manager.snapshot(step, state_of(model, optim, step)).result() == step
-        if ctx.rank == 2:
-            rank_dir = os.path.join(memory_path(ctx), RUN, "r2")
-            for name in os.listdir(rank_dir):
-                if name.endswith(".commit"):
-                    with open(os.path.join(rank_dir, name), "rb") as f:
-                        record = SlotRecord.from_bytes(f.read(), name)
-                    if record.step == 2:  # a byte inside its first weight (a tensor, not an encoded object)
-                        item = next(i for i in record.items if i.kind != "object" and i.key.endswith("weight"))
-                        _flip_byte(os.path.join(rank_dir, name.replace(".commit", ".data")), item.offset + 5)
-        dist.barrier()
-        try:
-            manager.wait()  # starts the copy of 2 that is due: its slot no longer matches its record
-            raised = None
-        except Exception as e:
-            raised = (type(e).__name__, "rank 2" in str(e) and "step 2" in str(e) and "weight" in str(e))
-    restored, restored_optim = trained(WORLD, 0, seed=7)
-    with memory_manager(ctx) as manager:
-        step = manager.load(state_of(restored, restored_optim, 0))
-        served = (step, manager.restored_from["tier"], _exact_at(restored, restored_optim, step))
-    return raised, [(f["operation"], f["step"]) for f in failed], served
-
-
 def test_a_slot_damaged_before_its_durable_copy_is_refused_on_every_rank_never_sealed(root, nodes):
     """The copy verifies the slot against its record first: a flipped byte never becomes a durable step that
     verifies; every rank raises the same failure (one rank refusing alone would leave the others in its save), and
     the restore serves rank 2's share from its replica."""
-    outcomes = assert_all_ok(_run(_a_damaged_slot, root, nodes))
+    outcomes = assert_all_ok(_run(_a_copy_that_fails, root, nodes, "slot"))
     assert outcomes == [(("CorruptCheckpointError", True), [("async_save", 2)], (2, "memory-replica", True))] * WORLD, \
         outcomes
     assert _durable_steps(root) == []

@@ -357,13 +357,7 @@ def test_show_prints_written_and_reused_bytes_and_verify_passes_a_linked_step(tm
     # the run's size counts a file that three steps link once: what the disk holds
     assert main(["ls", root, "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)["runs"][0]["bytes"]
-    on_disk = {}
-    for folder, _, names in os.walk(os.path.join(root, RUN)):
-        for name in names:
-            if name.endswith(".distcp"):
-                st = os.stat(os.path.join(folder, name))
-                on_disk[st.st_ino] = st.st_size
-    assert listed == sum(on_disk.values()) < 3 * ROWS * COLS * 4  # 3 steps of 1 MiB, 2 files of it
+    assert listed == _data_bytes_on_disk(root) < 3 * ROWS * COLS * 4  # 3 steps of 1 MiB, 2 files of it
 
 
 def test_content_decides_never_requires_grad(tmp_path):
@@ -418,6 +412,17 @@ def _save_tensors(root, step, tensors, **writer_args):
     return writer.last_stats, {item["key"]: f["name"] for f in shard["files"] for item in f["items"]}
 
 
+def _data_bytes_on_disk(root: str) -> int:
+    """The bytes the run's data files hold on disk, each inode once (a file several steps link counts once)."""
+    inodes = {}
+    for folder, _, names in os.walk(os.path.join(root, RUN)):
+        for name in names:
+            if name.endswith(".distcp"):
+                st = os.stat(os.path.join(folder, name))
+                inodes[st.st_ino] = st.st_size
+    return sum(inodes.values())
+
+
 def _inode_of(root, step, name):
     return os.stat(os.path.join(_attempt(root, step), name)).st_ino
 
@@ -449,13 +454,7 @@ def test_one_changed_item_costs_only_that_item_and_its_file_stays_linked(tmp_pat
     assert placed["b"] == "__0_s1.distcp" and _inode_of(root, 4, "__0_s1.distcp") == _inode_of(root, 3, "__0_0.distcp")
     assert saved[5][0]["bytes_reused"] == 3 * tensor
     assert _inode_of(root, 5, "__0_s1.distcp") == _inode_of(root, 4, "__0_s1.distcp")
-    inodes = {}
-    for folder, _, names in os.walk(os.path.join(root, RUN)):
-        for name in names:
-            if name.endswith(".distcp"):
-                st = os.stat(os.path.join(folder, name))
-                inodes[st.st_ino] = st.st_size
-    assert sum(inodes.values()) < 4 * tensor + 4096  # five steps of three tensors: the three and b's new value
+    assert _data_bytes_on_disk(root) < 4 * tensor + 4096  # five steps of three tensors: the three and b's new value
 
 
 def test_dead_bytes_are_read_by_no_load_and_damage_there_fails_only_the_steps_that_reference_them(tmp_path, capsys):
