@@ -103,6 +103,14 @@ def default_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
+def dtensor_global_offset(value: Any) -> tuple[int, ...]:
+    """Where a DTensor's local shard starts in its global tensor: what DCP itself records as the shard's chunk offset
+    (no public API says it; the memory tier records it so a restore at another world size can reshard)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)[1])
+
+
 # --- s3fs -------------------------------------------------------------------------------------------------------
 
 

@@ -387,7 +387,7 @@ class CheckpointManager(RankAgreement):
                     group=self._group, memory_group=self._memory_group, timeout=timeout, translate=self._translate,
                     stager=None if staging is None else Stager(staging, self._staging_pool),
                     deliver=lambda stats: self._deliver(self.callbacks.on_snapshot, "on_snapshot", stats),
-                    durable=_DurableCopies(self))
+                    durable=_DurableCopies(self), parallelism=self.parallelism)
             except BaseException:
                 self._release()
                 raise
@@ -399,7 +399,7 @@ class CheckpointManager(RankAgreement):
         return TierContext(
             rank=self.rank, world_size=self.world_size, run_id=self.run_id, root=self.root,
             storage_options=self.storage_options, layout=self.layout, timeout=self.timeout,
-            work_timeout=self.work_timeout, parallelism=self.parallelism, thread_count=self.thread_count,
+            work_timeout=self.work_timeout, thread_count=self.thread_count,
             retention=self.retention, lease_seconds=self.lease_seconds, group=self._group,
             drain_group=self._drain_group, heartbeat=self._heartbeat,
             callbacks=self.callbacks, translate=self._translate, on_rank0=self._on_rank0, watch=self._watch,
@@ -683,7 +683,7 @@ class CheckpointManager(RankAgreement):
         self._memory_restored = None
         if step is None and save_id is None and self._memory is not None:
             with self._failures_reported("load", step, started):
-                restored = self._memory.restore(state_dict, self._newest_elsewhere())
+                restored = self._memory.restore(state_dict, self._newest_elsewhere(), allow_reshard)
             if restored is not None:
                 return self._restored_from_memory(restored, started)
         with self._failures_reported("load", step, started) as attempt:

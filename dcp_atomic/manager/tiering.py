@@ -21,7 +21,6 @@ from ..errors import ConfigurationError
 from ..exchange.liveness import Heartbeat, OpWatch
 from ..format.layout import RunLayout
 from ..format.manifest import Marker
-from ..format.parallelism import Parallelism
 from ..protocol.commit import ResumePoint
 from ..protocol.retention_policy import Retention
 from .options import Callbacks
@@ -43,7 +42,6 @@ class TierContext:
     layout: RunLayout  # the durable root's
     timeout: float
     work_timeout: float
-    parallelism: Parallelism | None
     thread_count: int | None
     retention: Retention  # the durable root's (the local tier keeps its own count, keep_local)
     lease_seconds: float

@@ -391,10 +391,8 @@ class TwoTier(TierPolicy):
                    for leader in tier.leaders}
         outcome = None
         if ctx.rank == 0:
-            declared = ctx.parallelism.to_dict() if ctx.parallelism is not None else None
             try:
-                outcome = ("ok", choose_restore(tier, reports, self._durable_candidate(step), ctx.world_size, declared,
-                                                step, save_id))
+                outcome = ("ok", choose_restore(tier, reports, self._durable_candidate(step), step, save_id))
             except CheckpointError as e:
                 outcome = ("error", e)
             except Exception as e:  # the durable root's storage, say: every rank must hear of it

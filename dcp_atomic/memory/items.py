@@ -24,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from .._base import internals
 from ..errors import RankConsistencyError
 from ..format.blocks import verify_item
 from ..format.codec import tensor_bytes
@@ -152,7 +153,8 @@ def slot_items(leaves: list[Leaf], checksums: dict[int, tuple[str, ...]]) -> lis
             offset=offset, nbytes=leaf.nbytes, checksums=checksums[index],
             dtype=None if leaf.tensor is None else str(leaf.tensor.dtype).removeprefix("torch."),
             shape=None if leaf.tensor is None else tuple(leaf.tensor.shape),
-            dtensor=_placement(value) if isinstance(value, DTensor) else None))
+            dtensor=_placement(value) if isinstance(value, DTensor) else None,
+            place=None if leaf.tensor is None else global_place(value)))
         offset += leaf.nbytes
     return items
 
@@ -189,7 +191,7 @@ def durable_state(shape: dict[str, Any], items: tuple[SlotItem, ...], data: memo
             stored.release()
         if item.kind == "object":
             return decode_item(bytes(data[item.offset:item.offset + item.nbytes]), key=item.key, where=where)
-        local = _tensor_over(item, data)
+        local = tensor_over(item, data)
         if node.dtensor is None:
             return local
         mesh, placements, size, stride = node.dtensor
@@ -198,7 +200,7 @@ def durable_state(shape: dict[str, Any], items: tuple[SlotItem, ...], data: memo
     return fill(shape)
 
 
-def _tensor_over(item: SlotItem, data: memoryview) -> torch.Tensor:
+def tensor_over(item: SlotItem, data: memoryview) -> torch.Tensor:
     """The item's bytes in ``data`` as a tensor of its dtype and shape, sharing the memory (read-only)."""
     dtype = getattr(torch, item.dtype)
     if not item.nbytes:
@@ -211,6 +213,15 @@ def _tensor_over(item: SlotItem, data: memoryview) -> torch.Tensor:
 
 def _placement(value: DTensor) -> dict:
     return {"placements": [repr(p) for p in value.placements], "mesh_shape": list(value.device_mesh.shape)}
+
+
+def global_place(value: torch.Tensor) -> dict:
+    """Where a tensor's stored bytes lie in its global tensor (a plain tensor is all of it): a DTensor's local shard
+    at the chunk offset DCP itself records for it.  The one rule of :attr:`.slots.SlotItem.place`, for the shares
+    a snapshot writes and for the shards a resized restore fills (:mod:`.reshard`)."""
+    if isinstance(value, DTensor):
+        return {"global_shape": list(value.shape), "global_offset": list(internals.dtensor_global_offset(value))}
+    return {"global_shape": list(value.shape), "global_offset": [0] * value.dim()}
 
 
 def install(state_dict: dict[str, Any], items: tuple[SlotItem, ...], data: memoryview, where: str) -> None:
@@ -234,15 +245,21 @@ def install(state_dict: dict[str, Any], items: tuple[SlotItem, ...], data: memor
         try:
             verify_item(item.extent(), stored, f"{where} item {leaf.key!r}", path=where)
             if item.kind == "object":
-                _replace(expanded, leaf.path, decode_item(bytes(stored), key=leaf.key, where=where))
+                put_object(expanded, leaf.path, decode_item(bytes(stored), key=leaf.key, where=where))
             else:
                 _copy_into(leaf.tensor, stored)
         finally:
             stored.release()
+    hand_back(state_dict, expanded)
+
+
+def hand_back(state_dict: dict[str, Any], expanded: dict[str, Any]) -> None:
+    """After the leaves of ``expanded`` were filled: ``Stateful`` values get their ``load_state_dict``, as
+    ``dcp.load`` does, and a top-level object decoded into the expanded copy goes back into ``state_dict``."""
     for key, value in state_dict.items():
         if isinstance(value, Stateful):
             value.load_state_dict(expanded[key])
-        else:  # a top-level object decoded above went into the expanded copy of this dict: put it back (dcp.load's)
+        else:
             state_dict[key] = expanded[key]
 
 
@@ -273,7 +290,7 @@ def _mismatch(item: SlotItem, leaf: Leaf) -> str | None:
     return None
 
 
-def _replace(expanded: dict[str, Any], path: tuple, value: Any) -> None:
+def put_object(expanded: dict[str, Any], path: tuple, value: Any) -> None:
     """Put a decoded object at ``path`` (its container is a dict or a list)."""
     node = expanded
     for part in path[:-1]:

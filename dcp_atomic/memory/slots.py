@@ -51,6 +51,10 @@ class SlotItem:
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
     dtensor: dict | None = None  # {"placements": [...], "mesh_shape": [...]}: the local shard's place
+    # Where the stored bytes lie in the global tensor, {"global_shape": [...], "global_offset": [...]} (a plain tensor
+    # is all of it): what a restore at another world size reshards by (:mod:`.reshard`); None for an object, and in
+    # records written before it existed (those snapshots restore at their own world size only).
+    place: dict | None = None
 
     def extent(self) -> ItemExtent:
         """The item as the one block check knows items (:func:`~dcp_atomic.format.blocks.verify_item`)."""
@@ -61,13 +65,15 @@ class SlotItem:
     def to_json(self) -> dict:
         return {"key": self.key, "kind": self.kind, "offset": self.offset, "nbytes": self.nbytes,
                 "checksums": list(self.checksums), "dtype": self.dtype,
-                "shape": None if self.shape is None else list(self.shape), "dtensor": self.dtensor}
+                "shape": None if self.shape is None else list(self.shape), "dtensor": self.dtensor,
+                "place": self.place}
 
     @classmethod
     def from_json(cls, raw: dict) -> "SlotItem":
         return cls(key=raw["key"], kind=raw["kind"], offset=int(raw["offset"]), nbytes=int(raw["nbytes"]),
                    checksums=tuple(raw["checksums"]), dtype=raw["dtype"],
-                   shape=None if raw["shape"] is None else tuple(raw["shape"]), dtensor=raw["dtensor"])
+                   shape=None if raw["shape"] is None else tuple(raw["shape"]), dtensor=raw["dtensor"],
+                   place=raw.get("place"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +90,14 @@ class SlotRecord:
     length: int
     items: tuple[SlotItem, ...]
     holder: int | None = None  # the rank keeping this copy for its owner on another failure domain; None: the owner's
+    layout: dict | None = None  # the job's Parallelism (declared, else inferred from its meshes): a resized restore's check
 
     def to_bytes(self) -> bytes:
         return sealed_json({"kind": RECORD_KIND, "schema_version": CONTROL_SCHEMA, "run_id": self.run_id,
                             "lineage": self.lineage, "rank": self.rank, "world_size": self.world_size,
                             "step": self.step, "sequence": self.sequence, "slot": self.slot, "length": self.length,
-                            "items": [item.to_json() for item in self.items], "holder": self.holder})
+                            "items": [item.to_json() for item in self.items], "holder": self.holder,
+                            "layout": self.layout})
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> "SlotRecord":
@@ -99,7 +107,7 @@ class SlotRecord:
                        world_size=int(raw["world_size"]), step=int(raw["step"]), sequence=int(raw["sequence"]),
                        slot=int(raw["slot"]), length=int(raw["length"]),
                        items=tuple(SlotItem.from_json(item) for item in raw["items"]),
-                       holder=None if raw.get("holder") is None else int(raw["holder"]))
+                       holder=None if raw.get("holder") is None else int(raw["holder"]), layout=raw.get("layout"))
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{where}: not a memory slot record ({type(e).__name__}: {e})",
                                          path=where) from None
@@ -155,6 +163,12 @@ class SlotDir:
         """Step 1: the record goes before a byte of the data changes."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.record(rank, slot))
+
+    def remove(self, rank: int, slot: int) -> None:
+        """A slot no one will reuse: its record first (:meth:`retire`), then its bytes."""
+        self.retire(rank, slot)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.data(rank, slot))
 
     def write_record(self, record: SlotRecord) -> None:
         """Step 3, last: the data is complete.  Replaced whole by a rename, so a crash leaves the old record or the

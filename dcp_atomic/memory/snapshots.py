@@ -42,12 +42,16 @@ from .._base.stats import SnapshotStats
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StagingRaceError
 from ..exchange.collective import CollectiveFailed, agreed_phase, first_line, gather, raise_typed
 from ..exchange.file_transfer import Part, Spooled, discard, transfer
+from ..dcp.reshard import check_layout, infer_parallelism
 from ..exchange.transport import PeerError, PeerLink
+from ..format.parallelism import Parallelism
 from ..format.layout import RunLayout
 from ..protocol.commit import known_sequence, next_sequence, note_sequence
 from ..staging import StagedCopy, Stager
-from ..tiers import Topology
-from .items import durable_state, flatten, install, slot_items, stage_leaves, write_leaves
+from ..tiers import Topology, expand_stateful
+from . import reshard
+from .items import durable_state, flatten, hand_back, install, leaves_of, slot_items, stage_leaves, write_leaves
+from .reshard import layout_of
 from .slots import SlotDir, SlotRecord, SlotSink, mapped, newest_complete, verify_slot
 
 log = logging.getLogger("dcp_atomic.memory")
@@ -76,12 +80,14 @@ class Restored:
     step: int
     sequence: int
     tier: str
-    bytes: int  # this rank's share
+    bytes: int  # this rank's share (resharded: the old shares it read)
     bytes_fetched: int  # of which received from a holder
+    resharded_from: int | None = None  # the world size that took the snapshot, when it was not this job's
 
     def to_dict(self) -> dict[str, Any]:
         return {"tier": self.tier, "step": self.step, "sequence": self.sequence, "save_id": None,
-                "ranks_fetched": int(bool(self.bytes_fetched)), "bytes_fetched": self.bytes_fetched}
+                "ranks_fetched": int(bool(self.bytes_fetched)), "bytes_fetched": self.bytes_fetched,
+                "resharded_from": self.resharded_from}
 
 
 class MemorySnapshots:
@@ -92,11 +98,12 @@ class MemorySnapshots:
                  lineage: str, group: Any, memory_group: Any, timeout: float,
                  translate: Callable[[BaseException, str], BaseException], stager: Stager | None = None,
                  deliver: Callable[[SnapshotStats], None] = lambda stats: None,
-                 durable: DurableCopies | None = None) -> None:
+                 durable: DurableCopies | None = None, parallelism: Parallelism | None = None) -> None:
         """``stager``: bounded staging (``CheckpointManager(staging=...)``): a snapshot's tensors are copied into the
         slot after the call returns, through the stager's pool, and :meth:`wait_staged` says when they may change;
         None: copied at the call.  ``deliver``: each memory-committed snapshot's statistics, on every rank.
-        ``durable``: how the manager saves a durable copy (``options.durable_every``; needed when that is set)."""
+        ``durable``: how the manager saves a durable copy (``options.durable_every``; needed when that is set).
+        ``parallelism``: the manager's declared layout (else each snapshot records the one its meshes imply)."""
         self.rank, self.world_size, self.run_id, self.layout = rank, world_size, run_id, layout
         self.every, self.replicas, self.slots = options.every, options.replicas, options.slots
         self.budget_bytes = options.budget_bytes
@@ -111,6 +118,7 @@ class MemorySnapshots:
         self.stager = stager
         self._staged: StagedCopy | None = None  # the staging of the latest snapshot (with a stager)
         self.durable_every, self.durable = options.durable_every, durable
+        self.parallelism = parallelism
         self._since_copy = 0  # memory-committed snapshots since the last durable copy started
         self._due: SlotRecord | None = None  # the newest memory-committed slot, once a durable copy of it is due
         self._pinned: _Pin | None = None  # the slot the latest durable copy reads, until its save is done
@@ -199,6 +207,7 @@ class MemorySnapshots:
         if self._due is not None and self._due.slot == slot:  # its copy could not start yet: the next one is due
             self._due = None
         self.dir.retire(self.rank, slot)  # P1 for slots: the record goes before a byte is rewritten
+        layout = self._layout(leaves)
         self._shapes[slot] = shape
         written: SlotRecord | _Staging | BaseException
         staging = None
@@ -206,11 +215,11 @@ class MemorySnapshots:
             sink = SlotSink(self.dir.data(self.rank, slot), [leaf.nbytes for leaf in leaves])
             try:
                 if self.stager is None:
-                    written = self._record(step, slot, sink.length, write_leaves(leaves, sink))
+                    written = self._record(step, slot, sink.length, write_leaves(leaves, sink), layout)
                 else:  # finished on the memory tier's thread (_staged_record), which closes the sink
                     copy, checksums = stage_leaves(leaves, sink, self.stager, step=step, rank=self.rank)
                     self._staged = copy
-                    written = staging = _Staging(copy, sink, leaves, checksums, slot)
+                    written = staging = _Staging(copy, sink, leaves, checksums, slot, layout)
             finally:
                 if staging is None:
                     sink.close()
@@ -285,10 +294,16 @@ class MemorySnapshots:
         self._start_durable_copy()
         return True
 
-    def _record(self, step: int, slot: int, length: int, items: list) -> SlotRecord:
+    def _record(self, step: int, slot: int, length: int, items: list, layout: dict | None) -> SlotRecord:
         """This rank's record of ``slot`` (its sequence given at commit, :func:`_with_sequence`)."""
         return SlotRecord(run_id=self.run_id, lineage=self.lineage, rank=self.rank, world_size=self.world_size,
-                          step=step, sequence=0, slot=slot, length=length, items=tuple(items))
+                          step=step, sequence=0, slot=slot, length=length, items=tuple(items), layout=layout)
+
+    def _layout(self, leaves: list) -> dict | None:
+        """The job's layout as a load checks it: declared (``CheckpointManager(parallelism=...)``), else inferred
+        from the state's named meshes, as a durable save records it."""
+        layout = self.parallelism or infer_parallelism(layout_of(leaves))
+        return None if layout is None else layout.to_dict()
 
     def _staged_record(self, step: int, staging: "_Staging") -> SlotRecord | BaseException:
         """On the memory tier's thread: wait for the staged copy into the slot, then its record; a tensor changed in
@@ -298,7 +313,7 @@ class MemorySnapshots:
         try:
             staging.copy.result()
             written = self._record(step, staging.slot, staging.sink.length,
-                                   slot_items(staging.leaves, staging.checksums))
+                                   slot_items(staging.leaves, staging.checksums), staging.layout)
         except StagingRaceError as e:
             race = e
         except OSError as e:
@@ -360,6 +375,7 @@ class MemorySnapshots:
             future.set_exception(typed)
             return
         self.snapshots_taken += 1
+        self._retire_other_worlds(sequence)
         if self.durable_every is not None:
             self._since_copy += 1
             if self._since_copy >= self.durable_every:
@@ -426,10 +442,12 @@ class MemorySnapshots:
 
     # -- restoring --------------------------------------------------------------------------
 
-    def restore(self, state_dict: dict[str, Any], newest_elsewhere: int | None) -> Restored | None:
+    def restore(self, state_dict: dict[str, Any], newest_elsewhere: int | None,
+                allow_reshard: bool = False) -> Restored | None:
         """Every rank alike: load the newest memory-committed step assemblable from every rank's own slot or a
         holder's copy, if its sequence is not below ``newest_elsewhere`` (the other tiers' newest commit); None: the
-        other tiers restore."""
+        other tiers restore.  A snapshot taken at another world size is resharded (:mod:`.reshard`; a
+        tensor/pipeline-parallel change needs ``allow_reshard``)."""
         self.wait()
         held, notes = self._scan() if self.topology.is_leader else ([], [])
         everyone = self._gathered((held, notes), "listing the memory tier's snapshots")
@@ -440,11 +458,26 @@ class MemorySnapshots:
         sources = self._choose([h for h, _ in everyone])
         if sources is None:
             return None
-        sequence, step, plan = sources
+        sequence, step, world, places = sources
         if newest_elsewhere is not None and newest_elsewhere > sequence:
             log.info("memory tier: step %d (sequence %d) is older than the newest commit of the other tiers "
                      "(sequence %d): restoring from those", step, sequence, newest_elsewhere)
             return None
+        if world == self.world_size:
+            restored = self._restore_own(state_dict, sequence, step, places)
+        else:
+            restored = self._restore_resharded(state_dict, sequence, step, world, places, allow_reshard)
+        if restored is not None:
+            note_sequence(self.layout, max([sequence] + [r[2] for h, _ in everyone for r in h]))
+        return restored
+
+    def _restore_own(self, state_dict: dict[str, Any], sequence: int, step: int,
+                     places: dict[int, list[tuple[int, int]]]) -> Restored:
+        """The same world size: each rank installs its own share, from its node (own first) or a holder's copy."""
+        plan = []
+        for rank in range(self.world_size):
+            own = [place for place in places[rank] if place[0] == self.topology.leader(rank)]
+            plan.append(own[0] if own else places[rank][0])
         received = self._fetch(plan, sequence, step)
         with agreed_phase(self.group, f"restoring step {step} from the memory tier", f"rank {self.rank}",
                           then="Nothing more was loaded; restart to restore from another tier.", step=step):
@@ -468,12 +501,115 @@ class MemorySnapshots:
                 if holder != self.topology.leader(self.rank):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(data_path)
-        note_sequence(self.layout, max([sequence] + [r[2] for h, _ in everyone for r in h]))
         fetched = record.length if holder != self.topology.leader(self.rank) else 0
         tier = "memory-replica" if any(h != self.topology.leader(r) for r, (h, _) in enumerate(plan)) else "memory"
         log.info("run %r: restored step %d from the memory tier (sequence %d, %s)", self.run_id, step, sequence,
                  "every rank from its own node" if tier == "memory" else "some ranks from replica holders")
         return Restored(step=step, sequence=sequence, tier=tier, bytes=record.length, bytes_fetched=fetched)
+
+    def _restore_resharded(self, state_dict: dict[str, Any], sequence: int, step: int, world: int,
+                           places: dict[int, list[tuple[int, int]]], allow_reshard: bool) -> Restored | None:
+        """Another world size took the snapshot: every rank reads each old share's record, plans its own state dict
+        against them (:func:`.reshard.plan`, the layout policy first), receives the old shares it reads that its node
+        lacks from a holder, and fills its tensors and objects from the verified bytes.  None (every rank alike):
+        the snapshot predates recorded places, the other tiers restore."""
+        what = f"the memory snapshot of step {step} (sequence {sequence}, taken at world size {world})"
+        then = "Nothing was loaded; restart to restore from another tier."
+        mine = self.topology.leader(self.rank)
+        records = self._shared_records(sequence, step, world, places, what)
+        if not reshard.reshardable(records):
+            log.warning("memory tier: %s predates the records of where each shard lies; this job of %d ranks "
+                        "restores from the other tiers", what, self.world_size)
+            return None
+        expanded = expand_stateful(state_dict)
+        leaves = leaves_of(expanded)
+        near = {owner for owner, found in places.items() if any(holder == mine for holder, _ in found)}
+        problem: CheckpointError | None = None
+        try:
+            check_layout(saved=records[0].layout, current=self.parallelism or infer_parallelism(layout_of(leaves)),
+                         allow_reshard=allow_reshard, where=what)
+            chosen = reshard.plan(leaves, records, near, what)
+        except CheckpointError as e:
+            problem = e
+        refused = [e for e in self._gathered(problem, f"planning the restore of {what}") if e is not None]
+        if refused:
+            raise refused[0]  # every rank alike: the first rank's reason, typed
+        needs = self._gathered(sorted(chosen.shares - near), f"planning the restore of {what}")
+        outgoing: dict[int, list] = {}
+        incoming: dict[int, str] = {}
+        for rank, wanted in enumerate(needs):
+            for owner in wanted:
+                holder, slot = places[owner][0]
+                if holder == self.rank:
+                    outgoing.setdefault(rank, []).append(Part(f"data/{owner}", records[owner].length,
+                                                              path=self.dir.data(owner, slot)))
+                if rank == self.rank:
+                    incoming[holder] = self.topology.describe(holder)
+        try:
+            received = transfer(outgoing, incoming, self.group, self.dir.spool,
+                                what=f"receiving the old shares of {what} from the nodes holding them",
+                                timeout=self.timeout, exchange_id=f"memory-reshard/{self.run_id}",
+                                consequence="nothing was loaded.")
+        except BaseException as e:
+            raise_typed(self.translate(e, f"restoring {what}"))
+        fetched = 0
+        try:
+            with agreed_phase(self.group, f"restoring {what}", f"rank {self.rank}", then=then, step=step):
+                with contextlib.ExitStack() as stack:
+                    data, where = {}, {}
+                    for owner in sorted(chosen.shares):
+                        path = next((self.dir.data(owner, slot) for holder, slot in places[owner] if holder == mine),
+                                    None)
+                        if path is None:
+                            path = self._spooled(received[places[owner][0][0]][f"data/{owner}"], owner)
+                            fetched += records[owner].length
+                        data[owner] = stack.enter_context(mapped(path, records[owner].length))
+                        where[owner] = f"memory slot {path} (rank {owner} of {world}, step {step})"
+                    reshard.fill(expanded, leaves, chosen, data, where)
+        finally:
+            discard(received)
+        hand_back(state_dict, expanded)  # after the agreement: a Stateful's load_state_dict may run collectives
+        tier = "memory-replica" if any(needs) else "memory"
+        log.info("run %r: restored step %d from the memory tier (sequence %d), resharded from world size %d to %d "
+                 "(%s)", self.run_id, step, sequence, world, self.world_size,
+                 "every rank from its own node" if tier == "memory" else "some old shares from other nodes")
+        return Restored(step=step, sequence=sequence, tier=tier, bytes=sum(records[o].length for o in chosen.shares),
+                        bytes_fetched=fetched, resharded_from=world)
+
+    def _shared_records(self, sequence: int, step: int, world: int, places: dict[int, list[tuple[int, int]]],
+                        what: str) -> dict[int, SlotRecord]:
+        """Every rank alike: the record of each old share, read by its first holder and handed to every rank; a
+        record that no longer names the listed step is :class:`CorruptCheckpointError` on every rank."""
+        mine: dict[int, bytes] = {}
+        for owner, found in places.items():
+            holder, slot = found[0]
+            if holder == self.rank:
+                try:
+                    with open(self.dir.record(owner, slot), "rb") as f:
+                        mine[owner] = f.read()
+                except OSError as e:
+                    mine[owner] = b""
+                    log.warning("memory tier: could not read %s: %s", self.dir.record(owner, slot), first_line(e))
+        records = {}
+        for rank, sent in enumerate(self._gathered(mine, f"reading the records of {what}")):
+            for owner, raw in sent.items():
+                where = f"{self.dir.record(owner, places[owner][0][1])} on {self.topology.describe(rank)}"
+                record = SlotRecord.from_bytes(raw, where)
+                if (record.rank, record.sequence, record.step, record.world_size) != (owner, sequence, step, world):
+                    raise CorruptCheckpointError(f"{where}: names rank {record.rank} of {record.world_size}, step "
+                                                 f"{record.step}, sequence {record.sequence}, not rank {owner} of "
+                                                 f"{what} (rewritten since it was listed)", path=where)
+                records[owner] = record
+        return records
+
+    def _spooled(self, data: Any, owner: int) -> str:
+        """A received share's path (an empty one travels inline)."""
+        if isinstance(data, Spooled):
+            return data.path
+        path = os.path.join(self.dir.spool, f"r{self.rank}-of-{owner}-inline")
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
 
     def _keep_restored(self, record: SlotRecord, fetched: str) -> None:
         """This rank's share, restored from a holder's copy, becomes its own slot again (the record last, as at a
@@ -491,9 +627,9 @@ class MemorySnapshots:
                         "until the next snapshot commits, only the holder's copy holds it", self.rank, record.step,
                         data, first_line(e))
 
-    def _scan(self) -> tuple[list[tuple[int, int, int, int]], list[str]]:
-        """A node's leader: (owner rank, slot, sequence, step) of every copy on its path with a sound record and
-        verified bytes of this run, lineage and world size; and why each other one is not loaded."""
+    def _scan(self) -> tuple[list[tuple[int, int, int, int, int]], list[str]]:
+        """A node's leader: (owner rank, slot, sequence, step, world size) of every copy on its path with a sound
+        record and verified bytes of this run and lineage; and why each other one is not loaded."""
         held, notes = [], []
         for where, record in self.dir.records():
             if isinstance(record, CorruptCheckpointError):
@@ -503,37 +639,34 @@ class MemorySnapshots:
                 notes.append(f"{where} (step {record.step}) belongs to another run or lineage ({record.run_id}, "
                              f"{record.lineage}; this job's: {self.run_id}, {self.lineage}): not loaded, not deleted")
                 continue
-            if record.world_size != self.world_size:
-                notes.append(f"{where} (step {record.step}) was taken at world size {record.world_size}, this job "
-                             f"runs {self.world_size}: the memory tier does not reshard, so it is not used")
-                continue
             try:
                 verify_slot(record, self.dir.data(record.rank, record.slot))
             except (CorruptCheckpointError, OSError) as e:
                 notes.append(f"rank {record.rank}'s copy of step {record.step} is damaged, served around: "
                              f"{getattr(e, 'message', e)}")
                 continue
-            held.append((record.rank, record.slot, record.sequence, record.step))
+            held.append((record.rank, record.slot, record.sequence, record.step, record.world_size))
         return held, notes
 
-    def _choose(self, held: list[list[tuple[int, int, int, int]]]) -> tuple[int, int, list[tuple[int, int]]] | None:
-        """Every rank alike: the newest (sequence, step, per rank (holder, slot)) for which every rank's share has a
-        verified copy and every copy names the same step; own node first, else the first holder."""
+    def _choose(self, held: list[list[tuple[int, int, int, int, int]]]
+                ) -> tuple[int, int, int, dict[int, list[tuple[int, int]]]] | None:
+        """Every rank alike: the newest (sequence, step, world size, per owner rank its copies' (holder, slot)) for
+        which every rank of that world size has a verified copy and every copy names the same step."""
         def mixed(sequence: int, steps: list[int]) -> None:
             if self.rank == 0:
                 log.warning("memory tier: the records of sequence %d name different steps %s: not loaded", sequence,
                             steps)
 
-        found = newest_complete([(owner, sequence, step, (leader, slot)) for leader, copies in enumerate(held)
-                                 for owner, slot, sequence, step in copies], self.world_size, mixed)
-        if found is None:
+        worlds: dict[int, list] = {}
+        for leader, copies in enumerate(held):
+            for owner, slot, sequence, step, world in copies:
+                worlds.setdefault(world, []).append((owner, sequence, step, (leader, slot)))
+        found = [(complete, world) for world, copies in worlds.items()
+                 for complete in [newest_complete(copies, world, mixed)] if complete is not None]
+        if not found:
             return None
-        sequence, step, places = found
-        plan = []
-        for rank in range(self.world_size):
-            own = [place for place in places[rank] if place[0] == self.topology.leader(rank)]
-            plan.append(own[0] if own else places[rank][0])
-        return sequence, step, plan
+        (sequence, step, places), world = max(found, key=lambda f: f[0][0])
+        return sequence, step, world, places
 
     def _fetch(self, plan: list[tuple[int, int]], sequence: int, step: int) -> tuple[SlotRecord, str] | None:
         """Every rank alike: each share whose copy is on another node comes from that node's leader, spooled here
@@ -569,6 +702,20 @@ class MemorySnapshots:
                 f.write(data)
             return record, path
         return record, data.path
+
+    def _retire_other_worlds(self, sequence: int) -> None:
+        """A node's leader, once a snapshot of this job is memory-committed (``sequence``): the slots of this
+        lineage that a job of another world size left (restored from, resharded, or passed over) are removed, data
+        too.  No restore takes them over this newer commit, and a rank number the resized job lacks would keep
+        their RAM forever."""
+        if not self.topology.is_leader:
+            return
+        for where, record in self.dir.records():
+            if (isinstance(record, SlotRecord) and (record.run_id, record.lineage) == (self.run_id, self.lineage)
+                    and record.world_size != self.world_size and record.sequence < sequence):
+                self.dir.remove(record.rank, record.slot)
+                log.info("memory tier: removed %s (step %d, taken at world size %d; this job of %d ranks committed "
+                         "sequence %d)", where, record.step, record.world_size, self.world_size, sequence)
 
     def retire_above(self, step: int) -> None:
         """After a restore of ``step`` from any tier: snapshots of later steps are an abandoned branch (P14); each
@@ -638,6 +785,7 @@ class _Staging:
     leaves: list
     checksums: dict
     slot: int
+    layout: dict | None
 
 
 def _with_sequence(record: SlotRecord, sequence: int) -> SlotRecord:

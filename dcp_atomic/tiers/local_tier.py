@@ -319,8 +319,6 @@ class Held:
     save_id: str
     manifest_sha256: str
     sequence: int | None
-    world_size: int
-    parallelism: dict | None
     ranks: list[int]  # ranks whose shard and every data file verified here
     intact: dict[str, int]  # data file -> its rank, for each file that verified here (its rank's shard too)
     control: bool  # .metadata and ranks.json here match the manifest (a reader can open the step here)
@@ -387,8 +385,7 @@ def scan_root(layout: RunLayout, *, lineage: str | None, verify_data: bool = Tru
             if len(found) == sum(1 for f in manifest.files if f.rank == rank) and why is None:
                 ranks.append(rank)
         held.append(Held(step=marker.step, save_id=marker.save_id, manifest_sha256=marker.manifest_sha256,
-                         sequence=marker.sequence, world_size=manifest.world_size, parallelism=manifest.parallelism,
-                         ranks=ranks, intact=intact, control=_control_intact(layout, manifest), damaged=damaged,
+                         sequence=marker.sequence, ranks=ranks, intact=intact, control=_control_intact(layout, manifest), damaged=damaged,
                          files={r: sorted(f.name for f in manifest.files if f.rank == r)
                                 for r in range(manifest.world_size)},
                          sizes={f.name: f.size for f in manifest.files}, partial=partial, shards=shards))

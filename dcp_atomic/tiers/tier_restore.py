@@ -9,7 +9,8 @@ versions or load garbage, so the choice is made once, by global rank 0, from wha
    it reports which files it holds intact (a damaged, partial or absent file is not held);
 2. rank 0 orders the local steps and the durable tier's newest commit by commit sequence (P10), and takes the
    first one that can be assembled completely: a local step whose every data file is intact in at least one
-   root, for this world size (a changed world or declared layout restores from the durable tier); a local step
+   root, whatever world size saved it (a resized job reshards from it as from a durable step: the load applies
+   the one layout policy, :func:`~dcp_atomic.dcp.reshard.check_layout`, to either); a local step
    that cannot be assembled is logged with the ranks and files it lacks, and the next one is tried;
 3. for a local step (:func:`assemble_step`): every root that lacks the step's control files gets them from one root
    that holds them; then each rank plans its own load (the load planner, on the step's ``.metadata`` and the
@@ -101,7 +102,7 @@ class Fetch:
 
 
 def choose_restore(topology: Topology, reports: dict[int, list[Held]], durable: DurableCandidate | None,
-                   world: int, parallelism: dict | None, step: int | None, save_id: str | None = None) -> Choice:
+                   step: int | None, save_id: str | None = None) -> Choice:
     """Rank 0's decision (step 2 of the module doc) from each leader's report; ``save_id`` (with ``step``): that
     exact save or nothing, never another save of the step (a file that names one save, as Lightning's do)."""
     if save_id is not None and durable is not None and durable.save_id != save_id:
@@ -122,12 +123,6 @@ def choose_restore(topology: Topology, reports: dict[int, list[Held]], durable: 
         if durable is not None and (durable.sequence or 0) >= (held.sequence or 0) and durable.save_id != held.save_id:
             break  # the durable tier holds a newer commit, or one no older (another job's, sequence unknown to ours)
         where = f"local step {held.step} (save {held.save_id}, sequence {held.sequence})"
-        if held.world_size != world:
-            skipped.append(f"{where} was saved by {held.world_size} ranks, this job has {world}")
-            continue
-        if parallelism is not None and held.parallelism is not None and held.parallelism != parallelism:
-            skipped.append(f"{where} was saved with layout {held.parallelism}, this job declares {parallelism}")
-            continue
         stores: dict[int, Held] = entry["stores"]
         writers = {name: rank for rank, names in held.files.items() for name in names}
         holders = {name: sorted(leader for leader, h in stores.items() if name in h.intact) for name in writers}
@@ -252,7 +247,9 @@ def assemble_step(topology: Topology, layout: RunLayout, choice: Choice, group,
         unplanned = e
     try:
         manifest, metadata = _open_step(layout, choice)
-        need = {f.name: None for f in manifest.files if f.rank == rank}  # its own primary files, whole
+        # Its own primary files, whole (the drain and the next replicas read them): at the world size that wrote
+        # them; a resized job's next save writes files of its own, so it receives only what its load reads.
+        need = {f.name: None for f in manifest.files if f.rank == rank and manifest.world_size == len(topology.domains)}
         try:
             reads = planned_reads(expanded, metadata) if expanded is not None else None
         except Exception as e:  # the load itself raises this with its own error; fetch everything meanwhile

@@ -1,0 +1,114 @@
+"""A job that comes back at another world size restores the memory tier's newest snapshot, resharded (P16; DESIGN
+"Memory tier": "A restore at a different world size may reshard from the memory or local tier's complete copy"),
+instead of rolling back to the newest durable step: 4 ranks on 2 simulated nodes (each node's RAM its own tmpfs)
+shrink to 2 ranks (one per node) and grow back, every value exact (``torch.equal`` against the full tensors of the
+job that took the snapshot); a damaged copy is served around; per-rank values and a tensor-parallel change without
+consent are refused by name on every rank."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from dcp_atomic.memory import SlotRecord
+from tests.harness import assert_all_ok
+from tests.helpers.fsdp_app import _train_step
+from tests.helpers.memory import full_state, memory_manager, one_node_per_rank, state_of, trained
+from tests.helpers.tiers import RUN, _flip_byte, _run
+
+
+def _snapshot(ctx, last, extra=None):
+    """Train and snapshot steps 1..last (step 1 also saved durably, unless ``extra`` adds values a durable save
+    refuses); the full state after ``last``."""
+    model, optim = trained(ctx.world_size, 0)
+    with memory_manager(ctx) as manager:
+        for step in range(1, last + 1):
+            _train_step(model, optim, step)
+            state = {**state_of(model, optim, step), **(extra(ctx) if extra else {})}
+            assert manager.snapshot(step, state).result() == step
+            if step == 1 and extra is None:
+                manager.save(step, state)
+    return full_state(model, optim)
+
+
+def _restore_then_snapshot(ctx, next_step=None):
+    """A fresh job of this world size loads the newest step; then (``next_step``) snapshots it as that step."""
+    model, optim = trained(ctx.world_size, 0, seed=7)
+    with memory_manager(ctx) as manager:
+        state = state_of(model, optim, 0)
+        step = manager.load(state)
+        served = dict(manager.restored_from)
+        full = full_state(model, optim)
+        if next_step is not None:
+            assert manager.snapshot(next_step, state_of(model, optim, next_step)).result() == next_step
+    return {"step": step, "progress": state["progress"]["step"], "served": served, "full": full}
+
+
+def _records(nodes):
+    found = []
+    for path in glob.glob(os.path.join(nodes[0], "mem", RUN, "r*", "slot*.commit")) + glob.glob(
+            os.path.join(nodes[1], "mem", RUN, "r*", "slot*.commit")):
+        with open(path, "rb") as f:
+            found.append(SlotRecord.from_bytes(f.read(), path))
+    return found
+
+
+def _exact(got, want):
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.slow
+def test_a_job_shrunk_to_2_ranks_and_grown_back_restores_the_newest_snapshot_resharded_exactly(root, nodes):
+    want = assert_all_ok(_run(_snapshot, root, nodes, 3))[0]
+    # Node A's own copy of rank 0's share is damaged: that share is served from its replica on node B.
+    [damaged] = [p for p in glob.glob(os.path.join(nodes[0], "mem", RUN, "r0", "slot*.data"))
+                 if SlotRecord.from_bytes(open(p[:-5] + ".commit", "rb").read(), p).step == 3]
+    _flip_byte(damaged, 8)
+    shrunk = assert_all_ok(_run(_restore_then_snapshot, root, nodes, 4, world=2, rank_env=one_node_per_rank))
+    for out in shrunk:
+        assert out["step"] == out["progress"] == 3, out["served"]  # not the durable step 1
+        assert out["served"]["tier"] == "memory-replica" and out["served"]["resharded_from"] == 4, out["served"]
+        _exact(out["full"], want)
+    # The resized job's first snapshot is committed: the slots the job of 4 left are gone from both nodes' RAM.
+    assert {(r.world_size, r.step) for r in _records(nodes)} == {(2, 4)}, _records(nodes)
+    assert not glob.glob(os.path.join(nodes[0], "mem", RUN, "r[23]", "slot*.data"))
+    grown = assert_all_ok(_run(_restore_then_snapshot, root, nodes))
+    for out in grown:
+        assert out["step"] == 4 and out["served"]["tier"] == "memory" and out["served"]["resharded_from"] == 2
+        _exact(out["full"], shrunk[0]["full"])
+
+
+def _per_rank(ctx):
+    return {"noise": torch.full((3,), float(ctx.rank))}
+
+
+def _restore_refused(ctx, parallelism=None, per_rank=False):
+    from dcp_atomic import Parallelism
+
+    model, optim = trained(ctx.world_size, 0, seed=7)
+    declared = None if parallelism is None else Parallelism(**parallelism)
+    with memory_manager(ctx, parallelism=declared) as manager:
+        state = {**state_of(model, optim, 0), **(_per_rank(ctx) if per_rank else {})}
+        try:
+            manager.load(state)
+        except Exception as e:  # noqa: BLE001 - the test reads the refusal
+            return f"{type(e).__name__}: {e}"
+        return f"loaded step {state['progress']['step']} from {manager.restored_from}"
+
+
+@pytest.mark.slow
+def test_per_rank_values_and_a_tensor_parallel_change_without_consent_are_refused_on_every_rank(root, nodes):
+    assert_all_ok(_run(_snapshot, root, nodes, 2, _per_rank))
+    refused = assert_all_ok(_run(_restore_refused, root, nodes, None, True, world=2, rank_env=one_node_per_rank))
+    for why in refused:
+        assert why.startswith("ReshardError") and "'noise' was a per-rank value" in why, why
+        assert "world size 4" in why and "Nothing was loaded" in why, why
+    refused = assert_all_ok(_run(_restore_refused, root, nodes, {"tp": 2, "dp": 1}, True, world=2,
+                                 rank_env=one_node_per_rank))
+    for why in refused:
+        assert why.startswith("ReshardError") and "tensor_parallel_size=2" in why, why
