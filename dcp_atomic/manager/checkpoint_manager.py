@@ -667,7 +667,10 @@ class CheckpointManager(RankAgreement):
         completely from the local roots, peers' replicas or the durable root; ``restored_from`` then says
         which tier served (``{"tier", "step", "save_id", "ranks_fetched", "bytes_fetched"}``, every rank its own:
         how many ranks' files (whole, or the items it reads of them) this rank received into its local root from
-        another root first, and their stored bytes).
+        another root first, and their stored bytes).  With ``memory=``: the memory tier first (``"tier"``
+        ``"memory"``/``"memory-replica"``, plus ``"sequence"`` and ``"resharded_from"``: the world size that took a
+        snapshot this job of another size resharded, else None).  Another world size reshards from any tier, under
+        the layout policy (a tensor/pipeline/expert-parallel change needs ``allow_reshard=True``).
 
         Before loading, raises the failure of an earlier ``async_save`` that nothing has reported yet.
         """
