@@ -50,7 +50,7 @@ GROUP_CAPS = (1 << 30, 256 << 20, 64 << 20, 16 << 20)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-sizes", default="1,2,4", help="comma-separated (default %(default)s)")
+    parser.add_argument("--world-sizes", default=None, help="comma-separated (default 1,2,4; 1,2 with --smoke)")
     parser.add_argument("--base-mb", type=float, default=1000, help="frozen base of all ranks, MB (default %(default)s)")
     parser.add_argument("--adapter-fraction", type=float, default=0.01,
                         help="adapter + its two Adam moments, as a fraction of the base's bytes (default %(default)s)")
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-root", default=None, help="directory on a disk (default /var/tmp)")
     parser.add_argument("--json", default="bench-results/reuse.json", help="results file (default %(default)s)")
     parser.add_argument("--op-timeout", type=float, default=600, help="seconds one operation may take")
-    parser.add_argument("--smoke", action="store_true", help="seconds: worlds 1,2, 24 MB, 4 + 1 saves")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 24 MB, 4 + 1 saves (worlds 1,2 unless given)")
     parser.add_argument("--s3", default=None, metavar="SERVER",
                         help="also on S3: seaweedfs or moto (started here) or an endpoint URL; reuse and full through a "
                              "recording proxy that counts the bytes each save uploads")
@@ -72,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.smoke:
-        args.world_sizes, args.base_mb, args.tensor_mb, args.saves, args.async_saves = "1,2", 24, 4, 4, 1
-    args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
+        args.base_mb, args.tensor_mb, args.saves, args.async_saves = 24, 4, 4, 1
+    args.world_sizes = [int(w) for w in (args.world_sizes or ("1,2" if args.smoke else "1,2,4")).split(",")]
     if min(args.world_sizes) < 1 or args.saves < 3 or args.async_saves < 0 or args.base_mb <= 0:
         parser.error("world sizes positive, --saves >= 3 (saves 1 and 2 link nothing), --async-saves >= 0, "
                      "--base-mb > 0")

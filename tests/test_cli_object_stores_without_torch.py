@@ -58,7 +58,8 @@ def test_an_unreachable_endpoint_fails_every_command_before_torch_is_imported(sc
         options = {"endpoint_url": endpoint, "key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"},
                    "dcp_atomic_retry_budget_s": 2, "dcp_atomic_backoff_s": 0.01}
     else:
-        options = {"endpoint_url": endpoint, "token": "anon", "project": "test", "retries": 1}
+        options = {"endpoint_url": endpoint, "token": "anon", "project": "test", "retries": 1,
+                   "dcp_atomic_retry_budget_s": 2, "dcp_atomic_backoff_s": 0.01}
     root = f"{scheme}://bucket/root"
     flag = ["--storage-options", json.dumps(options), "--timeout", "5"]
     for argv in (["ls", root], ["ls", root, RUN], ["show", root, RUN, "1"], ["verify", root, RUN, "1"],

@@ -3,8 +3,8 @@
 A tiny random Llama is saved the way a training job saves it (``{"model": model.state_dict()}`` through the
 manager, so every stored key carries a ``model.`` prefix), exported with ``--strip-prefix`` (and ``--tie`` when
 the embeddings are tied), and loaded by ``AutoModelForCausalLM.from_pretrained``: no missing, unexpected or
-mismatched key, and logits bit-exact.  The documented example (docs/cli.md) runs here the same way
-``tests/test_docs_site.py`` runs it, followed by the same logits check.  Names that cannot come out as asked are
+mismatched key, and logits bit-exact.  (The documented example in docs/cli.md, its export and its load by
+``from_pretrained``, runs as written in ``tests/test_docs_site.py``.)  Names that cannot come out as asked are
 refused by name, before a byte is written, and an existing export is replaced only with ``--force``.
 """
 
@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from dcp_atomic import CheckpointManager
 from dcp_atomic.tools.cli import main
-from tests.helpers.markdown_blocks import blocks, console_commands
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' (transformers is a test extra)")
 from safetensors import safe_open  # noqa: E402 - after the skip: both come with the test extra
@@ -28,7 +25,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # 
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN, STEP = "llama", 20
 
 
@@ -83,26 +79,6 @@ def test_export_loads_in_transformers_with_no_missing_or_unexpected_key_and_bit_
     assert keys == expected, keys ^ expected  # tied: written once, under the name save_pretrained keeps
     assert report["tied"] == ([["lm_head.weight", "model.embed_tokens.weight"]] if tie else [])
     _assert_loads_as(out, model)
-
-
-def test_the_documented_export_example_loads_in_transformers(tmp_path, monkeypatch):
-    """docs/cli.md's Llama block and its export and load commands, run the way tests/test_docs_site.py runs them,
-    then the export compared with the model itself."""
-    page = blocks(os.path.join(HERE, "docs", "cli.md"))
-    (llama_block,) = [b.body for b in page if b.language == "python" and "LlamaForCausalLM" in b.body]
-    commands = [command for b in page if b.language == "console" for command, _ in console_commands(b)
-                if "hf-model" in command]
-    assert any("--strip-prefix" in c for c in commands) and any("from_pretrained" in c for c in commands), commands
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "docs"}
-    exec(compile(llama_block, "docs/cli.md llama block", "exec"), namespace)  # noqa: S102
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               PYTHONPATH=HERE)
-    for command in commands:
-        done = subprocess.run(command, shell=True, env=env, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, f"$ {command}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-        assert "Traceback" not in done.stderr, done.stderr
-    _assert_loads_as("hf-model", namespace["llama"].eval())
 
 
 def test_names_that_cannot_come_out_as_asked_are_refused_by_name_before_writing(root, tmp_path, capsys):

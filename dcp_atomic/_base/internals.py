@@ -134,6 +134,14 @@ def gcs_creates_exclusively(fs: Any) -> bool:
     return "mode" in inspect.signature(fs._pipe_file).parameters
 
 
+def gcs_json_filesystem() -> type:
+    """gcsfs's JSON-API filesystem (``gcsfs.core.GCSFileSystem``): ``gcsfs.GCSFileSystem`` may be the extended
+    subclass (gcsfs >= 2025.x, ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT``) that looks each bucket's type up over gRPC."""
+    from gcsfs.core import GCSFileSystem
+
+    return GCSFileSystem
+
+
 def gcs_location(fs: Any) -> str:
     """The endpoint URL gcsfs sends requests to (the fake server in tests)."""
     return fs._location

@@ -26,6 +26,12 @@ before anyone is told they lost; a marker write that failed for good is settled
 by reading it back (committed, another's, or "unknown" with what to run).
 Everything else is :class:`FsspecStorage`: data objects are single or
 resumable uploads, visible only once complete.
+
+The filesystem is gcsfs's JSON-API one, never the "extended" class newer gcsfs
+registers for ``gs://``: that one first asks the storage-control gRPC API for
+each bucket's type, outside the policy above and its deadline (30-60 s per
+new filesystem against an endpoint that does not answer, a warning on every
+command), for zonal-bucket features this backend does not use.
 """
 
 from __future__ import annotations
@@ -136,7 +142,8 @@ class GCSStorage(FsspecStorage):
         self._init_args = (url, dict(options))  # what a pickle carries (see __reduce__)
         self.policy = RetryPolicy.pop_from(options)
         # No shared instance and no listing cache: a reused filesystem would carry another save's state.
-        super().__init__(url, {"skip_instance_cache": True, "use_listings_cache": False, **options})
+        super().__init__(url, {"skip_instance_cache": True, "use_listings_cache": False, **options},
+                         fs_class=internals.gcs_json_filesystem())
         if not internals.gcs_creates_exclusively(self.fs):
             raise ConfigurationError(
                 f"{url}: the installed gcsfs cannot create an object only if it is "

@@ -481,12 +481,16 @@ class FsspecStorage(Storage):
 
     exclusive_create_is_atomic = False
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, fs_class: type | None = None) -> None:
+        """``fs_class``: this filesystem class instead of the one fsspec registers for the URL's scheme."""
         import fsspec
 
         from fsspec.implementations.local import LocalFileSystem
 
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        if fs_class is None:
+            fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        else:
+            fs, path = fs_class(**(storage_options or {})), fs_class._strip_protocol(url)
         if isinstance(fs, LocalFileSystem):
             warnings.warn(
                 f"{url}: {type(fs).__name__} is a local-style fsspec filesystem, so it goes through fsspec like any "
