@@ -1,7 +1,7 @@
 """A job that comes back at another world size restores the memory tier's newest snapshot, resharded (P16; DESIGN
 "Memory tier": "A restore at a different world size may reshard from the memory or local tier's complete copy"),
 instead of rolling back to the newest durable step: 4 ranks on 2 simulated nodes (each node's RAM its own tmpfs)
-shrink to 2 ranks (one per node) and grow back, every value exact (``torch.equal`` against the full tensors of the
+shrink to 2 ranks (one per node), then grow to 3 (uneven shards), every value exact (``torch.equal`` against the full tensors of the
 job that took the snapshot); a damaged copy is served around; per-rank values and a tensor-parallel change without
 consent are refused by name on every rank."""
 
@@ -62,8 +62,15 @@ def _exact(got, want):
         assert torch.equal(got[key], want[key]), key
 
 
+def _three_ranks(rank: int) -> dict[str, str]:
+    """A world of 3: ranks 0 and 1 on node A, rank 2 on node B."""
+    node = 0 if rank < 2 else 1
+    return {"DCP_ATOMIC_FAILURE_DOMAIN": "node" + "AB"[node], "LOCAL_RANK": str(rank % 2 if node == 0 else 0),
+            "LOCAL_WORLD_SIZE": "2" if node == 0 else "1", "GROUP_RANK": str(node)}
+
+
 @pytest.mark.slow
-def test_a_job_shrunk_to_2_ranks_and_grown_back_restores_the_newest_snapshot_resharded_exactly(root, nodes):
+def test_a_job_shrunk_to_2_ranks_then_grown_to_3_restores_the_newest_snapshot_resharded_exactly(root, nodes):
     want = assert_all_ok(_run(_snapshot, root, nodes, 3))[0]
     # Node A's own copy of rank 0's share is damaged: that share is served from its replica on node B.
     [damaged] = [p for p in glob.glob(os.path.join(nodes[0], "mem", RUN, "r0", "slot*.data"))
@@ -77,7 +84,8 @@ def test_a_job_shrunk_to_2_ranks_and_grown_back_restores_the_newest_snapshot_res
     # The resized job's first snapshot is committed: the slots the job of 4 left are gone from both nodes' RAM.
     assert {(r.world_size, r.step) for r in _records(nodes)} == {(2, 4)}, _records(nodes)
     assert not glob.glob(os.path.join(nodes[0], "mem", RUN, "r[23]", "slot*.data"))
-    grown = assert_all_ok(_run(_restore_then_snapshot, root, nodes))
+    # Grown to 3 ranks (two on node A): uneven shards, the last rank's share of a 4-row layer empty.
+    grown = assert_all_ok(_run(_restore_then_snapshot, root, nodes, world=3, rank_env=_three_ranks))
     for out in grown:
         assert out["step"] == 4 and out["served"]["tier"] == "memory" and out["served"]["resharded_from"] == 2
         _exact(out["full"], shrunk[0]["full"])
