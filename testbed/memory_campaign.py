@@ -35,7 +35,8 @@ RUN = "campaign"
 SAVE_EVERY = 4  # a durable save() every 4th step: the tier a restore takes when both nodes' memory is gone
 # memory phase -> does the step whose snapshot dies there survive?  (before_record: rank 0 gave the sequence and
 # every share's copy is verified on a live holder, whose record makes the share whole)
-PHASES = {"after_slot_write": False, "replica_send": False, "before_record": True, "after_record": True}
+PHASES = {"after_retire": False, "after_slot_write": False, "replica_send": False, "replica_receive": False,
+          "before_record": True, "after_record": True}
 
 
 def node_env(rank: int) -> dict[str, str]:

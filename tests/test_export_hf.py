@@ -18,6 +18,7 @@ import torch
 
 from dcp_atomic import CheckpointManager
 from dcp_atomic.tools.cli import main
+from tests.helpers.markdown_blocks import REPO
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]' (transformers is a test extra)")
 from safetensors import safe_open  # noqa: E402 - after the skip: both come with the test extra
@@ -145,7 +146,7 @@ def test_transformers_is_a_test_extra_and_came_without_another_torch():
     """The test extra brings transformers; installing it must not have replaced the torch this project is tested on."""
     import tomllib
 
-    with open(os.path.join(HERE, "pyproject.toml"), "rb") as f:
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
     assert any(r.startswith("transformers") for r in extras["test"]), extras["test"]
     assert torch.__version__.startswith("2.13.0"), torch.__version__

@@ -47,8 +47,10 @@ POINTS = frozenset(
         "drain.before_marker",  # the drain's rank 0, control files checked, before the durable marker (the step)
         "drain.after_commit",  # the drain's rank 0, the step durably committed, before it hands out the outcome
         "reuse.before_link",  # every rank saving with reuse, before it links a stable file of the base (the base step)
+        "memory.after_retire",  # memory tier: every rank, its oldest slot's record retired, before a byte is rewritten
         "memory.after_slot_write",  # memory tier: every rank, its slot written (no record yet), before the commit thread
         "memory.replica_send",  # memory tier's thread: every rank, slots agreed, before the copies move (the step)
+        "memory.replica_receive",  # memory tier's thread: every rank, the copies it holds verified and in place, unnumbered
         "memory.before_record",  # memory tier's thread: every rank, the sequence handed out, before any commit record
         "memory.after_record",  # memory tier's thread: every rank, its records written, before the ranks agree
         "stage.before_copy",  # the stager's thread of every rank, before it reads a live tensor (the step)

@@ -10,6 +10,7 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "read_checks": ("check_stored_items", "decode_chunk", "item_id", "payload_proven", "read_by_a_load",
                     "read_dcp_metadata"),
     "reader": ("AtomicStorageReader",),
+    "reshard": ("check_layout", "infer_parallelism"),
     "reuse": ("refuse_unsupported",),
     "watched": ("WatchedReader", "WatchedSavePlanner", "WatchedWriter"),
     "writer": ("AtomicStorageWriter",),

@@ -71,30 +71,30 @@ def plan(leaves: list[Leaf], records: dict[int, SlotRecord], near: set[int], whe
     for share in sorted(records):
         for item in records[share].items:
             stored.setdefault(item.key, []).append((share, item))
-    result, problems, missing = Plan(), [], []
+    result, problems, missing = Plan(), {}, []
     for index, leaf in enumerate(leaves):
         copies = stored.get(leaf.key)
         if not copies:
             missing.append(leaf.key)
-            continue
-        if any(item.kind == "object" for _, item in copies) or leaf.tensor is None:
-            why = _object_source(leaf, copies, near)
-            if isinstance(why, str):
-                problems.append(why)
+        elif any(item.kind == "object" for _, item in copies) or leaf.tensor is None:
+            found = _object_source(leaf, copies, near)
+            if isinstance(found, str):
+                problems[leaf.key] = found
             else:
-                result.objects[index] = why
-            continue
-        why = _tensor_pieces(leaf, copies, near)
-        if isinstance(why, str):
-            problems.append(why)
+                result.objects[index] = found
         else:
-            result.pieces[index] = why
+            found = _tensor_pieces(leaf, copies, near)
+            if isinstance(found, str):
+                problems[leaf.key] = found
+            else:
+                result.pieces[index] = found
     if missing or problems:
+        said = list(problems.values())
         raise ReshardError(
             f"{where} cannot fill this job's state dict: "
-            + "; ".join([f"key(s) the snapshot lacks: {missing[:6]}"] * bool(missing) + problems[:6])
-            + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else "") + ". Nothing was loaded from it.",
-            keys=missing + [p.split("'")[1] for p in problems if "'" in p])
+            + "; ".join([f"key(s) the snapshot lacks: {missing[:6]}"] * bool(missing) + said[:6])
+            + (f" (and {len(said) - 6} more)" if len(said) > 6 else "") + ". Nothing was loaded from it.",
+            keys=missing + list(problems))
     return result
 
 

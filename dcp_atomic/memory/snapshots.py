@@ -40,12 +40,12 @@ from .._base import failpoints
 from .._base.futures import ReportedFuture
 from .._base.stats import SnapshotStats
 from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StagingRaceError
+from ..dcp import check_layout, infer_parallelism
 from ..exchange.collective import CollectiveFailed, agreed_phase, first_line, gather, raise_typed
 from ..exchange.file_transfer import Part, Spooled, discard, transfer
-from ..dcp.reshard import check_layout, infer_parallelism
 from ..exchange.transport import PeerError, PeerLink
-from ..format.parallelism import Parallelism
 from ..format.layout import RunLayout
+from ..format.parallelism import Parallelism
 from ..protocol.commit import known_sequence, next_sequence, note_sequence
 from ..staging import StagedCopy, Stager
 from ..tiers import Topology, expand_stateful
@@ -119,6 +119,7 @@ class MemorySnapshots:
         self._staged: StagedCopy | None = None  # the staging of the latest snapshot (with a stager)
         self.durable_every, self.durable = options.durable_every, durable
         self.parallelism = parallelism
+        self._other_worlds_swept = False  # slots an earlier job of another world size left: removed once
         self._since_copy = 0  # memory-committed snapshots since the last durable copy started
         self._due: SlotRecord | None = None  # the newest memory-committed slot, once a durable copy of it is due
         self._pinned: _Pin | None = None  # the slot the latest durable copy reads, until its save is done
@@ -207,6 +208,7 @@ class MemorySnapshots:
         if self._due is not None and self._due.slot == slot:  # its copy could not start yet: the next one is due
             self._due = None
         self.dir.retire(self.rank, slot)  # P1 for slots: the record goes before a byte is rewritten
+        failpoints.hit("memory.after_retire", self.rank, step)
         layout = self._layout(leaves)
         self._shapes[slot] = shape
         written: SlotRecord | _Staging | BaseException
@@ -421,6 +423,7 @@ class MemorySnapshots:
                     os.makedirs(os.path.dirname(self.dir.data(src, copy.slot)), exist_ok=True)
                     os.replace(spooled, self.dir.data(src, copy.slot))
                     kept.append(dataclasses.replace(copy, holder=self.rank))
+                failpoints.hit("memory.replica_receive", self.rank, step)
             finally:
                 discard(received)
         return kept
@@ -704,12 +707,13 @@ class MemorySnapshots:
         return record, data.path
 
     def _retire_other_worlds(self, sequence: int) -> None:
-        """A node's leader, once a snapshot of this job is memory-committed (``sequence``): the slots of this
+        """A node's leader, once this job's first snapshot is memory-committed (``sequence``): the slots of this
         lineage that a job of another world size left (restored from, resharded, or passed over) are removed, data
         too.  No restore takes them over this newer commit, and a rank number the resized job lacks would keep
-        their RAM forever."""
-        if not self.topology.is_leader:
+        their RAM forever.  Once per manager: only an earlier job leaves them."""
+        if not self.topology.is_leader or self._other_worlds_swept:
             return
+        self._other_worlds_swept = True
         for where, record in self.dir.records():
             if (isinstance(record, SlotRecord) and (record.run_id, record.lineage) == (self.run_id, self.lineage)
                     and record.world_size != self.world_size and record.sequence < sequence):
