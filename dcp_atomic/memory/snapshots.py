@@ -548,13 +548,8 @@ class MemorySnapshots:
                                                               path=self.dir.data(owner, slot)))
                 if rank == self.rank:
                     incoming[holder] = self.topology.describe(holder)
-        try:
-            received = transfer(outgoing, incoming, self.group, self.dir.spool,
-                                what=f"receiving the old shares of {what} from the nodes holding them",
-                                timeout=self.timeout, exchange_id=f"memory-reshard/{self.run_id}",
-                                consequence="nothing was loaded.")
-        except BaseException as e:
-            raise_typed(self.translate(e, f"restoring {what}"))
+        received = self._restore_transfer(outgoing, incoming, f"receiving the old shares of {what} from the nodes "
+                                          "holding them", "memory-reshard", f"restoring {what}")
         fetched = 0
         try:
             with agreed_phase(self.group, f"restoring {what}", f"rank {self.rank}", then=then, step=step):
@@ -687,13 +682,8 @@ class MemorySnapshots:
                                        path=self.dir.data(rank, slot))]
             if rank == self.rank:
                 incoming[holder] = self.topology.describe(holder)
-        try:
-            received = transfer(outgoing, incoming, self.group, self.dir.spool,
-                                what=f"receiving step {step}'s memory snapshot from replica holders",
-                                timeout=self.timeout, exchange_id=f"memory-restore/{self.run_id}",
-                                consequence="nothing was loaded.")
-        except BaseException as e:
-            raise_typed(self.translate(e, f"restoring step {step} from the memory tier"))
+        received = self._restore_transfer(outgoing, incoming, f"receiving step {step}'s memory snapshot from replica "
+                                          "holders", "memory-restore", f"restoring step {step} from the memory tier")
         if not received:
             return None
         parts = next(iter(received.values()))
@@ -705,6 +695,16 @@ class MemorySnapshots:
                 f.write(data)
             return record, path
         return record, data.path
+
+    def _restore_transfer(self, outgoing: dict[int, list], incoming: dict[int, str], what: str, exchange: str,
+                          failing: str) -> dict:
+        """A restore's one transfer, every rank alike (:func:`transfer`'s ``outgoing``/``incoming``); a failure is
+        raised typed as ``failing``'s, on every rank that exchanged with the lost peer."""
+        try:
+            return transfer(outgoing, incoming, self.group, self.dir.spool, what=what, timeout=self.timeout,
+                            exchange_id=f"{exchange}/{self.run_id}", consequence="nothing was loaded.")
+        except BaseException as e:
+            raise_typed(self.translate(e, failing))
 
     def _retire_other_worlds(self, sequence: int) -> None:
         """A node's leader, once this job's first snapshot is memory-committed (``sequence``): the slots of this
