@@ -55,8 +55,9 @@ def test_the_readme_install_into_a_fresh_venv_gives_a_working_cli_and_quick_star
     elsewhere.mkdir()
     subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
     for command in commands:  # torch first, then the package with its extras, torchtitan, the CLI's help
-        done = _run(command.replace("pip install", "pip install -q --disable-pip-version-check", 1), venv,
-                    str(elsewhere))
+        # --no-compile: the same files, without byte-compiling torch's thousands of modules at install time
+        done = _run(command.replace("pip install", "pip install -q --disable-pip-version-check --no-compile", 1),
+                    venv, str(elsewhere))
     assert "usage: dcp-atomic" in done.stdout
     where = _run('python -c "import dcp_atomic, dcp_atomic.integrations, s3fs; print(dcp_atomic.__file__)"', venv,
                  str(elsewhere)).stdout
