@@ -233,7 +233,9 @@ def test_one_node_s_hung_durable_client_ends_wait_on_every_rank_at_the_stall_dea
         assert STALL <= seconds < STALL + 15, (rank, calls)
         assert "step 1 " in message and "no progress on any rank" in message, message
         assert durable is False and "will be written" in message, (rank, message)  # one verdict: not durable
-        assert close_kind == "DrainStalledError" and close_seconds < 2, (rank, calls)
+        # close() says it again while the released round is still ending; once rank 0 abandoned the step it has
+        # nothing left to report (wait() did): either way it does not wait
+        assert close_kind in ("DrainStalledError", "returned") and close_seconds < 2, (rank, calls)
     assert "this rank waited for its peers" in seen[0][0][2]  # rank 0 was not the one on the store
     assert not _durable_marker(str(tmp_path / "durable"))  # rank 0 abandoned the step once the hang ended
 

@@ -220,13 +220,20 @@ class Drainer:
                     self._broken = self._broken or self._verdict
                     self._cond.notify_all()
                 raise self._verdict
+        if isinstance(failure, DrainStalledError) and failure.details.get("durable") is False:
+            # rank 0 abandoned the step because another rank's waiter declared the stall before this one looked
+            # (a loaded rank polls late): this rank says what every waiter says, not the committer's reason
+            self._verdict = self._stall_error(STALLED, step=failure.details.get("step"))
+            raise self._verdict from failure
         if failure is not None:
             raise failure
 
-    def _stall_error(self, verdict: str) -> DrainStalledError:
-        """What every rank says when the shared clock ran out (``verdict``: exchange/stall.py's)."""
+    def _stall_error(self, verdict: str, step: int | None = None) -> DrainStalledError:
+        """What every rank says when the shared clock ran out (``verdict``: exchange/stall.py's); ``step``: the step
+        whose round already ended in the abandonment."""
         job = self._inflight
         what = (f"the drain of step {job.step} (save {job.save_id})" if job is not None else
+                f"the drain of step {step}" if step is not None else
                 f"the drain of step(s) {sorted(self.protected())}")
         own = ("this rank's own uploads are stuck on the store" if self._io_since is not None else
                "this rank waited for its peers")
@@ -250,7 +257,7 @@ class Drainer:
             f"{own}, rank {self.rank}): the store ({self.where}, or a node's local root) does not answer. Stopped "
             f"waiting. {outcome}. Drains stop until the job restarts, and the next job drains the newest local step "
             "again. Check the store (a frozen mount, an unreachable endpoint).",
-            step=job.step if job is not None else None, rank=self.rank, path=self.where,
+            step=job.step if job is not None else step, rank=self.rank, path=self.where,
             durable={STALLED: False, DURABLE: True}.get(verdict))
 
     def _io(self) -> "_StoreWork":
