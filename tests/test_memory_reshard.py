@@ -2,7 +2,8 @@
 "Memory tier": "A restore at a different world size may reshard from the memory or local tier's complete copy"),
 instead of rolling back to the newest durable step: 4 ranks on 2 simulated nodes (each node's RAM its own tmpfs)
 shrink to 2 ranks (one per node), then grow to 3 (uneven shards), every value exact (``torch.equal`` against the full tensors of the
-job that took the snapshot); a damaged copy is served around; per-rank values and a tensor-parallel change without
+job that took the snapshot); a damaged copy is served around; the holder sending it killed mid-transfer is named
+and leaves every slot as it was; per-rank values and a tensor-parallel change without
 consent are refused by name on every rank."""
 
 from __future__ import annotations
@@ -69,6 +70,22 @@ def _three_ranks(rank: int) -> dict[str, str]:
             "LOCAL_WORLD_SIZE": "2" if node == 0 else "1", "GROUP_RANK": str(node)}
 
 
+def _restore_losing_the_sender(ctx):
+    """A resized job's restore in which rank 1 (node B: the holder that sends rank 0 the share its node lost) is
+    SIGKILLed as it is about to post its first chunk round; what rank 0 raised, and how fast.  No close()."""
+    import time
+
+    model, optim = trained(ctx.world_size, 0, seed=7)
+    manager = memory_manager(ctx, timeout=5)
+    started = time.monotonic()
+    try:
+        manager.load(state_of(model, optim, 0))
+    except Exception as e:  # noqa: BLE001 - the test reads the failure
+        return {"error": type(e).__name__, "silent": getattr(e, "details", {}).get("silent"), "message": str(e),
+                "seconds": time.monotonic() - started}
+    return {"error": None, "served": dict(manager.restored_from)}
+
+
 @pytest.mark.slow
 def test_a_job_shrunk_to_2_ranks_then_grown_to_3_restores_the_newest_snapshot_resharded_exactly(root, nodes):
     want = assert_all_ok(_run(_snapshot, root, nodes, 3))[0]
@@ -76,6 +93,15 @@ def test_a_job_shrunk_to_2_ranks_then_grown_to_3_restores_the_newest_snapshot_re
     [damaged] = [p for p in glob.glob(os.path.join(nodes[0], "mem", RUN, "r0", "slot*.data"))
                  if SlotRecord.from_bytes(open(p[:-5] + ".commit", "rb").read(), p).step == 3]
     _flip_byte(damaged, 8)
+    held = sorted((r.world_size, r.rank, r.step, r.sequence) for r in _records(nodes))
+    # First the sender dies mid-transfer: rank 0 says so, typed and naming it, in seconds; nothing is retired.
+    killed = _run(_restore_losing_the_sender, root, nodes, world=2, pg_timeout=5, rank_env=lambda rank: {
+        **one_node_per_rank(rank), "DCP_ATOMIC_FAILPOINTS": "transfer.round@1#1=kill" if rank == 1 else None})
+    assert killed[1].killed and killed[0].ok, killed
+    lost = killed[0].value
+    assert lost["error"] in ("PeerLost", "RankFailureError") and lost["silent"] == "1", lost
+    assert "nothing was loaded" in lost["message"] and lost["seconds"] < 60, lost
+    assert sorted((r.world_size, r.rank, r.step, r.sequence) for r in _records(nodes)) == held
     shrunk = assert_all_ok(_run(_restore_then_snapshot, root, nodes, 4, world=2, rank_env=one_node_per_rank))
     for out in shrunk:
         assert out["step"] == out["progress"] == 3, out["served"]  # not the durable step 1
