@@ -331,8 +331,10 @@ def infer_parallelism(state_dict: dict[str, Any]) -> Parallelism | None:
     from torch.distributed.tensor import DTensor
 
     meshes: dict[tuple, tuple] = {}
+    seen: set[int] = set()  # the leaves share a few meshes: each is read once (a snapshot asks every step)
     for value in state_dict.values():
-        if isinstance(value, DTensor):
+        if isinstance(value, DTensor) and id(value.device_mesh) not in seen:
+            seen.add(id(value.device_mesh))
             names = value.device_mesh.mesh_dim_names
             if not names:
                 return None
