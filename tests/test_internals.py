@@ -1,4 +1,4 @@
-"""The private names of torch, s3fs and gcsfs that dcp_atomic relies on (``dcp_atomic/_base/internals.py``), pinned
+"""The private names of torch, s3fs, gcsfs and CPython that dcp_atomic relies on (``dcp_atomic/_base/internals.py``), pinned
 against the installed releases: each test says which internal a new release moved, before a save meets it.
 ``scripts/test_torch_matrix.sh`` runs this file on torch 2.14.1 and 2.15.0 too.
 
@@ -30,7 +30,7 @@ _VENDORS = ("torch", "s3fs", "gcsfs", "fsspec", "aiobotocore", "botocore")
 _VENDOR_ATTRIBUTES = {
     "_get_default_store", "_call_s3", "_session_is_owned", "_pipe_file", "_request", "_location", "_endpoint",
     "_enable_plan_caching", "_cached_plans_key", "_pending_local_plan", "_cached_all_plans", "_cached_global_plan",
-    "_cached_metadata", "_cached_save_plan", "_cached_final_save_plan",
+    "_cached_metadata", "_cached_save_plan", "_cached_final_save_plan", "_register_atexit",
 }
 
 
@@ -153,3 +153,28 @@ def test_gcsfs_creates_exclusively_and_routes_every_request_through_one_function
     internals.gcs_route_requests(fs, route)
     assert fsspec.asyn.sync(fs.loop, fs._request, "GET", "b/x/o") == "answered"  # what every gcsfs call awaits
     assert seen == [("GET", "b/x/o")]
+
+
+# --- CPython ----------------------------------------------------------------------------------------------------
+
+
+def test_a_function_run_before_the_thread_pools_stop_can_still_use_them():
+    """What a manager never closed relies on at exit: its save in flight still gets its thread pools (an ``atexit``
+    handler is refused them: "cannot schedule new futures after interpreter shutdown")."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, concurrent.futures as cf\n"
+              "from dcp_atomic._base import internals\n"
+              "def ask(who):\n"
+              "    try:\n"
+              "        print(who, cf.ThreadPoolExecutor(1).submit(lambda: 42).result())\n"
+              "    except RuntimeError as e:\n"
+              "        print(who, e)\n"
+              "atexit.register(ask, 'atexit:')\n"
+              "internals.before_thread_pools_stop(ask, 'before the pools stop:')\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(PACKAGE))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["before the pools stop: 42",
+                                        "atexit: cannot schedule new futures after interpreter shutdown"], done.stdout

@@ -15,6 +15,7 @@ class ReportedFuture(concurrent.futures.Future):
     """A future whose ``reported`` says whether its outcome has been read by the caller (or raised for it)."""
 
     reported = False
+    step: int | None = None  # the step it saves or snapshots (what an exit without close() names)
 
     def result(self, timeout: float | None = None) -> Any:
         try:

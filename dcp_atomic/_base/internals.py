@@ -1,4 +1,4 @@
-"""Every private name of torch, s3fs and gcsfs that dcp_atomic uses, in one place.
+"""Every private name of torch, s3fs, gcsfs and CPython that dcp_atomic uses, in one place.
 
 Each is a bet on a release's internals that no public API offers (why, at each name).  Gathered here, one file
 shows what a new torch, s3fs or gcsfs can break, and ``tests/test_internals.py`` pins each against the installed
@@ -175,3 +175,19 @@ def version_counter(tensor: Any) -> int:
     """The tensor's version counter: every in-place op on it or on a view of it adds one (views share it).  Bounded
     staging (:mod:`dcp_atomic.staging`) tells by it whether a live tensor changed while its bytes were read."""
     return tensor._version
+
+
+# --- CPython ----------------------------------------------------------------------------------------------------
+
+
+def before_thread_pools_stop(func: Callable[..., None], *args: Any) -> None:
+    """Call ``func(*args)`` once the main thread has ended, before ``concurrent.futures`` refuses new work ("cannot
+    schedule new futures after interpreter shutdown") and before every ``atexit`` handler.  An ``atexit`` handler
+    runs too late to let a save in flight finish: the save's own thread pools refuse its writes by then.  CPython's
+    hook for this is the one ``concurrent.futures`` registers its shutdown with (``threading._register_atexit``,
+    3.9+; run last-registered first, so the pools' module is imported before ours is registered)."""
+    import concurrent.futures.thread  # noqa: F401 - registers the pools' shutdown first: it then runs after ours
+    import threading
+
+    threading._register_atexit(func, *args)
+

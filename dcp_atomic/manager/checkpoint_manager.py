@@ -46,6 +46,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -159,6 +160,16 @@ def _grouped(local: LocalTierOptions | None, callbacks: Callbacks | None,
     return local, callbacks
 
 
+def _exit_without_close(manager: "weakref.ref[CheckpointManager]") -> None:
+    """A manager never closed must not lose what is in flight silently (:meth:`CheckpointManager._wait_at_exit`)."""
+    alive = manager()
+    if alive is not None and not alive._closed:
+        try:
+            alive._wait_at_exit()
+        except Exception:  # noqa: BLE001 - at exit: log, never raise past the interpreter's shutdown
+            log.exception("dcp_atomic: the exit-time wait failed")
+
+
 class _DurableCopies:
     """How the memory tier saves its durable copies (:class:`~dcp_atomic.memory.snapshots.DurableCopies`): through
     the manager's one save path (``async_save``: the local tier and its drain, or the durable root), so the one
@@ -187,6 +198,7 @@ class _DurableCopies:
         log.warning("run %r: the durable copy of memory step %d did not start (%s); it is raised by wait() or the "
                     "next call, and the snapshot stays memory-committed", manager.run_id, step, first_line(error))
         failed = ReportedFuture()
+        failed.step = step
         failed.set_exception(error)
         with manager._lock:
             manager._inflight = failed
@@ -393,6 +405,7 @@ class CheckpointManager(RankAgreement):
                 raise
         self.durable_every = self._tier.durable_every  # None where no drain can run
         self._closed = False
+        internals.before_thread_pools_stop(_exit_without_close, weakref.ref(self))
 
     def _tier_context(self) -> TierContext:
         """What the local tier uses of this manager (:class:`.TierContext`), built once."""
@@ -553,6 +566,7 @@ class CheckpointManager(RankAgreement):
                 result.set_exception(e)
 
         pending.add_done_callback(finished)
+        result.step = step
         with self._lock:
             self._inflight = result
         return result
@@ -625,6 +639,31 @@ class CheckpointManager(RankAgreement):
                     self._tier.drain_last_and_wait()
             finally:
                 self._release()
+
+    def _wait_at_exit(self) -> None:
+        """The main thread ended without ``close()``: what is in flight (a snapshot, a save -- a memory slot's
+        durable copy too --, then the drains) finishes, each bounded by its own deadline, on every rank alike so its
+        collectives still meet, and the log says what became of it, a failure nothing reported included.  Nothing
+        new starts: the peers may be gone."""
+        snapshot = self._memory.in_flight() if self._memory is not None else None
+        for what, inflight in (("the memory snapshot", snapshot), ("the save", self._inflight)):
+            if inflight is None or (inflight.done() and inflight.reported):
+                continue
+            waited = not inflight.done()
+            if waited:
+                log.warning("run %r: the process exits without close() while %s of step %s is in flight; waiting "
+                            "for it", self.run_id, what, inflight.step)
+                concurrent.futures.wait([inflight])
+            error = concurrent.futures.Future.exception(inflight)  # the base method: not a report
+            if error is not None and not inflight.reported:
+                inflight.reported = True
+                log.error("run %r: exiting without close(): %s of step %s failed (%s); nothing else reported it. "
+                          "The newest committed step is what the next job restores. Call close() before exiting to "
+                          "be told in time.", self.run_id, what, inflight.step, first_line(error))
+            elif error is None and waited:
+                log.warning("run %r: exiting without close(): %s of step %s committed before exit", self.run_id,
+                            what, inflight.step)
+        self._tier.wait_at_exit()
 
     def _release(self) -> None:
         if self._inflight is not None or self._tier.busy() or (self._memory is not None and self._memory.busy()):

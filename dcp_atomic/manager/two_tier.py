@@ -12,13 +12,11 @@ restores, retention, lineage); the rules it schedules are in :mod:`dcp_atomic.ti
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import logging
 import os
 import threading
-import weakref
 from concurrent.futures import Future, wait as wait_for
 from typing import Any
 
@@ -49,16 +47,6 @@ from .tiering import NO_DRAIN, TierContext, TierPolicy
 
 log = logging.getLogger("dcp_atomic.manager")  # the manager's logger: these were its messages, and stay so
 
-def _exit_without_close(tier: "weakref.ref[TwoTier]") -> None:
-    """atexit: a two-tier manager never closed must not lose its drain in flight silently."""
-    alive = tier()
-    if alive is not None and not alive.closed:
-        try:
-            alive.wait_at_exit()
-        except Exception:  # noqa: BLE001 - at exit: log, never raise past the interpreter's shutdown
-            log.exception("dcp_atomic: the exit-time wait for a drain failed")
-
-
 def _out_of_space(error: CheckpointError) -> bool:
     """A save that failed for space: the errno a writer records, or the system's words in a peer's report (a
     replica holder's failure arrives as text)."""
@@ -75,7 +63,6 @@ class TwoTier(TierPolicy):
         """Raises when the tier cannot be set up (too few failure domains...); the manager then releases what it
         holds, the groups it made for this tier included."""
         self._ctx = ctx
-        self.closed = False
         self.local_root, self.keep_local = options.local_root, options.keep_local
         self.durable_every = options.durable_every
         self._saves = 0  # counts saves for durable_every (identical on every rank: SPMD)
@@ -102,7 +89,6 @@ class TwoTier(TierPolicy):
                                    durable=ctx.layout, timeout=ctx.timeout, where=ctx.layout.storage.describe(),
                                    resumed=ctx.resumed, committed=self._drained, failed=self._drain_failed,
                                    threads=ctx.thread_count, clock=StallClock(ctx.timeout, ctx.heartbeat))
-            atexit.register(_exit_without_close, weakref.ref(self))
         if self.drainer is None:  # given process_group= in a world: no drain group
             if options.durable_every_given and self.durable_every is not None:
                 raise ConfigurationError(f"durable_every={self.durable_every} needs a process group of the drain's "
@@ -651,6 +637,5 @@ class TwoTier(TierPolicy):
         return self.drainer is not None and self.drainer.busy()
 
     def close(self) -> None:
-        self.closed = True
         if self.drainer is not None:
             self.drainer.close()

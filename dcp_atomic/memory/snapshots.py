@@ -229,6 +229,7 @@ class MemorySnapshots:
             written = e
         failpoints.hit("memory.after_slot_write", self.rank, step)
         future = self._inflight = SnapshotFuture()
+        future.step = step
         self._worker.submit(self._commit, step, written, future, f"memory/{self.run_id}/{self._calls}", started,
                             time.perf_counter() - started)
         return future
@@ -746,6 +747,10 @@ class MemorySnapshots:
 
     def busy(self) -> bool:
         return self._inflight is not None and not self._inflight.done()
+
+    def in_flight(self) -> SnapshotFuture | None:
+        """The latest snapshot's future (done or not): what an exit without ``close()`` waits for and reports."""
+        return self._inflight
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
