@@ -13,7 +13,6 @@ also data: :mod:`dcp_atomic.format.safe_pickle` lists them as the globals a ``.m
 from __future__ import annotations
 
 import functools
-
 import inspect
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -190,4 +189,3 @@ def before_thread_pools_stop(func: Callable[..., None], *args: Any) -> None:
     import threading
 
     threading._register_atexit(func, *args)
-

@@ -220,7 +220,7 @@ class Drainer:
                     self._broken = self._broken or self._verdict
                     self._cond.notify_all()
                 raise self._verdict
-        if isinstance(failure, DrainStalledError) and failure.details.get("durable") is False:
+        if isinstance(failure, DrainStalledError) and failure.details.get("abandoned"):
             # rank 0 abandoned the step because another rank's waiter declared the stall before this one looked
             # (a loaded rank polls late): this rank says what every waiter says, not the committer's reason
             self._verdict = self._stall_error(STALLED, step=failure.details.get("step"))

@@ -264,7 +264,7 @@ def commit_durable(durable: RunLayout, job: DrainJob, manifest_bytes: bytes | No
             "durable marker, because the drain made no progress for the stall deadline and the ranks' waiters "
             "declared it stalled; no durable marker of the step was written, the durable root's previous step is "
             "intact and the step stays on the local tier", step=job.step, rank=0, path=durable.marker(job.step),
-            durable=False)
+            durable=False, abandoned=True)
     done = None
     try:
         placed = commit_step(durable, marker, manifest, evidence, policy, timeout=timeout)
