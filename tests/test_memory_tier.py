@@ -351,6 +351,44 @@ def test_a_rank_or_a_node_killed_at_any_phase_restores_the_newest_memory_committ
     assert assert_all_ok(_run(_restore, root, nodes)) == [(expected, "memory", True)] * WORLD
 
 
+def _snapshot_until_frozen(ctx):
+    """Step 1 snapshotted; step 2's snapshot while rank 3 freezes (SIGSTOP) about to send its replica: what each
+    other rank's future raised, and how fast.  No close(): a peer is frozen."""
+    import time
+
+    from tests.helpers.read_once import _survivors_barrier
+
+    model, optim = trained(WORLD, 0)
+    manager = memory_manager(ctx, timeout=5)
+    _train_and_snapshot(ctx, model, optim, manager, 1, 1)
+    _train_step(model, optim, 2)
+    started = time.monotonic()
+    try:
+        manager.snapshot(2, state_of(model, optim, 2)).result()
+        seen = {"error": None}
+    except Exception as e:  # noqa: BLE001 - the test reads the failure
+        seen = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started}
+    _survivors_barrier(ctx, [0, 1, 2])  # rank 0 hosts the store: it outlives the others' verdicts
+    return seen
+
+
+@pytest.mark.slow
+def test_a_rank_frozen_mid_snapshot_is_named_by_every_other_rank_and_the_previous_snapshot_restores(root, nodes):
+    """Every other rank waits on the frozen one somewhere else (its replica's receiver, the sequence's gather): each
+    must give up within a few liveness timeouts, typed and naming rank 3, not at the group's timeout."""
+    from testbed.worlds import run_world
+
+    def env(rank):
+        return {**_node_env(rank), "DCP_ATOMIC_FAILPOINTS": "memory.replica_send#2=stop" if rank == 3 else None}
+
+    outcomes = run_world(_snapshot_until_frozen, WORLD, root, rank_env=env, extra={"nodes": nodes}, timeout=120,
+                         pg_timeout=5, wait_for=[0, 1, 2])
+    for out in assert_all_ok(outcomes[:3]):
+        assert out["error"] in ("PeerLost", "RankFailureError", "CollectiveFailed"), out
+        assert "rank(s): 3" in out["message"] and out["seconds"] < 60, out
+    assert assert_all_ok(_run(_restore, root, nodes)) == [(1, "memory", True)] * WORLD
+
+
 def test_one_process_restores_top_level_objects_into_the_callers_state_dict(tmp_path):
     """One process, no replicas: tensors are copied in place and objects (top-level and nested) are put back into
     the state dict the caller passed, as ``dcp.load`` does (a top-level int stayed at its old value before)."""
