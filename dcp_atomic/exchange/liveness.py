@@ -63,8 +63,8 @@ class Heartbeat:
         self._publishers: list[Callable[[], None]] = []  # called on every beat (:meth:`on_beat`)
         self._thread = threading.Thread(target=self._beat, name="dcp-atomic-heartbeat", daemon=True)
         self._thread.start()
-        # Registered after the manager's groups and before its tier's exit wait (atexit runs last-in first-out): a
-        # drain waited for at exit still beats, and the thread is stopped before the interpreter finalizes.
+        # atexit runs after the manager's exit wait (internals.before_thread_pools_stop): a save or drain waited for
+        # at exit still beats, and the thread is stopped before the interpreter finalizes.
         atexit.register(_stop_at_exit, weakref.ref(self))
 
     def _key(self, rank: int) -> str:
