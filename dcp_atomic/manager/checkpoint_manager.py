@@ -645,24 +645,25 @@ class CheckpointManager(RankAgreement):
         durable copy too --, then the drains) finishes, each bounded by its own deadline, on every rank alike so its
         collectives still meet, and the log says what became of it, a failure nothing reported included.  Nothing
         new starts: the peers may be gone."""
-        snapshot = self._memory.in_flight() if self._memory is not None else None
-        for what, inflight in (("the memory snapshot", snapshot), ("the save", self._inflight)):
+        memory = self._memory
+        for what, inflight, wait in (("the memory snapshot", memory and memory.in_flight(), memory and memory.wait),
+                                     ("the save", self._inflight, self._wait_for_async_save)):
             if inflight is None or (inflight.done() and inflight.reported):
                 continue
-            waited = not inflight.done()
-            if waited:
+            waiting = not inflight.done()
+            if waiting:
                 log.warning("run %r: the process exits without close() while %s of step %s is in flight; waiting "
                             "for it", self.run_id, what, inflight.step)
-                concurrent.futures.wait([inflight])
-            error = concurrent.futures.Future.exception(inflight)  # the base method: not a report
-            if error is not None and not inflight.reported:
-                inflight.reported = True
+            try:
+                wait()  # the one rule: its failure is raised once, unless something reported it already
+            except Exception as e:  # noqa: BLE001 - at exit: logged, and the drains are still waited for
                 log.error("run %r: exiting without close(): %s of step %s failed (%s); nothing else reported it. "
                           "The newest committed step is what the next job restores. Call close() before exiting to "
-                          "be told in time.", self.run_id, what, inflight.step, first_line(error))
-            elif error is None and waited:
-                log.warning("run %r: exiting without close(): %s of step %s committed before exit", self.run_id,
-                            what, inflight.step)
+                          "be told in time.", self.run_id, what, inflight.step, first_line(e))
+            else:
+                if waiting:
+                    log.warning("run %r: exiting without close(): %s of step %s committed before exit",
+                                self.run_id, what, inflight.step)
         self._tier.wait_at_exit()
 
     def _release(self) -> None:
