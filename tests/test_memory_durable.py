@@ -98,7 +98,7 @@ def test_durable_every_2_copies_the_even_snapshots_from_their_slots_and_a_wiped_
 
 
 def _snapshots_past_a_slow_copy(ctx):
-    """The copy of step 2 held in its write until released; snapshots 4 and 5 would rewrite its slot."""
+    """The copy of step 2 held in its write until released while snapshots 3, 4 and 5 are taken (``slots=2``)."""
     from dcp_atomic._base import failpoints
 
     released = threading.Event()
@@ -125,12 +125,12 @@ def _snapshots_past_a_slow_copy(ctx):
     return taken, skipped, held, durable_before, after, exact
 
 
-def test_a_snapshot_that_would_rewrite_the_slot_a_slow_durable_copy_reads_is_skipped_and_counted(root, nodes):
+def test_a_slow_durable_copy_never_makes_a_snapshot_skip_its_pinned_slot_is_one_outside_the_rotation(root, nodes):
     outcomes = assert_all_ok(_run(_snapshots_past_a_slow_copy, root, nodes))
-    # 4 and 5 skipped (the slot of 2 is pinned), 2 and 3 still held, the copy of 2 exact; then 6 is taken, and
-    # close() saves the copy due at 6
-    assert outcomes == [([1, 2, 3, None, None], 2, [2, 3], [], 6, True)] * WORLD, outcomes
-    assert _durable_steps(root) == [2, 6]
+    # every snapshot taken while the copy of 2 is held: the pinned slot of 2 is the extra one, 3 gave way to 5 and
+    # 1 to 4; the copy of 2 exact; wait() then saves the copy due at 5, and 6 is taken
+    assert outcomes == [([1, 2, 3, 4, 5], 0, [2, 4, 5], [], 6, True)] * WORLD, outcomes
+    assert _durable_steps(root) == [2, 5]
 
 
 def _flip_a_weight_byte_of_step_2(ctx):
@@ -196,6 +196,56 @@ def test_a_slot_damaged_before_its_durable_copy_is_refused_on_every_rank_never_s
     assert outcomes == [(("CorruptCheckpointError", True), [("async_save", 2)], (2, "memory-replica", True))] * WORLD, \
         outcomes
     assert _durable_steps(root) == []
+
+
+def _snapshots_past_a_failed_copy(ctx):
+    """Snapshots with ``durable_every=2`` while the first durable copy (of step 2) fails in its write, until a call
+    raises (it fails in the background: however long that takes, the calls meanwhile snapshot): what each call
+    returned (its step, or the error it raised and whether it names step 2), the skipped count, what ``wait()``
+    raised, and what a fresh job restores from the durable root once memory is gone."""
+    from dcp_atomic._base import failpoints
+
+    writes = []
+
+    def fail_the_first(rank, step):
+        writes.append(step)
+        if len(writes) == 1:
+            raise RuntimeError("injected: the durable store refused the copy")
+
+    failpoints.arm("write.before_data", fail_the_first)
+    model, optim = trained(WORLD, 0)
+    outcomes = []
+    with memory_manager(ctx, durable_every=2) as manager:
+        for step in range(1, 201):
+            if step <= 4:
+                _train_step(model, optim, step)
+            try:
+                outcomes.append(manager.snapshot(step, state_of(model, optim, step)).result())
+            except Exception as e:
+                outcomes.append((type(e).__name__, "step 2" in str(e)))
+                break
+        for step in (step + 1, step + 2):  # the snapshots go on; the next copy is started and commits
+            outcomes.append(manager.snapshot(step, state_of(model, optim, step)).result())
+        try:
+            manager.wait()
+            waited = None
+        except Exception as e:
+            waited = f"{type(e).__name__}: {e}"
+        return outcomes, manager.snapshots_skipped, waited
+
+
+def test_a_failed_durable_copy_is_raised_by_the_next_snapshot_on_every_rank_once_and_no_snapshot_is_skipped(
+        root, nodes):
+    outcomes = assert_all_ok(_run(_snapshots_past_a_failed_copy, root, nodes))
+    assert all(o == outcomes[0] for o in outcomes), outcomes  # every rank alike, at the same call
+    calls, skipped, waited = outcomes[0]
+    raised = [c for c in calls if isinstance(c, tuple)]
+    assert len(raised) == 1 and raised[0][1], calls[-5:]
+    at = calls.index(raised[0]) + 1
+    assert [c for c in calls if not isinstance(c, tuple)] == [s for s in range(1, at + 3) if s != at], calls[-5:]
+    assert skipped == 0 and waited is None, outcomes  # raised once: not again by wait()
+    durable = _durable_steps(root)
+    assert 2 not in durable and durable and max(durable) > 2, durable  # a later copy committed
 
 
 def _with_a_local_tier(ctx, first):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 import pytest
 import torch
@@ -165,11 +166,18 @@ def _lightning_memory(ctx):
     from_memory = ((strategy.restored_from or {}).get("tier"), exact(module, saved[3]))
     finder = [ModelCheckpoint(dirpath=os.path.join(ctx.root, "ckpts"), save_top_k=0)]  # "last" is looked up there
     module, strategy, _ = _lightning_job(ctx, 5, ckpt_path="last", seed=98, callbacks=finder)
-    return {"snapshots": sorted(saved), "memory": from_memory,
-            "last": ((strategy.restored_from or {}).get("tier"), exact(module, resumed_saved[4]))}
+    last = ((strategy.restored_from or {}).get("tier"), exact(module, resumed_saved[4]))
+    # the same step-2 checkpoint under a name of the user's: asked for by name, it is what resumes, never memory's 5
+    chosen = os.path.join(ctx.root, "ckpts", "chosen.ckpt")
+    shutil.copyfile(os.path.join(ctx.root, "ckpts", "last.ckpt"), f"{chosen}.{ctx.rank}")
+    os.replace(f"{chosen}.{ctx.rank}", chosen)  # every rank writes the same bytes, whole
+    module, strategy, _ = _lightning_job(ctx, 6, ckpt_path=chosen, seed=97)
+    named = ((strategy.restored_from or {}).get("tier"), exact(module, saved[2]))
+    return {"snapshots": sorted(saved), "memory": from_memory, "last": last, "named": named}
 
 
-def test_lightning_strategy_memory_snapshots_every_step_and_a_fresh_fit_and_an_older_last_ckpt_resume_the_last_from_memory(
+def test_lightning_strategy_memory_snapshots_every_step_and_a_fresh_fit_and_an_older_last_ckpt_resume_the_last_from_memory_a_named_file_itself(
         root, nodes):
     for out in _world(_lightning_memory, root, nodes, timeout=180):
-        assert out == {"snapshots": [1, 2, 3], "memory": ("memory", True), "last": ("memory", True)}, out
+        assert out == {"snapshots": [1, 2, 3], "memory": ("memory", True), "last": ("memory", True),
+                       "named": (None, True)}, out

@@ -67,3 +67,16 @@ def test_metadata_changed_by_the_caller_after_the_writer_was_built_is_not_record
     notes["phase"] = "changed"
     dcp.save({"w": torch.zeros(2)}, storage_writer=writer)
     assert CheckpointManager(root, RUN).metadata(5) == {"phase": "warmup"}
+
+
+def test_keys_of_dcp_atomic_s_own_are_refused_in_a_managers_save_before_writing(root):
+    """``dcp_atomic.*`` keys order the tiers (a memory snapshot's durable copy names its snapshot's sequence): a
+    step's metadata copied into a re-save must not make it count as an old snapshot."""
+    from dcp_atomic import ArgumentError, CheckpointManager
+
+    with CheckpointManager(root, RUN) as manager:
+        for save in (manager.save, manager.async_save):
+            with pytest.raises(ArgumentError, match="dcp_atomic.copy_of_memory_sequence"):
+                save(4, {"w": torch.zeros(2)}, metadata={"loss": 1.0, "dcp_atomic.copy_of_memory_sequence": 3})
+        assert manager.save(4, {"w": torch.zeros(2)}, metadata={"loss": 1.0}) == 4
+        assert manager.steps() == [4]

@@ -82,6 +82,20 @@ def text(name: str, value: Any, pattern: re.Pattern[str], accepts: str) -> str:
     return value
 
 
+RESERVED_METADATA_PREFIX = "dcp_atomic."  # keys the library itself writes into a step's metadata
+
+
+def user_metadata(name: str, value: Any) -> Any:
+    """A save's ``metadata`` from a user: its keys may not start with ``dcp_atomic.`` (the library's own, such as the
+    order of a memory snapshot's durable copy: a re-saved step's metadata must not reorder the tiers)."""
+    reserved = sorted(k for k in value if isinstance(k, str) and k.startswith(RESERVED_METADATA_PREFIX)) \
+        if isinstance(value, dict) else []
+    if reserved:
+        raise refused(name, reserved, f"a dict without keys starting with {RESERVED_METADATA_PREFIX!r}",
+                      then="those keys are dcp_atomic's own (copied from another step's metadata?): drop them")
+    return value
+
+
 def location(name: str, value: Any) -> str:
     """A non-empty path or URL (a str or an ``os.PathLike``), as a str."""
     if isinstance(value, os.PathLike):

@@ -43,8 +43,9 @@ training batch whose ``global_step`` is a multiple of ``every`` the strategy sna
 checkpoint (weights, optimizer states, loops, callbacks) into RAM on each node, with verified copies on other failure domains, through one ``CheckpointManager``
 (run ``<run_id>-memory`` under the trainer's ``default_root_dir``); before each optimizer step it waits for
 ``wait_staged()`` (with ``staging=Staging(...)``).  ``fit(ckpt_path=MEMORY)`` resumes from the newest memory-committed
-step (a fresh job on the same nodes; none held is a ``CheckpointNotFoundError``), and ``fit(ckpt_path=<a file>)`` or
-``"last"`` takes the newest memory snapshot instead of the file when it is of a later step, saying so in a log line;
+step (a fresh job on the same nodes; none held is a ``CheckpointNotFoundError``); ``fit(ckpt_path="last")`` (the
+``last.ckpt`` file) takes the newest memory snapshot instead when it is of a later step, saying so at WARNING, and
+any other file is loaded exactly as asked, never replaced by memory;
 ``strategy.restored_from`` says which tier served.  Missing: a fresh ``fit()`` without ``ckpt_path`` does not look
 in memory (Lightning asks the strategy to load only when a path is given).
 
@@ -226,8 +227,12 @@ class _AtomicCheckpointing:
         if newer_than is not None and step <= newer_than:
             return None
         self.restored_from = self.memory_manager.restored_from
-        log.info("resuming from step %d of the memory tier (%s)%s", step, (self.restored_from or {}).get("tier"),
-                 "" if newer_than is None else f", newer than step {newer_than} of the file")
+        if newer_than is None:
+            log.info("resuming from step %d of the memory tier (%s)", step, (self.restored_from or {}).get("tier"))
+        else:
+            log.warning("resuming from step %d of the memory tier (%s), newer than step %d of the last checkpoint "
+                        "file: pass that file's named checkpoint (not last) to resume exactly there", step,
+                        (self.restored_from or {}).get("tier"), newer_than)
         return meta
 
     @staticmethod
@@ -355,7 +360,8 @@ class _AtomicCheckpointing:
         meta.pop(POINTER_KEY, None)  # loaded here: AtomicCheckpointHooks must not load it again
         meta.pop(SAVE_ID_KEY, None)
         meta.pop(SEQUENCE_KEY, None)
-        newer = self._restore_from_memory(state, meta.get("global_step", -1))
+        # an explicit file is what the user asked for; only ModelCheckpoint's "last" may mean the newest memory step
+        newer = self._restore_from_memory(state, meta.get("global_step", -1)) if _is_last(path) else None
         if newer is not None:
             self._install(state, set_model_state_dict, set_optimizer_state_dict)
             return newer
@@ -532,6 +538,15 @@ class _MemorySnapshots:
 
     def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
         trainer.strategy.memory_manager.wait_staged()
+
+
+_LAST_FILE = re.compile(r"^last(-v\d+)?\.ckpt$")  # ModelCheckpoint.CHECKPOINT_NAME_LAST, its -vN versions
+
+
+def _is_last(path: str) -> bool:
+    """Whether ``path`` is ModelCheckpoint's ``last`` file (``fit(ckpt_path="last")`` resolves to it): the one file a
+    newer memory snapshot may stand in for."""
+    return bool(_LAST_FILE.match(os.path.basename(path)))
 
 
 @functools.cache

@@ -79,7 +79,7 @@ from ..format.integrity import BLOCK_SIZE
 from ..staging import LiveState, StableState, Stager, Staging, WindowPool
 from ..memory import MemorySnapshots, SnapshotFuture
 from ..protocol.lineage import ensure_lineage, new_lineage, refuses_writes
-from ..protocol.commit import COPY_OF_MEMORY_SEQUENCE, known_sequence, memory_order, next_sequence
+from ..protocol.commit import COPY_OF_MEMORY_SEQUENCE, known_sequence, memory_order, root_sequence
 from ..tiers import failure_domain as resolve_failure_domain
 from .options import Callbacks, LocalTierOptions, MemoryTier, StatsCallback
 from .tiering import DurableOnly, TierContext, TierPolicy
@@ -187,10 +187,10 @@ class _DurableCopies:
         except CheckpointError as e:
             return self._failed(step, e)
 
-    def refuse(self, step: int, error: CheckpointError) -> None:
+    def refuse(self, step: int, error: CheckpointError) -> ReportedFuture:
         manager = self.manager
         manager._report_failure("async_save", step, error, time.perf_counter())
-        self._failed(step, error)
+        return self._failed(step, error)
 
     def _failed(self, step: int, error: CheckpointError) -> ReportedFuture:
         """The copy's failure, raised once by ``wait()`` or the next call (as a failed ``async_save``)."""
@@ -453,8 +453,9 @@ class CheckpointManager(RankAgreement):
 
     def _durable_sequence_for_memory(self) -> int:
         """Rank 0: the durable root's newest commit sequence, as a memory restore compares it (:func:`memory_order`:
-        a durable copy of a snapshot counts as that snapshot)."""
-        sequence = next_sequence(self.layout) - 1
+        a durable copy of a snapshot counts as that snapshot).  The root's own number, not one this process only
+        noted: a restore that saw an incomplete newer snapshot numbers above it, and is not older than itself."""
+        sequence = root_sequence(self.layout)
         step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
                                 missing_root_ok=True) if sequence > 0 else None
         if step is None:
@@ -477,6 +478,7 @@ class CheckpointManager(RankAgreement):
         never waits for a drain.  Without ``local_root`` every save is durable and ``durable`` is ignored.
         """
         validate_step(step, "CheckpointManager.save(step=...)")
+        arguments.user_metadata("CheckpointManager.save(metadata=...)", metadata)
         drain = self._wants_drain(durable)
         self._wait_for_async_save()
         started = time.perf_counter()
@@ -517,6 +519,7 @@ class CheckpointManager(RankAgreement):
         queued for the drain, ``durable`` as for ``save``), not once it is drained.
         """
         validate_step(step, "CheckpointManager.async_save(step=...)")
+        arguments.user_metadata("CheckpointManager.async_save(metadata=...)", metadata)
         return self._async_save(step, state_dict, metadata, self._wants_drain(durable))
 
     def _async_save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None,

@@ -74,17 +74,19 @@ class MemoryTier:
 
     Args:
         path: a RAM-backed directory on each node (a tmpfs such as ``/dev/shm/dcp_atomic``; each rank passes its
-            node's), existing and writable.
+            node's), writable; created (0700) when missing on a RAM-backed parent, warned about when not RAM-backed.
+            ``every``, ``replicas``, ``slots`` and ``durable_every`` must be the same on every rank (refused by name).
         every: every N-th ``snapshot`` call takes one (the others return a future marked ``skipped``).
         replicas: copies of each rank's slot on ranks of other failure domains.
         slots: memory-committed steps kept per rank (at least 1; 2 keeps the previous step while the next is taken).
         budget_bytes: the most this rank's slots and the copies it holds may take: ``slots x (1 + replicas) x`` its
-            share of the state, checked at the first snapshot (and against the directory's free space at
-            construction).  None: only the directory's free space bounds it.
+            share of the state (``slots + 1`` with ``durable_every``), checked at the first snapshot (and against the
+            directory's free space at construction).  None: only the directory's free space bounds it.
         durable_every: every N-th memory-committed snapshot also becomes a durable step of the same number, written
             from its slot's bytes in the background through ``async_save`` (the local tier and its drain with
-            ``local=``); the slot stays pinned until that save is done, and a snapshot that would rewrite it is
-            skipped and counted.  None: no durable copies (``save()`` beside the snapshots).
+            ``local=``); the slot stays pinned until that save is done, one slot outside the rotation, so no
+            snapshot is skipped for it; a copy that fails is raised by the next ``snapshot()``.  None: no durable
+            copies (``save()`` beside the snapshots).
     """
 
     path: str | os.PathLike

@@ -4,7 +4,7 @@ domains, ordered by the one commit sequence, and restores from it.
 A snapshot of ``step``, every rank alike:
 
 1. (the caller's thread) the ranks agree that no snapshot is in flight (else this one is skipped and counted, never
-   queued) and, at the first snapshot, that the budget holds ``slots x (1 + replicas)`` shares on every node; each
+   queued) and, at the first snapshot, that the budget holds ``slot_files x (1 + replicas)`` shares on every node; each
    rank retires its oldest slot (its commit record goes first) and writes its items into it (:mod:`.slots`);
 2. (the memory tier's thread, its own process group) every rank sends its slot to its ``replicas`` holders on other
    failure domains (the local tier's placement) through the one transport; a holder verifies every block against
@@ -20,8 +20,13 @@ mixes steps.  A restore compares that sequence with the newest commit of the oth
 
 Durable copies (``durable_every``): once every N-th snapshot is memory-committed, the next call on the caller's thread
 (a snapshot, or the manager's ``wait()``/``close()``) saves its slot as a durable step through the manager
-(:class:`DurableCopies`), from the slot's bytes, and pins the slot until that save is done: a snapshot that would
-rewrite it is skipped and counted (P16: a slot a drain still reads is never rewritten), never made to wait.
+(:class:`DurableCopies`), from the slot's bytes, and pins the slot until that save is done: the rotation takes the
+oldest unpinned slot (one slot file more than ``slots``), so a snapshot is neither skipped nor made to wait for it
+(P16: a slot a drain still reads is never rewritten); a copy that failed is raised by the next snapshot call.
+
+At construction every rank tells the others its path's state, the newest sequence of this run's slots on it, and its
+settings: a job that snapshots before (or without) a restore numbers above every slot an earlier job left, and
+settings that differ are refused by name.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from ..tiers import Topology, expand_stateful
 from . import reshard
 from .items import durable_state, flatten, hand_back, install, leaves_of, slot_items, stage_leaves, write_leaves
 from .reshard import layout_of
-from .slots import SlotDir, SlotRecord, SlotSink, mapped, newest_complete, verify_slot
+from .slots import SlotDir, SlotRecord, SlotSink, mapped, newest_complete, ram_backed, verify_slot
 
 log = logging.getLogger("dcp_atomic.memory")
 CONSEQUENCE = "the snapshot is not memory-committed; the previous one is intact."
@@ -106,6 +111,8 @@ class MemorySnapshots:
         ``parallelism``: the manager's declared layout (else each snapshot records the one its meshes imply)."""
         self.rank, self.world_size, self.run_id, self.layout = rank, world_size, run_id, layout
         self.every, self.replicas, self.slots = options.every, options.replicas, options.slots
+        # a durable copy's pinned slot is one more than the rotation's: a pin never makes a snapshot skip
+        self.slot_files = self.slots + (options.durable_every is not None)
         self.budget_bytes = options.budget_bytes
         self.lineage, self.timeout, self.translate, self.deliver = lineage, timeout, translate, deliver
         self.group, self.memory_group = group, memory_group
@@ -124,22 +131,45 @@ class MemorySnapshots:
         self._due: SlotRecord | None = None  # the newest memory-committed slot, once a durable copy of it is due
         self._pinned: _Pin | None = None  # the slot the latest durable copy reads, until its save is done
         self._shapes: dict[int, Any] = {}  # per slot: the containers of the state it holds (items.flatten)
-        problems = self._gathered(self._path_problem(), "checking the memory tier's path")
-        refused = [f"rank {r} ({host}): {why}" for r, (host, why) in enumerate(problems) if why]
+        facts = self._gathered(self._start_facts(), "checking the memory tier's path and settings")
+        refused = [f"rank {r} ({host}): {why}" for r, (host, why, _, _) in enumerate(facts) if why]
         if refused:
             raise ConfigurationError("MemoryTier(path=...) refused: " + "; ".join(refused[:4]) + ". Give each node a "
                                      "writable RAM-backed directory (a tmpfs such as /dev/shm) with room for the "
                                      "budget.", path=self.dir.path)
+        _refuse_differing_settings([settings for _, _, _, settings in facts])
+        if rank == 0:  # numbered above every slot already on the nodes, restored or not (one sequence, P10)
+            note_sequence(layout, max(newest for _, _, newest, _ in facts))
         self.topology = Topology.learn(rank, domain, self.dir.path, self.replicas, group)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcp-atomic-memory")
 
     # -- construction ------------------------------------------------------------------------
 
+    def _start_facts(self) -> tuple[str, str | None, int, dict[str, Any]]:
+        """What every rank tells the others at construction: (host, why its path cannot hold the tier or None, the
+        newest sequence of this run's slots on its path, its settings)."""
+        host, why = self._path_problem()
+        newest = max((record.sequence for _, record in self.dir.records() if isinstance(record, SlotRecord)),
+                     default=0)
+        return host, why, newest, {"every": self.every, "replicas": self.replicas, "slots": self.slots,
+                                   "durable_every": self.durable_every}
+
     def _path_problem(self) -> tuple[str, str | None]:
-        """(host, why this rank's path cannot hold the tier, or None)."""
+        """(host, why this rank's path cannot hold the tier, or None).  A missing directory on a RAM-backed parent is
+        created (0700): a replaced node starts with an empty /dev/shm."""
         path, host = self.dir.path, socket.gethostname()
         if not os.path.isdir(path):
-            return host, f"{path} does not exist or is not a directory"
+            parent = os.path.dirname(os.path.abspath(path))
+            if not (os.path.isdir(parent) and ram_backed(parent)):
+                return host, f"{path} does not exist or is not a directory (and its parent is not RAM-backed)"
+            try:
+                os.makedirs(path, mode=0o700, exist_ok=True)
+            except OSError as e:
+                return host, f"{path} could not be created ({os.strerror(e.errno) if e.errno else e})"
+            log.info("memory tier: created %s (its parent is RAM-backed)", path)
+        if ram_backed(path) is False:
+            log.warning("memory tier: %s on %s is not RAM-backed: snapshots go through the page cache to its disk, "
+                        "slower than memory and kept across reboots; use a tmpfs such as /dev/shm", path, host)
         try:
             os.makedirs(self.dir.run_dir, exist_ok=True)
             probe = os.path.join(self.dir.run_dir, f".probe.{os.getpid()}")
@@ -157,10 +187,11 @@ class MemorySnapshots:
     def _check_budget(self, shares: list[tuple[int, str, str, int]]) -> None:
         """Every rank alike, from every rank's (share, host, path, free bytes): each rank's ``slots x (1 + replicas)
         x share`` within ``budget_bytes``, and each node's total within its path's free bytes."""
-        factor = self.slots * (1 + self.replicas)
+        factor = self.slot_files * (1 + self.replicas)
+        slots = f"{self.slots} slot(s)" + (" + 1 for a durable copy" if self.slot_files > self.slots else "")
         refused = []
         if self.budget_bytes is not None:
-            refused += [f"rank {r} needs {factor * share} bytes ({self.slots} slot(s) x (1 + {self.replicas} "
+            refused += [f"rank {r} needs {factor * share} bytes ({slots} x (1 + {self.replicas} "
                         f"replica(s)) x its {share}-byte share), over budget_bytes={self.budget_bytes}"
                         for r, (share, _, _, _) in enumerate(shares) if factor * share > self.budget_bytes]
         nodes: dict[tuple[str, str], list[int]] = {}
@@ -190,21 +221,19 @@ class MemorySnapshots:
         share = sum(leaf.nbytes for leaf in leaves)
         busy = self._inflight is not None and not self._inflight.done()
         copying = self.durable is not None and self.durable.busy()
-        mine = (busy, self._pin_blocks(), copying, share, socket.gethostname(), os.path.realpath(self.dir.path),
-                _free_bytes(self.dir.path) + self.dir.held_bytes())
+        mine = (busy, copying, share, socket.gethostname(), os.path.realpath(self.dir.path),
+                _free_bytes(self.dir.path) + self.dir.held_bytes(), self._copy_failed())
         everyone = self._gathered(mine, f"starting the memory snapshot of step {step}")
+        self._raise_failed_copy(step, [(r, failed) for r, (*_, failed) in enumerate(everyone) if failed])
         if any(b for b, *_ in everyone):
             return self._skip(step, "the previous snapshot is still in flight")
-        if any(share > self._checked_share for _, _, _, share, *_ in everyone):
-            self._check_budget([(share, host, path, free) for _, _, _, share, host, path, free in everyone])
+        if any(share > self._checked_share for _, _, share, *_ in everyone):
+            self._check_budget([(share, host, path, free) for _, _, share, host, path, free, _ in everyone])
         self.wait()  # the previous one is done on every rank: raise its failure if nobody has
-        if self._due is not None and not any(c for _, _, c, *_ in everyone):  # every rank alike: all are done
+        if self._due is not None and not any(c for _, c, *_ in everyone):  # every rank alike: all are done
             self._start_durable_copy()
-            if self.slots == 1:  # the one slot is the one just pinned
-                return self._skip(step, self._pinned_reason())
-        if any(b for _, b, *_ in everyone):
-            return self._skip(step, self._pinned_reason())
         slot = self._oldest_slot()
+        self._warn_if_foreign(slot)
         if self._due is not None and self._due.slot == slot:  # its copy could not start yet: the next one is due
             self._due = None
         self.dir.retire(self.rank, slot)  # P1 for slots: the record goes before a byte is rewritten
@@ -242,15 +271,51 @@ class MemorySnapshots:
 
     # -- durable copies ------------------------------------------------------------------------
 
-    def _pin_blocks(self) -> bool:
-        """Whether the slot the next snapshot would reuse is the one a durable copy still reads."""
+    def _pinned_slot(self) -> int | None:
         pin = self._pinned
-        return pin is not None and not pin.future.done() and self._oldest_slot() == pin.slot
+        return pin.slot if pin is not None and not pin.future.done() else None
 
-    def _pinned_reason(self) -> str:
+    def _copy_failed(self) -> str | None:
+        """This rank's durable copy that failed and that nothing reported yet (its first line), else None; the pin
+        is gone once its save is done, whatever its outcome."""
         pin = self._pinned
-        return (f"its slot would be slot {pin.slot}, which holds step {pin.step} for its durable copy still being "
-                "saved (a slower durable store than snapshots: raise slots, or durable_every)")
+        if pin is None or not pin.future.done():
+            return None
+        error = concurrent.futures.Future.exception(pin.future)
+        if error is None or getattr(pin.future, "reported", False):
+            self._pinned = None
+            return None
+        return first_line(error)
+
+    def _raise_failed_copy(self, step: int, failed: list[tuple[int, str]]) -> None:
+        """Every rank alike: a durable copy that failed on any rank is raised by this snapshot call (this rank's own
+        error where it has one), once; its slot is unpinned.  Never a silent gap: the snapshots went on meanwhile."""
+        if not failed:
+            return
+        pin, self._pinned = self._pinned, None
+        own = None
+        if pin is not None and pin.future.done() and concurrent.futures.Future.exception(pin.future) is not None:
+            own = concurrent.futures.Future.exception(pin.future)
+            pin.future.reported = True
+        log.warning("memory tier: step %d is not snapshotted: the durable copy of an earlier snapshot failed (%s)",
+                    step, "; ".join(f"rank {r}: {why}" for r, why in failed[:4]))
+        if own is not None:
+            raise own
+        rank, why = failed[0]
+        raise CheckpointError(f"the durable copy of a memory snapshot failed on rank {rank}: {why}. Step {step} was not "
+                              "snapshotted; the snapshots before it stay memory-committed, the next call snapshots "
+                              "again.", step=step, rank=rank)
+
+    def _warn_if_foreign(self, slot: int) -> None:
+        """A slot holding another lineage's snapshot (another experiment of this run id on this path) is about to
+        be rewritten: said by name, since the two share the slot's file."""
+        record = next((r for _, r in self.dir.records(self.rank)
+                       if isinstance(r, SlotRecord) and r.slot == slot and r.lineage != self.lineage), None)
+        if record is not None:
+            log.warning("memory tier: rank %d rewrites slot %d of %s, which holds step %d of another lineage (%s; "
+                        "this job's: %s): two experiments share run id %r on one memory path; give each its own "
+                        "run id or path", self.rank, slot, self.dir.path, record.step, record.lineage, self.lineage,
+                        self.run_id)
 
     def _start_durable_copy(self) -> None:
         """Every rank alike, on the caller's thread (the only one that starts manager operations): save the due
@@ -272,11 +337,11 @@ class MemorySnapshots:
                     if p]
         if problems:
             held.close()
-            self.durable.refuse(record.step, CorruptCheckpointError(
+            self._pinned = _Pin(record.slot, record.step, self.durable.refuse(record.step, CorruptCheckpointError(
                 f"the durable copy of memory step {record.step} (sequence {record.sequence}) was not started: "
                 + "; ".join(problems[:4]) + ". The snapshot stays memory-committed; the next due snapshot is copied "
                 "instead (a damaged slot: check the node's RAM, `dcp-atomic verify PATH RUN --memory`)",
-                path=path))
+                path=path)))  # pinned done: raised by the next snapshot() (_copy_failed), never rewritten before
             return
         try:
             future = self.durable.save(record.step, state, record.sequence)
@@ -342,13 +407,16 @@ class MemorySnapshots:
         return 0.0 if copy is None else copy.wait()
 
     def _oldest_slot(self) -> int:
-        """The slot to reuse: one without a record, else the one holding the lowest sequence (never the newest)."""
+        """The slot to reuse: one without a record, else the one holding the lowest sequence (never the newest with
+        two slots or more), never the one a durable copy still reads (its own extra slot: ``slot_files``)."""
         held: dict[int, int] = {}
         for _, record in self.dir.records(self.rank):
-            if isinstance(record, SlotRecord) and record.rank == self.rank and record.slot < self.slots:
+            if isinstance(record, SlotRecord) and record.rank == self.rank and record.slot < self.slot_files:
                 held[record.slot] = record.sequence
-        free = [k for k in range(self.slots) if k not in held]
-        return free[0] if free else min(held, key=lambda k: held[k])
+        pinned = self._pinned_slot()
+        candidates = [k for k in range(self.slot_files) if k != pinned]
+        free = [k for k in candidates if k not in held]
+        return free[0] if free else min(candidates, key=lambda k: held[k])
 
     def _commit(self, step: int, written: SlotRecord | BaseException, future: SnapshotFuture, exchange: str,
                 started: float, call_seconds: float) -> None:
@@ -728,9 +796,14 @@ class MemorySnapshots:
         if not self.topology.is_leader:
             return
         for where, record in self.dir.records():
-            if isinstance(record, SlotRecord) and record.run_id == self.run_id and record.step > step:
-                self.dir.retire(record.rank, record.slot)
-                log.info("memory tier: retired %s (step %d, after the restored step %d)", where, record.step, step)
+            if not isinstance(record, SlotRecord) or record.run_id != self.run_id or record.step <= step:
+                continue
+            if record.lineage != self.lineage:  # another experiment's branch, not this job's to abandon
+                log.info("memory tier: kept %s (step %d of another lineage, %s; this job's: %s)", where, record.step,
+                         record.lineage, self.lineage)
+                continue
+            self.dir.retire(record.rank, record.slot)
+            log.info("memory tier: retired %s (step %d, after the restored step %d)", where, record.step, step)
 
     # -- the work in the background -----------------------------------------------------------
 
@@ -769,8 +842,9 @@ class DurableCopies(Protocol):
         """Start saving ``state_dict`` as durable step ``step`` (a copy of memory's ``sequence``) in the background,
         every rank alike; the future says when the save is done (its failure is the manager's to report)."""
 
-    def refuse(self, step: int, error: CheckpointError) -> None:
-        """The copy of ``step`` cannot start (every rank alike): reported as that copy's failed save would be."""
+    def refuse(self, step: int, error: CheckpointError) -> concurrent.futures.Future:
+        """The copy of ``step`` cannot start (every rank alike): reported as that copy's failed save would be; the
+        failed future."""
 
     def busy(self) -> bool:
         """Whether a save of this rank is still in flight (another copy cannot start without waiting for it)."""
@@ -795,6 +869,19 @@ class _Staging:
     checksums: dict
     slot: int
     layout: dict | None
+
+
+def _refuse_differing_settings(settings: list[dict[str, Any]]) -> None:
+    """Every rank alike: the ranks' ``MemoryTier`` settings that shape the protocol (how often, how many copies and
+    slots) must agree; a difference is refused by name at construction, never left to look like a lost peer."""
+    differ = [f"{name}: " + ", ".join(f"rank {r} has {value!r}" for r, value in
+                                      {r: s[name] for r, s in enumerate(settings)}.items()
+                                      if value != settings[0][name] or r == 0)
+              for name in settings[0] if any(s[name] != settings[0][name] for s in settings)]
+    if differ:
+        raise ConfigurationError("the ranks' MemoryTier settings differ (" + "; ".join(differ)[:600] + "): pass the "
+                                 "same MemoryTier(every=, replicas=, slots=, durable_every=) on every rank; "
+                                 "budget_bytes and path may differ per node. Nothing was snapshotted.")
 
 
 def _with_sequence(record: SlotRecord, sequence: int) -> SlotRecord:

@@ -509,12 +509,19 @@ def next_sequence(layout: RunLayout) -> int:
     ``latest_step()``, can give its first commit the orphan's number; :func:`commit_order` then falls back to
     commit time for that pair.
     """
-    found = [_last_sequence.get(layout.run_dir)]
+    return max(_last_sequence.get(layout.run_dir, 0), root_sequence(layout)) + 1
+
+
+def root_sequence(layout: RunLayout) -> int:
+    """The newest commit sequence in ``layout``'s root itself (0: none), without the numbers this process only noted
+    (:func:`note_sequence`): what another tier's commit is compared with (a memory snapshot numbered above an
+    incomplete newer one is not a durable commit).  By exact name as :func:`next_sequence` says."""
+    found = []
     try:
         latest: Latest | None = retry_until(lambda: _read_latest_once(layout), deadline=Deadline(REREAD_SECONDS),
                                             retry_on=(), reread_on=(CorruptCheckpointError,))
     except FileNotFoundError:
-        return (found[0] or 0) + 1
+        return 0
     except CorruptCheckpointError:
         latest = None
     if latest is not None and latest.sequence is not None:
@@ -525,7 +532,7 @@ def next_sequence(layout: RunLayout) -> int:
             pass  # deleted or damaged since: LATEST's own number stands
     else:
         found.extend(m.sequence for m in scan_markers(layout))
-    return max((n for n in found if n is not None), default=0) + 1
+    return max((n for n in found if n is not None), default=0)
 
 
 def _read_sealed(layout: RunLayout, path: str, size: int, sha256: str, deadline: Deadline, *, what: str,

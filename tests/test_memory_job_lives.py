@@ -1,0 +1,133 @@
+"""The memory tier across a job's whole life: a restart that snapshots without (or before) a restore, a second
+``load()`` in one process, another experiment of the same run id on the same memory path, settings that differ
+between ranks, and the memory path itself (created on a RAM-backed parent, warned about on a disk).
+
+Worlds of 4 ranks as 2 simulated nodes (failure domains nodeA/nodeB), each node's memory path on its own tmpfs,
+the durable root on disk; every restore compared exactly with the reference run's state on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import stat
+
+from dcp_atomic.memory import SlotRecord
+from tests.harness import assert_all_ok
+from tests.helpers.fsdp_app import _train_step
+from tests.helpers.memory import full_state, memory_manager, state_of, trained
+from tests.helpers.tiers import RUN, WORLD, _Lines, _run
+
+
+def _exact_at(model, optim, step) -> bool:
+    """This job's state is exactly the reference run's after ``step`` steps (collectives: every rank alike)."""
+    import torch
+
+    got, want = full_state(model, optim), full_state(*trained(WORLD, step))
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _snapshots_from(ctx, first, last, root=None):
+    """A job that never loads: the reference run's state after ``first - 1`` steps, then ``first..last`` snapshotted
+    (each waited for)."""
+    model, optim = trained(WORLD, first - 1)
+    with memory_manager(ctx, **({"root": root} if root else {})) as manager:
+        for step in range(first, last + 1):
+            _train_step(model, optim, step)
+            assert manager.snapshot(step, state_of(model, optim, step)).result() == step
+
+
+def _load_twice(ctx):
+    """One job, two ``load()`` calls: (step, tier, exact) each."""
+    model, optim = trained(WORLD, 0, seed=7)
+    seen = []
+    with memory_manager(ctx) as manager:
+        for _ in range(2):
+            step = manager.load(state_of(model, optim, 0))
+            seen.append((step, manager.restored_from["tier"], _exact_at(model, optim, step)))
+    return seen
+
+
+def _records(nodes, node, rank):
+    found = []
+    for path in glob.glob(os.path.join(nodes[node], "mem", RUN, f"r{rank}", "slot*.commit")):
+        with open(path, "rb") as f:
+            found.append((path, SlotRecord.from_bytes(f.read(), path)))
+    return found
+
+
+def test_a_restart_that_snapshots_without_a_restore_numbers_above_the_slots_left_and_a_second_load_takes_memory(
+        root, nodes):
+    assert_all_ok(_run(_snapshots_from, root, nodes, 1, 3))  # job 1: memory only, no durable commit at all
+    assert_all_ok(_run(_snapshots_from, root, nodes, 4, 6))  # job 2: a restart from scratch, no load()
+    newest = {record.step: record.sequence for _, record in _records(nodes, 0, 0)}
+    assert newest == {5: 5, 6: 6}, newest  # job 2 numbered 4, 5, 6 above job 1's 1, 2, 3
+    # rank 2's own copy of step 6 now claims a later sequence alone: an incomplete newer snapshot, as a rank killed
+    # between its slot and its record leaves one (its replica on node A still completes step 6)
+    path, record = next((p, r) for p, r in _records(nodes, 1, 2) if r.step == 6)
+    with open(path, "wb") as f:
+        f.write(dataclasses.replace(record, sequence=record.sequence + 50).to_bytes())
+    outcomes = assert_all_ok(_run(_load_twice, root, nodes))
+    # the first restore kept rank 2's share as its own slot again: the second reads it from its own node
+    assert outcomes == [[(6, "memory-replica", True), (6, "memory", True)]] * WORLD, outcomes
+
+
+def _another_experiment_restores(ctx):
+    """Experiment B: the same run id and memory path, its own durable root (another lineage); it saves step 4 there
+    and restores it.  What it loaded, and what its memory tier said of experiment A's slots."""
+    lines = _Lines("dcp_atomic.memory")
+    model, optim = trained(WORLD, 4)
+    with memory_manager(ctx, root=os.path.join(ctx.root, "experiment-b")) as manager:
+        manager.save(4, state_of(model, optim, 4))
+        step = manager.load(state_of(model, optim, 0))
+        tier = manager.restored_from["tier"]
+    return step, tier, any("another lineage" in line and "kept" in line for line in lines.lines)
+
+
+def _restore(ctx):
+    model, optim = trained(WORLD, 0, seed=7)
+    with memory_manager(ctx) as manager:
+        step = manager.load(state_of(model, optim, 0))
+        return step, manager.restored_from["tier"], _exact_at(model, optim, step)
+
+
+def test_another_experiments_restore_of_an_older_step_keeps_this_experiments_newer_snapshots(root, nodes):
+    assert_all_ok(_run(_snapshots_from, root, nodes, 1, 6))
+    outcomes = assert_all_ok(_run(_another_experiment_restores, root, nodes))
+    assert [o[:2] for o in outcomes] == [(4, "durable")] * WORLD, outcomes
+    assert outcomes[0][2] and outcomes[2][2], outcomes  # each node's leader names the slots it kept
+    assert assert_all_ok(_run(_restore, root, nodes)) == [(6, "memory", True)] * WORLD
+
+
+def _settings_and_paths(ctx):
+    """What each rank saw: settings that differ (rank 2 keeps no replica), a missing memory path whose parent is a
+    tmpfs, and a memory path on disk."""
+    from dcp_atomic.errors import ConfigurationError
+
+    seen = {}
+    try:
+        memory_manager(ctx, replicas=0 if ctx.rank == 2 else 1).close()
+    except ConfigurationError as e:
+        seen["differ"] = str(e)
+    created = os.path.join(ctx.extra["nodes"][ctx.rank // 2], "created-by-the-tier")
+    model, optim = trained(WORLD, 1)
+    with memory_manager(ctx, path=created) as manager:
+        seen["created"] = (manager.snapshot(1, state_of(model, optim, 1)).result(),
+                           stat.S_IMODE(os.stat(created).st_mode))
+    lines = _Lines("dcp_atomic.memory")
+    on_disk = os.path.join(ctx.root, f"disk-{ctx.rank // 2}")
+    os.makedirs(on_disk, exist_ok=True)
+    memory_manager(ctx, path=on_disk).close()
+    seen["warned"] = any("not RAM-backed" in line and on_disk in line for line in lines.lines)
+    return seen
+
+
+def test_differing_settings_are_refused_by_name_a_missing_path_on_ram_is_created_and_a_disk_path_is_warned(
+        root, nodes):
+    outcomes = assert_all_ok(_run(_settings_and_paths, root, nodes))
+    for seen in outcomes:
+        assert "replicas" in seen["differ"] and "rank 2 has 0" in seen["differ"], seen
+        assert seen["created"] == (1, 0o700), seen
+        assert seen["warned"], seen
+
