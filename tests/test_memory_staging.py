@@ -108,3 +108,45 @@ def _fsdp_async_save_race(ctx):
 def test_an_fsdp2_parameter_changed_before_wait_staged_fails_async_save_on_every_rank(root, nodes):
     results = assert_all_ok(_run(_fsdp_async_save_race, root, nodes))
     assert results == [(("StagingRaceError", 2), [1])] * WORLD, results
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """An optimizer that writes through ``p.data`` (as some still do): it moves no version counter of ``p``."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1.0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(1.0)
+
+
+def test_an_optimizer_writing_through_data_waits_for_the_staged_copy_so_the_snapshot_holds_its_step(tmp_path):
+    """One process, no replicas: the stager is held before its copy, and the optimizer steps at once (no
+    ``wait_staged()``): the manager's optimizer step pre-hook waits for the copy, so the snapshot holds the values
+    of its step, never the post-step ones under its step's number; after ``close()`` the hook is gone."""
+    from dcp_atomic import CheckpointManager, MemoryTier, Staging
+    from dcp_atomic._base import failpoints
+
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    model = torch.nn.Linear(64, 64)
+    optimizer = _DataSGD(model.parameters())
+    at_snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    tier = MemoryTier(str(memory), replicas=0)
+    staging = Staging(pool_bytes=1 << 20, window_bytes=64 << 10, eager_bytes=0)
+    with CheckpointManager(str(tmp_path / "ckpt"), "data", memory=tier, staging=staging) as manager:
+        failpoints.arm("stage.before_copy", "sleep:0.5")
+        future = manager.snapshot(1, {"model": model.state_dict()})
+        optimizer.step()  # no wait_staged(): the hook waits
+        assert future.result() == 1
+        failpoints.disarm("stage.before_copy")
+    optimizer.step()  # the manager is closed: no hook left that could reach it
+    restored = {"model": torch.nn.Linear(64, 64).state_dict()}
+    with CheckpointManager(str(tmp_path / "ckpt"), "data", memory=tier) as manager:
+        assert manager.load(restored) == 1
+    for key, value in at_snapshot.items():
+        assert torch.equal(restored["model"][key], value), key
+    assert not any(torch.equal(model.state_dict()[k], v) for k, v in at_snapshot.items())  # training moved on

@@ -20,4 +20,5 @@ __all__, __getattr__, __dir__ = face(__name__, {
                  "ShardRef", "unseal"),
     "parallelism": ("Parallelism",),
     "safe_pickle": ("decode_item", "load_dcp_metadata", "load_refusal", "safe_byte_item"),
+    "slot_record": ("DTYPE_BYTES", "SlotItem", "SlotRecord"),
 })

@@ -698,8 +698,8 @@ def sealed_json(body: dict) -> bytes:
     return json.dumps({**body, "checksum": sha256_hex(canonical.encode())}, sort_keys=True, indent=1).encode() + b"\n"
 
 
-def unseal(data: bytes, where: str, kind: str) -> dict:
-    """The record :func:`sealed_json` wrote, once its checksum, ``kind`` and schema hold (else a
+def unseal(data: bytes, where: str, kind: str, schemas: tuple[int, ...] = (CONTROL_SCHEMA,)) -> dict:
+    """The record :func:`sealed_json` wrote, once its checksum, ``kind`` and schema (one of ``schemas``) hold (else a
     :class:`CorruptCheckpointError` naming ``where``)."""
     raw = _load_json(data, where)
     claimed = raw.pop("checksum", None)
@@ -709,7 +709,7 @@ def unseal(data: bytes, where: str, kind: str) -> dict:
             f"{where}: self-checksum mismatch (torn, stale or edited file)", path=where, torn=True
         )
     _expect(raw.get("kind") == kind, where, f"expected a {kind} record")
-    _check_schema(raw, where, (CONTROL_SCHEMA,))
+    _check_schema(raw, where, schemas)
     return raw
 
 

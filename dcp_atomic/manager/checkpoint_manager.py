@@ -76,7 +76,7 @@ from ..dcp.watched import WatchedReader, WatchedSavePlanner
 from ..dcp.reuse import refuse_unsupported
 from ..dcp.writer import AtomicStorageWriter
 from ..format.integrity import BLOCK_SIZE
-from ..staging import LiveState, StableState, Stager, Staging, WindowPool
+from ..staging import LiveState, StableState, Stager, Staging, WindowPool, gate_optimizer_steps
 from ..memory import MemorySnapshots, SnapshotFuture
 from ..protocol.lineage import ensure_lineage, new_lineage, refuses_writes
 from ..protocol.commit import COPY_OF_MEMORY_SEQUENCE, known_sequence, memory_order, root_sequence
@@ -324,6 +324,8 @@ class CheckpointManager(RankAgreement):
         self._staging_pool = None if staging is None else WindowPool(
             staging.pool_bytes // BLOCK_SIZE, BLOCK_SIZE, pinned=torch.cuda.is_available())
         self._staged: LiveState | None = None  # the bounded staging of the latest async_save
+        # every torch.optim step waits for the staged copies first (an optimizer may write through p.data)
+        self._optimizer_gate = None if staging is None else gate_optimizer_steps(self.wait_staged)
         if reuse:  # the writer's own refusals (fsspec filesystems), before any process group is made
             refuse_unsupported(self.layout.storage, stock_readable=False, who="CheckpointManager")
         self.parallelism = parallelism
@@ -675,6 +677,9 @@ class CheckpointManager(RankAgreement):
         self._tier.close()
         if self._memory is not None:
             self._memory.close()
+        if getattr(self, "_optimizer_gate", None) is not None:
+            self._optimizer_gate.remove()
+            self._optimizer_gate = None
         self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.close()

@@ -25,13 +25,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from .._base import internals
-from ..errors import RankConsistencyError
+from ..errors import ConfigurationError, RankConsistencyError
 from ..format.blocks import verify_item
 from ..format.codec import tensor_bytes
 from ..format.safe_pickle import decode_item
 from ..staging import StagedCopy, Stager
 from ..tiers import expand_stateful
-from .slots import SlotItem
+from ..format.slot_record import DTYPE_BYTES, SlotItem
 
 WINDOW_BYTES = 16 << 20  # a device tensor crosses to the host this much at a time
 
@@ -94,6 +94,9 @@ def flatten(state_dict: dict[str, Any]) -> tuple[list[Leaf], dict[str, Any]]:
     (:func:`shaped_leaves`)."""
     leaves, shape = shaped_leaves(expand_stateful(state_dict))
     for leaf in leaves:
+        if leaf.tensor is not None and str(leaf.tensor.dtype).removeprefix("torch.") not in DTYPE_BYTES:
+            raise ConfigurationError(f"the memory tier cannot snapshot {leaf.key!r}: its dtype {leaf.tensor.dtype} is "
+                                     "not one a slot record knows; nothing was snapshotted", key=leaf.key)
         if leaf.tensor is None:
             stream = io.BytesIO()
             torch.save(leaf.value, stream)

@@ -30,7 +30,7 @@ from ..errors import ReshardError
 from ..format.blocks import verify_item
 from ..format.safe_pickle import decode_item
 from .items import Leaf, global_place, put_object, tensor_over
-from .slots import SlotItem, SlotRecord
+from ..format.slot_record import SlotItem, SlotRecord
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A slot is one preallocated data file rewritten in place each time it is reused (no new directory, no fsync, no
 rename: tmpfs has nothing to flush, and a step every few seconds cannot afford a directory per step), and beside it
-a self-checksummed commit record (``sealed_json``) naming the run, its lineage, the rank whose share it holds, the
+a self-checksummed commit record (:mod:`dcp_atomic.format.slot_record`: one strict parser) naming the run, its lineage, the rank whose share it holds, the
 world size, the step, the commit sequence and every item (key, dtype, shape, offset, length, the xxh3 digest of
 every 4 MiB block).  The record is what makes the bytes a checkpoint (P3 for slots):
 
@@ -22,7 +22,6 @@ domains), so "rank r's share of sequence n" is found the same way wherever it li
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import mmap
 import os
 import re
@@ -31,86 +30,11 @@ from typing import Any, Callable
 from ..errors import CorruptCheckpointError
 from ..format.blocks import verify_item
 from ..format.integrity import BLOCK_SIZE, BlockHasher
-from ..format.manifest import CONTROL_SCHEMA, ItemExtent, sealed_json, unseal
+from ..format.slot_record import SlotRecord  # the record is format: parsed strictly there
 
-RECORD_KIND = "memory_slot"
 SPOOL_DIR = ".spool"  # replicas arrive here, are verified, then take their slot's name
 _SLOT_FILE = re.compile(r"^slot(\d+)\.commit$")
 _RANK_DIR = re.compile(r"^r(\d+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotItem:
-    """One item of a rank's share: where its bytes lie in the slot, and what they must be."""
-
-    key: str
-    kind: str  # "tensor" | "dtensor" | "object" (a non-tensor value, torch.save-encoded, decoded by the allow-list)
-    offset: int
-    nbytes: int
-    checksums: tuple[str, ...]
-    dtype: str | None = None
-    shape: tuple[int, ...] | None = None
-    dtensor: dict | None = None  # {"placements": [...], "mesh_shape": [...]}: the local shard's place
-    # Where the stored bytes lie in the global tensor, {"global_shape": [...], "global_offset": [...]} (a plain tensor
-    # is all of it): what a restore at another world size reshards by (:mod:`.reshard`); None for an object, and in
-    # records written before it existed (those snapshots restore at their own world size only).
-    place: dict | None = None
-
-    def extent(self) -> ItemExtent:
-        """The item as the one block check knows items (:func:`~dcp_atomic.format.blocks.verify_item`)."""
-        return ItemExtent(key=self.key, chunk_offset=None, kind="bytes" if self.kind == "object" else "tensor",
-                          format="raw", pos=self.offset, length=self.nbytes, checksums=list(self.checksums),
-                          block_size=BLOCK_SIZE)
-
-    def to_json(self) -> dict:
-        return {"key": self.key, "kind": self.kind, "offset": self.offset, "nbytes": self.nbytes,
-                "checksums": list(self.checksums), "dtype": self.dtype,
-                "shape": None if self.shape is None else list(self.shape), "dtensor": self.dtensor,
-                "place": self.place}
-
-    @classmethod
-    def from_json(cls, raw: dict) -> "SlotItem":
-        return cls(key=raw["key"], kind=raw["kind"], offset=int(raw["offset"]), nbytes=int(raw["nbytes"]),
-                   checksums=tuple(raw["checksums"]), dtype=raw["dtype"],
-                   shape=None if raw["shape"] is None else tuple(raw["shape"]), dtensor=raw["dtensor"],
-                   place=raw.get("place"))
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotRecord:
-    """A slot's commit record: whose share of which step it holds, in which commit order."""
-
-    run_id: str
-    lineage: str
-    rank: int  # the rank whose share this is (a replica holder keeps the owner's number)
-    world_size: int
-    step: int
-    sequence: int
-    slot: int
-    length: int
-    items: tuple[SlotItem, ...]
-    holder: int | None = None  # the rank keeping this copy for its owner on another failure domain; None: the owner's
-    layout: dict | None = None  # the job's Parallelism (declared, else inferred from its meshes): a resized restore's check
-
-    def to_bytes(self) -> bytes:
-        return sealed_json({"kind": RECORD_KIND, "schema_version": CONTROL_SCHEMA, "run_id": self.run_id,
-                            "lineage": self.lineage, "rank": self.rank, "world_size": self.world_size,
-                            "step": self.step, "sequence": self.sequence, "slot": self.slot, "length": self.length,
-                            "items": [item.to_json() for item in self.items], "holder": self.holder,
-                            "layout": self.layout})
-
-    @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> "SlotRecord":
-        raw = unseal(data, where, RECORD_KIND)
-        try:
-            return cls(run_id=raw["run_id"], lineage=raw["lineage"], rank=int(raw["rank"]),
-                       world_size=int(raw["world_size"]), step=int(raw["step"]), sequence=int(raw["sequence"]),
-                       slot=int(raw["slot"]), length=int(raw["length"]),
-                       items=tuple(SlotItem.from_json(item) for item in raw["items"]),
-                       holder=None if raw.get("holder") is None else int(raw["holder"]), layout=raw.get("layout"))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"{where}: not a memory slot record ({type(e).__name__}: {e})",
-                                         path=where) from None
 
 
 _RAM_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -301,8 +225,18 @@ def mapped(path: str, length: int):
 
 def verify_slot(record: SlotRecord, path: str) -> None:
     """Every block of every item of ``record`` against the bytes at ``path`` (a :class:`CorruptCheckpointError`
-    naming the item and block at the first difference)."""
+    naming the item and block at the first difference), and every object item decoded by the allow-list, as a
+    restore decodes it (an ``UnsafeItemError`` or ``CorruptCheckpointError`` naming it): the one judge of a slot, for
+    the restore's scan (which then serves around it) and ``verify --memory`` alike."""
     with mapped(path, record.length) as data:
         for item in record.items:
-            verify_item(item.extent(), data[item.offset:item.offset + item.nbytes],
-                        f"memory slot {path} (rank {record.rank}, step {record.step}) item {item.key!r}", path=path)
+            where = f"memory slot {path} (rank {record.rank}, step {record.step}) item {item.key!r}"
+            stored = data[item.offset:item.offset + item.nbytes]
+            try:
+                verify_item(item.extent(), stored, where, path=path)
+                if item.kind == "object":
+                    from ..format.safe_pickle import decode_item  # torch: only a judge of objects needs it
+
+                    decode_item(bytes(stored), key=item.key, where=where)
+            finally:
+                stored.release()

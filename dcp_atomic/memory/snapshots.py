@@ -44,7 +44,8 @@ from typing import Any, Callable, Protocol
 from .._base import failpoints
 from .._base.futures import ReportedFuture
 from .._base.stats import SnapshotStats
-from ..errors import CheckpointError, ConfigurationError, CorruptCheckpointError, StagingRaceError
+from ..errors import (CheckpointError, ConfigurationError, CorruptCheckpointError, StagingRaceError,
+                      UnsafeItemError)
 from ..dcp import check_layout, infer_parallelism
 from ..exchange.collective import CollectiveFailed, agreed_phase, first_line, gather, raise_typed
 from ..exchange.file_transfer import Part, Spooled, discard, transfer
@@ -708,7 +709,7 @@ class MemorySnapshots:
                 continue
             try:
                 verify_slot(record, self.dir.data(record.rank, record.slot))
-            except (CorruptCheckpointError, OSError) as e:
+            except (CorruptCheckpointError, UnsafeItemError, OSError) as e:
                 notes.append(f"rank {record.rank}'s copy of step {record.step} is damaged, served around: "
                              f"{getattr(e, 'message', e)}")
                 continue

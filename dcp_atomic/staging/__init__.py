@@ -12,5 +12,5 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "options": ("Staging",),
     "pool": ("WindowPool",),
     "stager": ("StagedCopy", "StageSink", "Stager"),
-    "versions": ("LiveTensor",),
+    "versions": ("gate_optimizer_steps", "LiveTensor"),
 })

@@ -5,15 +5,20 @@ changes them in place before ``wait_staged()``.  In-place ATen ops (``optimizer.
 the version counter, so a changed counter after the last byte was read means the bytes read may be a mix of two
 versions: the save or snapshot fails with :class:`~dcp_atomic.errors.StagingRaceError` naming the key.  Writes
 through a raw ``data_ptr`` (a custom kernel) bump no counter and are not caught: ``wait_staged()`` stays the gate
-(:class:`ReadGate`: the moment the reading ends, which it waits for).
+(:class:`ReadGate`: the moment the reading ends, which it waits for).  Two more gates close the gaps a counter cannot
+see: every ``torch.optim`` optimizer step waits for the staged copy first (:func:`gate_optimizer_steps`: an optimizer
+writing through ``p.data`` moves no counter of ``p``), and a DTensor's local shard is watched beside the wrapper (an
+in-place op on ``to_local()`` moves the shard's counter, not the wrapper's).  What remains the user's
+``wait_staged()`` to order: writes outside both (a numpy view, a custom loop outside ``torch.optim``, a raw kernel).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -38,14 +43,18 @@ class LiveTensor:
     tensor: torch.Tensor
     version: int
     watched: torch.Tensor | None = None
+    local_version: int | None = None  # the local shard's own counter, when it is not the watched tensor's
 
     @classmethod
     def record(cls, key: str, tensor: torch.Tensor) -> "LiveTensor":
-        return cls(key, local_tensor(tensor), internals.version_counter(tensor), tensor)
+        local = local_tensor(tensor)
+        return cls(key, local, internals.version_counter(tensor), tensor,
+                   None if local is tensor else internals.version_counter(local))
 
     def raise_if_changed(self, step: int | None, rank: int | None) -> None:
         now = internals.version_counter(self.watched if self.watched is not None else self.tensor)
-        if now == self.version:
+        if now == self.version and (self.local_version is None
+                                    or internals.version_counter(self.tensor) == self.local_version):
             return
         where = "" if step is None else f" of step {step}"
         raise StagingRaceError(
@@ -53,6 +62,22 @@ class LiveTensor:
             "was still reading it (an optimizer.step() or another in-place op before manager.wait_staged() "
             "returned). Nothing was committed; the previous checkpoint is intact. Call manager.wait_staged() "
             "before optimizer.step().", step=step, rank=rank, key=self.key)
+
+
+def gate_optimizer_steps(wait: Callable[[], Any]) -> Any:
+    """Make every ``torch.optim`` optimizer step wait for ``wait`` (a bound ``wait_staged``, held weakly) first: a
+    global step pre-hook, whatever the optimizer does to its parameters (``p.data``, foreach kernels).  Returns the
+    hook's handle (``remove()`` when the owner closes)."""
+    owner = weakref.WeakMethod(wait)
+
+    def wait_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        method = owner()
+        if method is not None:
+            method()
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    return register_optimizer_step_pre_hook(wait_before_step)
 
 
 def raise_if_any_changed(live: Iterable[LiveTensor], step: int | None, rank: int | None) -> None:

@@ -5,7 +5,8 @@ The slots are read with the memory tier's own functions (:class:`~dcp_atomic.mem
 records, :func:`~dcp_atomic.memory.verify_slot` re-reads the bytes, :func:`~dcp_atomic.memory.newest_complete`
 decides which step can be assembled), so the command cannot call a slot sound that a restore would refuse: a record
 whose seal fails is FAILED with the reason, and under ``verify`` so is one whose bytes differ from its digests.
-``ls`` and ``show`` read the records alone (and the data files' sizes); only ``verify`` reads the bytes.  No torch.
+``ls`` and ``show`` read the records alone (and the data files' sizes), without torch; only ``verify`` reads the
+bytes, and decodes the object items with torch's allow-list as a restore does.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ...errors import CheckpointNotFoundError, CorruptCheckpointError
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeItemError
 from ...memory import SlotDir, SlotRecord, newest_complete, slot_of, verify_slot
 from .output import emit, format_mib
 
@@ -34,12 +35,15 @@ def slot_rows(path: str, run: str, *, read_data: bool) -> tuple[list[dict[str, A
                "lineage": record.lineage, "world_size": record.world_size, "bytes": record.length,
                "items": len(record.items), "replica_held_by": record.holder, "record": where, "data": data}
         try:
+            if record.run_id != run:  # as a restore judges it: a record under this run's directory naming another
+                raise CorruptCheckpointError(f"{where}: names run {record.run_id!r}, not {run!r} (never restored)",
+                                             path=where)
             if read_data:
                 verify_slot(record, data)
             elif os.path.getsize(data) < record.length:
                 raise CorruptCheckpointError(f"{data}: {os.path.getsize(data)} bytes, its commit record names "
                                              f"{record.length} (truncated)", path=data)
-        except (CorruptCheckpointError, OSError) as e:
+        except (CorruptCheckpointError, UnsafeItemError, OSError) as e:
             rows.append({**row, "status": "FAILED", "reason": getattr(e, "message", None) or str(e)})
             continue
         rows.append({**row, "status": SOUND[read_data]})
