@@ -18,17 +18,35 @@ def _save(root, step, state):
     dcp.save(state, storage_writer=AtomicStorageWriter(root, RUN, step), no_dist=True)
 
 
-def test_a_step_that_does_not_exist_says_at_once_that_it_waits_and_its_error_says_how_to_list_steps(tmp_path, caplog):
-    """A step directory this process cannot see may be one another node just wrote (an NFS client caches a missing
-    name for up to a minute: tests/test_stale_cache.py), so it is waited for; the wait is announced at once and the
-    error at the deadline says the directory never appeared and how to list what exists."""
-    import logging
+def test_a_step_that_does_not_exist_on_a_local_disk_is_not_found_at_once_and_the_error_says_how_to_list_steps(
+        tmp_path):
+    """On a filesystem of this machine (tmp_path: no client cache) a missing step directory is missing: refused at
+    once, not after the 120 s a step another node may be writing on NFS is waited for."""
+    import time
 
     root = str(tmp_path)
     _save(root, 1, {"w": torch.arange(4.0)})
-    with caplog.at_level(logging.WARNING, logger="dcp_atomic"):
-        with pytest.raises(CheckpointNotFoundError) as refused:
-            AtomicStorageReader(root, RUN, 99, timeout=1).resolve()  # what dcp.load's read_metadata calls
+    started = time.monotonic()
+    with pytest.raises(CheckpointNotFoundError) as refused:
+        AtomicStorageReader(root, RUN, 99, timeout=120).resolve()  # what dcp.load's read_metadata calls
+    assert time.monotonic() - started < 30, "waited for a step no cache can hide"
+    assert "no step 99" in str(refused.value) and "dcp-atomic ls" in str(refused.value), refused.value
+
+
+def test_a_step_not_visible_through_a_fuse_mount_is_waited_for_and_the_wait_is_announced(caplog):
+    """Through a FUSE mount (an NFS-like client, as tests/test_stale_cache.py builds) a step directory this process
+    cannot see may be one another node just wrote: it is waited for; the wait is announced at once and the error at
+    the deadline says the directory never appeared and how to list what exists."""
+    import logging
+
+    from tests.fault_fixtures import nfs_clients_ctx
+
+    with nfs_clients_ctx() as nfs:
+        client = nfs.a.path
+        _save(client, 1, {"w": torch.arange(4.0)})
+        with caplog.at_level(logging.WARNING, logger="dcp_atomic"):
+            with pytest.raises(CheckpointNotFoundError) as refused:
+                AtomicStorageReader(client, RUN, 99, timeout=1).resolve()
     assert any("step 99 of run 'mistakes' is not visible" in r.getMessage() and "shorter timeout=" in r.getMessage()
                for r in caplog.records), caplog.text
     assert "never appeared here" in str(refused.value) and "dcp-atomic ls" in str(refused.value), refused.value

@@ -12,6 +12,7 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "futures": ("ReportedFuture",),
     "gc_pause": ("gc_paused", "hook", "leave", "PLANNER", "STORAGE"),
     "internals": ("internals", "MEM_FORMAT_ENCODING"),
+    "mounts": ("filesystem_type", "local_filesystem", "ram_backed"),
     "key_prefixes": ("data_prefix", "DATA_PREFIX_PATTERN", "MAX_DATA_PREFIXES", "validate_data_prefixes"),
     "progress": ("format_size", "Progress"),
     "retry": ("Deadline", "REREAD_SECONDS", "retry_until"),

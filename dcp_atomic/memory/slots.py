@@ -37,28 +37,6 @@ _SLOT_FILE = re.compile(r"^slot(\d+)\.commit$")
 _RANK_DIR = re.compile(r"^r(\d+)$")
 
 
-_RAM_FILESYSTEMS = ("tmpfs", "ramfs")
-
-
-def ram_backed(path: str) -> bool | None:
-    """Whether ``path`` lies on a RAM-backed filesystem (tmpfs, ramfs), by the mount that holds it; None where the
-    mount table cannot be read (not Linux)."""
-    path, kind, longest = os.path.realpath(path), None, -1
-    try:
-        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return None
-    for fields in mounts:
-        if len(fields) < 3:
-            continue
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])  # the table escapes spaces
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= longest:  # the deepest mount, the later of two on one point
-            kind, longest = fields[2], len(point)
-    return None if kind is None else kind in _RAM_FILESYSTEMS
-
-
 def slot_of(where: str) -> tuple[int, int]:
     """(rank, slot) a record's path names (``.../r<rank>/slot<k>.commit``): where an unreadable record belongs."""
     return int(_RANK_DIR.match(os.path.basename(os.path.dirname(where)))[1]), int(_SLOT_FILE.match(

@@ -43,6 +43,7 @@ from typing import Any, Callable, Protocol
 
 from .._base import failpoints
 from .._base.futures import ReportedFuture
+from .._base.mounts import ram_backed
 from .._base.stats import SnapshotStats
 from ..errors import (CheckpointError, ConfigurationError, CorruptCheckpointError, StagingRaceError,
                       UnsafeItemError)
@@ -58,7 +59,7 @@ from ..tiers import Topology, expand_stateful
 from . import reshard
 from .items import durable_state, flatten, hand_back, install, leaves_of, slot_items, stage_leaves, write_leaves
 from .reshard import layout_of
-from .slots import SlotDir, SlotRecord, SlotSink, mapped, newest_complete, ram_backed, verify_slot
+from .slots import SlotDir, SlotRecord, SlotSink, mapped, newest_complete, verify_slot
 
 log = logging.getLogger("dcp_atomic.memory")
 CONSEQUENCE = "the snapshot is not memory-committed; the previous one is intact."
