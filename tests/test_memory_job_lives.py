@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import shutil
 import stat
 
 from dcp_atomic.memory import SlotRecord
@@ -131,3 +132,44 @@ def test_differing_settings_are_refused_by_name_a_missing_path_on_ram_is_created
         assert seen["created"] == (1, 0o700), seen
         assert seen["warned"], seen
 
+
+
+def _snapshots_on_small_nodes(ctx, slots):
+    """A world of 2 (one rank per node), each node's memory path a tmpfs of 4.5 shares: what ``slots`` snapshots
+    of a 256 KiB share do (their steps, or the error and whether it names the peak)."""
+    import torch
+
+    from dcp_atomic import CheckpointManager, MemoryTier
+    from dcp_atomic.errors import ConfigurationError
+
+    state = {"w": torch.arange(65536.0) + ctx.rank}
+    path = os.path.join(ctx.extra["nodes"][ctx.rank], "mem")
+    os.makedirs(path, exist_ok=True)
+    with CheckpointManager(ctx.root, RUN, memory=MemoryTier(path, slots=slots, replicas=1), timeout=10) as manager:
+        taken = []
+        for step in range(1, 5):
+            state["w"] += 1
+            try:
+                taken.append(manager.snapshot(step, state).result())
+            except ConfigurationError as e:
+                return "ConfigurationError", "peak" in str(e) and "needs" in str(e)
+        return taken
+
+
+def test_the_budget_counts_a_snapshots_peak_a_node_that_passes_never_fills_up_later(root):
+    """Each node holds its own slots, its replica slots, and at a snapshot's peak a new replica arriving beside the
+    one it replaces: a node sized between the old count (4 shares with 2 slots) and the peak (5) is refused at the
+    first snapshot by name on both ranks (before: it passed and the third snapshot filled it); with 1 slot (3
+    shares at the peak) every snapshot is taken."""
+    from tests.fault_fixtures import small_tmpfs_ctx
+    from tests.helpers.memory import two_nodes_env
+
+    with small_tmpfs_ctx(size_kib=1180) as a, small_tmpfs_ctx(size_kib=1180) as b:
+        refused = assert_all_ok(_run(_snapshots_on_small_nodes, root, [a.path, b.path], 2, world=2,
+                                     rank_env=two_nodes_env))
+        shutil.rmtree(os.path.join(a.path, "mem"))
+        shutil.rmtree(os.path.join(b.path, "mem"))
+        taken = assert_all_ok(_run(_snapshots_on_small_nodes, root, [a.path, b.path], 1, world=2,
+                                   rank_env=two_nodes_env))
+    assert refused == [("ConfigurationError", True)] * 2, refused
+    assert taken == [[1, 2, 3, 4]] * 2, taken

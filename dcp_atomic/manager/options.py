@@ -79,8 +79,9 @@ class MemoryTier:
         every: every N-th ``snapshot`` call takes one (the others return a future marked ``skipped``).
         replicas: copies of each rank's slot on ranks of other failure domains.
         slots: memory-committed steps kept per rank (at least 1; 2 keeps the previous step while the next is taken).
-        budget_bytes: the most this rank's slots and the copies it holds may take: ``slots x (1 + replicas) x`` its
-            share of the state (``slots + 1`` with ``durable_every``), checked at the first snapshot (and against the
+        budget_bytes: the most this rank's slots and the copies it holds may take at a snapshot's peak:
+            ``(slots x (1 + replicas) + replicas) x`` its share of the state (a replica arrives beside the one it
+            replaces; ``slots + 1`` with ``durable_every``), checked at the first snapshot (and against the
             directory's free space at construction).  None: only the directory's free space bounds it.
         durable_every: every N-th memory-committed snapshot also becomes a durable step of the same number, written
             from its slot's bytes in the background through ``async_save`` (the local tier and its drain with

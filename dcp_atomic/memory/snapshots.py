@@ -187,29 +187,36 @@ class MemorySnapshots:
         return host, None
 
     def _check_budget(self, shares: list[tuple[int, str, str, int]]) -> None:
-        """Every rank alike, from every rank's (share, host, path, free bytes): each rank's ``slots x (1 + replicas)
-        x share`` within ``budget_bytes``, and each node's total within its path's free bytes."""
-        factor = self.slot_files * (1 + self.replicas)
+        """Every rank alike, from every rank's (share, host, path, free bytes): what each rank needs at a snapshot's
+        peak (:meth:`_peak_bytes`) within ``budget_bytes``, and each node's total within its path's free bytes."""
         slots = f"{self.slots} slot(s)" + (" + 1 for a durable copy" if self.slot_files > self.slots else "")
+        peak = [self._peak_bytes(r, [share for share, *_ in shares]) for r in range(len(shares))]
         refused = []
         if self.budget_bytes is not None:
-            refused += [f"rank {r} needs {factor * share} bytes ({slots} x (1 + {self.replicas} "
-                        f"replica(s)) x its {share}-byte share), over budget_bytes={self.budget_bytes}"
-                        for r, (share, _, _, _) in enumerate(shares) if factor * share > self.budget_bytes]
+            refused += [f"rank {r} needs {peak[r]} bytes ({slots} of its {share}-byte share and of the "
+                        f"{len(self.topology.placement.held_by(r))} share(s) it holds a replica of, + one replica "
+                        f"arriving beside the one it replaces), over budget_bytes={self.budget_bytes}"
+                        for r, (share, _, _, _) in enumerate(shares) if peak[r] > self.budget_bytes]
         nodes: dict[tuple[str, str], list[int]] = {}
         for r, (_, host, path, _) in enumerate(shares):
             nodes.setdefault((host, path), []).append(r)
         for (host, path), ranks in nodes.items():
-            needed = sum(factor * shares[r][0] for r in ranks)
+            needed = sum(peak[r] for r in ranks)
             if needed > shares[ranks[0]][3]:
-                refused.append(f"{host}:{path} needs {needed} bytes for ranks {ranks}, and can hold "
-                               f"{shares[ranks[0]][3]}")
+                refused.append(f"{host}:{path} needs {needed} bytes for ranks {ranks} at a snapshot's peak, and can "
+                               f"hold {shares[ranks[0]][3]}")
         if refused:
             raise ConfigurationError("the memory tier cannot hold its snapshots: " + "; ".join(refused[:4]) +
                                      ". Raise budget_bytes and the RAM-backed directory's size, or lower slots or "
                                      "replicas; nothing was snapshotted.", path=self.dir.path,
-                                     needed=factor * shares[self.rank][0], budget=self.budget_bytes)
+                                     needed=peak[self.rank], budget=self.budget_bytes)
         self._checked_share = max(share for share, _, _, _ in shares)
+
+    def _peak_bytes(self, rank: int, shares: list[int]) -> int:
+        """What ``rank``'s path holds at the peak of a snapshot: its own slot files and its replica slot files, and a
+        replica of each share it holds arriving (spooled, verified) before it replaces the old one."""
+        held = sum(shares[source] for source in self.topology.placement.held_by(rank))
+        return self.slot_files * shares[rank] + (self.slot_files + 1) * held
 
     # -- snapshots -----------------------------------------------------------------------------
 
