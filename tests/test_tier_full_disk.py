@@ -123,3 +123,48 @@ def test_gc_local_root_collects_what_a_killed_job_left_and_keeps_the_local_steps
     assert code == 2
     restored = assert_all_ok(_run(_restore, root, nodes))
     assert all(step == 1 for step, _ in restored)
+
+
+def _saves_while_the_durable_store_refuses(ctx, steps, drained):
+    """Saves of ``steps`` (``drained`` ones asked for a durable copy) while every drain upload fails (the durable
+    store refuses): what each save did, and the local steps at the end."""
+    from dcp_atomic._base import failpoints
+
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    outcome = {}
+    failpoints.arm("drain.before_upload", "raise")
+    try:
+        manager = _manager(ctx, keep_local=2)
+        for step in steps:
+            _train_step(model, optim, step)
+            try:
+                manager.save(step, _state(model, optim, step), durable=step in drained or None)
+                outcome[step] = "ok"
+            except Exception as e:
+                outcome[step] = f"{type(e).__name__}: {str(e)[:200]}"
+        outcome["local"] = manager.steps(tier="local")
+        outcome["full"] = _full(model)
+        try:
+            manager.close()
+        except Exception:  # the refused drains, raised once at the end: what this test does not look at
+            pass
+    finally:
+        failpoints.disarm_all()
+    return outcome
+
+
+@pytest.mark.slow
+def test_a_step_pinned_for_its_durable_copy_counts_inside_keep_local_so_a_tight_disk_keeps_saving(root, nodes):
+    """Step 3 is saved for a durable copy while the durable store refuses every upload: it stays pinned on the local
+    roots until it is durable.  Node B's disk holds keep_local + 1 = 3 steps.  Before, the pin sat beside
+    keep_local's two newest steps, so the save of step 6 found node B full, and so did every later save.  Now the pin
+    counts inside keep_local (the newest step and the pin are kept), and every save commits."""
+    with small_tmpfs_ctx(size_kib=65536) as disk_b:
+        roots = [nodes[0], disk_b.path]
+        assert_all_ok(_run(_saves, root, roots, [1, 2]))
+        size = max(_step_bytes(disk_b.path, 1), _step_bytes(disk_b.path, 2))
+        disk_b.fill_bytes(leave=size * 3 // 2)  # room for one step beyond keep_local, not two
+        saved = assert_all_ok(_run(_saves_while_the_durable_store_refuses, root, roots, list(range(3, 10)), {3}))
+    for rank, out in enumerate(saved):
+        assert all(out[step] == "ok" for step in range(3, 10)), (rank, out)
+        assert out["local"] == [3, 9], (rank, out["local"])  # the pin and the newest

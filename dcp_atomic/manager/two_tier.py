@@ -169,8 +169,10 @@ class TwoTier(TierPolicy):
         except BaseException as e:
             if writer.save_id is not None and not getattr(writer, "decided", False):
                 remove_failed_attempt(self.local, step, writer.save_id, self.topology.describe(self._ctx.rank))
-            if self._held_back is not None and isinstance(e, CheckpointError) and _out_of_space(e):
-                raise type(e)(f"{e.message.rstrip()} {self._held_back_note()}", **e.details) from e
+            if isinstance(e, CheckpointError) and _out_of_space(e):
+                self._retain(self.drainer.protected() if self.drainer is not None else set())
+                if self._held_back is not None:
+                    raise type(e)(f"{e.message.rstrip()} {self._held_back_note()}", **e.details) from e
             raise
 
     def _held_back_note(self) -> str:
@@ -214,14 +216,24 @@ class TwoTier(TierPolicy):
             self.drainer.submit(step, marker)
         elif again:
             self._queue_again(pending)
-        if self.topology.is_leader:
-            try:
-                removed = retain_local(self.local, self.keep_local, protected=protected, lineage=self._lineage)
-                if removed:
-                    log.info("local tier %s: removed step(s) %s (keep_local=%d)", self.local_root, removed,
-                             self.keep_local)
-            except OSError as e:  # the step is committed; the next save retries
-                log.warning("local tier %s: retention failed (the next save retries it): %s", self.local_root, e)
+        self._retain(protected)
+
+    def _retain(self, protected: set[int]) -> None:
+        """A root's leader: local retention, the durable-pending step (:attr:`_held_back`) counted inside
+        ``keep_local`` (:func:`retain_local`); after a commit, and after a save that failed for space (whatever
+        room the previous job or a released pin left is made before the next save)."""
+        if not self.topology.is_leader:
+            return
+        pinned = set() if self._held_back is None else {self._held_back}
+        try:
+            removed = retain_local(self.local, self.keep_local, protected=protected | pinned, lineage=self._lineage,
+                                   pinned=pinned)
+            if removed:
+                log.info("local tier %s: removed step(s) %s (keep_local=%d%s)", self.local_root, removed,
+                         self.keep_local, f", step {self._held_back} pinned for its durable copy inside it"
+                         if pinned else "")
+        except (OSError, CheckpointError) as e:  # the step is committed (or the save failed): the next one retries
+            log.warning("local tier %s: retention failed (the next save retries it): %s", self.local_root, e)
 
     def _sequence_floor(self) -> int:
         """Rank 0: the newest commit sequence of any tier it knows (a memory snapshot's too); the durable root's

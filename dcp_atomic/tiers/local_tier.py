@@ -609,13 +609,17 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
                        seconds=time.perf_counter() - started)
 
 
-def retain_local(layout: RunLayout, keep_local: int, protected: set[int], lineage: str | None) -> list[int]:
+def retain_local(layout: RunLayout, keep_local: int, protected: set[int], lineage: str | None,
+                 pinned: set[int] = frozenset()) -> list[int]:
     """Keep this root's ``keep_local`` most recent local steps of ``lineage`` (the durable root's rule,
     :func:`~dcp_atomic.protocol.retention_policy.retained`, with ``keep_last=keep_local``) and every ``protected``
-    one (a drain in flight, the newest step still waiting for its drain); remove the others, marker first.  Another
-    lineage's steps are not this job's to delete (the restore names them)."""
+    one (a drain in flight or queued); remove the others, marker first.  A ``pinned`` step (kept until it is durable:
+    its drain failed) counts inside ``keep_local``, the newest step always kept: a disk sized for ``keep_local + 1``
+    steps then holds the pin, the newest steps and the save in progress, however long the durable store refuses.
+    Another lineage's steps are not this job's to delete (the restore names them)."""
     markers = of_lineage(local_markers(layout), lineage)
-    kept = {m.step for m in retained(markers, keep_local)} | protected
+    older_pins = {m.step for m in markers[:-1]} & set(pinned)
+    kept = {m.step for m in retained(markers, max(1, keep_local - len(older_pins)))} | older_pins | protected
     doomed = [m.step for m in markers if m.step not in kept]
     for step in doomed:
         remove_local_step(layout, step)
