@@ -241,14 +241,22 @@ def test_stats_of_drained_steps_show_the_drain_time_and_the_local_tier(tmp_path,
 
 
 def test_stats_plot_writes_a_png_or_names_the_extra_that_brings_matplotlib(root, tmp_path, capsys):
-    """Runs either way: with the ``plot`` extra installed it draws; without it, exit 2 naming the pip command."""
+    """Runs either way: with the ``plot`` extra installed it draws; without it, exit 3 (a missing extra) naming what
+    to install.  A path that cannot be a PNG, or whose folder is missing, is a usage error naming it, before
+    anything is read."""
     _save(root, {1: _state(), 2: _state()})
     out = str(tmp_path / "stats.png")
+    for wrong, said in ((str(tmp_path / "missing" / "x.png"), "does not exist"), (str(tmp_path / "x.txt"), ".png")):
+        assert main(["stats", root, RUN, "--plot", wrong]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("dcp-atomic: UsageError") and wrong in err and said in err, err
+        assert not os.path.exists(wrong)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert main(["stats", root, RUN, "--plot", out]) == 2
-        assert "pip install 'dcp-atomic[plot]'" in capsys.readouterr().err and not os.path.exists(out)
+        assert main(["stats", root, RUN, "--plot", out]) == 3
+        err = capsys.readouterr().err
+        assert "pip install matplotlib" in err and "[plot] extra" in err and not os.path.exists(out), err
         return
     assert main(["stats", root, RUN, "--plot", out]) == 0
     with open(out, "rb") as f:

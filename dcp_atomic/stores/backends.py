@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._base import arguments
+from .._base.extras import install_advice
 from ..errors import ArgumentError, ConfigurationError
 from .storage import FsspecStorage, LocalStorage, Storage
 
@@ -83,7 +84,7 @@ def missing_backend_message(root: str, error: ImportError) -> str:
     scheme = root.split("://", 1)[0] if "://" in root else ""
     backend = BACKENDS.get(scheme)
     if backend is not None and backend.extra:
-        fix = f"pip install 'dcp-atomic[{backend.extra}]'"
+        fix = install_advice(backend.extra)
     elif backend is not None:
         fix = f"install what {backend.target.partition(':')[0]} imports"
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._base.extras import install_advice
 from .._base.retry import Deadline
 from ..errors import CheckpointError
 from ..format.layout import RunLayout
@@ -23,7 +24,7 @@ from ..protocol.commit import read_claim, read_committed
 FIGURES = (("save_seconds", "save", "s"), ("write_seconds", "write", "s"), ("bytes", "bytes", "B"),
            ("bytes_written", "written", "B"), ("bytes_reused", "reused", "B"), ("drain_seconds", "drain", "s"))
 
-PLOT_EXTRA = "pip install 'dcp-atomic[plot]'"
+PLOT_EXTRA = install_advice("plot")
 
 
 def step_statistics(layout: RunLayout, markers: list[Marker], root_tier: str, timeout: float) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ import sys
 from typing import Any, Callable
 
 from ..._base import arguments
+from ..._base.extras import MISSING_EXTRA_EXIT
 from ...format.layout import validate_run_id, validate_step
 from ...errors import ArgumentError, CheckpointError
 from ...protocol.retention_policy import Best
@@ -189,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", parents=[after], help="each step's recorded save statistics, as a table or a chart")
     p.add_argument("root")
     p.add_argument("run")
-    p.add_argument("--plot", metavar="FILE.png", help="also draw them over steps into a PNG (needs matplotlib: "
-                   "pip install 'dcp-atomic[plot]')")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw them over steps into a PNG file, whose folder must "
+                   "exist (needs matplotlib: the plot extra)")
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("gc", parents=[after], help="delete old committed steps and abandoned attempts",
@@ -342,7 +343,7 @@ def _run(argv: list[str]) -> int:
         text = str(e)
         return _report(as_json, type(e).__name__, text if not root or root in text else f"{root}: {text}", 1)
     except ImportError as e:
-        return _report(as_json, "MissingDependency", missing_backend_message(root or "", e), 1)
+        return _report(as_json, "MissingDependency", missing_backend_message(root or "", e), MISSING_EXTRA_EXIT)
     except Exception as e:  # noqa: BLE001 - an SDK's own type (credentials, endpoints) or a bug: still one line
         if os.environ.get("DCP_ATOMIC_TRACEBACK"):
             raise

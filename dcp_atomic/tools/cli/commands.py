@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from ..._base.extras import MISSING_EXTRA_EXIT
 from ..._base.progress import format_size
 from ..._base.retry import Deadline
 from ...errors import CheckpointError, CheckpointNotFoundError
@@ -236,10 +237,11 @@ def cmd_stats(args) -> int:
     from ..run_stats import FIGURES, plot, plotting, step_statistics
 
     if args.plot:
+        _check_plot_path(args.plot)
         try:
             plotting()
         except ImportError as e:
-            raise CliError(str(e), code=2, kind="MissingDependency") from None
+            raise CliError(str(e), code=MISSING_EXTRA_EXIT, kind="MissingDependency") from None
     layout = run_layout(args)
     markers, damaged = scan_steps(layout)
     rows = step_statistics(layout, list(markers.values()), tier_of_root(layout, markers.values()), args.timeout)
@@ -264,6 +266,19 @@ def cmd_stats(args) -> int:
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
+
+
+def _check_plot_path(path: str) -> None:
+    """``--plot``'s file, before anything is read: a PNG (the one format drawn), in a folder that exists and can be
+    written; a usage error naming it otherwise."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path.lower().endswith(".png"):
+        raise CliError(f"--plot {path}: the chart is a PNG; name a file ending in .png", code=2, kind="UsageError")
+    if not os.path.isdir(folder):
+        raise CliError(f"--plot {path}: its folder {folder} does not exist; create it first", code=2,
+                       kind="UsageError")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"--plot {path}: its folder {folder} cannot be written", code=2, kind="UsageError")
 
 
 def _figure(value: float | None, unit: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from ..._base.extras import MISSING_EXTRA_EXIT
 from ..._base.retry import Deadline
 from ...errors import CheckpointNotFoundError
 from ...format.layout import RunLayout
@@ -32,7 +33,8 @@ def open_root(args) -> Storage:
     try:
         storage = open_storage(args.root, options)
     except ImportError as e:
-        raise CliError(missing_backend_message(args.root, e), kind="MissingDependency") from None
+        raise CliError(missing_backend_message(args.root, e), code=MISSING_EXTRA_EXIT,
+                       kind="MissingDependency") from None
     if not storage.is_dir(storage.root):
         raise CliError(f"{args.root}: no such checkpoint root (nothing there)", kind="NotFound")
     return storage
