@@ -449,3 +449,32 @@ def test_the_built_wheel_ships_license_types_and_declared_extras(tmp_path):
     assert "Typing :: Typed" in metadata.get_all("Classifier")
     changelog = open(os.path.join(repo, "CHANGELOG.md")).read()
     assert "## Unreleased" in changelog and "## 0.1.0" in changelog
+
+
+@pytest.mark.parametrize("form", ["torch", "safetensors"])
+def test_an_export_tells_its_progress_from_the_first_tensor_to_the_last_byte(tmp_path, form):
+    """What ``dcp-atomic export`` shows on stderr while it runs (``CopyProgress``) hears of every tensor's bytes:
+    safetensors as each is written (the total: the tensors exported), torch as each is read, then as the file is
+    written (the total: twice the tensors' bytes)."""
+    from dcp_atomic.tools.export import export_safetensors, export_torch
+
+    root = str(tmp_path / "ckpt")
+    state = {"a": torch.arange(4096.0), "b": torch.ones(64, 64, dtype=torch.bfloat16), "step": 7}
+    dcp.save(state, storage_writer=AtomicStorageWriter(root, RUN, 1), no_dist=True)
+    seen = []
+
+    def progress(total):
+        seen.append([total, 0])
+
+        def tick(n):
+            seen[-1][1] += n
+        return tick
+
+    tensors = 4096 * 4 + 64 * 64 * 2
+    if form == "safetensors":
+        export_safetensors(root, RUN, 1, str(tmp_path / "hf"), progress=progress, note=lambda text: None)
+        assert seen == [[tensors, tensors]], seen
+    else:
+        export_torch(root, RUN, 1, str(tmp_path / "model.pt"), progress=progress)
+        (total, done), = seen
+        assert total == 2 * tensors and done >= total, seen  # the file's bytes: the tensors and torch.save's own

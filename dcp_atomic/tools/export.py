@@ -158,7 +158,7 @@ def export_safetensors(root: str, run_id: str, step: int, out_dir: str, *, shard
                        dtype: str | torch.dtype | None = None, keys: Iterable[str] = (),
                        renames: Iterable[tuple[str, str]] = (), ties: Iterable[tuple[str, str]] = (),
                        force: bool = False, timeout: float = 10.0, storage_options: dict[str, Any] | None = None,
-                       note: Callable[[str], None] | None = None) -> ExportReport:
+                       note: Callable[[str], None] | None = None, progress: Progress | None = None) -> ExportReport:
     """Write ``model-0000k-of-0000n.safetensors`` shards and ``model.safetensors.index.json`` into ``out_dir``.
 
     ``keys``: globs of the stored keys to export (default: every tensor); ``dtype``: cast floating tensors to it;
@@ -168,6 +168,7 @@ def export_safetensors(root: str, run_id: str, step: int, out_dir: str, *, shard
     ``target`` after checking the two are bit-identical.  ``force`` replaces an export already in ``out_dir``
     (otherwise refused).  Non-tensor keys are skipped and named through ``note`` (default: stderr).  Shards are
     written atomically (temp + fsync + rename), the index last: a directory with an index holds a complete export.
+    ``progress``: given the bytes to export, the callable that hears of each tensor's bytes as they are written.
     """
     limit = parse_size(shard_size) if isinstance(shard_size, str) else shard_size
     if isinstance(dtype, str) and dtype not in CAST_DTYPES:
@@ -212,8 +213,9 @@ def export_safetensors(root: str, run_id: str, step: int, out_dir: str, *, shard
     for stale in (INDEX_NAME, SINGLE_FILE_NAME):  # first, so the directory never claims an export that mixes two
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(out_dir, stale))
+    tick = progress(sum(e.nbytes for e in entries)) if progress is not None else _no_progress
     for name, shard in zip(names, shards):
-        _write_shard(os.path.join(out_dir, name), shard, source)
+        _write_shard(os.path.join(out_dir, name), shard, source, tick)
     index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
              "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard}}
     _publish_bytes(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=2).encode() + b"\n")
@@ -330,7 +332,7 @@ def _header(shard: list[_Entry]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def _write_shard(path: str, shard: list[_Entry], source: StepTensors) -> None:
+def _write_shard(path: str, shard: list[_Entry], source: StepTensors, tick: Callable[[int], Any]) -> None:
     def write(f) -> None:
         f.write(_header(shard))
         for entry in shard:
@@ -339,6 +341,7 @@ def _write_shard(path: str, shard: list[_Entry], source: StepTensors) -> None:
                 raise CheckpointError(f"{entry.key!r} loaded as {tensor.nbytes} bytes, planned {entry.nbytes}",
                                       key=entry.key)
             f.write(tensor_bytes(tensor))
+            tick(entry.nbytes)
             del tensor
 
     publish_stream(path, write)
@@ -352,10 +355,12 @@ def _publish_bytes(path: str, data: bytes) -> None:
 
 
 def export_torch(root: str, run_id: str, step: int, out: str, *, timeout: float = 10.0,
-                 storage_options: dict[str, Any] | None = None, force: bool = False) -> tuple[int, str]:
+                 storage_options: dict[str, Any] | None = None, force: bool = False,
+                 progress: Progress | None = None) -> tuple[int, str]:
     """The whole (unsharded) state dict of a step in one ``torch.save`` file; returns (step, save_id).
 
-    An existing ``out`` is refused unless ``force`` (then replaced atomically)."""
+    An existing ``out`` is refused unless ``force`` (then replaced atomically).  ``progress``: given twice the bytes
+    of the step's tensors, the callable that hears of each tensor as it is read, then of the bytes written."""
     if os.path.exists(out) and not force:
         raise ConfigurationError(f"{out} already exists; nothing was written: choose another path, or pass --force "
                                  "(force=True) to replace it", path=out)
@@ -366,12 +371,57 @@ def export_torch(root: str, run_id: str, step: int, out: str, *, timeout: float 
     warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
     reader = AtomicStorageReader(root, run_id, step, timeout=timeout, storage_options=storage_options)
     reader.resolve()
+    tick = _no_progress
+    if progress is not None:
+        sizes = [md.size.numel() * md.properties.dtype.itemsize for md in reader.read_metadata().state_dict_metadata
+                 .values() if isinstance(md, TensorStorageMetadata)]
+        tick = progress(2 * sum(sizes))
+        _count_reads(reader, tick)
     try:
         state = internals.load_state_dict_from_keys(storage_reader=reader)
     except CheckpointException as e:  # DCP wraps each rank's failure as (exception, traceback)
         raise _first_cause(e) from None
-    publish_stream(out, lambda f: torch.save(state, f))
+    publish_stream(out, lambda f: torch.save(state, _Counting(f, tick)))
     return reader.step, reader.save_id
+
+
+Progress = Callable[[int], Callable[[int], Any]]  # given the total bytes, what hears of each part done
+
+
+def _no_progress(n: int) -> None:
+    """No progress to tell."""
+
+
+def _count_reads(reader: Any, tick: Callable[[int], Any]) -> None:
+    """Each tensor ``reader`` hands DCP's planner counts as read (this reader instance only)."""
+    read_data = reader.read_data
+
+    def counted(plan: Any, planner: Any) -> Any:
+        commit = planner.commit_tensor
+
+        def commit_tensor(read_item: Any, tensor: torch.Tensor) -> None:
+            commit(read_item, tensor)
+            tick(tensor.numel() * tensor.element_size())
+
+        planner.commit_tensor = commit_tensor
+        return read_data(plan, planner)
+
+    reader.read_data = counted
+
+
+class _Counting:
+    """A file ``torch.save`` writes to, each write counted."""
+
+    def __init__(self, f: Any, tick: Callable[[int], Any]) -> None:
+        self._f, self._tick = f, tick
+
+    def write(self, data: Any) -> int:
+        written = self._f.write(data)
+        self._tick(len(memoryview(data).cast("B")))
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
 
 
 def _first_cause(e) -> Exception:

@@ -421,9 +421,8 @@ def _committed_again(layout: RunLayout, step: int, in_flight: list[str]) -> str 
 
 
 def cmd_export(args) -> int:
-    """One step as a single torch.save file, or as Hugging Face safetensors shards (streamed, one tensor in memory)."""
-    from ..export import DEFAULT_SHARD_SIZE, export_safetensors, export_torch
-
+    """One step as a single torch.save file, or as Hugging Face safetensors shards (streamed, one tensor in memory),
+    with a progress line on stderr once it takes a while."""
     layout = run_layout(args)
     require_committed(layout, args.step)
     options = json.loads(args.storage_options) if args.storage_options else None
@@ -431,12 +430,29 @@ def cmd_export(args) -> int:
     if not os.path.isdir(os.path.dirname(out)):
         raise CliError(f"cannot export to {args.out}: directory {os.path.dirname(out)} does not exist; create it, or "
                        "choose another OUT", kind="NotFound")
+    shown: list[CopyProgress] = []
+
+    def progress(total: int) -> CopyProgress:  # a line on stderr once the export takes a while (not with --json)
+        shown.append(CopyProgress(total, f"export step {args.step}"))
+        return shown[-1]
+
+    progress = None if args.json else progress
+    try:
+        return _export(args, out, options, progress)
+    finally:
+        for line in shown:
+            line.close()
+
+
+def _export(args, out: str, options: dict | None, progress) -> int:
+    from ..export import DEFAULT_SHARD_SIZE, export_safetensors, export_torch
+
     if args.format == "torch":
         if args.dtype or args.keys or args.shard_size or args.renames or args.ties:
             raise CliError("--dtype, --keys, --shard-size, --strip-prefix, --rename and --tie apply to "
                            "--format safetensors", code=2, kind="UsageError")
         step, save_id = export_torch(args.root, args.run, args.step, out, timeout=args.timeout,
-                                     storage_options=options, force=args.force)
+                                     storage_options=options, force=args.force, progress=progress)
         if args.json:
             emit({"out": out, "format": "torch", "step": step, "save_id": save_id})
         else:
@@ -445,7 +461,7 @@ def cmd_export(args) -> int:
     report = export_safetensors(args.root, args.run, args.step, out, shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
                                 dtype=args.dtype, keys=args.keys or (), renames=args.renames or (),
                                 ties=args.ties or (), force=args.force, timeout=args.timeout,
-                                storage_options=options)
+                                storage_options=options, progress=progress)
     if args.json:
         emit({"out_dir": report.out_dir, "format": "safetensors", "step": report.step, "save_id": report.save_id,
                "files": report.files, "total_size": report.total_size, "skipped": report.skipped,
