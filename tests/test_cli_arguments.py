@@ -105,3 +105,19 @@ def test_a_long_copy_prints_its_progress_in_the_unit_that_shows_it(capsys, monke
     progress.close()
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["verify step 7:  66.7% of 3.0 MiB (819.2 KiB/s)", "verify step 7: 100.0% of 3.0 MiB (1.0 MiB/s)"]
+
+
+def test_every_help_text_is_plain_and_describes_every_positional_argument():
+    """What ``--help`` prints is read in a terminal: no reST backticks, and every positional argument says what it
+    is (ROOT, RUN, STEP... in every command)."""
+    import argparse
+
+    from dcp_atomic.tools.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in {"": parser, **commands}.items():
+        assert "`" not in command.format_help(), name
+        for action in command._actions:
+            if not action.option_strings and not isinstance(action, argparse._SubParsersAction):
+                assert action.help, (name, action.dest)

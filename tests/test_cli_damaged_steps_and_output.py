@@ -176,3 +176,11 @@ def test_verify_of_an_uncommitted_step_waits_once(root, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report[0]["step"] == 9 and "not committed" in report[0]["problems"][0]
     assert elapsed < 5.0, f"verify waited {elapsed:.1f}s for a --timeout of 3s"
+
+
+def test_verify_of_an_uncommitted_step_says_nothing_was_read_never_save_none(root, capsys):
+    _save(root, 1)
+    os.makedirs(os.path.join(root, RUN, "step_0000000009", "20260101T000000Z-deadbeef"))
+    assert main(["--timeout", "3", "verify", root, RUN, "9"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "step 9: FAILED (nothing read: no committed save)", first

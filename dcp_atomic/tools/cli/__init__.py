@@ -122,6 +122,8 @@ def _size(text: str) -> str:
     return text
 
 
+ROOT_HELP = "the checkpoint root: a directory, or s3://, gs:// or another fsspec URL"
+RUN_HELP = "the run id: the folder under ROOT that holds its steps"
 STORAGE_OPTIONS_ENV = "DCP_ATOMIC_STORAGE_OPTIONS"  # JSON, or @FILE, like --storage-options
 
 
@@ -139,24 +141,24 @@ def _storage_options_text(value: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from ..demo import DEFAULT_ROOT
 
-    parser = _Parser(prog="dcp-atomic", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="dcp-atomic", description=__doc__.splitlines()[0].replace("``", ""))
     _add_global_options(parser, after_subcommand=False)
     after = argparse.ArgumentParser(add_help=False)
     _add_global_options(after, after_subcommand=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("ls", parents=[after], help="runs, or the steps of a run")
-    p.add_argument("root")
-    p.add_argument("run", nargs="?")
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("run", nargs="?", help="a run id under ROOT (default: list the runs)")
     p.add_argument("--local-root", help="this node's local_root (two tiers): also list the steps it holds; other "
                    "nodes' local roots are not visible from here")
     _add_memory_option(p, cmd_memory_ls, "list this node's memory slots of RUN (records only)")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("show", parents=[after], help="manifest summary of a step (default: latest)")
-    p.add_argument("root")
-    p.add_argument("run")
-    p.add_argument("step", nargs="?", type=_step)
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("run", help=RUN_HELP)
+    p.add_argument("step", nargs="?", type=_step, help="the step to show (default: the newest committed)")
     p.add_argument("--local-root", help="this node's local_root (two tiers): show the step as this root holds it, "
                    "and whether the root (durable) holds it too")
     _add_memory_option(p, cmd_memory_show, "show the slots of STEP on this node (default: the newest step this "
@@ -164,9 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("verify", parents=[after], help="re-read every byte and check every checksum")
-    p.add_argument("root")
-    p.add_argument("run")
-    p.add_argument("step", nargs="?", type=_step)
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("run", help=RUN_HELP)
+    p.add_argument("step", nargs="?", type=_step, help="the step to verify (default: the newest committed)")
     p.add_argument("--all", action="store_true", help="every committed step")
     p.add_argument("--threads", type=_positive_int, default=4)
     p.add_argument("--local", action="store_true", help="ROOT is a node's local_root (two tiers): partial copies "
@@ -176,20 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("diff", parents=[after], help="keys added, removed, changed and unchanged between two steps")
-    p.add_argument("root")
-    p.add_argument("run")
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("a", type=_step, metavar="A", help="the step compared from")
     p.add_argument("b", type=_step, metavar="B", help="the step compared to")
     p.add_argument("--tolerance", type=_tolerance, default=0.0,
                    help="a tensor whose values differ by at most this much (max-abs) counts as unchanged")
     p.add_argument("--limit", type=_positive_int, default=20, help="changed keys listed in the table (--json: all)")
     p.add_argument("--verify", action="store_true", help="first re-read both steps whole and check every digest, as "
-                   "`verify` does (without it, keys whose recorded digests agree are not read)")
+                   "verify does (without it, keys whose recorded digests agree are not read)")
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("stats", parents=[after], help="each step's recorded save statistics, as a table or a chart")
-    p.add_argument("root")
-    p.add_argument("run")
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--plot", metavar="FILE.png", help="also draw them over steps into a PNG file, whose folder must "
                    "exist (needs matplotlib: the plot extra)")
     p.set_defaults(func=cmd_stats)
@@ -198,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="A committed step is kept if any of --keep-last, --keep-every, --keep-period, "
                        "--best keeps it (at least one is needed without --local-root); the newest commit and the "
                        "one LATEST names always are.  --dry-run shows what keeps each step and what would go.")
-    p.add_argument("root")
-    p.add_argument("run")
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--keep-last", type=_positive_int, metavar="N", help="keep the N most recent committed steps")
     p.add_argument("--keep-every", type=_positive_int, metavar="K", help="keep every committed step that is a "
                    "multiple of K")
@@ -214,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser("rm", parents=[after], help="delete one step (committed or not) or a whole run; needs --yes")
-    p.add_argument("root")
-    p.add_argument("run")
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("step", nargs="?", type=_step, help="the step to delete (default: the whole run)")
     p.add_argument("--yes", action="store_true", help="really delete (without it: show what would go, exit 2)")
     p.add_argument("--lease-hours", type=float, default=6.0,
@@ -224,9 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", parents=[after],
                        help="write one step as one torch.save file, or as safetensors shards")
-    p.add_argument("root")
-    p.add_argument("run")
-    p.add_argument("step", type=_step)
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("run", help=RUN_HELP)
+    p.add_argument("step", type=_step, help="the committed step to export")
     p.add_argument("out", help="the .pt file (torch), or the directory of shards (safetensors)")
     p.add_argument("--format", choices=("torch", "safetensors"), default="torch")
     p.add_argument("--shard-size", type=_size, help="bytes per safetensors shard, e.g. 5GB (default), 500MiB")
@@ -246,9 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("import", parents=[after], help="adopt a stock DCP checkpoint directory as a committed step")
     p.add_argument("source", help="directory written by torch's FileSystemWriter (holds .metadata)")
-    p.add_argument("root")
-    p.add_argument("run")
-    p.add_argument("step", type=_step)
+    p.add_argument("root", help=ROOT_HELP)
+    p.add_argument("run", help=RUN_HELP)
+    p.add_argument("step", type=_step, help="the step number the imported checkpoint becomes")
     p.add_argument("--link", action="store_true",
                    help="hard-link the data files instead of copying (same filesystem; the shared files become read-only)")
     p.set_defaults(func=cmd_import)

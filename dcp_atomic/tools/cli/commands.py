@@ -180,7 +180,9 @@ def cmd_verify(args) -> int:
         for r in reports:
             status = ("OK" if not r.notes else "OK, partial copies") if r.ok else "FAILED"
             status += ", with warnings" if r.warnings else ""
-            print(f"step {r.step}: {status} ({r.files} files, {r.bytes / 2**20:.1f} MiB, save {r.save_id})")
+            read = ("nothing read: no committed save" if r.save_id is None
+                    else f"{r.files} files, {r.bytes / 2**20:.1f} MiB, save {r.save_id}")
+            print(f"step {r.step}: {status} ({read})")
             for line in r.problems + r.notes + [f"warning: {w}" for w in r.warnings]:
                 print(f"  {line}")
     return 1 if bad else 0
