@@ -150,3 +150,26 @@ def test_an_optimizer_writing_through_data_waits_for_the_staged_copy_so_the_snap
     for key, value in at_snapshot.items():
         assert torch.equal(restored["model"][key], value), key
     assert not any(torch.equal(model.state_dict()[k], v) for k, v in at_snapshot.items())  # training moved on
+
+
+def test_a_staging_race_in_a_snapshot_is_said_once_whole_naming_the_key(tmp_path):
+    """The snapshot's ``StagingRaceError`` names the key and its versions once, whole (not the save's message cut
+    and followed by its own advice again)."""
+    from dcp_atomic import CheckpointManager, MemoryTier, Staging, StagingRaceError
+    from dcp_atomic._base import failpoints
+
+    (tmp_path / "shm").mkdir()
+    weights, release = torch.zeros(1 << 16), threading.Event()
+    staging = Staging(pool_bytes=1 << 20, window_bytes=64 << 10, eager_bytes=0)
+    with CheckpointManager(str(tmp_path / "ckpt"), "race", memory=MemoryTier(str(tmp_path / "shm"), replicas=0),
+                           staging=staging) as manager:
+        failpoints.arm("stage.before_copy", lambda rank, step: release.wait(30))
+        future = manager.snapshot(1, {"weights": weights})
+        weights.add_(1.0)  # in place, outside any optimizer, before wait_staged()
+        release.set()
+        with pytest.raises(StagingRaceError) as raced:
+            future.result()
+        failpoints.disarm("stage.before_copy")
+    message = str(raced.value)
+    assert "'weights' was changed in place (version 0 -> 1)" in message, message
+    assert message.count("wait_staged") == 1 and "…" not in message and message.count("rank 0") == 1, message

@@ -397,16 +397,17 @@ class MemorySnapshots:
             written = e
         finally:
             staging.sink.close()
-        mine = None if race is None else (self.rank, race.details.get("key"), first_line(race))
+        mine = None if race is None else (self.rank, race.details.get("key"),
+                                          race.details.get("what") or first_line(race))
         raced = [r for r in self._gathered(mine, f"staging the memory snapshot of step {step}", self.memory_group)
                  if r is not None]
         if raced:
             rank, key, why = raced[0]
             raise StagingRaceError(
-                f"the memory snapshot of step {step} was not committed: on rank {rank}, {why}"
-                + (f" (and {len(raced) - 1} more rank(s))" if len(raced) > 1 else "")
-                + ". Call wait_staged() before the optimizer step. The previous snapshot is intact.",
-                step=step, rank=rank, key=key)
+                f"the memory snapshot of step {step} was not committed: on rank {rank}, {why} while it was being "
+                "copied into the slot" + (f" (and on {len(raced) - 1} more rank(s))" if len(raced) > 1 else "")
+                + ". Call wait_staged() before changing the state (an optimizer step outside torch.optim, an in-place "
+                "op); the previous snapshot is intact.", step=step, rank=rank, key=key)
         return written
 
     def wait_staged(self) -> float:

@@ -57,11 +57,11 @@ class LiveTensor:
                                     or internals.version_counter(self.tensor) == self.local_version):
             return
         where = "" if step is None else f" of step {step}"
+        what = f"{self.key!r} was changed in place (version {self.version} -> {now})"  # a snapshot's message reuses it
         raise StagingRaceError(
-            f"rank {rank}: {self.key!r} was changed in place (version {self.version} -> {now}) while the save{where} "
-            "was still reading it (an optimizer.step() or another in-place op before manager.wait_staged() "
-            "returned). Nothing was committed; the previous checkpoint is intact. Call manager.wait_staged() "
-            "before optimizer.step().", step=step, rank=rank, key=self.key)
+            f"rank {rank}: {what} while the save{where} was still reading it (an optimizer.step() or another in-place "
+            "op before manager.wait_staged() returned). Nothing was committed; the previous checkpoint is intact. "
+            "Call manager.wait_staged() before optimizer.step().", step=step, rank=rank, key=self.key, what=what)
 
 
 def gate_optimizer_steps(wait: Callable[[], Any]) -> Any:
