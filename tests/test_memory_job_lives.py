@@ -8,6 +8,7 @@ the durable root on disk; every restore compared exactly with the reference run'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -173,3 +174,57 @@ def test_the_budget_counts_a_snapshots_peak_a_node_that_passes_never_fills_up_la
                                    rank_env=two_nodes_env))
     assert refused == [("ConfigurationError", True)] * 2, refused
     assert taken == [[1, 2, 3, 4]] * 2, taken
+
+
+def _snapshots_while_node_b_fills_up(ctx):
+    """A world of 2 (one rank per node): steps 1-2 snapshotted, then node B's memory path filled by something else;
+    what snapshots 3 and 4 raise on each rank, and whether step 5 is taken once the room is back."""
+    import torch
+    import torch.distributed as dist
+
+    from dcp_atomic import CheckpointManager, MemoryTier
+
+    state = {"w": torch.arange(65536.0) + ctx.rank}
+    node = ctx.extra["nodes"][ctx.rank]
+    path = os.path.join(node, "mem")
+    os.makedirs(path, exist_ok=True)
+    seen = []
+    with CheckpointManager(ctx.root, RUN, memory=MemoryTier(path, slots=2, replicas=1), timeout=10) as manager:
+        for step in (1, 2):
+            manager.snapshot(step, state).result()
+        dist.barrier()
+        if ctx.rank == 1:  # another tenant of node B's RAM takes all of it
+            with open(os.path.join(node, "ballast"), "wb") as f:
+                with contextlib.suppress(OSError):
+                    while True:
+                        f.write(b"\0" * (1 << 16))
+        dist.barrier()
+        for step in (3, 4):
+            try:
+                manager.snapshot(step, state).result()
+                seen.append(step)
+            except Exception as e:
+                seen.append((type(e).__name__, str(e)))
+        dist.barrier()
+        if ctx.rank == 1:
+            os.unlink(os.path.join(node, "ballast"))
+        dist.barrier()
+        seen.append(manager.snapshot(5, state).result())
+    return seen
+
+
+def test_a_full_node_is_one_typed_error_on_every_rank_naming_it_and_the_next_snapshots_go_on(root):
+    """Node B's memory path full while it receives rank 0's replica: before, node B said "No space left" and rank 0
+    blamed a live rank 1 as lost (PeerLost), and the next snapshot broke the group; now every rank raises the same
+    StorageError naming rank 1, its node and the cause, for each snapshot the node cannot hold, and once the room is
+    back the next one is taken."""
+    from tests.fault_fixtures import small_tmpfs_ctx
+    from tests.helpers.memory import two_nodes_env
+
+    with small_tmpfs_ctx(size_kib=8192) as a, small_tmpfs_ctx(size_kib=8192) as b:
+        outcomes = assert_all_ok(_run(_snapshots_while_node_b_fills_up, root, [a.path, b.path], world=2,
+                                      rank_env=two_nodes_env))
+    assert outcomes[0] == outcomes[1], outcomes  # the same error on every rank
+    for kind, message in outcomes[0][:2]:
+        assert kind == "StorageError" and "rank 1 (B," in message and "No space left" in message, message
+    assert outcomes[0][2] == 5, outcomes

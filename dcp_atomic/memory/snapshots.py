@@ -477,15 +477,22 @@ class MemorySnapshots:
                              Part("data", record.length, path=self.dir.data(self.rank, record.slot))]
                     for holder in placement.holders[self.rank]}
         failpoints.hit("memory.replica_send", self.rank, step)
-        received = transfer(outgoing, {src: self.topology.describe(src) for src in sources}, self.memory_group,
-                            self.dir.spool, what=f"sending the memory snapshot of step {step} to its replica holders",
-                            timeout=self.timeout, exchange_id=f"memory/{self.run_id}",
-                            consequence=CONSEQUENCE)
+        received: dict = {}
+        try:  # a write that failed here (a full node) is this rank's failure in the agreement below, not a lost peer
+            received = transfer(outgoing, {src: self.topology.describe(src) for src in sources}, self.memory_group,
+                                self.dir.spool, what=f"sending the memory snapshot of step {step} to its replica "
+                                "holders", timeout=self.timeout, exchange_id=f"memory/{self.run_id}",
+                                consequence=CONSEQUENCE)
+            failed = None
+        except (OSError, CorruptCheckpointError) as e:
+            failed = e
         kept: list[SlotRecord] = []
         with agreed_phase(self.memory_group, f"replicating the memory snapshot of step {step}",
-                          f"rank {self.rank} could not keep a replica", then="The previous snapshot is intact.",
-                          step=step):
+                          f"{self.topology.describe(self.rank)} could not keep a replica", then="The previous "
+                          "snapshot is intact.", step=step):
             try:
+                if failed is not None:
+                    raise failed
                 for src, parts in received.items():
                     copy = SlotRecord.from_bytes(parts["record"], f"the record rank {src} sent")
                     if (copy.rank, copy.step, copy.run_id) != (src, step, self.run_id):
