@@ -228,3 +228,57 @@ def test_a_full_node_is_one_typed_error_on_every_rank_naming_it_and_the_next_sna
     for kind, message in outcomes[0][:2]:
         assert kind == "StorageError" and "rank 1 (B," in message and "No space left" in message, message
     assert outcomes[0][2] == 5, outcomes
+
+
+def _restore_on_small_nodes(ctx):
+    """A world of 2 (one rank per node): load() from the memory tier; (step, tier, exact) or the error's type and
+    message."""
+    import torch
+
+    from dcp_atomic import CheckpointManager, MemoryTier
+
+    path = os.path.join(ctx.extra["nodes"][ctx.rank], "mem")
+    os.makedirs(path, exist_ok=True)
+    state = {"w": torch.zeros(65536)}
+    try:
+        with CheckpointManager(ctx.root, RUN, memory=MemoryTier(path, slots=2, replicas=1), timeout=10) as manager:
+            step = manager.load(state)
+            return step, manager.restored_from["tier"], torch.equal(state["w"], torch.arange(65536.0) + ctx.rank + 2)
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+def _two_snapshots(ctx):
+    import torch
+
+    from dcp_atomic import CheckpointManager, MemoryTier
+
+    path = os.path.join(ctx.extra["nodes"][ctx.rank], "mem")
+    os.makedirs(path, exist_ok=True)
+    state = {"w": torch.arange(65536.0) + ctx.rank}
+    with CheckpointManager(ctx.root, RUN, memory=MemoryTier(path, slots=2, replicas=1), timeout=10) as manager:
+        for step in (1, 2):
+            state["w"] += 1
+            manager.snapshot(step, state).result()
+
+
+def test_a_restore_into_a_full_node_is_one_typed_error_on_every_rank_and_restores_once_there_is_room(root):
+    """Node B's RAM was wiped and is full of something else: its rank must receive its share from node A, and
+    cannot keep it.  Every rank raises the same StorageError naming rank 1 and the cause at once (before: rank 1
+    alone raised, rank 0 waited in the next collective); with the room back the replica restores exactly."""
+    from tests.fault_fixtures import small_tmpfs_ctx
+    from tests.helpers.memory import two_nodes_env
+
+    with small_tmpfs_ctx(size_kib=8192) as a, small_tmpfs_ctx(size_kib=8192) as b:
+        assert_all_ok(_run(_two_snapshots, root, [a.path, b.path], world=2, rank_env=two_nodes_env))
+        shutil.rmtree(os.path.join(b.path, "mem", RUN))  # node B replaced: its RAM is empty...
+        b.fill_bytes(leave=64 << 10)  # ...and another tenant takes nearly all of it
+        refused = assert_all_ok(_run(_restore_on_small_nodes, root, [a.path, b.path], world=2,
+                                     rank_env=two_nodes_env))
+        b.release()
+        restored = assert_all_ok(_run(_restore_on_small_nodes, root, [a.path, b.path], world=2,
+                                      rank_env=two_nodes_env))
+    assert refused[0] == refused[1], refused
+    kind, message = refused[0]
+    assert kind == "StorageError" and "rank 1 (B," in message and "No space left" in message, message
+    assert restored == [(2, "memory-replica", True)] * 2, restored

@@ -567,9 +567,12 @@ class MemorySnapshots:
         for rank in range(self.world_size):
             own = [place for place in places[rank] if place[0] == self.topology.leader(rank)]
             plan.append(own[0] if own else places[rank][0])
-        received = self._fetch(plan, sequence, step)
-        with agreed_phase(self.group, f"restoring step {step} from the memory tier", f"rank {self.rank}",
+        received, failed = self._fetch(plan, sequence, step)
+        with agreed_phase(self.group, f"restoring step {step} from the memory tier",
+                          self.topology.describe(self.rank),
                           then="Nothing more was loaded; restart to restore from another tier.", step=step):
+            if failed is not None:
+                raise failed
             holder, slot = plan[self.rank]
             if holder == self.topology.leader(self.rank):
                 record_path, data_path = self.dir.record(self.rank, slot), self.dir.data(self.rank, slot)
@@ -634,11 +637,14 @@ class MemorySnapshots:
                                                               path=self.dir.data(owner, slot)))
                 if rank == self.rank:
                     incoming[holder] = self.topology.describe(holder)
-        received = self._restore_transfer(outgoing, incoming, f"receiving the old shares of {what} from the nodes "
-                                          "holding them", "memory-reshard", f"restoring {what}")
+        received, failed = self._restore_transfer(outgoing, incoming, f"receiving the old shares of {what} from the "
+                                                  "nodes holding them", "memory-reshard", f"restoring {what}")
         fetched = 0
         try:
-            with agreed_phase(self.group, f"restoring {what}", f"rank {self.rank}", then=then, step=step):
+            with agreed_phase(self.group, f"restoring {what}", self.topology.describe(self.rank), then=then,
+                              step=step):
+                if failed is not None:
+                    raise failed
                 with contextlib.ExitStack() as stack:
                     data, where = {}, {}
                     for owner in sorted(chosen.shares):
@@ -752,43 +758,59 @@ class MemorySnapshots:
         (sequence, step, places), world = max(found, key=lambda f: f[0][0])
         return sequence, step, world, places
 
-    def _fetch(self, plan: list[tuple[int, int]], sequence: int, step: int) -> tuple[SlotRecord, str] | None:
+    def _fetch(self, plan: list[tuple[int, int]], sequence: int, step: int
+               ) -> tuple[tuple[SlotRecord, str] | None, BaseException | None]:
         """Every rank alike: each share whose copy is on another node comes from that node's leader, spooled here
-        and verified; (its record, its spooled bytes) for this rank, None where its own node holds it."""
+        and verified; ((its record, its spooled bytes) for this rank, None where its own node holds it; this rank's
+        failure to send, receive or read it, for the caller's agreement to raise on every rank)."""
         outgoing: dict[int, list] = {}
         incoming: dict[int, str] = {}
         for rank, (holder, slot) in enumerate(plan):
             if holder == self.topology.leader(rank):
                 continue
             if holder == self.rank:
-                with open(self.dir.record(rank, slot), "rb") as f:
-                    record = f.read()
-                outgoing[rank] = [Part.inline("record", record),
-                                  Part("data", os.path.getsize(self.dir.data(rank, slot)),
-                                       path=self.dir.data(rank, slot))]
+                try:
+                    with open(self.dir.record(rank, slot), "rb") as f:
+                        record = f.read()
+                    outgoing[rank] = [Part.inline("record", record),
+                                      Part("data", os.path.getsize(self.dir.data(rank, slot)),
+                                           path=self.dir.data(rank, slot))]
+                except OSError as e:  # the receiver still gets a stream: what went wrong, said by its holder
+                    outgoing[rank] = [Part.inline("error", f"{self.topology.describe(self.rank)} could not read its "
+                                                  f"copy: {first_line(e)}".encode())]
             if rank == self.rank:
                 incoming[holder] = self.topology.describe(holder)
-        received = self._restore_transfer(outgoing, incoming, f"receiving step {step}'s memory snapshot from replica "
-                                          "holders", "memory-restore", f"restoring step {step} from the memory tier")
-        if not received:
-            return None
-        parts = next(iter(received.values()))
-        record = SlotRecord.from_bytes(parts["record"], f"the record of step {step} a replica holder sent")
-        data = parts["data"]
-        if not isinstance(data, Spooled):
-            path = os.path.join(self.dir.spool, f"r{self.rank}-inline")
-            with open(path, "wb") as f:
-                f.write(data)
-            return record, path
-        return record, data.path
+        received, failed = self._restore_transfer(outgoing, incoming, f"receiving step {step}'s memory snapshot from "
+                                                  "replica holders", "memory-restore",
+                                                  f"restoring step {step} from the memory tier")
+        if failed is not None or not received:
+            return None, failed
+        try:
+            parts = next(iter(received.values()))
+            if "error" in parts:
+                raise CorruptCheckpointError(parts["error"].decode(errors="replace"))
+            record = SlotRecord.from_bytes(parts["record"], f"the record of step {step} a replica holder sent")
+            data = parts["data"]
+            if not isinstance(data, Spooled):
+                path = os.path.join(self.dir.spool, f"r{self.rank}-inline")
+                with open(path, "wb") as f:
+                    f.write(data)
+                return (record, path), None
+            return (record, data.path), None
+        except (OSError, CorruptCheckpointError) as e:
+            discard(received)
+            return None, e
 
     def _restore_transfer(self, outgoing: dict[int, list], incoming: dict[int, str], what: str, exchange: str,
-                          failing: str) -> dict:
-        """A restore's one transfer, every rank alike (:func:`transfer`'s ``outgoing``/``incoming``); a failure is
-        raised typed as ``failing``'s, on every rank that exchanged with the lost peer."""
+                          failing: str) -> tuple[dict, BaseException | None]:
+        """A restore's one transfer, every rank alike (:func:`transfer`'s ``outgoing``/``incoming``): (what arrived,
+        this rank's own failure to keep it, such as a full node, which the caller's agreement raises on every rank);
+        a lost peer is raised typed as ``failing``'s, on every rank that exchanged with it."""
         try:
             return transfer(outgoing, incoming, self.group, self.dir.spool, what=what, timeout=self.timeout,
-                            exchange_id=f"{exchange}/{self.run_id}", consequence="nothing was loaded.")
+                            exchange_id=f"{exchange}/{self.run_id}", consequence="nothing was loaded."), None
+        except (OSError, CorruptCheckpointError) as e:
+            return {}, e
         except BaseException as e:
             raise_typed(self.translate(e, failing))
 
