@@ -181,3 +181,59 @@ def test_lightning_strategy_memory_snapshots_every_step_and_a_fresh_fit_and_an_o
     for out in _world(_lightning_memory, root, nodes, timeout=180):
         assert out == {"snapshots": [1, 2, 3], "memory": ("memory", True), "last": ("memory", True),
                        "named": (None, True)}, out
+
+
+def _lightning_accumulating(ctx):
+    """``fit`` with ``accumulate_grad_batches=2`` for 3 optimizer steps (6 batches): the steps the strategy
+    snapshotted (with the batches done by then), then what a fresh ``fit(ckpt_path=MEMORY)`` resumes and whether
+    its weights are exactly step 3's."""
+    from dcp_atomic import MemoryTier
+    from dcp_atomic.integrations.lightning import MEMORY, AtomicModelParallelStrategy
+    from tests.helpers.lightning import _same
+    from tests.test_lightning_tier import _tracked_module
+
+    pl, Tracked = _tracked_module()
+    taken = []
+
+    class Recording(pl.Callback):
+        def on_train_start(self, trainer, module):
+            manager = trainer.strategy.memory_manager
+            snapshot = manager.snapshot
+
+            def recorded(step, state):
+                future = snapshot(step, state)
+                taken.append((step, trainer.fit_loop.epoch_loop.batch_progress.current.completed))
+                Tracked.saved[step] = (module_weights(module), None)
+                return future
+
+            manager.snapshot = recorded
+
+    def module_weights(module):
+        from tests.test_lightning_tier import _weights
+
+        return _weights(module)
+
+    def fit(ckpt_path, seed, max_steps, callbacks=()):
+        strategy = AtomicModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=30,
+                                               memory=MemoryTier(memory_path(ctx)))
+        trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=ctx.root,
+                             strategy=strategy, callbacks=list(callbacks), enable_checkpointing=False,
+                             accumulate_grad_batches=2)
+        module = Tracked(seed=seed)
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return module, strategy
+
+    module, strategy = fit(None, 0, 3, [Recording()])
+    strategy.snapshotted.result()
+    resumed, strategy = fit(MEMORY, 99, 4)  # one step more: its start is what the resume restored
+    return taken, (strategy.restored_from or {}).get("tier"), _same(resumed.at_start, Tracked.saved[3][0])
+
+
+def test_lightning_snapshots_only_after_an_optimizer_step_never_mid_accumulation(root, nodes):
+    for taken, tier, exact in _world(_lightning_accumulating, root, nodes, timeout=180):
+        # one snapshot per optimizer step, each at the end of the batch that made it: the 2nd, 4th and 6th (Lightning
+        # counts a batch completed after its end callbacks); none of a batch that only accumulated (before: steps
+        # 0, 1, 1, 2, 2, 3), and the resume is exactly the last one
+        assert taken == [(1, 1), (2, 3), (3, 5)], taken
+        assert (tier, exact) == ("memory", True), (tier, exact)

@@ -185,6 +185,7 @@ class _AtomicCheckpointing:
         self.memory, self.staging = memory, staging
         self.memory_manager: CheckpointManager | None = None  # built at setup, every rank alike
         self.snapshotted: Any = None  # the latest snapshot's future (a SnapshotFuture)
+        self._stepped_at: int | None = None  # global_step at the last batch end: a snapshot needs an optimizer step since
 
     def setup(self, trainer: Any) -> None:
         """With ``memory``: the manager of the snapshots, and the callback that takes them (module doc)."""
@@ -201,8 +202,12 @@ class _AtomicCheckpointing:
 
     def snapshot(self, trainer: Any) -> Any:
         """Snapshot Lightning's whole checkpoint as of now at every ``every``-th step (every rank alike): the
-        manager's future, or None at a step not due."""
-        if trainer.global_step % self.memory.every:
+        manager's future, or None at a step not due.  Only right after an optimizer step: a batch that only
+        accumulated gradients (``accumulate_grad_batches``) is mid-step, and a snapshot of it would resume without
+        the gradients it accumulated."""
+        stepped = self._stepped_at is not None and trainer.global_step != self._stepped_at
+        self._stepped_at = trainer.global_step
+        if not stepped or trainer.global_step % self.memory.every:
             return None
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state = self._sharded_state(checkpoint)
@@ -529,9 +534,13 @@ def strategy_class(package: str = "pytorch_lightning") -> type:
 
 
 class _MemorySnapshots:
-    """The strategy's callback with ``memory=``: a snapshot at the end of each training batch (the strategy takes
-    those of every ``every``-th step), ``wait_staged()`` before each optimizer step.  Mixed over ``Callback`` of the strategy's
-    package (:func:`_memory_callback`): a Trainer calls only its own package's callbacks."""
+    """The strategy's callback with ``memory=``: a snapshot at the end of each training batch that made an optimizer
+    step (the strategy takes those of every ``every``-th step), ``wait_staged()`` before each optimizer step.  Mixed
+    over ``Callback`` of the strategy's package (:func:`_memory_callback`): a Trainer calls only its own package's
+    callbacks."""
+
+    def on_train_start(self, trainer: Any, *args: Any) -> None:
+        trainer.strategy._stepped_at = trainer.global_step  # after a resume: the step it resumed at
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         trainer.strategy.snapshot(trainer)
