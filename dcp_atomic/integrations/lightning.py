@@ -39,7 +39,8 @@ What changes and why:
   (``trainer.save_checkpoint`` afterwards) waits for its own, so every file is durable when they return.
 
 The memory tier (``strategy(memory=MemoryTier("/dev/shm/ckpt", every=1))``; docs/memory.md): at the end of each
-training batch whose ``global_step`` is a multiple of ``every`` the strategy snapshots the whole Lightning
+training batch that made an optimizer step (never mid-accumulation) whose ``global_step`` is a multiple of ``every``
+the strategy snapshots the whole Lightning
 checkpoint (weights, optimizer states, loops, callbacks) into RAM on each node, with verified copies on other failure domains, through one ``CheckpointManager``
 (run ``<run_id>-memory`` under the trainer's ``default_root_dir``); before each optimizer step it waits for
 ``wait_staged()`` (with ``staging=Staging(...)``).  ``fit(ckpt_path=MEMORY)`` resumes from the newest memory-committed
