@@ -138,26 +138,36 @@ def test_rank0_slower_than_timeout_after_a_save_does_not_fail_steps_load_or_late
 # -- Ctrl-C during wait() keeps the save; close() waits for it and raises its failure ----------
 
 
-def _interrupted(call) -> str:
-    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        call()
-        return "returned"
-    except KeyboardInterrupt:
-        return "interrupted"
-    finally:
-        timer.cancel()
+class _CtrlCFromTheWriter:
+    """Ctrl-C while the main thread waits, with no timer racing the save: the writer, held at its failpoint until
+    the main thread is inside ``wait()``'s ``try``, sends SIGINT to its own process, then goes on."""
+
+    def __init__(self) -> None:
+        self.waiting = threading.Event()
+
+    def at_failpoint(self, rank, step) -> None:
+        if self.waiting.wait(30):
+            self.waiting.clear()
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def interrupted(self, call) -> str:
+        try:
+            self.waiting.set()  # from here on a KeyboardInterrupt is this call's
+            call()
+            return "returned"
+        except KeyboardInterrupt:
+            return "interrupted"
 
 
 def _interrupted_wait_job(ctx):
     from dcp_atomic._base import failpoints
 
     seen: dict = {}
-    failpoints.arm("write.mid_data", "sleep:4")
+    ctrl_c = _CtrlCFromTheWriter()
+    failpoints.arm("write.mid_data", ctrl_c.at_failpoint)
     manager = CheckpointManager(ctx.root, RUN, timeout=10, thread_count=1)
     future = manager.async_save(1, _state(ctx.rank, 1))
-    seen["wait"] = _interrupted(manager.wait)
+    seen["wait"] = ctrl_c.interrupted(manager.wait)
     seen["close"] = _outcome(manager.close)[:2]
     seen["done_at_close"] = future.done()
     seen["steps"] = list_steps(ctx.root, RUN)
@@ -166,7 +176,7 @@ def _interrupted_wait_job(ctx):
         failpoints.arm("write.after_data", "raise", rank=1)
     failing = CheckpointManager(ctx.root, RUN, timeout=10, thread_count=1)
     failing.async_save(2, _state(ctx.rank, 2))
-    seen["failing_wait"] = _interrupted(failing.wait)
+    seen["failing_wait"] = ctrl_c.interrupted(failing.wait)
     try:
         failing.close()
         seen["failing_close"] = "returned"
