@@ -91,3 +91,24 @@ def test_a_base_whose_manifest_is_gone_means_a_full_save_at_once_not_a_wait_on_e
     assert any("no base step for step 3" in m and "manifest.json" in m for m in lines), lines
     # ... so no rank waited BASE_WAIT_SECONDS for it before giving up on the base
     assert not any("cannot use step 2" in m for m in lines), lines
+
+
+def test_a_base_naming_one_item_twice_means_full_saves_said_in_a_warning_never_a_key_error(tmp_path, caplog):
+    """A re-sealed base shard that lists one item twice (its digests recomputed: only the planner can see it): each
+    later reused save writes in full, commits and loads exactly, and the log names the base and the key; before,
+    every later ``reuse=True`` save failed with an untyped ``KeyError``."""
+    from tests.helpers.sealed import Sealed
+
+    root = str(tmp_path)
+    _save(root, 1)
+    _save(root, 2)
+    sealed = Sealed(root, 2)
+    entry = next(f for f in sealed.manifest["files"] if any(i["key"] == "base" for i in f["items"]))
+    entry["items"].append(dict(next(i for i in entry["items"] if i["key"] == "base")))  # the frozen base, twice
+    sealed.write_manifest()
+    with caplog.at_level(logging.WARNING, logger="dcp_atomic"):
+        for step in (3, 4):
+            stats = _save(root, step)
+            assert _loads(root, step), step
+    assert any("names item(s)" in r.getMessage() and "more than once" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]

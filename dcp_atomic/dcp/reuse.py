@@ -157,7 +157,15 @@ def plan_rank(encode: Encode, new_encoder: Callable[[], Encoder], items: list[Wr
     the save's codec, ``new_encoder()``: a zstd frame of an unchanged block is the same frame, so compressed saves
     compare as exactly as raw ones); link each file of the base (stable or plain) whose unchanged items are at least
     ``LINK_SHARE`` of its bytes, its items referenced where they lie; put the other unchanged items into new stable
-    files (at most ``STABLE_FILE_BYTES`` each)."""
+    files (at most ``STABLE_FILE_BYTES`` each).  A base that names one item twice (a damaged or re-sealed manifest
+    shard) cannot be planned against: this rank writes everything, said in a warning, never a ``KeyError``."""
+    named = [(extent.key, tuple(extent.chunk_offset or ())) for entry in base.shard.files for extent in entry.items]
+    twice = sorted({ident for ident in named if named.count(ident) > 1}) if len(set(named)) != len(named) else []
+    if twice:
+        log.warning("reuse: rank %d: base step %d names item(s) %s more than once (a damaged or re-sealed manifest "
+                    "shard): this save writes every item in full; `dcp-atomic verify` the base step", ctx.rank,
+                    base.step, [key for key, _ in twice[:4]])
+        return Outcome(list(items), [], [], [])
     base_items = base.items()
     candidates = [(item, base_items[ident][1]) for item in items
                   if item.type != WriteItemType.BYTE_IO and (ident := _identity(item)) in base_items
