@@ -73,6 +73,7 @@ class TwoTier(TierPolicy):
         self._drained_sequence = 0  # rank 0: the newest commit sequence this manager drained (supersedes older)
         self._requeues: dict[str, tuple[int, int]] = {}  # rank 0: save id -> (times queued again, at which save)
         self._held_back: int | None = None  # every rank: the durable-pending step retention kept at the last commit
+        self._pending: Marker | None = None  # every rank: that step's marker (close() drains it if still pending)
         self._lineage: str | None = None  # the durable run's lineage (lineage.py): which local steps are this job's
         self._provisional_for: str | None = None  # the durable root whose LINEAGE is still to be created (lineage.py)
         self._durable_listed: set[int] | None = None  # rank 0: the durable root's steps (listed once)
@@ -207,6 +208,7 @@ class TwoTier(TierPolicy):
         self._sequence = max(self._sequence, marker.sequence or 0)
         note_sequence(ctx.layout, self._sequence)  # the memory tier numbers above it (P10)
         self._held_back = pending.step if pending is not None else None
+        self._pending = pending
         writer.last_local_commit = committed
         log.info("run %r step %d local-committed (sequence %s, %d replica(s) per rank)%s", ctx.run_id, step,
                  marker.sequence, len(self.topology.placement.holders[ctx.rank]),
@@ -602,10 +604,28 @@ class TwoTier(TierPolicy):
             self.drainer.wait()
 
     def drain_last_and_wait(self) -> None:
-        """The last durable step must not be lost to a closing job."""
+        """The last durable step must not be lost to a closing job, nor a step saved for a durable copy whose drain
+        failed (its requeue may not be due yet): drained now, once the store answers, or the drain's failure is
+        raised, naming it."""
         if self.drainer is not None:
+            self._drain_pending()
             self._drain_last()
             self.drainer.wait()
+
+    def _drain_pending(self) -> None:
+        """Every rank alike (rank 0 decides): the durable-pending step of the last commit goes to the drain again
+        unless the drain carries it or the durable root holds it (read bounded by the stall deadline)."""
+        pending, ctx = self._pending, self._ctx
+        if pending is None:
+            return
+        again = None
+        if ctx.rank == 0:
+            again = pending.step not in self.drainer.protected() and self._known_durable(pending, True) is not True
+        if from_rank0(ctx.group, again, "deciding whether the durable-pending step drains at close"):
+            if ctx.rank == 0:
+                log.warning("run %r: closing; step %d was saved for a durable copy and is not durable yet: draining it "
+                            "to %s again", ctx.run_id, pending.step, ctx.layout.storage.describe())
+            self.drainer.submit(pending.step, pending)
 
     def _drain_last(self) -> None:
         """Every rank alike (SPMD): queue the last local step for the drain if no save queued it (``durable_every``
