@@ -193,7 +193,7 @@ def test_retention_after_a_commit_reads_only_the_markers_it_keeps_or_may_delete(
     layout = AtomicStorageWriter(root, RUN, 1).layout
     for step in range(1, 9):
         dcp.save({"x": torch.ones(2) * step}, storage_writer=AtomicStorageWriter(root, RUN, step), no_dist=True)
-        marker = commit._read_marker_once(layout, step)
+        marker = commit.read_marker_once(layout, step)
         read: list[int] = []
         monkeypatch.setattr(retention, "read_marker", lambda lay, s, *a, **k: read.append(s) or
                             commit.read_marker(lay, s, *a, **k))
@@ -207,7 +207,7 @@ def test_retention_after_a_commit_reads_only_the_markers_it_keeps_or_may_delete(
     assert sorted(int(d[5:]) for d in os.listdir(os.path.join(root, RUN)) if d.startswith("step_")) == [7, 8]
     os.remove(os.path.join(root, RUN, retention.COMMITS))  # lost journal: rebuilt from one scan, nothing lost
     dcp.save({"x": torch.ones(2)}, storage_writer=AtomicStorageWriter(root, RUN, 9), no_dist=True)
-    plan = retention.retain_after_commit(layout, commit._read_marker_once(layout, 9), 2)
+    plan = retention.retain_after_commit(layout, commit.read_marker_once(layout, 9), 2)
     assert plan.delete_steps == [7] and os.path.exists(os.path.join(root, RUN, retention.COMMITS))
 
 

@@ -455,7 +455,7 @@ class AtomicStorageWriter(StorageWriter):
     def _refuse_committed_step(self) -> bool:
         """Refuse a committed step unless this job abandoned it by resuming below it (P14); True: superseding."""
         try:
-            marker = commit._read_marker_once(self.layout, self.step)
+            marker = commit.read_marker_once(self.layout, self.step)
         except FileNotFoundError:
             return False
         except OSError as e:  # e.g. a file where the step directory belongs

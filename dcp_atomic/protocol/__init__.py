@@ -10,7 +10,7 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "commit": ("commit", "claim_attempt", "commit_order", "commit_step", "CommitPolicy", "Committed", "copy_control",
                "COPY_OF_MEMORY_SEQUENCE", "Evidence", "known_sequence", "listed_steps", "memory_order",
                "next_sequence", "note_sequence", "publish_control", "root_sequence",
-               "read_claim", "read_committed", "read_marker",
+               "read_claim", "read_committed", "read_marker", "read_marker_once",
                "record_local_marker", "refuse_committed", "require_complete", "ResumePoint", "scan_markers"),
     "lineage": ("create_lineage", "describe", "ensure_lineage", "lineage_path", "new_lineage", "read_lineage",
                 "refuses_writes"),

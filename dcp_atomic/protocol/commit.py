@@ -428,7 +428,7 @@ def _refuse_removed_under(layout: RunLayout, marker: Marker) -> None:
     else:
         return
     try:
-        if _read_marker_once(layout, marker.step).save_id == marker.save_id:
+        if read_marker_once(layout, marker.step).save_id == marker.save_id:
             layout.storage.remove(layout.marker(marker.step))
     except (OSError, CheckpointError):
         pass
@@ -527,7 +527,7 @@ def root_sequence(layout: RunLayout) -> int:
     if latest is not None and latest.sequence is not None:
         found.append(latest.sequence)
         try:
-            found.append(_read_marker_once(layout, latest.step).sequence)
+            found.append(read_marker_once(layout, latest.step).sequence)
         except (FileNotFoundError, CorruptCheckpointError):
             pass  # deleted or damaged since: LATEST's own number stands
     else:
@@ -591,7 +591,9 @@ def write_latest(layout: RunLayout, marker: Marker) -> None:
     layout.storage.replace(layout.latest(), latest.to_json())
 
 
-def _read_marker_once(layout: RunLayout, step: int) -> Marker:
+def read_marker_once(layout: RunLayout, step: int) -> Marker:
+    """The step's marker as it is now, one read, no wait (``FileNotFoundError`` when there is none): what a writer
+    checks before it saves a step (:func:`refuse_committed`)."""
     return _read_versioned_marker_once(layout, step)[0]
 
 
