@@ -34,10 +34,24 @@ def build_site(config: str, site_dir: str) -> subprocess.CompletedProcess:
                           env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
 
 
-def test_the_site_builds_strictly(tmp_path):
-    done = build_site(os.path.join(REPO, "mkdocs.yml"), str(tmp_path / "site"))
+def test_the_site_builds_strictly_works_offline_and_its_extra_brings_only_the_site(tmp_path):
+    """Built strictly; no page asks a font CDN for anything (the site is served offline on clusters); serving it
+    needs the ``docs`` extra alone: mkdocs and its plugins, nothing of the test extra."""
+    import tomllib
+
+    site = str(tmp_path / "site")
+    done = build_site(os.path.join(REPO, "mkdocs.yml"), site)
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert os.path.exists(tmp_path / "site" / "reference" / "index.html")
+    for top, _, names in os.walk(site):
+        for name in names:
+            if name.endswith((".html", ".css")):
+                with open(os.path.join(top, name), encoding="utf-8", errors="replace") as f:
+                    assert "fonts.googleapis.com" not in f.read(), os.path.join(top, name)
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert sorted(r.split(">")[0].split("[")[0] for r in extras["docs"]) == ["mkdocs", "mkdocs-material",
+                                                                          "mkdocstrings"], extras["docs"]
 
 
 def test_a_broken_link_fails_the_build(tmp_path):
@@ -74,3 +88,4 @@ def test_the_generated_reference_covers_every_public_name():
 def test_every_code_block_of_the_page_runs_as_written(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_page(os.path.join(DOCS, page), ACCEPTED_REASONS)
+
