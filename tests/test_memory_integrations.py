@@ -237,3 +237,30 @@ def test_lightning_snapshots_only_after_an_optimizer_step_never_mid_accumulation
         # 0, 1, 1, 2, 2, 3), and the resume is exactly the last one
         assert taken == [(1, 1), (2, 3), (3, 5)], taken
         assert (tier, exact) == ("memory", True), (tier, exact)
+
+
+def _two_experiments_in_one_root(ctx):
+    """Experiments B and A share ``default_root_dir`` (so one memory run), each with its own checkpoint folder: B
+    runs to step 4 (last.ckpt = 4), then A to step 6 (snapshots up to 6); B resumes from its own ``"last"``.  What
+    B resumed: the tier (None: its file) and whether its start is exactly B's step 4."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from tests.helpers.lightning import _same
+
+    def files(name):
+        return [ModelCheckpoint(dirpath=os.path.join(ctx.root, name), every_n_train_steps=2, save_last=True,
+                                save_top_k=0)]
+
+    _, _, saved_b = _lightning_job(ctx, 4, callbacks=files("ckpts-b"), seed=1)
+    at_four = saved_b[4]
+    _lightning_job(ctx, 6, callbacks=files("ckpts-a"), seed=2)
+    finder = [ModelCheckpoint(dirpath=os.path.join(ctx.root, "ckpts-b"), save_top_k=0)]
+    module, strategy, _ = _lightning_job(ctx, 7, ckpt_path="last", seed=98, callbacks=finder)  # trains either way
+    return ((strategy.restored_from or {}).get("tier"),
+            _same(module.at_start, at_four[0]) and _same(module.optimizer_at_start, at_four[1]))
+
+
+def test_lightning_last_never_resumes_another_experiments_newer_snapshot(root, nodes):
+    """Before: B's "last" (step 4) resumed experiment A's step 6 from memory."""
+    for out in _world(_two_experiments_in_one_root, root, nodes, timeout=240):
+        assert out == (None, True), out

@@ -115,6 +115,7 @@ STOCK_DCP_METADATA = ".metadata"  # beside it, torch's FileSystemWriter's index 
 _STOCK_FILES = f"DCP's {STOCK_DCP_METADATA} with its *.distcp files, and Lightning's {STOCK_META}"
 MEMORY = "dcp_atomic:memory"  # fit(ckpt_path=MEMORY): resume from the newest memory-committed step
 LIGHTNING_META_KEY = "lightning"  # in a snapshot: Lightning's non-tensor state, one object
+EXPERIMENT_KEY = "dcp_atomic_experiment"  # in that state: the checkpoint directory of the experiment that snapshotted
 TIER_DIGEST_CHARS = 12  # "tier-<12 hex>": never a name's run, whose digest has 8 (checkpoint_id_for)
 
 
@@ -212,13 +213,17 @@ class _AtomicCheckpointing:
             return None
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         state = self._sharded_state(checkpoint)
+        checkpoint[EXPERIMENT_KEY] = _experiment_of(trainer)
         state[LIGHTNING_META_KEY] = (checkpoint,)
         self.snapshotted = self.memory_manager.snapshot(trainer.global_step, state)
         return self.snapshotted
 
-    def _restore_from_memory(self, state: dict[str, Any], newer_than: int | None) -> dict[str, Any] | None:
+    def _restore_from_memory(self, state: dict[str, Any], newer_than: int | None,
+                             experiment: str | None = None) -> dict[str, Any] | None:
         """Lightning's checkpoint of the newest memory-committed step, loaded into ``state`` (the model's and
-        optimizers' own tensors), when it is above ``newer_than``; else None, ``state`` left for the file's load."""
+        optimizers' own tensors), when it is above ``newer_than`` and (given ``experiment``, the checkpoint
+        directory of the file it would stand in for) was snapshotted by that experiment; else None, ``state`` left
+        for the file's load."""
         if self.memory_manager is None:
             return None
         state[LIGHTNING_META_KEY] = (None,)
@@ -231,6 +236,11 @@ class _AtomicCheckpointing:
         finally:
             meta = state.pop(LIGHTNING_META_KEY)[0]
         if newer_than is not None and step <= newer_than:
+            return None
+        taken_by = meta.pop(EXPERIMENT_KEY, None) if isinstance(meta, dict) else None
+        if None not in (experiment, taken_by) and taken_by != experiment:  # None: a trainer that saved no files
+            log.warning("the memory tier holds step %d, newer than step %d of %s, but another experiment took it "
+                        "(its checkpoints: %s): resuming from the file", step, newer_than, experiment, taken_by)
             return None
         self.restored_from = self.memory_manager.restored_from
         if newer_than is None:
@@ -367,7 +377,8 @@ class _AtomicCheckpointing:
         meta.pop(SAVE_ID_KEY, None)
         meta.pop(SEQUENCE_KEY, None)
         # an explicit file is what the user asked for; only ModelCheckpoint's "last" may mean the newest memory step
-        newer = self._restore_from_memory(state, meta.get("global_step", -1)) if _is_last(path) else None
+        newer = (self._restore_from_memory(state, meta.get("global_step", -1), os.path.dirname(os.path.realpath(path)))
+                 if _is_last(path) else None)
         if newer is not None:
             self._install(state, set_model_state_dict, set_optimizer_state_dict)
             return newer
@@ -551,6 +562,14 @@ class _MemorySnapshots:
 
 
 _LAST_FILE = re.compile(r"^last(-v\d+)?\.ckpt$")  # ModelCheckpoint.CHECKPOINT_NAME_LAST, its -vN versions
+
+
+def _experiment_of(trainer: Any) -> str | None:
+    """Which experiment a snapshot belongs to: the directory its checkpoint files go to (ModelCheckpoint's), which
+    a "last" file it may stand in for lies in.  Two experiments in one ``default_root_dir`` share the memory run;
+    this keeps one from resuming the other's newer snapshot (None: the trainer saves no files)."""
+    dirpath = getattr(getattr(trainer, "checkpoint_callback", None), "dirpath", None)
+    return None if dirpath is None else os.path.realpath(dirpath)
 
 
 def _is_last(path: str) -> bool:
