@@ -67,6 +67,7 @@ def test_a_step_no_root_covers_stays_local_and_the_error_names_the_file_and_its_
         assert kind == "IncompleteStepError", (kind, message)
         assert "__3_0.distcp (rank 3)" in message and nodes[0] in message, message
         assert "fix access on the durable root" not in message
+        assert out["at_close"][0] == "IncompleteStepError", out["at_close"]  # close() tried it once more: said again
     assert not glob.glob(os.path.join(root, RUN, "step_0000000010", "COMMITTED"))
 
 

@@ -269,8 +269,8 @@ class TwoTier(TierPolicy):
         if ctx.rank != 0 or not reported:
             return None, False
         newest = max(reported, key=commit_order)
-        if newest.save_id in self._durable_saves or (newest.sequence or 0) < self._drained_sequence:
-            return None, False  # durable, or a newer durable step supersedes it
+        if self._drained_or_superseded(newest):
+            return None, False
         if newest.step in queued:
             return newest, False  # the drain carries it
         due = may_queue and not queued and self._queue_again_due(newest.save_id)
@@ -279,6 +279,10 @@ class TwoTier(TierPolicy):
             self._durable_saves.add(newest.save_id)
             return None, False
         return newest, due and durable is False  # not known yet (the durable store does not answer): kept, not queued
+
+    def _drained_or_superseded(self, marker: Marker) -> bool:
+        """Rank 0: whether this manager drained ``marker``'s save, or a step committed after it."""
+        return marker.save_id in self._durable_saves or (marker.sequence or 0) < self._drained_sequence
 
     def _known_durable(self, marker: Marker, again: bool) -> bool | None:
         """Rank 0: whether the durable root holds ``marker``'s save (None: not known yet), read on a thread of its
@@ -608,24 +612,28 @@ class TwoTier(TierPolicy):
         failed (its requeue may not be due yet): drained now, once the store answers, or the drain's failure is
         raised, naming it."""
         if self.drainer is not None:
-            self._drain_pending()
             self._drain_last()
             self.drainer.wait()
+            if self._drain_pending():
+                self.drainer.wait()
 
-    def _drain_pending(self) -> None:
-        """Every rank alike (rank 0 decides): the durable-pending step of the last commit goes to the drain again
-        unless the drain carries it or the durable root holds it (read bounded by the stall deadline)."""
+    def _drain_pending(self) -> bool:
+        """Every rank alike (rank 0 decides), once the drains in flight are done: the durable-pending step of the
+        last commit goes to the drain again unless it or a newer step was drained, or the durable root holds it
+        (read bounded by the stall deadline); whether it went."""
         pending, ctx = self._pending, self._ctx
         if pending is None:
-            return
+            return False
         again = None
         if ctx.rank == 0:
-            again = pending.step not in self.drainer.protected() and self._known_durable(pending, True) is not True
-        if from_rank0(ctx.group, again, "deciding whether the durable-pending step drains at close"):
-            if ctx.rank == 0:
-                log.warning("run %r: closing; step %d was saved for a durable copy and is not durable yet: draining it "
-                            "to %s again", ctx.run_id, pending.step, ctx.layout.storage.describe())
-            self.drainer.submit(pending.step, pending)
+            again = not self._drained_or_superseded(pending) and self._known_durable(pending, True) is not True
+        if not from_rank0(ctx.group, again, "deciding whether the durable-pending step drains at close"):
+            return False
+        if ctx.rank == 0:
+            log.warning("run %r: closing; step %d was saved for a durable copy and is not durable yet: draining it to "
+                        "%s again", ctx.run_id, pending.step, ctx.layout.storage.describe())
+        self.drainer.submit(pending.step, pending)
+        return True
 
     def _drain_last(self) -> None:
         """Every rank alike (SPMD): queue the last local step for the drain if no save queued it (``durable_every``

@@ -59,9 +59,10 @@ def _resume_saving(ctx, step, ranks_per_node=2, restore=False, options=None):
     from dcp_atomic import CheckpointManager, LocalTierOptions
 
     model, optim = _fsdp_app(ctx.world_size, 1)
-    restored = tier = error = None
+    restored = tier = error = at_close = None
     local = LocalTierOptions(ctx.extra["nodes"][ctx.rank // ranks_per_node], replicas=1, keep_local=2)
-    with CheckpointManager(ctx.root, RUN, local=local, timeout=20, storage_options=options) as manager:
+    manager = CheckpointManager(ctx.root, RUN, local=local, timeout=20, storage_options=options)
+    try:
         if restore:
             restored = manager.load(_state(model, optim, -1))
             tier = manager.restored_from["tier"]
@@ -72,7 +73,12 @@ def _resume_saving(ctx, step, ranks_per_node=2, restore=False, options=None):
         except Exception as e:
             error = (type(e).__name__, str(e))
         durable = manager.steps(tier="durable")
-    return {"durable": durable, "error": error, "restored": restored, "tier": tier}
+    finally:
+        try:  # close() drains a step still not durable once more, and names it if that fails again
+            manager.close()
+        except Exception as e:
+            at_close = (type(e).__name__, str(e))
+    return {"durable": durable, "error": error, "at_close": at_close, "restored": restored, "tier": tier}
 
 
 def _load_durable(ctx, step, options=None):
