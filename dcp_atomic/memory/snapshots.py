@@ -241,8 +241,12 @@ class MemorySnapshots:
         self.wait()  # the previous one is done on every rank: raise its failure if nobody has
         if self._due is not None and not any(c for _, c, *_ in everyone):  # every rank alike: all are done
             self._start_durable_copy()
-        slot = self._oldest_slot()
-        self._warn_if_foreign(slot)
+        slot, foreign = self._oldest_slot()
+        if foreign is not None:  # another experiment's snapshot: the two share the slot's file
+            log.warning("memory tier: rank %d rewrites slot %d of %s, which holds step %d of another lineage (%s; "
+                        "this job's: %s): two experiments share run id %r on one memory path; give each its own "
+                        "run id or path", self.rank, slot, self.dir.path, foreign.step, foreign.lineage, self.lineage,
+                        self.run_id)
         if self._due is not None and self._due.slot == slot:  # its copy could not start yet: the next one is due
             self._due = None
         self.dir.retire(self.rank, slot)  # P1 for slots: the record goes before a byte is rewritten
@@ -314,17 +318,6 @@ class MemorySnapshots:
         raise CheckpointError(f"the durable copy of a memory snapshot failed on rank {rank}: {why}. Step {step} was not "
                               "snapshotted; the snapshots before it stay memory-committed, the next call snapshots "
                               "again.", step=step, rank=rank)
-
-    def _warn_if_foreign(self, slot: int) -> None:
-        """A slot holding another lineage's snapshot (another experiment of this run id on this path) is about to
-        be rewritten: said by name, since the two share the slot's file."""
-        record = next((r for _, r in self.dir.records(self.rank)
-                       if isinstance(r, SlotRecord) and r.slot == slot and r.lineage != self.lineage), None)
-        if record is not None:
-            log.warning("memory tier: rank %d rewrites slot %d of %s, which holds step %d of another lineage (%s; "
-                        "this job's: %s): two experiments share run id %r on one memory path; give each its own "
-                        "run id or path", self.rank, slot, self.dir.path, record.step, record.lineage, self.lineage,
-                        self.run_id)
 
     def _start_durable_copy(self) -> None:
         """Every rank alike, on the caller's thread (the only one that starts manager operations): save the due
@@ -416,17 +409,20 @@ class MemorySnapshots:
         copy = self._staged
         return 0.0 if copy is None else copy.wait()
 
-    def _oldest_slot(self) -> int:
+    def _oldest_slot(self) -> tuple[int, SlotRecord | None]:
         """The slot to reuse: one without a record, else the one holding the lowest sequence (never the newest with
-        two slots or more), never the one a durable copy still reads (its own extra slot: ``slot_files``)."""
-        held: dict[int, int] = {}
+        two slots or more), never the one a durable copy still reads (its own extra slot: ``slot_files``); and the
+        record of another lineage it holds, if it does (one reading of the records)."""
+        held: dict[int, SlotRecord] = {}
         for _, record in self.dir.records(self.rank):
             if isinstance(record, SlotRecord) and record.rank == self.rank and record.slot < self.slot_files:
-                held[record.slot] = record.sequence
+                held[record.slot] = record
         pinned = self._pinned_slot()
         candidates = [k for k in range(self.slot_files) if k != pinned]
         free = [k for k in candidates if k not in held]
-        return free[0] if free else min(candidates, key=lambda k: held[k])
+        slot = free[0] if free else min(candidates, key=lambda k: held[k].sequence)
+        record = held.get(slot)
+        return slot, record if record is not None and record.lineage != self.lineage else None
 
     def _commit(self, step: int, written: SlotRecord | BaseException, future: SnapshotFuture, exchange: str,
                 started: float, call_seconds: float) -> None:
