@@ -53,12 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (default %(default)s)")
     parser.add_argument("--op-timeout", type=float, default=300, help="seconds one operation may take")
     parser.add_argument("--json", default="bench-results/steps.json", help="results file (default %(default)s)")
-    parser.add_argument("--smoke", action="store_true", help="seconds: 4 timed steps, 1 warm-up, 1 round")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 8 timed steps, 1 warm-up, 1 round")
 
 
 def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.smoke:
-        args.steps, args.warmup, args.repeats = 4, 1, 1
+        args.steps, args.warmup, args.repeats = 8, 1, 1  # enough for one snapshot to be taken on a loaded machine
     if min(args.steps, args.repeats, args.batch) < 1 or args.warmup < 0 or args.hidden < 2 or args.hidden % 2:
         parser.error("--steps, --repeats and --batch must be at least 1, --warmup at least 0, --hidden even and >= 2")
 

@@ -30,7 +30,8 @@ def test_a_step_that_does_not_exist_on_a_local_disk_is_not_found_at_once_and_the
     with pytest.raises(CheckpointNotFoundError) as refused:
         AtomicStorageReader(root, RUN, 99, timeout=120).resolve()  # what dcp.load's read_metadata calls
     assert time.monotonic() - started < 30, "waited for a step no cache can hide"
-    assert "no step 99" in str(refused.value) and "dcp-atomic ls" in str(refused.value), refused.value
+    assert "step 99 of run 'mistakes' is not committed" in str(refused.value), refused.value
+    assert "does not exist" in str(refused.value) and "dcp-atomic ls" in str(refused.value), refused.value
 
 
 def test_a_step_not_visible_through_a_fuse_mount_is_waited_for_and_the_wait_is_announced(caplog):

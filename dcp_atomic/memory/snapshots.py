@@ -390,8 +390,7 @@ class MemorySnapshots:
             written = e
         finally:
             staging.sink.close()
-        mine = None if race is None else (self.rank, race.details.get("key"),
-                                          race.details.get("what") or first_line(race))
+        mine = None if race is None else (self.rank, race.details.get("key"), getattr(race, "what", first_line(race)))
         raced = [r for r in self._gathered(mine, f"staging the memory snapshot of step {step}", self.memory_group)
                  if r is not None]
         if raced:

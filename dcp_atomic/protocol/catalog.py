@@ -53,10 +53,10 @@ def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id:
               and not layout.storage.is_dir(layout.step_dir(step)))
     if absent and local_filesystem(layout.step_dir(step)):  # no cache can hide it here: nothing to wait for
         raise CheckpointNotFoundError(
-            f"no step {step} of run {layout.run_id!r} under {layout.storage.describe()}: its directory does not exist "
-            f"on this machine's {filesystem_type(layout.step_dir(step))} filesystem. `dcp-atomic ls "
-            f"{layout.storage.describe()} {layout.run_id}` lists the committed steps", path=layout.step_dir(step),
-            step=step)
+            f"step {step} of run {layout.run_id!r} is not committed under {layout.storage.describe()}: its directory "
+            f"does not exist on this machine's {filesystem_type(layout.step_dir(step))} filesystem (no cache can hide "
+            f"it). `dcp-atomic ls {layout.storage.describe()} {layout.run_id}` lists the committed steps",
+            path=layout.step_dir(step), step=step)
     if absent:  # maybe a step another node just wrote (an NFS client caches a missing name for up to a minute)
         log.warning("step %d of run %r is not visible under %s: waiting up to %.0fs in case another node is saving it "
                     "(storage caches lag); pass a shorter timeout= to be answered sooner", step, layout.run_id,

@@ -58,10 +58,12 @@ class LiveTensor:
             return
         where = "" if step is None else f" of step {step}"
         what = f"{self.key!r} was changed in place (version {self.version} -> {now})"  # a snapshot's message reuses it
-        raise StagingRaceError(
+        race = StagingRaceError(
             f"rank {rank}: {what} while the save{where} was still reading it (an optimizer.step() or another in-place "
             "op before manager.wait_staged() returned). Nothing was committed; the previous checkpoint is intact. "
-            "Call manager.wait_staged() before optimizer.step().", step=step, rank=rank, key=self.key, what=what)
+            "Call manager.wait_staged() before optimizer.step().", step=step, rank=rank, key=self.key)
+        race.what = what
+        raise race
 
 
 def gate_optimizer_steps(wait: Callable[[], Any]) -> Any:
