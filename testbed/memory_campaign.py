@@ -35,7 +35,8 @@ RUN = "campaign"
 SAVE_EVERY = 4  # a durable save() every 4th step: the tier a restore takes when both nodes' memory is gone
 # memory phase -> does the step whose snapshot dies there survive?  (before_record: rank 0 gave the sequence and
 # every share's copy is verified on a live holder, whose record makes the share whole)
-PHASES = {"after_retire": False, "after_slot_write": False, "replica_send": False, "replica_receive": False,
+PHASES = {"after_retire": False, "after_slot_write": False, "replica_send": False, "replica_retired": False,
+          "replica_half_received": False, "replica_receive": False,
           "before_record": True, "after_record": True}
 
 
@@ -131,7 +132,9 @@ def campaign_rank(ctx, plan: Plan, max_steps: int = 400):
 
     from dcp_atomic import CheckpointManager, MemoryTier
     from dcp_atomic.errors import CheckpointNotFoundError
+    from dcp_atomic.exchange import file_transfer
 
+    file_transfer.CHUNK_BYTES = file_transfer.DIRECT_CHUNK_BYTES = 64 << 10  # a replica lands in several chunks
     witness = _Witness(ctx.extra["witness"], ctx.rank)
     path = os.path.join(ctx.extra["nodes"][ctx.rank * NODES // ctx.world_size], "mem")
     os.makedirs(path, exist_ok=True)

@@ -112,7 +112,7 @@ def _overlapped(ctx, kill_rank0_after=None):
 
     file_transfer.CHUNK_BYTES = CHUNK
     events, buffers = [], {"recv": set(), "send": set()}
-    real_irecv, real_isend, real_feed = dist.irecv, dist.isend, file_transfer._Receiver.feed
+    real_irecv, real_isend, real_feed = dist.irecv, dist.isend, file_transfer._Receiver._feed
 
     def irecv(tensor, *a, **k):
         if tensor.numel() == CHUNK:
@@ -131,7 +131,7 @@ def _overlapped(ctx, kill_rank0_after=None):
             os.kill(os.getpid(), signal.SIGKILL)
         return real_feed(self, data)
 
-    dist.irecv, dist.isend, file_transfer._Receiver.feed = irecv, isend, feed
+    dist.irecv, dist.isend, file_transfer._Receiver._feed = irecv, isend, feed
     mine = os.path.join(ctx.root, f"rank{ctx.rank}")
     os.makedirs(mine, exist_ok=True)
     [path] = _files(mine, ctx.rank, [6 * CHUNK])

@@ -158,47 +158,56 @@ def _snapshots_on_small_nodes(ctx, slots):
 
 
 def test_the_budget_counts_a_snapshots_peak_a_node_that_passes_never_fills_up_later(root):
-    """Each node holds its own slots, its replica slots, and at a snapshot's peak a new replica arriving beside the
-    one it replaces: a node sized between the old count (4 shares with 2 slots) and the peak (5) is refused at the
-    first snapshot by name on both ranks (before: it passed and the third snapshot filled it); with 1 slot (3
-    shares at the peak) every snapshot is taken."""
+    """Each node holds its own slots and its replica slots; a replica lands in place in the slot it replaces, so the
+    peak is that count: a node of 4.6 shares takes every snapshot with 2 slots (4 shares) and never fills up later
+    (before replicas landed in place, a new replica arrived beside the old one and 2 slots needed 5), and 3 slots
+    (6 shares) are refused at the first snapshot by name on both ranks."""
     from tests.fault_fixtures import small_tmpfs_ctx
     from tests.helpers.memory import two_nodes_env
 
     with small_tmpfs_ctx(size_kib=1180) as a, small_tmpfs_ctx(size_kib=1180) as b:
-        refused = assert_all_ok(_run(_snapshots_on_small_nodes, root, [a.path, b.path], 2, world=2,
+        refused = assert_all_ok(_run(_snapshots_on_small_nodes, root, [a.path, b.path], 3, world=2,
                                      rank_env=two_nodes_env))
         shutil.rmtree(os.path.join(a.path, "mem"))
         shutil.rmtree(os.path.join(b.path, "mem"))
-        taken = assert_all_ok(_run(_snapshots_on_small_nodes, root, [a.path, b.path], 1, world=2,
+        taken = assert_all_ok(_run(_snapshots_on_small_nodes, root, [a.path, b.path], 2, world=2,
                                    rank_env=two_nodes_env))
     assert refused == [("ConfigurationError", True)] * 2, refused
     assert taken == [[1, 2, 3, 4]] * 2, taken
 
 
 def _snapshots_while_node_b_fills_up(ctx):
-    """A world of 2 (one rank per node): steps 1-2 snapshotted, then node B's memory path filled by something else;
-    what snapshots 3 and 4 raise on each rank, and whether step 5 is taken once the room is back."""
+    """A world of 2 (one rank per node): steps 1-2 snapshotted; at step 3 rank 0's state grows (an optimizer's state
+    created late), and node B's memory path is filled by another tenant after the budget check, just before rank 0's
+    grown replica lands there; what snapshots 3 and 4 raise on each rank, and whether step 5 is taken once the room
+    is back.  (Slots that keep their size are rewritten in place and need no new room.)"""
     import torch
     import torch.distributed as dist
 
     from dcp_atomic import CheckpointManager, MemoryTier
+    from dcp_atomic._base import failpoints
 
     state = {"w": torch.arange(65536.0) + ctx.rank}
     node = ctx.extra["nodes"][ctx.rank]
     path = os.path.join(node, "mem")
     os.makedirs(path, exist_ok=True)
+    ballast = os.path.join(node, "ballast")
+
+    def fill(rank, step):  # another tenant of node B's RAM takes all of it
+        if step == 3 and not os.path.exists(ballast):
+            with open(ballast, "wb") as f:
+                with contextlib.suppress(OSError):
+                    while True:
+                        f.write(b"\0" * (1 << 16))
+
     seen = []
     with CheckpointManager(ctx.root, RUN, memory=MemoryTier(path, slots=2, replicas=1), timeout=10) as manager:
         for step in (1, 2):
             manager.snapshot(step, state).result()
-        dist.barrier()
-        if ctx.rank == 1:  # another tenant of node B's RAM takes all of it
-            with open(os.path.join(node, "ballast"), "wb") as f:
-                with contextlib.suppress(OSError):
-                    while True:
-                        f.write(b"\0" * (1 << 16))
-        dist.barrier()
+        if ctx.rank == 0:
+            state["moments"] = torch.zeros(65536)
+        else:
+            failpoints.arm("memory.replica_send", fill)
         for step in (3, 4):
             try:
                 manager.snapshot(step, state).result()
@@ -207,17 +216,17 @@ def _snapshots_while_node_b_fills_up(ctx):
                 seen.append((type(e).__name__, str(e)))
         dist.barrier()
         if ctx.rank == 1:
-            os.unlink(os.path.join(node, "ballast"))
+            os.unlink(ballast)
         dist.barrier()
         seen.append(manager.snapshot(5, state).result())
     return seen
 
 
 def test_a_full_node_is_one_typed_error_on_every_rank_naming_it_and_the_next_snapshots_go_on(root):
-    """Node B's memory path full while it receives rank 0's replica: before, node B said "No space left" and rank 0
-    blamed a live rank 1 as lost (PeerLost), and the next snapshot broke the group; now every rank raises the same
-    StorageError naming rank 1, its node and the cause, for each snapshot the node cannot hold, and once the room is
-    back the next one is taken."""
+    """Node B's memory path full while it receives rank 0's grown replica: before, node B said "No space left" and
+    rank 0 blamed a live rank 1 as lost (PeerLost), and the next snapshot broke the group; now every rank raises the
+    same StorageError naming rank 1, its node and the cause, for each snapshot the node cannot hold (never a SIGBUS
+    from a slot mapped over pages the node could not give), and once the room is back the next one is taken."""
     from tests.fault_fixtures import small_tmpfs_ctx
     from tests.helpers.memory import two_nodes_env
 

@@ -50,7 +50,10 @@ POINTS = frozenset(
         "memory.after_retire",  # memory tier: every rank, its oldest slot's record retired, before a byte is rewritten
         "memory.after_slot_write",  # memory tier: every rank, its slot written (no record yet), before the commit thread
         "memory.replica_send",  # memory tier's thread: every rank, slots agreed, before the copies move (the step)
-        "memory.replica_receive",  # memory tier's thread: every rank, the copies it holds verified and in place, unnumbered
+        "memory.replica_retired",  # memory tier's thread: a holder, its replica slot's record retired, before a byte lands
+        "memory.replica_half_received",  # a holder: the first chunk of a replica landed in place, more to come (owner, step)
+        "memory.restore_half_received",  # a restoring rank: the first chunk of its share landed in its own slot
+        "memory.replica_receive",  # memory tier's thread: every rank, the copies it holds checked as they landed, unnumbered
         "memory.before_record",  # memory tier's thread: every rank, the sequence handed out, before any commit record
         "memory.after_record",  # memory tier's thread: every rank, its records written, before the ranks agree
         "stage.before_copy",  # the stager's thread of every rank, before it reads a live tensor (the step)

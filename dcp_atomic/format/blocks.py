@@ -50,6 +50,17 @@ def verify_item(item: ItemExtent, stored, what: str, *, path: str | None = None)
         hasher.reset()
 
 
+def check_digests(item: ItemExtent, digests: list[str], what: str, *, path: str | None = None) -> None:
+    """An item's block digests computed as its bytes passed (received in place, hashed as they landed) against the
+    recorded ones: the verdict :func:`verify_item` gives, without a second pass over the bytes."""
+    blocks = item.blocks()
+    if len(digests) != len(blocks):
+        raise CorruptCheckpointError(f"{what}: {len(digests)} blocks arrived, the record names {len(blocks)}",
+                                     path=path or what)
+    for index, (lo, hi) in enumerate(blocks):
+        _compare(digests[index], item, index, lo, hi, what, path)
+
+
 def verify_blocks_from(item: ItemExtent, first: int, data, what: str, *, path: str | None = None) -> None:
     """Consecutive blocks of ``item`` from block ``first``, whose stored bytes ``data`` holds exactly (a ranged
     read: whole blocks, from a block's start to a block's end)."""

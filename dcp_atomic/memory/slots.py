@@ -27,12 +27,13 @@ import os
 import re
 from typing import Any, Callable
 
+from .._base import failpoints
 from ..errors import CorruptCheckpointError
-from ..format.blocks import verify_item
+from ..format.blocks import check_digests, verify_item
 from ..format.integrity import BLOCK_SIZE, BlockHasher
 from ..format.slot_record import SlotRecord  # the record is format: parsed strictly there
 
-SPOOL_DIR = ".spool"  # replicas arrive here, are verified, then take their slot's name
+SPOOL_DIR = ".spool"  # what a transfer spools (a resharded restore's old shares); replicas land in place
 _SLOT_FILE = re.compile(r"^slot(\d+)\.commit$")
 _RANK_DIR = re.compile(r"^r(\d+)$")
 
@@ -146,16 +147,7 @@ class SlotSink:
         self.length = sum(sizes)
         self._hashers = [BlockHasher(BLOCK_SIZE) for _ in sizes]
         self._filled = [0] * len(sizes)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(self._fd).st_size != self.length:  # the same share reuses the file as it is
-                os.ftruncate(self._fd, self.length)
-                if self.length:
-                    os.posix_fallocate(self._fd, 0, self.length)
-        except BaseException:
-            os.close(self._fd)
-            raise
+        self._fd = _open_sized(path, self.length)
 
     def write(self, index: int, offset: int, data: memoryview) -> None:
         if offset != self._filled[index]:
@@ -179,10 +171,85 @@ class SlotSink:
         os.close(self._fd)
 
 
+def _open_sized(path: str, length: int) -> int:
+    """A slot's data file opened for writing in place, ``length`` bytes allocated (the same share reuses the file as
+    it is: its pages are rewritten, never freed and faulted in anew).  Allocated every time, though its pages mostly
+    exist: a file left sparse (a size change or a crash on a full node) mapped and written would be a SIGBUS where
+    RAM ran out, never an error."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size != length:
+            os.ftruncate(fd, length)
+        if length:
+            os.posix_fallocate(fd, 0, length)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class InPlaceSlot:
+    """A slot's copy received in place (a replica at its holder, a share restored into its rank's own slot): the
+    preallocated data file mapped writable, which the transport receives into
+    (:class:`~dcp_atomic.exchange.file_transfer.Landing`), each item's block digests computed as its bytes land;
+    :meth:`check` then judges it as :func:`verify_slot` would, without a second pass.  The caller has retired the
+    slot's record first and writes it only after the check (a slot without its record is never restored)."""
+
+    def __init__(self, path: str, record: SlotRecord, halfway: str) -> None:
+        """``halfway``: the failpoint hit once, when part of the bytes landed (a kill there leaves a half-received
+        slot without a record)."""
+        self.path, self.record, self.halfway = path, record, halfway
+        fd = _open_sized(path, record.length)
+        try:
+            self._map = mmap.mmap(fd, record.length, access=mmap.ACCESS_WRITE) if record.length else None
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._map if self._map is not None else bytearray())
+        self._hashers = [BlockHasher(BLOCK_SIZE) for _ in record.items]
+        self._item = self._at = 0
+
+    def landed(self, offset: int, length: int) -> None:
+        if offset != self._at:
+            raise CorruptCheckpointError(f"{self.path}: bytes landed at {offset}, expected {self._at}", path=self.path)
+        end, items = offset + length, self.record.items
+        while self._item < len(items):
+            item = items[self._item]
+            stop = min(end, item.offset + item.nbytes)
+            if stop > self._at:
+                self._hashers[self._item].update(self.view[self._at:stop])
+                self._at = stop
+            if self._at < item.offset + item.nbytes:
+                break
+            self._item += 1
+        if offset == 0 and self._at < self.record.length:  # the first chunk landed, more to come
+            failpoints.hit(self.halfway, self.record.rank, self.record.step)
+
+    def check(self) -> None:
+        """Every block against the record (``CorruptCheckpointError`` naming the item and block), every object item
+        decoded by the allow-list: :func:`verify_slot`'s verdict."""
+        if self._at != self.record.length:
+            raise CorruptCheckpointError(f"{self.path}: {self._at} of {self.record.length} bytes arrived",
+                                         path=self.path, torn=True)
+        for item, hasher in zip(self.record.items, self._hashers):
+            check_digests(item.extent(), hasher.finish(), self._where(item), path=self.path)
+        _decode_objects(self.record, self.view, self.path, self._where)
+
+    def _where(self, item) -> str:
+        return f"memory slot {self.path} (rank {self.record.rank}, step {self.record.step}) item {item.key!r}"
+
+    def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still held: the collector unmaps it
+                self.view.release()
+                self._map.close()
+
+
 @contextlib.contextmanager
-def mapped(path: str, length: int):
+def mapped(path: str, length: int, private: bool = False):
     """The slot's bytes, read-only and in place (an empty slot is an empty view); a file shorter than its record
-    says is damage, named."""
+    says is damage, named.  ``private``: a copy-on-write mapping, a writable buffer as ``torch.frombuffer`` wants
+    for sending the bytes; never written, so it shares the file's pages."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < length:
@@ -191,7 +258,7 @@ def mapped(path: str, length: int):
         if not length:
             yield memoryview(b"")
             return
-        m = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ)
+        m = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_COPY if private else mmap.ACCESS_READ)
         view = memoryview(m)
         try:
             yield view
@@ -206,15 +273,26 @@ def verify_slot(record: SlotRecord, path: str) -> None:
     naming the item and block at the first difference), and every object item decoded by the allow-list, as a
     restore decodes it (an ``UnsafeItemError`` or ``CorruptCheckpointError`` naming it): the one judge of a slot, for
     the restore's scan (which then serves around it) and ``verify --memory`` alike."""
+    def where(item) -> str:
+        return f"memory slot {path} (rank {record.rank}, step {record.step}) item {item.key!r}"
+
     with mapped(path, record.length) as data:
         for item in record.items:
-            where = f"memory slot {path} (rank {record.rank}, step {record.step}) item {item.key!r}"
             stored = data[item.offset:item.offset + item.nbytes]
             try:
-                verify_item(item.extent(), stored, where, path=path)
-                if item.kind == "object":
-                    from ..format.safe_pickle import decode_item  # torch: only a judge of objects needs it
-
-                    decode_item(bytes(stored), key=item.key, where=where)
+                verify_item(item.extent(), stored, where(item), path=path)
             finally:
                 stored.release()
+        _decode_objects(record, data, path, where)
+
+
+def _decode_objects(record: SlotRecord, data: memoryview, path: str, where: Callable[[Any], str]) -> None:
+    """Every object item decoded by the allow-list, as a restore decodes it: a hostile pickle whose digests match is
+    refused here too."""
+    objects = [item for item in record.items if item.kind == "object"]
+    if not objects:
+        return
+    from ..format.safe_pickle import decode_item  # torch: only a judge of objects needs it
+
+    for item in objects:
+        decode_item(bytes(data[item.offset:item.offset + item.nbytes]), key=item.key, where=where(item))

@@ -59,7 +59,7 @@ from ..tiers import Topology, expand_stateful
 from . import reshard
 from .items import durable_state, flatten, hand_back, install, leaves_of, slot_items, stage_leaves, write_leaves
 from .reshard import layout_of
-from .slots import SlotDir, SlotRecord, SlotSink, mapped, newest_complete, verify_slot
+from .slots import InPlaceSlot, SlotDir, SlotRecord, SlotSink, mapped, newest_complete, verify_slot
 
 log = logging.getLogger("dcp_atomic.memory")
 CONSEQUENCE = "the snapshot is not memory-committed; the previous one is intact."
@@ -194,8 +194,8 @@ class MemorySnapshots:
         refused = []
         if self.budget_bytes is not None:
             refused += [f"rank {r} needs {peak[r]} bytes ({slots} of its {share}-byte share and of the "
-                        f"{len(self.topology.placement.held_by(r))} share(s) it holds a replica of, + one replica "
-                        f"arriving beside the one it replaces), over budget_bytes={self.budget_bytes}"
+                        f"{len(self.topology.placement.held_by(r))} share(s) it holds a replica of), over "
+                        f"budget_bytes={self.budget_bytes}"
                         for r, (share, _, _, _) in enumerate(shares) if peak[r] > self.budget_bytes]
         nodes: dict[tuple[str, str], list[int]] = {}
         for r, (_, host, path, _) in enumerate(shares):
@@ -213,10 +213,10 @@ class MemorySnapshots:
         self._checked_share = max(share for share, _, _, _ in shares)
 
     def _peak_bytes(self, rank: int, shares: list[int]) -> int:
-        """What ``rank``'s path holds at the peak of a snapshot: its own slot files and its replica slot files, and a
-        replica of each share it holds arriving (spooled, verified) before it replaces the old one."""
+        """What ``rank``'s path holds at the peak of a snapshot: its own slot files and its replica slot files (a
+        replica is received in place, into the slot it replaces: the peak is the steady state)."""
         held = sum(shares[source] for source in self.topology.placement.held_by(rank))
-        return self.slot_files * shares[rank] + (self.slot_files + 1) * held
+        return self.slot_files * (shares[rank] + held)
 
     # -- snapshots -----------------------------------------------------------------------------
 
@@ -465,22 +465,28 @@ class MemorySnapshots:
         future.set_result(step)
 
     def _replicate(self, record: SlotRecord, step: int) -> list[SlotRecord]:
-        """Step 2: this rank's slot to its holders, and the copies it holds, verified; the records to write."""
+        """Step 2: this rank's slot to its holders, sent from its mapping, and the copies it holds received in place
+        into their slots (:meth:`_land_replica`), checked as they landed; the records to write."""
         placement = self.topology.placement
-        sources = placement.held_by(self.rank)
-        outgoing = {holder: [Part.inline("record", record.to_bytes()),
-                             Part("data", record.length, path=self.dir.data(self.rank, record.slot))]
-                    for holder in placement.holders[self.rank]}
+        sources, holders = placement.held_by(self.rank), placement.holders[self.rank]
         failpoints.hit("memory.replica_send", self.rank, step)
         received: dict = {}
-        try:  # a write that failed here (a full node) is this rank's failure in the agreement below, not a lost peer
-            received = transfer(outgoing, {src: self.topology.describe(src) for src in sources}, self.memory_group,
-                                self.dir.spool, what=f"sending the memory snapshot of step {step} to its replica "
-                                "holders", timeout=self.timeout, exchange_id=f"memory/{self.run_id}",
-                                consequence=CONSEQUENCE)
-            failed = None
-        except (OSError, CorruptCheckpointError) as e:
-            failed = e
+        failed: BaseException | None = None
+        with contextlib.ExitStack() as held:
+            path = self.dir.data(self.rank, record.slot)
+            try:
+                data = Part.direct("data", held.enter_context(mapped(path, record.length, private=True)))
+            except (OSError, CorruptCheckpointError):  # still streamed: its reads fail and the holders refuse it
+                data = Part("data", record.length, path=path)
+            outgoing = {holder: [Part.inline("record", record.to_bytes()), data] for holder in holders}
+            try:  # a failed write (a full node) is this rank's failure in the agreement below, not a lost peer
+                received = transfer(outgoing, {src: self.topology.describe(src) for src in sources}, self.memory_group,
+                                    self.dir.spool, what=f"sending the memory snapshot of step {step} to its replica "
+                                    "holders", timeout=self.timeout, exchange_id=f"memory/{self.run_id}",
+                                    consequence=CONSEQUENCE,
+                                    land=lambda src, name, size, done: self._land_replica(src, step, name, size, done))
+            except (OSError, CorruptCheckpointError) as e:
+                failed = e
         kept: list[SlotRecord] = []
         with agreed_phase(self.memory_group, f"replicating the memory snapshot of step {step}",
                           f"{self.topology.describe(self.rank)} could not keep a replica", then="The previous "
@@ -489,25 +495,36 @@ class MemorySnapshots:
                 if failed is not None:
                     raise failed
                 for src, parts in received.items():
-                    copy = SlotRecord.from_bytes(parts["record"], f"the record rank {src} sent")
-                    if (copy.rank, copy.step, copy.run_id) != (src, step, self.run_id):
-                        raise CorruptCheckpointError(f"rank {src} sent the record of rank {copy.rank} step "
-                                                     f"{copy.step}, not its own of step {step}", rank=src)
-                    self.dir.retire(src, copy.slot)
-                    data = parts["data"]
-                    spooled = data.path if isinstance(data, Spooled) else None
-                    if spooled is None:  # an empty share travels inline
-                        spooled = f"{self.dir.data(src, copy.slot)}.partial"
-                        with open(spooled, "wb") as f:
-                            f.write(data)
-                    verify_slot(copy, spooled)
-                    os.makedirs(os.path.dirname(self.dir.data(src, copy.slot)), exist_ok=True)
-                    os.replace(spooled, self.dir.data(src, copy.slot))
+                    copy = self._sent_record(src, step, parts["record"])
+                    landed = parts["data"]
+                    if isinstance(landed, bytes):  # an empty share travels inline: its slot, emptied in place
+                        self.dir.retire(src, copy.slot)
+                        landed = InPlaceSlot(self.dir.data(src, copy.slot), copy, "memory.replica_half_received")
+                        parts["data"] = landed  # closed by discard() below
+                    landed.check()
                     kept.append(dataclasses.replace(copy, holder=self.rank))
                 failpoints.hit("memory.replica_receive", self.rank, step)
             finally:
                 discard(received)
         return kept
+
+    def _sent_record(self, src: int, step: int, raw: bytes | None) -> SlotRecord:
+        copy = SlotRecord.from_bytes(raw or b"", f"the record rank {src} sent")
+        if (copy.rank, copy.step, copy.run_id) != (src, step, self.run_id):
+            raise CorruptCheckpointError(f"rank {src} sent the record of rank {copy.rank} step {copy.step}, not its "
+                                         f"own of step {step}", rank=src)
+        return copy
+
+    def _land_replica(self, src: int, step: int, name: str, size: int, done: dict) -> InPlaceSlot:
+        """Where rank ``src``'s slot lands on this holder: its replica slot, rewritten in place like an own slot (its
+        record retired before a byte changes; written only once the sequence is given)."""
+        copy = self._sent_record(src, step, done.get("record"))
+        if (name, size) != ("data", copy.length):
+            raise CorruptCheckpointError(f"rank {src} sent {size} bytes as {name!r}, its record names {copy.length}",
+                                         rank=src)
+        self.dir.retire(src, copy.slot)
+        failpoints.hit("memory.replica_retired", self.rank, step)
+        return InPlaceSlot(self.dir.data(src, copy.slot), copy, "memory.replica_half_received")
 
     def _sequence(self, step: int) -> int:
         """Step 3: global rank 0 numbers the snapshot above every commit it knows, and hands the number out."""
@@ -563,32 +580,36 @@ class MemorySnapshots:
             own = [place for place in places[rank] if place[0] == self.topology.leader(rank)]
             plan.append(own[0] if own else places[rank][0])
         received, failed = self._fetch(plan, sequence, step)
-        with agreed_phase(self.group, f"restoring step {step} from the memory tier",
-                          self.topology.describe(self.rank),
-                          then="Nothing more was loaded; restart to restore from another tier.", step=step):
-            if failed is not None:
-                raise failed
-            holder, slot = plan[self.rank]
-            if holder == self.topology.leader(self.rank):
-                record_path, data_path = self.dir.record(self.rank, slot), self.dir.data(self.rank, slot)
-                with open(record_path, "rb") as f:
-                    record = SlotRecord.from_bytes(f.read(), record_path)
-            else:
-                record, data_path = received
-            if (record.rank, record.sequence, record.step) != (self.rank, sequence, step):
-                raise CorruptCheckpointError(f"{data_path}: holds rank {record.rank} step {record.step} sequence "
-                                             f"{record.sequence}, not rank {self.rank} step {step} sequence "
-                                             f"{sequence} (rewritten since it was listed)", path=data_path)
-            try:
-                with mapped(data_path, record.length) as data:
-                    install(state_dict, record.items, data, f"memory slot {data_path} (rank {self.rank}, step {step})")
-                if holder != self.topology.leader(self.rank):
-                    self._keep_restored(record, data_path)
-            finally:
-                if holder != self.topology.leader(self.rank):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(data_path)
-        fetched = record.length if holder != self.topology.leader(self.rank) else 0
+        holder, slot = plan[self.rank]
+        near = holder == self.topology.leader(self.rank)
+        try:
+            with agreed_phase(self.group, f"restoring step {step} from the memory tier",
+                              self.topology.describe(self.rank),
+                              then="Nothing more was loaded; restart to restore from another tier.", step=step):
+                if failed is not None:
+                    raise failed
+                if near:
+                    record_path, data_path = self.dir.record(self.rank, slot), self.dir.data(self.rank, slot)
+                    with open(record_path, "rb") as f:
+                        record = SlotRecord.from_bytes(f.read(), record_path)
+                    if (record.rank, record.sequence, record.step) != (self.rank, sequence, step):
+                        raise CorruptCheckpointError(f"{data_path}: holds rank {record.rank} step {record.step} "
+                                                     f"sequence {record.sequence}, not rank {self.rank} step {step} "
+                                                     f"sequence {sequence} (rewritten since it was listed)",
+                                                     path=data_path)
+                    with mapped(data_path, record.length) as data:
+                        install(state_dict, record.items, data, f"memory slot {data_path} (rank {self.rank}, step "
+                                f"{step})")
+                else:  # received into this rank's own slot, checked as it landed
+                    received.check()
+                    record = received.record
+                    install(state_dict, record.items, received.view, f"memory slot {received.path} (rank "
+                            f"{self.rank}, step {step}, received from {self.topology.describe(holder)})")
+                    self._keep_restored(record)
+        finally:
+            if received is not None:
+                received.close()
+        fetched = 0 if near else record.length
         tier = "memory-replica" if any(h != self.topology.leader(r) for r, (h, _) in enumerate(plan)) else "memory"
         log.info("run %r: restored step %d from the memory tier (sequence %d, %s)", self.run_id, step, sequence,
                  "every rank from its own node" if tier == "memory" else "some ranks from replica holders")
@@ -696,21 +717,17 @@ class MemorySnapshots:
             f.write(data)
         return path
 
-    def _keep_restored(self, record: SlotRecord, fetched: str) -> None:
-        """This rank's share, restored from a holder's copy, becomes its own slot again (the record last, as at a
-        snapshot).  Without it the next snapshot takes that slot (it has no record here: a wiped node, or a rank
-        killed before its record) and the holder retires its copy of the restored step to receive the new one: a
-        failed snapshot then left the restored step nowhere."""
-        data = self.dir.data(self.rank, record.slot)
-        self.dir.retire(self.rank, record.slot)
+    def _keep_restored(self, record: SlotRecord) -> None:
+        """This rank's share, received from a holder's copy into its own slot, is its own slot again: the record,
+        last, as at a snapshot.  Without it the next snapshot takes that slot (it has no record here: a wiped node,
+        or a rank killed before its record) and the holder retires its copy of the restored step to receive the new
+        one: a failed snapshot then left the restored step nowhere."""
         try:
-            os.makedirs(os.path.dirname(data), exist_ok=True)
-            os.replace(fetched, data)
             self.dir.write_record(dataclasses.replace(record, holder=None))
         except OSError as e:
             log.warning("memory tier: rank %d could not keep its restored share of step %d as its own slot %s (%s); "
                         "until the next snapshot commits, only the holder's copy holds it", self.rank, record.step,
-                        data, first_line(e))
+                        self.dir.data(self.rank, record.slot), first_line(e))
 
     def _scan(self) -> tuple[list[tuple[int, int, int, int, int]], list[str]]:
         """A node's leader: (owner rank, slot, sequence, step, world size) of every copy on its path with a sound
@@ -754,56 +771,69 @@ class MemorySnapshots:
         return sequence, step, world, places
 
     def _fetch(self, plan: list[tuple[int, int]], sequence: int, step: int
-               ) -> tuple[tuple[SlotRecord, str] | None, BaseException | None]:
-        """Every rank alike: each share whose copy is on another node comes from that node's leader, spooled here
-        and verified; ((its record, its spooled bytes) for this rank, None where its own node holds it; this rank's
-        failure to send, receive or read it, for the caller's agreement to raise on every rank)."""
+               ) -> tuple[InPlaceSlot | None, BaseException | None]:
+        """Every rank alike: each share whose copy is on another node comes from that node's leader, sent from its
+        mapping and received in place into its rank's own slot (:meth:`_land_restored`); (that slot for this rank,
+        None where its own node holds it; this rank's failure to send, receive or read it, for the caller's
+        agreement to raise on every rank)."""
         outgoing: dict[int, list] = {}
         incoming: dict[int, str] = {}
-        for rank, (holder, slot) in enumerate(plan):
-            if holder == self.topology.leader(rank):
-                continue
-            if holder == self.rank:
-                try:
-                    with open(self.dir.record(rank, slot), "rb") as f:
-                        record = f.read()
-                    outgoing[rank] = [Part.inline("record", record),
-                                      Part("data", os.path.getsize(self.dir.data(rank, slot)),
-                                           path=self.dir.data(rank, slot))]
-                except OSError as e:  # the receiver still gets a stream: what went wrong, said by its holder
-                    outgoing[rank] = [Part.inline("error", f"{self.topology.describe(self.rank)} could not read its "
-                                                  f"copy: {first_line(e)}".encode())]
-            if rank == self.rank:
-                incoming[holder] = self.topology.describe(holder)
-        received, failed = self._restore_transfer(outgoing, incoming, f"receiving step {step}'s memory snapshot from "
-                                                  "replica holders", "memory-restore",
-                                                  f"restoring step {step} from the memory tier")
+        with contextlib.ExitStack() as held:
+            for rank, (holder, slot) in enumerate(plan):
+                if holder == self.topology.leader(rank):
+                    continue
+                if holder == self.rank:
+                    try:
+                        with open(self.dir.record(rank, slot), "rb") as f:
+                            record = SlotRecord.from_bytes(f.read(), self.dir.record(rank, slot))
+                        data = held.enter_context(mapped(self.dir.data(rank, slot), record.length, private=True))
+                        outgoing[rank] = [Part.inline("record", record.to_bytes()), Part.direct("data", data)]
+                    except (OSError, CorruptCheckpointError) as e:  # the receiver still gets a stream: what went wrong
+                        outgoing[rank] = [Part.inline("error", f"{self.topology.describe(self.rank)} could not read "
+                                                      f"its copy: {first_line(e)}".encode())]
+                if rank == self.rank:
+                    incoming[holder] = self.topology.describe(holder)
+            received, failed = self._restore_transfer(
+                outgoing, incoming, f"receiving step {step}'s memory snapshot from replica holders", "memory-restore",
+                f"restoring step {step} from the memory tier",
+                land=lambda src, name, size, done: self._land_restored(sequence, step, name, size, done))
         if failed is not None or not received:
             return None, failed
-        try:
-            parts = next(iter(received.values()))
-            if "error" in parts:
-                raise CorruptCheckpointError(parts["error"].decode(errors="replace"))
-            record = SlotRecord.from_bytes(parts["record"], f"the record of step {step} a replica holder sent")
-            data = parts["data"]
-            if not isinstance(data, Spooled):
-                path = os.path.join(self.dir.spool, f"r{self.rank}-inline")
-                with open(path, "wb") as f:
-                    f.write(data)
-                return (record, path), None
-            return (record, data.path), None
-        except (OSError, CorruptCheckpointError) as e:
+        parts = next(iter(received.values()))
+        if "error" in parts:
             discard(received)
-            return None, e
+            return None, CorruptCheckpointError(parts["error"].decode(errors="replace"))
+        landed = parts["data"]
+        if isinstance(landed, bytes):  # an empty share travels inline: its slot, emptied in place
+            try:
+                landed = self._land_restored(sequence, step, "data", 0, parts)
+            except (OSError, CorruptCheckpointError) as e:
+                return None, e
+        return landed, None
+
+    def _land_restored(self, sequence: int, step: int, name: str, size: int, done: dict) -> InPlaceSlot:
+        """Where this rank's share of ``step`` lands when a holder sends it: this rank's own slot of its number,
+        its record retired first (a share this node held would not be sent)."""
+        if "error" in done:
+            raise CorruptCheckpointError(done["error"].decode(errors="replace"))
+        record = SlotRecord.from_bytes(done.get("record", b""), f"the record of step {step} a replica holder sent")
+        if (record.rank, record.sequence, record.step, name, size) != (self.rank, sequence, step, "data",
+                                                                        record.length):
+            raise CorruptCheckpointError(f"a replica holder sent rank {record.rank} step {record.step} sequence "
+                                         f"{record.sequence} ({size} bytes as {name!r}), not rank {self.rank} step "
+                                         f"{step} sequence {sequence} ({record.length} bytes)")
+        self.dir.retire(self.rank, record.slot)
+        return InPlaceSlot(self.dir.data(self.rank, record.slot), record, "memory.restore_half_received")
 
     def _restore_transfer(self, outgoing: dict[int, list], incoming: dict[int, str], what: str, exchange: str,
-                          failing: str) -> tuple[dict, BaseException | None]:
+                          failing: str, land: Callable | None = None) -> tuple[dict, BaseException | None]:
         """A restore's one transfer, every rank alike (:func:`transfer`'s ``outgoing``/``incoming``): (what arrived,
         this rank's own failure to keep it, such as a full node, which the caller's agreement raises on every rank);
         a lost peer is raised typed as ``failing``'s, on every rank that exchanged with it."""
         try:
             return transfer(outgoing, incoming, self.group, self.dir.spool, what=what, timeout=self.timeout,
-                            exchange_id=f"{exchange}/{self.run_id}", consequence="nothing was loaded."), None
+                            exchange_id=f"{exchange}/{self.run_id}", consequence="nothing was loaded.",
+                            land=land), None
         except (OSError, CorruptCheckpointError) as e:
             return {}, e
         except BaseException as e:

@@ -37,7 +37,7 @@ def memory_manager(ctx, *, every=1, replicas=1, slots=2, budget_bytes=None, dura
     from dcp_atomic import CheckpointManager, MemoryTier
     from dcp_atomic.exchange import file_transfer
 
-    file_transfer.CHUNK_BYTES = 64 << 10  # replicas cross chunk boundaries
+    file_transfer.CHUNK_BYTES = file_transfer.DIRECT_CHUNK_BYTES = 64 << 10  # replicas cross chunk boundaries
     kwargs.setdefault("timeout", 10)
     memory = MemoryTier(path or memory_path(ctx), every=every, replicas=replicas, slots=slots,
                         budget_bytes=budget_bytes, durable_every=durable_every)
