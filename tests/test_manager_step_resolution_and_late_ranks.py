@@ -140,7 +140,9 @@ def test_rank0_slower_than_timeout_after_a_save_does_not_fail_steps_load_or_late
 
 class _CtrlCFromTheWriter:
     """Ctrl-C while the main thread waits, with no timer racing the save: the writer, held at its failpoint until
-    the main thread is inside ``wait()``'s ``try``, sends SIGINT to its own process, then goes on."""
+    the main thread is inside ``wait()``'s ``try``, sends SIGINT to the main thread, then goes on.  (To the main
+    thread: a signal sent to the process may be taken by the writer's own thread, and the main thread, asleep in
+    its wait, would see it only once the save's outcome woke it, racing that outcome.)"""
 
     def __init__(self) -> None:
         self.waiting = threading.Event()
@@ -148,7 +150,7 @@ class _CtrlCFromTheWriter:
     def at_failpoint(self, rank, step) -> None:
         if self.waiting.wait(30):
             self.waiting.clear()
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     def interrupted(self, call) -> str:
         try:
