@@ -208,6 +208,32 @@ def status_kib(field: str) -> int:
     return 0
 
 
+class PeakRssKinds:
+    """Largest growth of anonymous memory (``RssAnon``: heap, buffers) and of mapped shared pages (``RssShmem``: a
+    tmpfs slot's pages while mapped) during a ``with`` block, in bytes, sampled every 2 ms by a thread (the kernel
+    keeps no high-water mark per kind).  What a memory budget means is the first; the second is the slots."""
+
+    def __enter__(self) -> "PeakRssKinds":  # no collection or trim here: it runs inside a timing
+        self.anon_base, self.shmem_base = status_kib("RssAnon") * 1024, status_kib("RssShmem") * 1024
+        self.anon_extra = self.shmem_extra = 0
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while True:
+            self.anon_extra = max(self.anon_extra, status_kib("RssAnon") * 1024 - self.anon_base)
+            self.shmem_extra = max(self.shmem_extra, status_kib("RssShmem") * 1024 - self.shmem_base)
+            if self._stop.wait(0.002):
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._sampler.join()
+        self._sample()
+
+
 class PeakRss:
     """Largest resident-set growth during a ``with`` block, in bytes.
 

@@ -472,21 +472,21 @@ class MemorySnapshots:
         failpoints.hit("memory.replica_send", self.rank, step)
         received: dict = {}
         failed: BaseException | None = None
-        with contextlib.ExitStack() as held:
-            path = self.dir.data(self.rank, record.slot)
-            try:
-                data = Part.direct("data", held.enter_context(mapped(path, record.length, private=True)))
-            except (OSError, CorruptCheckpointError):  # still streamed: its reads fail and the holders refuse it
-                data = Part("data", record.length, path=path)
-            outgoing = {holder: [Part.inline("record", record.to_bytes()), data] for holder in holders}
-            try:  # a failed write (a full node) is this rank's failure in the agreement below, not a lost peer
-                received = transfer(outgoing, {src: self.topology.describe(src) for src in sources}, self.memory_group,
-                                    self.dir.spool, what=f"sending the memory snapshot of step {step} to its replica "
-                                    "holders", timeout=self.timeout, exchange_id=f"memory/{self.run_id}",
-                                    consequence=CONSEQUENCE,
-                                    land=lambda src, name, size, done: self._land_replica(src, step, name, size, done))
-            except (OSError, CorruptCheckpointError) as e:
-                failed = e
+        path = self.dir.data(self.rank, record.slot)
+        try:
+            data = Part.direct("data", self.dir.maps.view(path, record.length))
+        except (OSError, CorruptCheckpointError):  # still streamed: its reads fail and the holders refuse it
+            data = Part("data", record.length, path=path)
+        outgoing = {holder: [Part.inline("record", record.to_bytes()), data] for holder in holders}
+        try:  # a failed write (a full node) is this rank's failure in the agreement below, not a lost peer
+            received = transfer(outgoing, {src: self.topology.describe(src) for src in sources}, self.memory_group,
+                                self.dir.spool, what=f"sending the memory snapshot of step {step} to its replica "
+                                "holders", timeout=self.timeout, exchange_id=f"memory/{self.run_id}",
+                                consequence=CONSEQUENCE,
+                                land=lambda src, name, size, done: self._land_replica(src, step, name, size, done))
+        except (OSError, CorruptCheckpointError) as e:
+            failed = e
+        del data, outgoing  # the slot's view: the mapping stays for the next snapshot
         kept: list[SlotRecord] = []
         with agreed_phase(self.memory_group, f"replicating the memory snapshot of step {step}",
                           f"{self.topology.describe(self.rank)} could not keep a replica", then="The previous "
@@ -499,7 +499,7 @@ class MemorySnapshots:
                     landed = parts["data"]
                     if isinstance(landed, bytes):  # an empty share travels inline: its slot, emptied in place
                         self.dir.retire(src, copy.slot)
-                        landed = InPlaceSlot(self.dir.data(src, copy.slot), copy, "memory.replica_half_received")
+                        landed = InPlaceSlot(self.dir.data(src, copy.slot), copy, self.dir.maps, "memory.replica_half_received")
                         parts["data"] = landed  # closed by discard() below
                     landed.check()
                     kept.append(dataclasses.replace(copy, holder=self.rank))
@@ -524,7 +524,7 @@ class MemorySnapshots:
                                          rank=src)
         self.dir.retire(src, copy.slot)
         failpoints.hit("memory.replica_retired", self.rank, step)
-        return InPlaceSlot(self.dir.data(src, copy.slot), copy, "memory.replica_half_received")
+        return InPlaceSlot(self.dir.data(src, copy.slot), copy, self.dir.maps, "memory.replica_half_received")
 
     def _sequence(self, step: int) -> int:
         """Step 3: global rank 0 numbers the snapshot above every commit it knows, and hands the number out."""
@@ -778,25 +778,24 @@ class MemorySnapshots:
         agreement to raise on every rank)."""
         outgoing: dict[int, list] = {}
         incoming: dict[int, str] = {}
-        with contextlib.ExitStack() as held:
-            for rank, (holder, slot) in enumerate(plan):
-                if holder == self.topology.leader(rank):
-                    continue
-                if holder == self.rank:
-                    try:
-                        with open(self.dir.record(rank, slot), "rb") as f:
-                            record = SlotRecord.from_bytes(f.read(), self.dir.record(rank, slot))
-                        data = held.enter_context(mapped(self.dir.data(rank, slot), record.length, private=True))
-                        outgoing[rank] = [Part.inline("record", record.to_bytes()), Part.direct("data", data)]
-                    except (OSError, CorruptCheckpointError) as e:  # the receiver still gets a stream: what went wrong
-                        outgoing[rank] = [Part.inline("error", f"{self.topology.describe(self.rank)} could not read "
-                                                      f"its copy: {first_line(e)}".encode())]
-                if rank == self.rank:
-                    incoming[holder] = self.topology.describe(holder)
-            received, failed = self._restore_transfer(
-                outgoing, incoming, f"receiving step {step}'s memory snapshot from replica holders", "memory-restore",
-                f"restoring step {step} from the memory tier",
-                land=lambda src, name, size, done: self._land_restored(sequence, step, name, size, done))
+        for rank, (holder, slot) in enumerate(plan):
+            if holder == self.topology.leader(rank):
+                continue
+            if holder == self.rank:
+                try:
+                    with open(self.dir.record(rank, slot), "rb") as f:
+                        record = SlotRecord.from_bytes(f.read(), self.dir.record(rank, slot))
+                    data = self.dir.maps.view(self.dir.data(rank, slot), record.length)
+                    outgoing[rank] = [Part.inline("record", record.to_bytes()), Part.direct("data", data)]
+                except (OSError, CorruptCheckpointError) as e:  # the receiver still gets a stream: what went wrong
+                    outgoing[rank] = [Part.inline("error", f"{self.topology.describe(self.rank)} could not read "
+                                                  f"its copy: {first_line(e)}".encode())]
+            if rank == self.rank:
+                incoming[holder] = self.topology.describe(holder)
+        received, failed = self._restore_transfer(
+            outgoing, incoming, f"receiving step {step}'s memory snapshot from replica holders", "memory-restore",
+            f"restoring step {step} from the memory tier",
+            land=lambda src, name, size, done: self._land_restored(sequence, step, name, size, done))
         if failed is not None or not received:
             return None, failed
         parts = next(iter(received.values()))
@@ -823,7 +822,8 @@ class MemorySnapshots:
                                          f"{record.sequence} ({size} bytes as {name!r}), not rank {self.rank} step "
                                          f"{step} sequence {sequence} ({record.length} bytes)")
         self.dir.retire(self.rank, record.slot)
-        return InPlaceSlot(self.dir.data(self.rank, record.slot), record, "memory.restore_half_received")
+        return InPlaceSlot(self.dir.data(self.rank, record.slot), record, self.dir.maps,
+                           "memory.restore_half_received")
 
     def _restore_transfer(self, outgoing: dict[int, list], incoming: dict[int, str], what: str, exchange: str,
                           failing: str, land: Callable | None = None) -> tuple[dict, BaseException | None]:
@@ -891,6 +891,7 @@ class MemorySnapshots:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+        self.dir.maps.close()
 
     def _gathered(self, mine: Any, what: str, group: Any = None) -> list[Any]:
         try:
