@@ -556,14 +556,24 @@ class MemorySnapshots:
             for rank, (_, said) in enumerate(everyone):
                 for note in said:
                     log.warning("memory tier (%s): %s", self.topology.describe(rank), note)
-        sources = self._choose([h for h, _ in everyone])
-        if sources is None:
-            return None
-        sequence, step, world, places = sources
-        if newest_elsewhere is not None and newest_elsewhere > sequence:
-            log.info("memory tier: step %d (sequence %d) is older than the newest commit of the other tiers "
-                     "(sequence %d): restoring from those", step, sequence, newest_elsewhere)
-            return None
+        listed = [h for h, _ in everyone]
+        while True:  # the newest assemblable step whose chosen copies are sound; a damaged one is served around
+            sources = self._choose(listed)
+            if sources is None:
+                return None
+            sequence, step, world, places = sources
+            if newest_elsewhere is not None and newest_elsewhere > sequence:
+                log.info("memory tier: step %d (sequence %d) is older than the newest commit of the other tiers "
+                         "(sequence %d): restoring from those", step, sequence, newest_elsewhere)
+                return None
+            damaged = self._damaged(places, world)
+            if not damaged:
+                break
+            for leader, owner, slot, why in damaged:
+                if self.rank == 0:
+                    log.warning("memory tier (%s): rank %d's copy of step %d is damaged, served around: %s",
+                                self.topology.describe(leader), owner, step, why)
+                listed[leader] = [c for c in listed[leader] if (c[0], c[1]) != (owner, slot)]
         if world == self.world_size:
             restored = self._restore_own(state_dict, sequence, step, places)
         else:
@@ -731,7 +741,8 @@ class MemorySnapshots:
 
     def _scan(self) -> tuple[list[tuple[int, int, int, int, int]], list[str]]:
         """A node's leader: (owner rank, slot, sequence, step, world size) of every copy on its path with a sound
-        record and verified bytes of this run and lineage; and why each other one is not loaded."""
+        record of this run and lineage; and why each other one is not loaded.  Its bytes are checked only if a
+        restore chooses it (:meth:`_damaged`): a node holds several slots, a restore reads one per rank."""
         held, notes = [], []
         for where, record in self.dir.records():
             if isinstance(record, CorruptCheckpointError):
@@ -741,14 +752,33 @@ class MemorySnapshots:
                 notes.append(f"{where} (step {record.step}) belongs to another run or lineage ({record.run_id}, "
                              f"{record.lineage}; this job's: {self.run_id}, {self.lineage}): not loaded, not deleted")
                 continue
-            try:
-                verify_slot(record, self.dir.data(record.rank, record.slot))
-            except (CorruptCheckpointError, UnsafeItemError, OSError) as e:
-                notes.append(f"rank {record.rank}'s copy of step {record.step} is damaged, served around: "
-                             f"{getattr(e, 'message', e)}")
-                continue
             held.append((record.rank, record.slot, record.sequence, record.step, record.world_size))
         return held, notes
+
+    def _damaged(self, places: dict[int, list[tuple[int, int]]], world: int) -> list[tuple[int, int, int, str]]:
+        """Every rank alike: the chosen copies' bytes judged by :func:`verify_slot` before anything is loaded, each
+        by one rank on its node, in parallel: at this world size the one each rank will read (its own node's copy by
+        that rank, another node's by the leader that sends it), at another every copy (by its node's leader); the
+        damaged ones as (leader, owner rank, slot, why)."""
+        mine: list[tuple[int, int, int, str]] = []
+        for owner, found in places.items():
+            for index, (leader, slot) in enumerate(found):
+                if world == self.world_size:
+                    near = [place for place in found if place[0] == self.topology.leader(owner)]
+                    if (leader, slot) != (near[0] if near else found[0]):
+                        continue
+                    judge = owner if near else leader
+                else:
+                    judge = leader
+                if judge != self.rank:
+                    continue
+                try:
+                    with open(self.dir.record(owner, slot), "rb") as f:
+                        record = SlotRecord.from_bytes(f.read(), self.dir.record(owner, slot))
+                    verify_slot(record, self.dir.data(owner, slot))
+                except (CorruptCheckpointError, UnsafeItemError, OSError) as e:
+                    mine.append((leader, owner, slot, str(getattr(e, "message", e))))
+        return [d for found in self._gathered(mine, "checking the chosen memory snapshot's copies") for d in found]
 
     def _choose(self, held: list[list[tuple[int, int, int, int, int]]]
                 ) -> tuple[int, int, int, dict[int, list[tuple[int, int]]]] | None:
