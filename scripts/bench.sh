@@ -32,8 +32,9 @@ have() {  # the venv exists and runs the given Python without an error (an impor
 }
 # The package from this checkout, and torch: bootstrap.sh sets them up on a fresh clone (or when they do not import).
 setup=
-have 'import os, torch, dcp_atomic; assert os.path.samefile(os.path.dirname(dcp_atomic.__file__), "dcp_atomic")' ||
-    setup=1
+# (found, not imported: importing torch takes seconds, and bench.py imports both at once)
+have 'import os, importlib.metadata as m, importlib.util as u; m.version("torch"); s = u.find_spec("dcp_atomic")
+assert s and os.path.samefile(os.path.dirname(s.origin), "dcp_atomic")' || setup=1
 extras=${DCP_ATOMIC_EXTRAS:-}
 packages=()  # one pip install each (its arguments, word-split)
 case $scenario in

@@ -23,7 +23,8 @@ pip_install() {  # quiet unless it fails; drops this machine's harmless "Locatio
     rm -f "$log"
 }
 
-if ! "$VPY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+# the installed version from its metadata (importing torch takes seconds; the last line below imports it once)
+if ! "$VPY" -c 'import sys; from importlib.metadata import version; sys.exit(version("torch").split("+")[0] != "2.13.0")' 2>/dev/null; then
     pip_install torch==2.13.0
 fi
 EXTRAS=${DCP_ATOMIC_EXTRAS:-}
