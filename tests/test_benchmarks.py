@@ -256,17 +256,19 @@ def test_memory_tier_smoke(checkout, root):
     assert config["tmpfs"] == "tmpfs mounts"  # root here: each node its own mount
     rows = document["summary"]
     assert set(rows) == {"snapshot (memory-committed)", "local-tier save", "direct save to disk",
-                         "gloo send of one share (floor)", "restore from own slots", "restore from replica slots",
-                         "local-tier restore from replicas"}
+                         "gloo send of one share (floor)", "in-place floor", "restore from own slots",
+                         "restore from replica slots", "local-tier restore from replicas"}
     for name, row in rows.items():
         assert row["seconds"] > 0 and len(row["runs"]) == 1, name
     snapshot = rows["snapshot (memory-committed)"]
     assert 0 < snapshot["call_seconds"] <= snapshot["seconds"]
+    assert 0 <= snapshot["rss_anon_mib"] < 64 and snapshot["rss_shmem_mib"] >= 0, snapshot  # sampled apart
     for node, name in zip(document["memory"], "AB"):  # each node: its ranks' own slots and the other node's copies
         assert node["node"] == name and node["tmpfs_bytes"] >= node["budget_bytes"] > 0, node
         assert node["snapshots_skipped"] == 0
     assert [(c["target"].split(" ")[0], c["value"] is not None) for c in document["targets"]] == [
-        ("snapshot", True), ("restore", True), ("tmpfs", True)]
+        ("snapshot", True), ("snapshot", True), ("restore", True), ("restore", True), ("anonymous", True),
+        ("tmpfs", True)]
 
 
 def test_step_overhead_smoke(checkout, root):
