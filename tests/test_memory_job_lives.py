@@ -291,3 +291,44 @@ def test_a_restore_into_a_full_node_is_one_typed_error_on_every_rank_and_restore
     kind, message = refused[0]
     assert kind == "StorageError" and "rank 1 (B," in message and "No space left" in message, message
     assert restored == [(2, "memory-replica", True)] * 2, restored
+
+
+def _empty_share_then_restore(ctx):
+    """A world of 2 (one rank per node) where rank 1 holds no state at all (a stage with nothing to keep): steps 1-3
+    snapshotted; node B's memory path is wiped (a replaced node); a fresh manager restores (step, tier, rank 0's
+    values exact, files of rank 1's share on node B afterwards)."""
+    import torch
+    import torch.distributed as dist
+
+    from dcp_atomic import CheckpointManager, MemoryTier
+
+    path = os.path.join(ctx.extra["nodes"][ctx.rank], "mem")
+    os.makedirs(path, exist_ok=True)
+
+    def state(step):
+        return {"w": torch.arange(4096.0) + step} if ctx.rank == 0 else {}
+
+    with CheckpointManager(ctx.root, RUN, memory=MemoryTier(path, slots=2, replicas=1), timeout=10) as manager:
+        for step in (1, 2, 3):
+            manager.snapshot(step, state(step)).result()
+    dist.barrier()
+    if ctx.rank == 1:
+        shutil.rmtree(os.path.join(path, RUN))
+    dist.barrier()
+    target = state(0)
+    with CheckpointManager(ctx.root, RUN, memory=MemoryTier(path, slots=2, replicas=1), timeout=10) as manager:
+        step = manager.load(target)
+        tier = manager.restored_from["tier"]
+    exact = torch.equal(target["w"], state(3)["w"]) if ctx.rank == 0 else target == {}
+    return step, tier, exact, sorted(os.listdir(os.path.join(path, RUN, "r1"))) if ctx.rank == 1 else None
+
+
+def test_an_empty_share_travels_inline_lands_as_an_empty_slot_and_restores_from_its_holder(root, tmp_path):
+    """An empty share has no bytes to send in place: it travels inline in both directions (to its holder at each
+    snapshot, back to its owner at the restore after its node was wiped), and its owner keeps it as its own slot."""
+    from tests.helpers.memory import two_nodes_env
+
+    nodes = [str(tmp_path / "A"), str(tmp_path / "B")]
+    outcomes = assert_all_ok(_run(_empty_share_then_restore, root, nodes, world=2, rank_env=two_nodes_env))
+    assert [o[:3] for o in outcomes] == [(3, "memory-replica", True)] * 2, outcomes
+    assert outcomes[1][3] == ["slot0.commit", "slot0.data"], outcomes  # step 3's slot, kept as its own again

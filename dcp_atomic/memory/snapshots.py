@@ -498,9 +498,7 @@ class MemorySnapshots:
                     copy = self._sent_record(src, step, parts["record"])
                     landed = parts["data"]
                     if isinstance(landed, bytes):  # an empty share travels inline: its slot, emptied in place
-                        self.dir.retire(src, copy.slot)
-                        landed = InPlaceSlot(self.dir.data(src, copy.slot), copy, self.dir.maps, "memory.replica_half_received")
-                        parts["data"] = landed  # closed by discard() below
+                        landed = parts["data"] = self._land_replica(src, step, "data", 0, parts)  # discard() closes it
                     landed.check()
                     kept.append(dataclasses.replace(copy, holder=self.rank))
                 failpoints.hit("memory.replica_receive", self.rank, step)
