@@ -70,7 +70,7 @@ from ..protocol.retention import DEFAULT_LEASE_SECONDS, remove_step, retain_afte
 from ..protocol.retention_policy import Retention
 from .._base.retry import Deadline
 from .._base.stats import FailureStats, LoadStats, SaveStats, SnapshotStats
-from .._base import internals
+from .._base import internals, world_of_one
 from .._base.futures import ReportedFuture
 from ..dcp.watched import WatchedReader, WatchedSavePlanner
 from ..dcp.reuse import refuse_unsupported
@@ -490,8 +490,9 @@ class CheckpointManager(RankAgreement):
             writer = self._writer(step, watch, metadata)
             with self._tier.failed_attempt_removed(step, writer):
                 try:
-                    dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
-                             process_group=self._group)
+                    with world_of_one.explained_once():
+                        dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
+                                 process_group=self._group)
                 except BaseException as e:  # CheckpointException is a BaseException
                     self._settle_failed_save(e, step, writer, self._ops, watch)
                 else:
@@ -540,9 +541,10 @@ class CheckpointManager(RankAgreement):
             self._staged = staged
             stager = StableState() if stable else staged
             try:
-                pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
-                                         process_group=self._async_group,
-                                         **({"async_stager": stager} if stager is not None else {}))
+                with world_of_one.explained_once():
+                    pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
+                                             process_group=self._async_group,
+                                             **({"async_stager": stager} if stager is not None else {}))
             except BaseException as e:
                 if staged is not None:
                     staged.release()
@@ -762,7 +764,9 @@ class CheckpointManager(RankAgreement):
                                     share_reads=self.share_reads, process_group=self._group, watch=watch)
             self._resolve_everywhere(reader, chosen)
             try:
-                dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
+                with world_of_one.explained_once():
+                    dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(),
+                             process_group=self._group)
             except BaseException as e:
                 failure = watch.verdict or self._translate(e, f"loading step {chosen}")
                 if isinstance(failure, CheckpointError):
