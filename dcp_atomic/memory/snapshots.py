@@ -583,10 +583,7 @@ class MemorySnapshots:
     def _restore_own(self, state_dict: dict[str, Any], sequence: int, step: int,
                      places: dict[int, list[tuple[int, int]]]) -> Restored:
         """The same world size: each rank installs its own share, from its node (own first) or a holder's copy."""
-        plan = []
-        for rank in range(self.world_size):
-            own = [place for place in places[rank] if place[0] == self.topology.leader(rank)]
-            plan.append(own[0] if own else places[rank][0])
+        plan = self._plan(places)
         received, failed = self._fetch(plan, sequence, step)
         holder, slot = plan[self.rank]
         near = holder == self.topology.leader(self.rank)
@@ -753,22 +750,27 @@ class MemorySnapshots:
             held.append((record.rank, record.slot, record.sequence, record.step, record.world_size))
         return held, notes
 
+    def _plan(self, places: dict[int, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+        """At this world size, the copy each rank reads: its own node's, else the first holder's."""
+        plan = []
+        for rank in range(self.world_size):
+            own = [place for place in places[rank] if place[0] == self.topology.leader(rank)]
+            plan.append(own[0] if own else places[rank][0])
+        return plan
+
     def _damaged(self, places: dict[int, list[tuple[int, int]]], world: int) -> list[tuple[int, int, int, str]]:
         """Every rank alike: the chosen copies' bytes judged by :func:`verify_slot` before anything is loaded, each
         by one rank on its node, in parallel: at this world size the one each rank will read (its own node's copy by
         that rank, another node's by the leader that sends it), at another every copy (by its node's leader); the
         damaged ones as (leader, owner rank, slot, why)."""
         mine: list[tuple[int, int, int, str]] = []
+        plan = self._plan(places) if world == self.world_size else None
         for owner, found in places.items():
-            for index, (leader, slot) in enumerate(found):
-                if world == self.world_size:
-                    near = [place for place in found if place[0] == self.topology.leader(owner)]
-                    if (leader, slot) != (near[0] if near else found[0]):
-                        continue
-                    judge = owner if near else leader
-                else:
-                    judge = leader
-                if judge != self.rank:
+            for leader, slot in found:
+                if plan is not None and (leader, slot) != plan[owner]:
+                    continue
+                near = plan is not None and leader == self.topology.leader(owner)
+                if (owner if near else leader) != self.rank:
                     continue
                 try:
                     with open(self.dir.record(owner, slot), "rb") as f:
