@@ -410,13 +410,7 @@ def run(args: argparse.Namespace) -> dict:
     if snap is not None:
         print(f"\nper rank during the snapshot: anonymous RSS growth (RssAnon) {snap['rss_anon_mib']:.1f} MiB, mapped "
               f"tmpfs pages (RssShmem) {snap['rss_shmem_mib']:.1f} MiB")
-    print("\n== targets ==")
-    word = {True: "MET ", False: "MISS", None: "n/a "}
-    for c in checks:
-        print(f"{c['target']:<96}{report.fmt(c['value'], '.2f'):>8}  {word[c['met']]}"
-              + (f"  {c['note']}" if c["note"] else ""))
-    if report.SMOKE:
-        print("(--smoke: sizes far below the targets'; the verdicts say nothing)")
+    report.print_verdicts(checks, 96)
     wall = time.monotonic() - began
     print(f"wall time {wall:.0f} s")
     return {"config": {"world": WORLD, "nodes": NODES, "mib_per_rank": args.mib_per_rank, "data_bytes": data_bytes,

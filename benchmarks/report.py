@@ -163,13 +163,28 @@ def check(target: str, value: float | None, limit: float, higher_is_better: bool
 SMOKE = False  # set by bench.py for a --smoke run: its sizes are far below the targets' (print_targets says so)
 
 
-def print_targets(checks: list[dict]) -> None:
-    print("\n== targets (vs torch FSW default | vs its best measured thread_count) ==")
+def _verdict_words() -> dict:
+    """MET / MISS / n/a; under --smoke, said first that a miss says nothing (one place for every scenario)."""
     word = {True: "MET ", False: "MISS", None: "n/a "}
     if SMOKE:
         print("(--smoke: sizes far below the headline runs', so a verdict here only shows the scenario runs; a miss "
               "says nothing about the target)")
         word[False] = "miss (smoke)"
+    return word
+
+
+def print_verdicts(checks: list[dict], width: int, unit: str = "") -> None:
+    """The targets of a scenario measured against its own rows (no stock contender): one line each."""
+    print("\n== targets ==")
+    word = _verdict_words()
+    for c in checks:
+        print(f"{c['target']:<{width}}{fmt(c['value'], '.2f'):>8}{unit}  {word[c['met']]}"
+              + (f"  {c['note']}" if c["note"] else ""))
+
+
+def print_targets(checks: list[dict]) -> None:
+    print("\n== targets (vs torch FSW default | vs its best measured thread_count) ==")
+    word = _verdict_words()
     places = [f"w{c['world']} {c['medium']}" if c["world"] else "" for c in checks]
     width = max([10] + [len(p) + 1 for p in places])
     for c, where in zip(checks, places):

@@ -471,11 +471,7 @@ def run(args: argparse.Namespace) -> dict:
         if commit is not None:
             print(f"{name}: of its {rows[name]['seconds']:.2f}s, the local commit (replicas sent, verified and "
                   f"written; rank 0's decision; markers) took {commit:.2f}s (rank 0's SaveStats, median)")
-    print("\n== targets ==")
-    word = {True: "MET ", False: "MISS", None: "n/a "}
-    for c in checks:
-        print(f"{c['target']:<62}{report.fmt(c['value'], '.2f'):>7}x  {word[c['met']]}"
-              + (f"  {c['note']}" if c["note"] else ""))
+    report.print_verdicts(checks, 62, "x")
     print("peak RSS over the whole run (ru_maxrss, per rank): "
           + ", ".join(f"{m / MiB:.0f}" for m in raw["ru_maxrss"]) + " MiB")
     wall = time.monotonic() - began

@@ -98,13 +98,16 @@ def checkout(tmp_path_factory) -> str:
 
 
 def _run(checkout: str, root: str, *argv: str) -> dict:
-    """A scenario's smoke through scripts/bench.sh; it must import nothing of the test suite and install nothing."""
+    """A scenario's smoke through scripts/bench.sh; it must import nothing of the test suite and install nothing.
+    Its results file, with what it printed under ``"stdout"``."""
     path, log = os.path.join(root, "out.json"), os.path.join(root, "checkout.log")
     done = _bench_sh(checkout, log, *argv, "--smoke", "--json", path)
     assert done.returncode == 0, f"bench.sh {' '.join(argv)} --smoke:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     assert _logged(log) == [], f"bench.sh {' '.join(argv)} --smoke imported pytest / the test suite, or ran pip"
     with open(path) as f:
-        return json.load(f)
+        document = json.load(f)
+    document["stdout"] = done.stdout  # what the user reads, beside the results file
+    return document
 
 
 def _assert_contender_row(row: dict, items: bool = False) -> None:
@@ -246,6 +249,7 @@ def test_two_tiers_smoke(checkout, root):
         ("restore from replicas >= 2x faster than from S3", True),
         ("drain no slower than a direct s3 save", True),
         ("drain no slower than a direct disk save", True)]
+    _assert_smoke_verdicts(document["stdout"])  # before: bare MISS verdicts without the smoke's note
 
 
 def test_memory_tier_smoke(checkout, root):
@@ -269,6 +273,13 @@ def test_memory_tier_smoke(checkout, root):
     assert [(c["target"].split(" ")[0], c["value"] is not None) for c in document["targets"]] == [
         ("snapshot", True), ("snapshot", True), ("restore", True), ("restore", True), ("anonymous", True),
         ("tmpfs", True)]
+    _assert_smoke_verdicts(document["stdout"])
+
+
+def _assert_smoke_verdicts(printed: str) -> None:
+    """A smoke's verdicts say that a miss says nothing, and never print a bare MISS."""
+    verdicts = printed[printed.index("== targets"):]
+    assert "(--smoke: sizes far below" in verdicts and " MISS" not in verdicts, verdicts
 
 
 def test_step_overhead_smoke(checkout, root):
