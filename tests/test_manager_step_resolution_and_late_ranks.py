@@ -138,36 +138,56 @@ def test_rank0_slower_than_timeout_after_a_save_does_not_fail_steps_load_or_late
 # -- Ctrl-C during wait() keeps the save; close() waits for it and raises its failure ----------
 
 
-class _CtrlCFromTheWriter:
-    """Ctrl-C while the main thread waits, with no timer racing the save: the writer, held at its failpoint until
-    the main thread is inside ``wait()``'s ``try``, sends SIGINT to the main thread, then goes on.  (To the main
-    thread: a signal sent to the process may be taken by the writer's own thread, and the main thread, asleep in
-    its wait, would see it only once the save's outcome woke it, racing that outcome.)"""
+class _CtrlCInWait:
+    """Ctrl-C while the main thread waits for the save, with nothing racing the save: the manager's wait, entered
+    from :meth:`interrupted`, first sends SIGINT to the main thread, whose handler raises the KeyboardInterrupt
+    inside that wait.  (A writer held at a failpoint that sent the signal raced the save it belongs to: in the
+    failing save, a loaded rank 0 learnt of rank 1's failure before its writer reached the failpoint, and its wait
+    returned the failure with no Ctrl-C at all.)  A writer that reaches the failpoint is held there until the
+    interrupt was caught, so a save is still in flight when Ctrl-C lands (bounded: nothing waits forever)."""
 
     def __init__(self) -> None:
-        self.waiting = threading.Event()
+        import concurrent.futures
+
+        self.armed = False
+        self.caught = threading.Event()
+        real = concurrent.futures.wait
+
+        def wait(fs, *args, **kwargs):
+            if self.armed and threading.current_thread() is threading.main_thread():
+                self.armed = False
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            return real(fs, *args, **kwargs)
+
+        concurrent.futures.wait = wait  # in this rank's process: the manager waits through the module attribute
+
+    def saving(self) -> None:
+        """Before a save: its writer will be held at the failpoint until this save's wait is interrupted."""
+        self.caught.clear()
 
     def at_failpoint(self, rank, step) -> None:
-        if self.waiting.wait(30):
-            self.waiting.clear()
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        self.caught.wait(30)
 
     def interrupted(self, call) -> str:
         try:
-            self.waiting.set()  # from here on a KeyboardInterrupt is this call's
+            self.armed = True
             call()
             return "returned"
         except KeyboardInterrupt:
+            self.caught.set()
             return "interrupted"
+        finally:
+            self.armed = False
 
 
 def _interrupted_wait_job(ctx):
     from dcp_atomic._base import failpoints
 
     seen: dict = {}
-    ctrl_c = _CtrlCFromTheWriter()
+    ctrl_c = _CtrlCInWait()
     failpoints.arm("write.mid_data", ctrl_c.at_failpoint)
     manager = CheckpointManager(ctx.root, RUN, timeout=10, thread_count=1)
+    ctrl_c.saving()
     future = manager.async_save(1, _state(ctx.rank, 1))
     seen["wait"] = ctrl_c.interrupted(manager.wait)
     seen["close"] = _outcome(manager.close)[:2]
@@ -177,6 +197,7 @@ def _interrupted_wait_job(ctx):
     if ctx.rank == 1:
         failpoints.arm("write.after_data", "raise", rank=1)
     failing = CheckpointManager(ctx.root, RUN, timeout=10, thread_count=1)
+    ctrl_c.saving()
     failing.async_save(2, _state(ctx.rank, 2))
     seen["failing_wait"] = ctrl_c.interrupted(failing.wait)
     try:

@@ -1,5 +1,6 @@
 """Utilities every layer may use and that know nothing of checkpoints: fault points, retries and deadlines, futures that know whether their failure was reported, the
-collector pause, progress logs, argument checks, statistics records, and the one module that touches private names
+collector pause, progress logs, argument checks, statistics records, the note to a process without a process group
+(``world_of_one``), and the one module that touches private names
 of torch, s3fs and gcsfs (``internals``)."""
 
 from .faces import face
@@ -18,4 +19,5 @@ __all__, __getattr__, __dir__ = face(__name__, {
     "progress": ("format_size", "Progress"),
     "retry": ("Deadline", "REREAD_SECONDS", "retry_until"),
     "stats": ("DrainStats", "FailureStats", "LoadStats", "ReadStats", "SaveStats", "SnapshotStats"),
+    "world_of_one": ("world_of_one",),
 })

@@ -5,7 +5,8 @@ from .._base.faces import face
 
 # The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
 __all__, __getattr__, __dir__ = face(__name__, {
-    "blocks": ("check_block", "file_blocks", "verify_blocks_from", "verify_item", "verify_stored_file"),
+    "blocks": ("check_block", "check_digests", "file_blocks", "verify_blocks_from", "verify_item",
+               "verify_stored_file"),
     "codec": ("Decoder", "Encoder", "host_blocks", "HostBuffer", "narrow_tensor_by_index", "plane_width",
               "tensor_bytes"),
     "container": ("find_payload", "LOCAL_HEADER", "LOCAL_SIGNATURE", "PREFIX_CAPTURE"),

@@ -490,9 +490,9 @@ class CheckpointManager(RankAgreement):
             writer = self._writer(step, watch, metadata)
             with self._tier.failed_attempt_removed(step, writer):
                 try:
-                    with world_of_one.explained_once():
-                        dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
-                                 process_group=self._group)
+                    world_of_one.explain()
+                    dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
+                             process_group=self._group)
                 except BaseException as e:  # CheckpointException is a BaseException
                     self._settle_failed_save(e, step, writer, self._ops, watch)
                 else:
@@ -541,10 +541,10 @@ class CheckpointManager(RankAgreement):
             self._staged = staged
             stager = StableState() if stable else staged
             try:
-                with world_of_one.explained_once():
-                    pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
-                                             process_group=self._async_group,
-                                             **({"async_stager": stager} if stager is not None else {}))
+                world_of_one.explain()
+                pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
+                                         process_group=self._async_group,
+                                         **({"async_stager": stager} if stager is not None else {}))
             except BaseException as e:
                 if staged is not None:
                     staged.release()
@@ -764,9 +764,8 @@ class CheckpointManager(RankAgreement):
                                     share_reads=self.share_reads, process_group=self._group, watch=watch)
             self._resolve_everywhere(reader, chosen)
             try:
-                with world_of_one.explained_once():
-                    dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(),
-                             process_group=self._group)
+                world_of_one.explain()
+                dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
             except BaseException as e:
                 failure = watch.verdict or self._translate(e, f"loading step {chosen}")
                 if isinstance(failure, CheckpointError):
