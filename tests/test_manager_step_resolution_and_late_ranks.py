@@ -184,6 +184,9 @@ def _interrupted_wait_job(ctx):
     from dcp_atomic._base import failpoints
 
     seen: dict = {}
+    # Ctrl-C as a Python program gets it: a suite started in the background (`cmd &` in a script) inherits SIGINT
+    # ignored, down to these ranks, and no KeyboardInterrupt would ever come (this test then failed every time)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl_c = _CtrlCInWait()
     failpoints.arm("write.mid_data", ctrl_c.at_failpoint)
     manager = CheckpointManager(ctx.root, RUN, timeout=10, thread_count=1)
