@@ -78,15 +78,12 @@ class Part:
 
 
 class Landing(Protocol):
-    """Where a receiver puts a direct part in place (``transfer(land=...)``): ``view`` is the part's size, writable;
-    each chunk is received straight into it, then ``landed(offset, length)`` hears of it (a check as bytes land),
-    in order.  ``close()`` releases it; the transfer closes the ones it does not hand back."""
+    """Where a receiver puts a direct part in place (``transfer(land=...)``; the memory tier's
+    :class:`~dcp_atomic.memory.slots.InPlaceSlot`): ``view`` is the part's size, writable; each chunk is received
+    straight into it, then its ``landed(offset, length)`` hears of it, in order (a check as bytes land).  Its
+    ``close()`` releases it; the transfer closes the ones it does not hand back."""
 
     view: memoryview
-
-    def landed(self, offset: int, length: int) -> None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
