@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from dcp_atomic.memory import SlotRecord
-from dcp_atomic.protocol import scan_markers
+from dcp_atomic.protocol import read_committed, scan_markers
+from dcp_atomic._base.retry import Deadline
 from dcp_atomic.format import RunLayout
 from dcp_atomic.stores import open_storage
 from tests.harness import assert_all_ok
@@ -33,6 +34,16 @@ def _exact_at(model, optim, step) -> bool:
 
 def _durable_steps(root) -> list[int]:
     return [marker.step for marker in scan_markers(RunLayout(open_storage(root), RUN))]
+
+
+def _copied_sequences(root) -> dict[int, tuple[int | None, dict | None]]:
+    """Each durable step's (manifest's ``copy_of_sequence``, user metadata): the order is the protocol's field."""
+    layout = RunLayout(open_storage(root), RUN)
+    found = {}
+    for marker in scan_markers(layout):
+        manifest = read_committed(layout, marker.step, Deadline(10)).manifest
+        found[marker.step] = (manifest.copy_of_sequence, manifest.user_metadata)
+    return found
 
 
 def _own_slot_steps(ctx) -> list[int]:
@@ -91,6 +102,11 @@ def test_durable_every_2_copies_the_even_snapshots_from_their_slots_and_a_wiped_
         root, nodes):
     assert assert_all_ok(_run(_snapshot_every_step, root, nodes, 7)) == [0] * WORLD
     assert _durable_steps(root) == [2, 4, 6]
+    # each copy names its snapshot's sequence in the manifest's protocol field, never in the user's metadata
+    copies = _copied_sequences(root)
+    assert [metadata for _, metadata in copies.values()] == [None] * 3, copies
+    sequences = [sequence for sequence, _ in copies.values()]
+    assert all(isinstance(n, int) for n in sequences) and sequences == sorted(sequences), copies
     outcomes = assert_all_ok(_run(_restore_then_wipe_then_restore, root, nodes))
     # memory's 7 is newer than the copy of 6 that committed after it; the copies hold their own steps' state
     assert outcomes == [[(7, "memory", True), (6, "durable", True), (4, "durable", True),

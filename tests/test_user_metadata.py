@@ -80,3 +80,33 @@ def test_keys_of_dcp_atomic_s_own_are_refused_in_a_managers_save_before_writing(
                 save(4, {"w": torch.zeros(2)}, metadata={"loss": 1.0, "dcp_atomic.copy_of_memory_sequence": 3})
         assert manager.save(4, {"w": torch.zeros(2)}, metadata={"loss": 1.0}) == 4
         assert manager.steps() == [4]
+
+
+def test_a_durable_copys_order_is_a_checked_manifest_field_and_the_old_metadata_key_still_orders(root):
+    """The order of a memory snapshot's durable copy is the manifest's ``copy_of_sequence``, parsed strictly; a step
+    written before the field (the order in its metadata) still orders the same way."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicStorageWriter
+    from dcp_atomic.errors import CorruptCheckpointError
+    from dcp_atomic.format import Manifest, RunLayout
+    from dcp_atomic.protocol import memory_order, read_committed
+    from dcp_atomic.stores import open_storage
+    from dcp_atomic._base.retry import Deadline
+
+    dcp.save({"w": torch.zeros(2)}, storage_writer=AtomicStorageWriter(root, RUN, 5, copy_of_sequence=3))
+    committed = read_committed(RunLayout(open_storage(root), RUN), 5, Deadline(10))
+    manifest, marker = committed.manifest, committed.marker
+    assert (manifest.copy_of_sequence, manifest.user_metadata) == (3, None)
+    assert marker.sequence != 3 and memory_order(marker, manifest) == 3
+    raw = json.loads(manifest.to_json())
+    for bad in (0, -1, True, "3", 2.5, None):
+        with pytest.raises(CorruptCheckpointError, match="copy_of_sequence"):
+            Manifest.from_json(json.dumps({**raw, "copy_of_sequence": bad}).encode(), where="m")
+    del raw["copy_of_sequence"]
+    plain = Manifest.from_json(json.dumps(raw).encode(), where="m")
+    assert plain.copy_of_sequence is None and memory_order(marker, plain) == marker.sequence
+    legacy = dataclasses.replace(plain, user_metadata={"dcp_atomic.copy_of_memory_sequence": 2})
+    assert memory_order(marker, legacy) == 2

@@ -158,6 +158,7 @@ class AtomicStorageWriter(StorageWriter):
         block_size: int = BLOCK_SIZE,
         reuse: bool = False,
         live_state: LiveState | None = None,
+        copy_of_sequence: int | None = None,
     ) -> None:
         super().__init__()
         arguments.choice("AtomicStorageWriter(compression=...)", compression, (None, "zstd"))
@@ -175,6 +176,8 @@ class AtomicStorageWriter(StorageWriter):
         self.reuse = arguments.flag("AtomicStorageWriter(reuse=...)", reuse)
         self.live_state = arguments.instance("AtomicStorageWriter(live_state=...)", live_state, LiveState,
                                              "a dcp_atomic.staging.LiveState")
+        # the manager's memory tier: this save copies the snapshot of that commit sequence (Manifest.copy_of_sequence)
+        self.copy_of_sequence = arguments.count("AtomicStorageWriter(copy_of_sequence=...)", copy_of_sequence)
         self.storage_options = storage_options
         self._built_root, self._built_run_id = root, run_id  # what every checkpoint_id must agree with
         self.storage, self.layout = open_location(root, run_id, storage_options)
@@ -525,6 +528,7 @@ class AtomicStorageWriter(StorageWriter):
             shards=sorted((s.shard for s in stats), key=lambda ref: ref.rank),
             user_metadata=self.metadata,
             stored_dtypes=stored_dtypes,
+            copy_of_sequence=self.copy_of_sequence,
         )
 
 

@@ -248,6 +248,11 @@ class Manifest:
     # chunk is stored as .metadata plans it.  A load refuses a shard item whose dtype this does not allow (a
     # relabel after the commit would load reinterpreted bytes).  None: written before it was recorded, unchecked.
     stored_dtypes: dict[str, list[str]] | None = None
+    # a memory tier's durable copy: the commit sequence of the snapshot whose bytes this step holds, which a memory
+    # restore orders it by (protocol.commit.memory_order).  Absent when None: a reader that ignores it only loses that
+    # ordering, so no ``requires``.  Before it, the order was the key ``dcp_atomic.copy_of_memory_sequence`` of
+    # ``user_metadata`` (still read there)
+    copy_of_sequence: int | None = None
     schema_version: int = MANIFEST_SCHEMA  # a manifest read keeps its own number, and writes it back (``show``)
     kind: str = "dcp_atomic.manifest"
 
@@ -267,6 +272,8 @@ class Manifest:
             del body["user_metadata"]
         if self.stored_dtypes is None:
             del body["stored_dtypes"]
+        if self.copy_of_sequence is None:
+            del body["copy_of_sequence"]
         if not self.data_prefixes:
             del body["data_prefixes"]  # absent = 0: the classic layout
         if self.schema_version == MANIFEST_SCHEMA:  # an older number implies its features (OLD_SCHEMA_FEATURES)
@@ -359,6 +366,7 @@ class Manifest:
                 ranks_file=None if raw.get("ranks_file") is None else _file_ref(raw["ranks_file"], RANKS_FILE),
                 user_metadata=None if raw.get("user_metadata") is None else _dict(raw["user_metadata"]),
                 stored_dtypes=_stored_dtypes(raw.get("stored_dtypes")),
+                copy_of_sequence=_copy_of_sequence(raw),
                 schema_version=raw["schema_version"],
             )
             manifest.extent_index()  # one item per (key, chunk offset)
@@ -450,6 +458,16 @@ def _declared_features(raw: dict, where: str) -> tuple[frozenset[str], frozenset
     _expect(not unknown, where, f"this step needs {', '.join(unknown)}, which this dcp_atomic does not know (it "
             f"reads {', '.join(FEATURES)}); upgrade dcp_atomic to read it")
     return frozenset(names), frozenset()
+
+
+def _copy_of_sequence(raw: dict) -> int | None:
+    """A commit sequence (> 0) where present; absent is None (never written as null)."""
+    if "copy_of_sequence" not in raw:
+        return None
+    sequence = raw["copy_of_sequence"]
+    if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 1:
+        raise ValueError(f"copy_of_sequence {sequence!r} is not a commit sequence (an integer >= 1)")
+    return sequence
 
 
 def _data_prefixes(raw: dict) -> int:

@@ -28,12 +28,14 @@ What it adds over the storage writer and reader:
 * statistics of every save, load and failure for ``on_saved`` / ``on_loaded`` /
   ``on_failed``, in the versioned schema of :mod:`.stats` (docs/statistics.md).
 
-What one tier or two change is a policy picked once, in ``__init__`` (:mod:`.tiering`: ``DurableOnly``;
-:mod:`.two_tier`: the local tier and its drain), which each operation consults at fixed points.
+What the tiers change is asked of two objects built once, in ``__init__``, each behind one interface with a "none"
+(:mod:`.tiering`): the storage tiers' policy (``DurableOnly``; :mod:`.two_tier`: the local tier and its drain) and the
+snapshot tier (``NoSnapshots``; :mod:`.snapshot_tier`: the memory tier), which each operation consults at fixed
+points: no method asks which tiers exist.
 
-Why one module of about 780 lines: the public class, read end to end by users; scheduling, liveness, retention and
-the tiers are collaborators (:mod:`.tiering`, :mod:`.two_tier`, :mod:`dcp_atomic.exchange.liveness`,
-:mod:`dcp_atomic.protocol.retention`).
+Why one module of about 1,000 lines: the public class, read end to end by users (half of it is their documentation);
+scheduling, liveness, retention and the tiers are collaborators (:mod:`.tiering`, :mod:`.two_tier`,
+:mod:`.snapshot_tier`, :mod:`dcp_atomic.exchange.liveness`, :mod:`dcp_atomic.protocol.retention`).
 """
 
 from __future__ import annotations
@@ -77,12 +79,12 @@ from ..dcp.reuse import refuse_unsupported
 from ..dcp.writer import AtomicStorageWriter
 from ..format.integrity import BLOCK_SIZE
 from ..staging import LiveState, StableState, Stager, Staging, WindowPool, gate_optimizer_steps
-from ..memory import MemorySnapshots, SnapshotFuture
-from ..protocol.lineage import ensure_lineage, new_lineage, refuses_writes
-from ..protocol.commit import COPY_OF_MEMORY_SEQUENCE, known_sequence, memory_order, root_sequence
+from ..memory import Restored, SnapshotFuture
+from ..protocol.commit import known_sequence
 from ..tiers import failure_domain as resolve_failure_domain
 from .options import Callbacks, LocalTierOptions, MemoryTier, StatsCallback
-from .tiering import DurableOnly, TierContext, TierPolicy
+from .snapshot_tier import DurableCopySaves, MemorySnapshotTier
+from .tiering import DurableOnly, NoSnapshots, SnapshotTier, TierContext, TierPolicy
 from .two_tier import TwoTier
 
 log = logging.getLogger("dcp_atomic.manager")  # the package's name: callers filter on it
@@ -168,45 +170,6 @@ def _exit_without_close(manager: "weakref.ref[CheckpointManager]") -> None:
             alive._wait_at_exit()
         except Exception:  # noqa: BLE001 - at exit: log, never raise past the interpreter's shutdown
             log.exception("dcp_atomic: the exit-time wait failed")
-
-
-class _DurableCopies:
-    """How the memory tier saves its durable copies (:class:`~dcp_atomic.memory.snapshots.DurableCopies`): through
-    the manager's one save path (``async_save``: the local tier and its drain, or the durable root), so the one
-    committer, retention, lineage and statistics apply.  A copy that cannot start is a failed save like any other:
-    reported to ``on_failed`` and raised by ``wait()`` or the next call, never by the snapshot."""
-
-    def __init__(self, manager: "CheckpointManager") -> None:
-        self.manager = manager
-
-    def save(self, step: int, state_dict: dict[str, Any], sequence: int) -> concurrent.futures.Future:
-        manager = self.manager
-        try:
-            return manager._async_save(step, state_dict, {COPY_OF_MEMORY_SEQUENCE: sequence},
-                                       manager._wants_drain(True), stable=True)
-        except CheckpointError as e:
-            return self._failed(step, e)
-
-    def refuse(self, step: int, error: CheckpointError) -> ReportedFuture:
-        manager = self.manager
-        manager._report_failure("async_save", step, error, time.perf_counter())
-        return self._failed(step, error)
-
-    def _failed(self, step: int, error: CheckpointError) -> ReportedFuture:
-        """The copy's failure, raised once by ``wait()`` or the next call (as a failed ``async_save``)."""
-        manager = self.manager
-        log.warning("run %r: the durable copy of memory step %d did not start (%s); it is raised by wait() or the "
-                    "next call, and the snapshot stays memory-committed", manager.run_id, step, first_line(error))
-        failed = ReportedFuture()
-        failed.step = step
-        failed.set_exception(error)
-        with manager._lock:
-            manager._inflight = failed
-        return failed
-
-    def busy(self) -> bool:
-        inflight = self.manager._inflight
-        return inflight is not None and not inflight.done()
 
 
 class CheckpointManager(RankAgreement):
@@ -380,9 +343,7 @@ class CheckpointManager(RankAgreement):
         self.local = local
         self.local_root = local.local_root if local is not None else None
         self.memory = memory
-        self._memory: MemorySnapshots | None = None  # built last: a refused tier's _release() finds none
-        # restored_from after a load the memory tier served, or the durable root served in its place
-        self._memory_restored: dict[str, Any] | None = None
+        self._memory: SnapshotTier = NoSnapshots()  # the memory tier is built last: a refused tier's _release()
         # the tiers' differences live in one policy, picked here; DurableOnly also until TwoTier is set up, so that
         # the _release() of a refused local tier finds one
         self._tier: TierPolicy = DurableOnly(root, run_id, storage_options)
@@ -394,14 +355,13 @@ class CheckpointManager(RankAgreement):
                 raise
         if memory is not None:
             try:
-                self._memory = MemorySnapshots(
-                    rank=self.rank, world_size=self.world_size, run_id=run_id, layout=self.layout, options=memory,
+                self._memory = MemorySnapshotTier(
+                    self._tier_context(), memory, lineage=self._tier.lineage, local_sequence=self._tier.local_sequence,
                     domain=resolve_failure_domain(local.failure_domain if local is not None else None),
-                    lineage=self._tier.lineage or self._on_rank0(self._durable_lineage, "read the run's lineage"),
-                    group=self._group, memory_group=self._memory_group, timeout=timeout, translate=self._translate,
                     stager=None if staging is None else Stager(staging, self._staging_pool),
-                    deliver=lambda stats: self._deliver(self.callbacks.on_snapshot, "on_snapshot", stats),
-                    durable=_DurableCopies(self), parallelism=self.parallelism)
+                    copies=DurableCopySaves(start=self._save_durable_copy, failed=self._failed_save,
+                                            busy=self._save_in_flight, wait=self._wait_for_async_save),
+                    parallelism=self.parallelism)
             except BaseException:
                 self._release()
                 raise
@@ -416,7 +376,7 @@ class CheckpointManager(RankAgreement):
             storage_options=self.storage_options, layout=self.layout, timeout=self.timeout,
             work_timeout=self.work_timeout, thread_count=self.thread_count,
             retention=self.retention, lease_seconds=self.lease_seconds, group=self._group,
-            drain_group=self._drain_group, heartbeat=self._heartbeat,
+            drain_group=self._drain_group, memory_group=self._memory_group, heartbeat=self._heartbeat,
             callbacks=self.callbacks, translate=self._translate, on_rank0=self._on_rank0, watch=self._watch,
             resumed=lambda: self._resumed, committed_marker=self._committed_marker, deliver=self._deliver)
 
@@ -424,46 +384,13 @@ class CheckpointManager(RankAgreement):
     def restored_from(self) -> dict[str, Any] | None:
         """After ``load()``: which tier served it (see :meth:`load`); None with one tier and no memory tier (with a
         memory tier and no local one, ``"durable"`` when the durable root served)."""
-        return self._memory_restored or self._tier.restored_from
+        return self._memory.restored_from or self._tier.restored_from
 
     @property
     def snapshots_skipped(self) -> int:
         """Snapshots due while the previous one was still in flight: skipped, never queued (0 without a memory
         tier)."""
-        return self._memory.snapshots_skipped if self._memory is not None else 0
-
-    def _durable_lineage(self) -> str:
-        """Rank 0: the durable run's lineage id (created with a new one if it has none), which the memory tier's
-        records carry without a local tier; a root that cannot be written gives this job a lineage of its own, so
-        its snapshots restore only within it (warned)."""
-        try:
-            return ensure_lineage(self.layout, new_lineage())
-        except (OSError, CheckpointError) as e:
-            if not refuses_writes(e):
-                raise
-            lineage = new_lineage()
-            log.warning("run %r: the durable root %s cannot be written (%s), so the run's lineage could not be "
-                        "recorded; this job's memory snapshots carry lineage %s, which a later job cannot confirm, and "
-                        "will not restore them", self.run_id, self.layout.storage.describe(), first_line(e), lineage)
-            return lineage
-
-    def _newest_elsewhere(self) -> int | None:
-        """Every rank alike: the newest commit sequence of the durable root and the local tier (None: none)."""
-        durable = self._on_rank0(self._durable_sequence_for_memory, "read the durable root's commit sequence")
-        found = [n for n in (durable, self._tier.local_sequence()) if n]
-        return max(found, default=None)
-
-    def _durable_sequence_for_memory(self) -> int:
-        """Rank 0: the durable root's newest commit sequence, as a memory restore compares it (:func:`memory_order`:
-        a durable copy of a snapshot counts as that snapshot).  The root's own number, not one this process only
-        noted: a restore that saw an incomplete newer snapshot numbers above it, and is not older than itself."""
-        sequence = root_sequence(self.layout)
-        step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
-                                missing_root_ok=True) if sequence > 0 else None
-        if step is None:
-            return sequence
-        committed = read_committed(self.layout, step, Deadline(self.timeout))
-        return memory_order(committed.marker, committed.manifest) if committed.marker.sequence == sequence else sequence
+        return self._memory.snapshots_skipped
 
     # -- saving --------------------------------------------------------------------------
 
@@ -526,9 +453,11 @@ class CheckpointManager(RankAgreement):
         return self._async_save(step, state_dict, metadata, self._wants_drain(durable))
 
     def _async_save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None,
-                    drain: bool | None, stable: bool = False) -> ReportedFuture:
-        """:meth:`async_save`'s work; ``stable``: nothing changes ``state_dict`` until the save is done (a durable
-        copy of a pinned memory slot), so it is written as it is, without staging."""
+                    drain: bool | None, copy_of: int | None = None) -> ReportedFuture:
+        """:meth:`async_save`'s work; ``copy_of``: the save is the durable copy of the memory snapshot of that commit
+        sequence (recorded in its manifest): nothing changes ``state_dict`` (a pinned slot) until the save is done, so
+        it is written as it is, without staging."""
+        stable = copy_of is not None
         self._wait_for_async_save()
         op = self._ops
         result = ReportedFuture()
@@ -537,7 +466,7 @@ class CheckpointManager(RankAgreement):
             self._refuse_conflicts(step)
             watch = self._watch(f"saving step {step}")
             staged = None if self.staging is None or stable else LiveState(self.staging, self._staging_pool)
-            writer = self._writer(step, watch, metadata, staged)
+            writer = self._writer(step, watch, metadata, staged, copy_of)
             self._staged = staged
             stager = StableState() if stable else staged
             try:
@@ -586,7 +515,7 @@ class CheckpointManager(RankAgreement):
         call it on any rank, any number of times.  The outcome still arrives through the future."""
         staged = self._staged
         waited = 0.0 if staged is None else staged.read.wait()
-        return waited + (self._memory.wait_staged() if self._memory is not None else 0.0)
+        return waited + self._memory.wait_staged()
 
     @_operation
     def snapshot(self, step: int, state_dict: dict[str, Any]) -> SnapshotFuture:
@@ -600,13 +529,7 @@ class CheckpointManager(RankAgreement):
         future with ``skipped`` set.  The state dict may change as soon as this returns.
         """
         validate_step(step, "CheckpointManager.snapshot(step=...)")
-        if self._memory is None:
-            raise ConfigurationError("CheckpointManager.snapshot needs a memory tier: pass "
-                                     "memory=MemoryTier(path=...) to CheckpointManager")
-        try:
-            return self._memory.snapshot(step, state_dict)
-        except BaseException as e:
-            raise_typed(self._translate(e, f"snapshotting step {step}"))
+        return self._memory.snapshot(step, state_dict)
 
     def wait(self) -> int | None:
         """Wait for the in-flight save, then for the drains in flight or waiting; return the save's step (None if
@@ -616,10 +539,7 @@ class CheckpointManager(RankAgreement):
         failure that nothing has raised yet (once, on every rank).
         """
         step = self._wait_for_async_save()
-        if self._memory is not None:
-            self._memory.wait()
-            if self._memory.flush_durable():
-                self._wait_for_async_save()
+        self._memory.finish()
         self._tier.wait()
         return step
 
@@ -636,10 +556,7 @@ class CheckpointManager(RankAgreement):
             return
         try:
             self._wait_for_async_save()
-            if self._memory is not None:
-                self._memory.wait()
-                if self._memory.flush_durable():
-                    self._wait_for_async_save()
+            self._memory.finish()
         finally:
             try:
                 if self._inflight is None:
@@ -652,8 +569,7 @@ class CheckpointManager(RankAgreement):
         durable copy too --, then the drains) finishes, each bounded by its own deadline, on every rank alike so its
         collectives still meet, and the log says what became of it, a failure nothing reported included.  Nothing
         new starts: the peers may be gone."""
-        memory = self._memory
-        for what, inflight, wait in (("the memory snapshot", memory and memory.in_flight(), memory and memory.wait),
+        for what, inflight, wait in (("the memory snapshot", self._memory.in_flight(), self._memory.wait),
                                      ("the save", self._inflight, self._wait_for_async_save)):
             if inflight is None or (inflight.done() and inflight.reported):
                 continue
@@ -674,11 +590,10 @@ class CheckpointManager(RankAgreement):
         self._tier.wait_at_exit()
 
     def _release(self) -> None:
-        if self._inflight is not None or self._tier.busy() or (self._memory is not None and self._memory.busy()):
+        if self._inflight is not None or self._tier.busy() or self._memory.busy():
             return  # never destroy the groups under a running save, drain or snapshot
         self._tier.close()
-        if self._memory is not None:
-            self._memory.close()
+        self._memory.close()
         if getattr(self, "_optimizer_gate", None) is not None:
             self._optimizer_gate.remove()
             self._optimizer_gate = None
@@ -733,12 +648,10 @@ class CheckpointManager(RankAgreement):
                                     then="pass step= too, the step that save belongs to")
         self._wait_for_async_save()
         started = time.perf_counter()
-        self._memory_restored = None
-        if step is None and save_id is None and self._memory is not None:
-            with self._failures_reported("load", step, started):
-                restored = self._memory.restore(state_dict, self._newest_elsewhere(), allow_reshard)
-            if restored is not None:
-                return self._restored_from_memory(restored, started)
+        with self._failures_reported("load", step, started):
+            restored = self._memory.restore(state_dict, step, save_id, allow_reshard)
+        if restored is not None:
+            return self._restored_from_memory(restored, started)
         with self._failures_reported("load", step, started) as attempt:
             root, storage_options, wanted = self.root, self.storage_options, save_id
             local = self._tier.restore(step, state_dict, wanted)
@@ -773,11 +686,7 @@ class CheckpointManager(RankAgreement):
                 raise_typed(failure)
             watch.finish()
         self._resumed = resumed  # P14: later saves supersede the steps above it that this load abandoned
-        if self._memory is not None:
-            self._memory.retire_above(chosen)
-            if local is None:  # the memory tier was asked first: say that the durable root served
-                self._memory_restored = {"tier": "durable", "step": chosen, "save_id": reader.save_id,
-                                         "ranks_fetched": 0, "bytes_fetched": 0}
+        self._memory.loaded_elsewhere(chosen, reader.save_id, served_by_local=local is not None)
         seconds = time.perf_counter() - started
         log.info("loaded run %r step %d (save %s) in %.3fs", self.run_id, chosen, reader.save_id, seconds)
         self._deliver(self.callbacks.on_loaded, "on_loaded", LoadStats(
@@ -791,16 +700,14 @@ class CheckpointManager(RankAgreement):
             bytes_from_replicas=(self.restored_from or {}).get("bytes_fetched", 0)))
         return chosen
 
-    def _restored_from_memory(self, restored: Any, started: float) -> int:
+    def _restored_from_memory(self, restored: Restored, started: float) -> int:
         """A load the memory tier served: the resume point (P14: later saves and snapshots supersede the steps above
-        it), the abandoned branch's snapshots retired, ``on_loaded``."""
+        it), ``on_loaded``."""
         def resumed() -> ResumePoint:
             durable = resume_point(self.layout, restored.step)
             return ResumePoint(step=restored.step, sequence=max(durable.sequence, known_sequence(self.layout)))
 
         self._resumed = self._on_rank0(resumed, "read the resume point")
-        self._memory.retire_above(restored.step)
-        self._memory_restored = restored.to_dict()
         seconds = time.perf_counter() - started
         log.info("loaded run %r step %d from the %s tier in %.3fs", self.run_id, restored.step, restored.tier, seconds)
         self._deliver(self.callbacks.on_loaded, "on_loaded", LoadStats(
@@ -910,18 +817,42 @@ class CheckpointManager(RankAgreement):
                                f"that the step is not committed yet: {e}", step=step, path=layout.marker(step)) from e
 
     def _writer(self, step: int, watch: OpWatch, metadata: dict[str, Any] | None = None,
-                staged: LiveState | None = None) -> AtomicStorageWriter:
+                staged: LiveState | None = None, copy_of: int | None = None) -> AtomicStorageWriter:
         validate_step(step)
         return self._tier.writer(step, parallelism=self.parallelism, metadata=metadata, compression=self.compression,
                                  thread_count=self.thread_count, resumed_from=self._resumed, timeout=self.timeout,
                                  watch=watch, **({"reuse": True} if self.reuse else {}),
-                                 **({"live_state": staged} if staged is not None else {}))
+                                 **({"live_state": staged} if staged is not None else {}),
+                                 **({"copy_of_sequence": copy_of} if copy_of is not None else {}))
 
     def _save_planner(self, watch: OpWatch) -> AtomicSavePlanner:
         return WatchedSavePlanner(watch, divergence=self.divergence)
 
     def _watch(self, what: str) -> OpWatch:
         return OpWatch(self._heartbeat, self._ops, self.work_timeout, what)
+
+    def _save_durable_copy(self, step: int, state_dict: dict[str, Any], sequence: int) -> ReportedFuture:
+        """The memory tier's durable copy of its snapshot of commit ``sequence``: an ``async_save`` of the slot's
+        bytes as they are (nothing changes them until it is done), drained by the policy of a ``durable=True`` save."""
+        return self._async_save(step, state_dict, None, self._wants_drain(True), copy_of=sequence)
+
+    def _failed_save(self, step: int, error: CheckpointError, report: bool) -> ReportedFuture:
+        """A save of ``step`` (a durable copy) that could not start, made the save in flight, so that ``wait()`` or
+        the next call raises it once as a failed ``async_save``; ``report``: to ``on_failed`` first."""
+        log.warning("run %r: the durable copy of memory step %d did not start (%s); it is raised by wait() or the "
+                    "next call, and the snapshot stays memory-committed", self.run_id, step, first_line(error))
+        if report:
+            self._report_failure("async_save", step, error, time.perf_counter())
+        failed = ReportedFuture()
+        failed.step = step
+        failed.set_exception(error)
+        with self._lock:
+            self._inflight = failed
+        return failed
+
+    def _save_in_flight(self) -> bool:
+        inflight = self._inflight
+        return inflight is not None and not inflight.done()
 
     def _wait_for_async_save(self) -> int | None:
         """Wait for the in-flight ``async_save``; raise its failure unless already reported. Returns its step.

@@ -1,5 +1,6 @@
 """What a user configures as a group: the local tier (:class:`LocalTierOptions`), the memory tier
-(:class:`MemoryTier`) and the statistics callbacks (:class:`Callbacks`).
+(:class:`~dcp_atomic.memory.options.MemoryTier`, kept in the memory package beside the code that reads it and named
+here too) and the statistics callbacks (:class:`Callbacks`).
 
 ``CheckpointManager`` took these as flat keywords; grouped, each group checks itself once, where it is built
 (``__post_init__``), and the manager passes it on whole (the local tier reads :class:`LocalTierOptions`, the save,
@@ -12,6 +13,9 @@ import os
 from typing import Any, Callable
 
 from .._base import arguments
+from ..memory.options import MemoryTier  # the memory tier's own options, beside the code that reads them
+
+__all__ = ["Callbacks", "LocalTierOptions", "MemoryTier", "StatsCallback"]
 
 StatsCallback = Callable[[dict[str, Any]], None]  # receives a stats.*.to_dict() (docs/statistics.md)
 
@@ -64,46 +68,6 @@ class LocalTierOptions:
         arguments.location("LocalTierOptions(local_root=...)", self.local_root)
         arguments.count("LocalTierOptions(replicas=...)", self.replicas, minimum=0, optional=False)
         arguments.instance("LocalTierOptions(failure_domain=...)", self.failure_domain, str, "a string")
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryTier:
-    """The memory tier (docs: "The memory tier", P16): ``manager.snapshot(step, state_dict)`` keeps each rank's state in
-    RAM, with verified copies on other failure domains, and ``load()`` restores the newest memory-committed step when
-    no other tier holds a newer one.
-
-    Args:
-        path: a RAM-backed directory on each node (a tmpfs such as ``/dev/shm/dcp_atomic``; each rank passes its
-            node's), writable; created (0700) when missing on a RAM-backed parent, warned about when not RAM-backed.
-            ``every``, ``replicas``, ``slots`` and ``durable_every`` must be the same on every rank (refused by name).
-        every: every N-th ``snapshot`` call takes one (the others return a future marked ``skipped``).
-        replicas: copies of each rank's slot on ranks of other failure domains.
-        slots: memory-committed steps kept per rank (at least 1; 2 keeps the previous step while the next is taken).
-        budget_bytes: the most this rank's slots and the copies it holds may take at a snapshot's peak:
-            ``(slots x (1 + replicas) + replicas) x`` its share of the state (a replica arrives beside the one it
-            replaces; ``slots + 1`` with ``durable_every``), checked at the first snapshot (and against the
-            directory's free space at construction).  None: only the directory's free space bounds it.
-        durable_every: every N-th memory-committed snapshot also becomes a durable step of the same number, written
-            from its slot's bytes in the background through ``async_save`` (the local tier and its drain with
-            ``local=``); the slot stays pinned until that save is done, one slot outside the rotation, so no
-            snapshot is skipped for it; a copy that fails is raised by the next ``snapshot()``.  None: no durable
-            copies (``save()`` beside the snapshots).
-    """
-
-    path: str | os.PathLike
-    every: int = 1
-    replicas: int = 1
-    slots: int = 2
-    budget_bytes: int | None = None
-    durable_every: int | None = None
-
-    def __post_init__(self) -> None:
-        arguments.location("MemoryTier(path=...)", self.path)
-        arguments.count("MemoryTier(every=...)", self.every, optional=False)
-        arguments.count("MemoryTier(replicas=...)", self.replicas, minimum=0, optional=False)
-        arguments.count("MemoryTier(slots=...)", self.slots, optional=False)
-        arguments.count("MemoryTier(budget_bytes=...)", self.budget_bytes)
-        arguments.count("MemoryTier(durable_every=...)", self.durable_every)
 
 
 @dataclasses.dataclass(frozen=True)

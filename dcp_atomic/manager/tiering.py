@@ -1,15 +1,24 @@
 """What ``CheckpointManager`` asks of its storage tiers, and the one-tier answer.
 
-The manager runs every operation the same way and asks its tier policy, once per step of the operation, what the
-number of tiers changes: which writer a save builds, what happens after DCP returned, what a load restores from,
-what ``steps``/``retire``/``wait``/``close`` add.  :class:`DurableOnly` is ``root`` alone (every answer is "nothing
-more"); :class:`~.two_tier.TwoTier` is the local tier with its drain.  The manager picks one in ``__init__``, so no
-method of it asks which tiers it has.
+The manager runs every operation the same way and asks its tiers, once per step of the operation, what they change.
+Two interfaces, one per kind of tier, each with a "none" answer, so that no method of the manager asks which tiers it
+has:
+
+* the storage tiers (:class:`TierPolicy`): which writer a save builds, what happens after DCP returned, what a load
+  restores from, what ``steps``/``retire``/``wait``/``close`` add.  :class:`DurableOnly` is ``root`` alone (every
+  answer is "nothing more"); :class:`~.two_tier.TwoTier` is the local tier with its drain;
+* the snapshot tier (:class:`SnapshotTier`): ``snapshot``, a restore asked before the storage tiers, what it retires
+  when another tier served a load, and its share of ``wait``/``close``.  :class:`NoSnapshots` is none;
+  :class:`~.snapshot_tier.MemorySnapshotTier` is the memory tier (P16).
+
+Each is built in ``__init__`` with the same :class:`TierContext` (the manager's settings, groups and callables, never
+its privates).
 """
 
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -47,6 +56,7 @@ class TierContext:
     lease_seconds: float
     group: Any  # the manager's process group (None without torch.distributed)
     drain_group: Any  # the drain thread's own group; None where the manager could not create one (process_group=)
+    memory_group: Any  # the memory tier's thread's own group; None without a memory tier
     heartbeat: Heartbeat | None
     callbacks: Callbacks
     #: our own error type for what DCP or the process group raised (:meth:`.RankAgreement._translate`)
@@ -148,6 +158,89 @@ class TierPolicy(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop the background work and release what the policy holds."""
+
+
+class SnapshotTier(abc.ABC):
+    """The snapshot tier's interface (every method on every rank alike unless it says otherwise)."""
+
+    #: after a load: which tier served it, as this tier saw it (None: not this tier's to say)
+    restored_from: dict[str, Any] | None = None
+    #: snapshots due while the previous one was still in flight (skipped, never queued)
+    snapshots_skipped: int = 0
+
+    @abc.abstractmethod
+    def snapshot(self, step: int, state_dict: dict[str, Any]) -> concurrent.futures.Future:
+        """Snapshot ``state_dict``; the future resolves once it is committed on every rank."""
+
+    @abc.abstractmethod
+    def wait_staged(self) -> float:
+        """This rank: wait until the latest snapshot reads no live tensor; the seconds waited."""
+
+    @abc.abstractmethod
+    def restore(self, state_dict: dict[str, Any], step: int | None, save_id: str | None,
+                allow_reshard: bool) -> Any:
+        """Asked before the storage tiers: load the newest step this tier holds into ``state_dict`` if no other tier
+        holds a newer commit (``step``/``save_id`` given: never, an explicit request is the storage tiers'); what was
+        restored (``.step``, ``.tier``, ``.bytes``, ``.bytes_fetched``), else None."""
+
+    @abc.abstractmethod
+    def loaded_elsewhere(self, step: int, save_id: str, served_by_local: bool) -> None:
+        """A storage tier served ``step`` (save ``save_id``; the local tier if ``served_by_local``, else the durable
+        root)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Wait for the snapshot in flight; raise its unreported failure.  Starts nothing (an exit without close)."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """``wait()`` and ``close()``: :meth:`wait`, then what is due in the background (a durable copy) and wait
+        for it."""
+
+    @abc.abstractmethod
+    def in_flight(self) -> Any:
+        """The latest snapshot's future (done or not), or None: what an exit without ``close()`` reports."""
+
+    @abc.abstractmethod
+    def busy(self) -> bool:
+        """A snapshot runs in the background: the process groups must not be destroyed under it."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the background work and release what the tier holds."""
+
+
+class NoSnapshots(SnapshotTier):
+    """No snapshot tier: ``snapshot`` is refused, every other answer is "nothing"."""
+
+    def snapshot(self, step: int, state_dict: dict[str, Any]) -> concurrent.futures.Future:
+        raise ConfigurationError("CheckpointManager.snapshot needs a memory tier: pass memory=MemoryTier(path=...) "
+                                 "to CheckpointManager")
+
+    def wait_staged(self) -> float:
+        return 0.0
+
+    def restore(self, state_dict: dict[str, Any], step: int | None, save_id: str | None,
+                allow_reshard: bool) -> Any:
+        return None
+
+    def loaded_elsewhere(self, step: int, save_id: str, served_by_local: bool) -> None:
+        """Nothing to retire."""
+
+    def wait(self) -> None:
+        """Nothing in flight."""
+
+    def finish(self) -> None:
+        """Nothing in flight."""
+
+    def in_flight(self) -> Any:
+        return None
+
+    def busy(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        """Holds nothing."""
 
 
 class DurableOnly(TierPolicy):

@@ -7,6 +7,7 @@ from .._base.faces import face
 # The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
 __all__, __getattr__, __dir__ = face(__name__, {
     "items": ("flatten", "install"),
+    "options": ("MemoryTier",),
     "slots": ("SlotDir", "SlotRecord", "SlotSink", "newest_complete", "slot_of", "verify_slot"),
     "snapshots": ("MemorySnapshots", "Restored", "SnapshotFuture"),
 })

@@ -8,7 +8,7 @@ __all__, __getattr__, __dir__ = face(__name__, {
     # catalog's resume_point takes a root (the public one); commit's, which takes a layout, shares its name
     "catalog": ("DEFAULT_TIMEOUT", "latest_step", "list_steps", "most_recent", "resolve", "resume_point"),
     "commit": ("commit", "claim_attempt", "commit_order", "commit_step", "CommitPolicy", "Committed", "copy_control",
-               "COPY_OF_MEMORY_SEQUENCE", "Evidence", "known_sequence", "listed_steps", "memory_order",
+               "Evidence", "known_sequence", "listed_steps", "memory_order",
                "next_sequence", "note_sequence", "publish_control", "root_sequence",
                "read_claim", "read_committed", "read_marker", "read_marker_once",
                "record_local_marker", "refuse_committed", "require_complete", "ResumePoint", "scan_markers"),

@@ -70,15 +70,18 @@ def commit_order(record: Marker | Latest) -> tuple[bool, int, float, int]:
     return (record.sequence is not None, record.sequence or 0, record.committed_at, record.step)
 
 
-COPY_OF_MEMORY_SEQUENCE = "dcp_atomic.copy_of_memory_sequence"  # a durable copy's metadata: its snapshot's sequence
+# where dcp_atomic 0.x before Manifest.copy_of_sequence recorded a durable copy's snapshot sequence (still read)
+COPY_OF_MEMORY_SEQUENCE = "dcp_atomic.copy_of_memory_sequence"
 
 
 def memory_order(marker: Marker, manifest: Manifest) -> int:
     """The sequence a memory restore compares a commit of another tier by.  A copy of a memory snapshot
-    (``MemoryTier(durable_every=)``, its metadata naming the snapshot's sequence) commits after the snapshots taken
-    while it was saved, with a higher sequence and the same bytes as its own snapshot: it counts as that snapshot, so
-    memory's newer steps still win and memory's own copy of the same step wins the tie."""
-    copied = (manifest.user_metadata or {}).get(COPY_OF_MEMORY_SEQUENCE)
+    (``MemoryTier(durable_every=)``, its manifest's ``copy_of_sequence`` naming the snapshot's sequence) commits after
+    the snapshots taken while it was saved, with a higher sequence and the same bytes as its own snapshot: it counts as
+    that snapshot, so memory's newer steps still win and memory's own copy of the same step wins the tie."""
+    copied = manifest.copy_of_sequence
+    if copied is None:  # written before the field: the key in its metadata (user keys of that prefix are refused)
+        copied = (manifest.user_metadata or {}).get(COPY_OF_MEMORY_SEQUENCE)
     return copied if isinstance(copied, int) and not isinstance(copied, bool) else marker.sequence or 0
 
 
