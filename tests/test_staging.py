@@ -4,6 +4,7 @@ call keeps its value at the call; the ``Stager`` alone feeds a sink within its p
 
 from __future__ import annotations
 
+import hashlib
 import io
 import threading
 
@@ -221,6 +222,37 @@ def test_the_stager_feeds_a_sink_window_by_window_within_its_pool_byte_for_byte(
         assert bytes(sink.data.get(index, b"")) == expected, key
     assert torch.load(io.BytesIO(bytes(sink.data[len(items) - 1])), weights_only=True) == {"epoch": 3}
     assert staged.peak_host_bytes <= staging.pool_bytes + 2 * MiB  # the pool and the eager copies
+
+
+class _DigestSink:
+    """Keeps a digest per item and nothing else, so that the host memory measured is the stager's own."""
+
+    def __init__(self) -> None:
+        self.hashes: dict[int, "hashlib._Hash"] = {}
+        self.finished: list[int] = []
+
+    def write(self, index: int, offset: int, data: memoryview) -> None:
+        self.hashes.setdefault(index, hashlib.sha256()).update(data)
+
+    def finish(self, index: int) -> None:
+        self.finished.append(index)
+
+
+def test_a_state_of_small_tensors_is_staged_within_the_pool_each_written_into_the_sink_at_the_call():
+    """Every FSDP shard at scale is small (eager): 128 MiB of 256 KiB tensors through an 8 MiB pool must not be
+    held as a host copy beside the sink (it was: the whole state, copied at the call and written later)."""
+    staging = Staging(pool_bytes=8 * MiB, window_bytes=8 * MiB)  # eager_bytes: 1 MiB, so every tensor is eager
+    stager = Stager(staging)
+    items = [(f"layers.{i}.weight", torch.full((MiB // 16,), float(i))) for i in range(512)]
+    sink = _DigestSink()
+    staged = []
+    growth = _rss_growth(lambda: staged.append(stager.stage(items, sink, step=1, rank=0)))
+    assert growth < 24 * MiB, f"staging grew host memory by {growth / MiB:.1f} MiB with an 8 MiB pool"
+    assert sorted(sink.finished) == list(range(len(items)))  # written at the call, before stage() returned
+    staged[0].result()
+    assert staged[0].peak_host_bytes <= staging.pool_bytes
+    for index, (_, tensor) in enumerate(items):
+        assert sink.hashes[index].digest() == hashlib.sha256(tensor.numpy().tobytes()).digest()
 
 
 def test_the_stager_aborts_a_tensor_changed_before_its_last_window_naming_its_key():

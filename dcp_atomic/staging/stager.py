@@ -5,8 +5,11 @@ within ``Staging.pool_bytes``, and the bytes delivered must be one version of ea
 
 1. At the call, :class:`~.options.Staging`'s rule picks what is copied now: non-tensor items (as ``torch.save``
    bytes, the form DCP stores them in), small tensors and the ``eager`` keys (buffers forward mutates), and tensors
-   whose memory is not their value laid out flat (non-contiguous, lazily conjugated or negated).  Every other
-   tensor stays live and its version counter is recorded (:mod:`.versions`).
+   whose memory is not their value laid out flat (non-contiguous, lazily conjugated or negated).  These are written
+   into the sink at the call, straight from the tensor where it is a CPU tensor laid out flat, else through one
+   temporary host copy at a time: the sink (a memory slot) is their destination, so no host memory holds them beside
+   the pool, however many small tensors the state has.  Every other tensor stays live and its version counter is
+   recorded (:mod:`.versions`).
 2. A background thread copies the live tensors window by window (``window_bytes``; a larger tensor takes
    several) into windows of the pool and hands each to ``sink.write(index, offset, data)``; the window goes back to
    the pool when ``write`` returns, so ``write`` must have copied or written the bytes by then.  CUDA tensors: the
@@ -15,7 +18,7 @@ within ``Staging.pool_bytes``, and the bytes delivered must be one version of ea
    completed, while the next windows' copies are already queued.  CPU tensors take the same path, synchronously.
 3. After a tensor's last window was copied, its version counter is compared: changed means an in-place op ran
    before ``wait_staged()`` and the copy is aborted with ``StagingRaceError`` naming the key (no ``finish`` for that
-   item, nothing after it).  Otherwise ``sink.finish(index)``.  The eager items follow, from their copies.
+   item, nothing after it).  Otherwise ``sink.finish(index)``.
 
 :meth:`StagedCopy.wait` returns once no window reads the live tensors any more (what ``optimizer.step()`` waits
 for); :meth:`StagedCopy.result` once the sink has everything, raising the copy's failure.  The CUDA path was
@@ -83,20 +86,24 @@ class Stager:
         if self._previous is not None:
             self._previous.done.wait()  # two copies sharing the pool could each hold windows the other waits for
         started = time.perf_counter()
-        eager: list[tuple[int, memoryview]] = []
         live: list[tuple[int, LiveTensor]] = []
+        eager_bytes = 0
         for index, (key, value) in enumerate(items):
             if not isinstance(value, torch.Tensor):
                 buffer = io.BytesIO()
                 torch.save(value, buffer)
-                eager.append((index, buffer.getbuffer()))
+                _write_whole(sink, index, buffer.getbuffer())
                 continue
             local = local_tensor(value).detach()
             flat = local.is_contiguous() and not local.is_conj() and not local.is_neg()
             if not flat or self.staging.copies_eagerly(key, value, local.nbytes):
-                host = torch.empty(local.shape, dtype=local.dtype)
-                host.copy_(local)  # contiguous, conjugation and negation resolved
-                eager.append((index, tensor_bytes(host)))
+                if flat and local.device.type == "cpu":
+                    _write_whole(sink, index, tensor_bytes(local))  # its own memory: no copy beside the sink's
+                else:
+                    host = torch.empty(local.shape, dtype=local.dtype)
+                    host.copy_(local)  # contiguous, on the host, conjugation and negation resolved
+                    _write_whole(sink, index, tensor_bytes(host))
+                    eager_bytes = max(eager_bytes, local.nbytes)  # one such copy at a time
             else:
                 live.append((index, LiveTensor.record(key, value)))
         ready = {}
@@ -105,23 +112,29 @@ class Stager:
             if device.type == "cuda" and device not in ready:
                 ready[device] = torch.cuda.Event()
                 ready[device].record(torch.cuda.current_stream(device))
-        copy = StagedCopy(self.pool, sink, eager, live, ready, step, rank)
+        copy = StagedCopy(self.pool, sink, live, ready, step, rank)
+        copy.eager_bytes = eager_bytes
         copy.call_seconds = time.perf_counter() - started
         self._previous = copy
         copy.start()
         return copy
 
 
+def _write_whole(sink: StageSink, index: int, data: memoryview) -> None:
+    """An eager item, at the call: whole into the sink, finished."""
+    sink.write(index, 0, data)
+    sink.finish(index)
+
+
 class StagedCopy:
     """One staging in flight (:meth:`Stager.stage`)."""
 
-    def __init__(self, pool: WindowPool, sink: StageSink, eager: list[tuple[int, memoryview]],
-                 live: list[tuple[int, LiveTensor]], ready: dict[torch.device, Any], step: int | None,
-                 rank: int | None) -> None:
+    def __init__(self, pool: WindowPool, sink: StageSink, live: list[tuple[int, LiveTensor]],
+                 ready: dict[torch.device, Any], step: int | None, rank: int | None) -> None:
         self.pool, self.sink, self.step, self.rank = pool, sink, step, rank
-        self._eager, self._live, self._ready = eager, live, ready
+        self._live, self._ready = live, ready
         self.call_seconds = 0.0
-        self.eager_bytes = sum(len(data) for _, data in eager)
+        self.eager_bytes = 0  # the largest temporary host copy the call made of an eager item
         self.error: BaseException | None = None
         self.released = ReadGate()  # opens once no window reads the live tensors any more
         self.done = threading.Event()  # the sink has everything, or the copy failed
@@ -129,7 +142,7 @@ class StagedCopy:
 
     @property
     def peak_host_bytes(self) -> int:
-        """Host memory of this staging: the pool's windows and the eager copies."""
+        """Host memory of this staging: the pool's windows and the largest temporary copy of an eager item."""
         return self.pool.allocated_bytes + self.eager_bytes
 
     def start(self) -> None:
@@ -152,13 +165,9 @@ class StagedCopy:
                 self._copy_live()
             finally:
                 self.released.open()
-            for index, data in self._eager:
-                self.sink.write(index, 0, data)
-                self.sink.finish(index)
         except BaseException as e:  # reported by result(): the thread has no caller
             self.error = e
         finally:
-            self._eager = []
             self.done.set()
 
     def _copy_live(self) -> None:
