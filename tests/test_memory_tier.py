@@ -375,8 +375,27 @@ def _snapshot_until_frozen(ctx):
     return seen
 
 
+def _restore_until_frozen(ctx):
+    """A fresh job's load() while rank 1 freezes (SIGSTOP) before the check of the copies chosen: what each other
+    rank raised, and how fast.  No close(): a peer is frozen."""
+    import time
+
+    from tests.helpers.read_once import _survivors_barrier
+
+    model, optim = trained(WORLD, 0, seed=7)
+    manager = memory_manager(ctx, timeout=5)
+    started = time.monotonic()
+    try:
+        seen = {"error": None, "step": manager.load(state_of(model, optim, 0))}
+    except Exception as e:  # noqa: BLE001 - the test reads the failure
+        seen = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started}
+    _survivors_barrier(ctx, [0, 2, 3])
+    return seen
+
+
 @pytest.mark.slow
-def test_a_rank_frozen_mid_snapshot_is_named_by_every_other_rank_and_the_previous_snapshot_restores(root, nodes):
+def test_a_rank_frozen_mid_snapshot_or_mid_restore_is_named_by_every_other_rank_and_the_previous_snapshot_restores(
+        root, nodes):
     """Every other rank waits on the frozen one somewhere else (its replica's receiver, the sequence's gather): each
     must give up within a few liveness timeouts, typed and naming rank 3, not at the group's timeout."""
     from testbed.worlds import run_world
@@ -389,6 +408,18 @@ def test_a_rank_frozen_mid_snapshot_is_named_by_every_other_rank_and_the_previou
     for out in assert_all_ok(outcomes[:3]):
         assert out["error"] in ("PeerLost", "RankFailureError", "CollectiveFailed"), out
         assert "rank(s): 3" in out["message"] and out["seconds"] < 60, out
+
+    # the restore's agreement on the chosen copies: rank 1 frozen there is named, typed, by the others
+    for done in glob.glob(os.path.join(root, ".done.*")):  # the first world's survivors' marks
+        os.remove(done)
+    def frozen_in_restore(rank):
+        return {**_node_env(rank), "DCP_ATOMIC_FAILPOINTS": "memory.restore_check#1=stop" if rank == 1 else None}
+
+    outcomes = run_world(_restore_until_frozen, WORLD, root, rank_env=frozen_in_restore, extra={"nodes": nodes},
+                         timeout=120, pg_timeout=5, wait_for=[0, 2, 3])
+    for out in assert_all_ok([outcomes[r] for r in (0, 2, 3)]):
+        assert out["error"] in ("PeerLost", "RankFailureError", "CollectiveFailed"), out
+        assert "rank(s): 1" in out["message"] and out["seconds"] < 60, out
     assert assert_all_ok(_run(_restore, root, nodes)) == [(1, "memory", True)] * WORLD
 
 

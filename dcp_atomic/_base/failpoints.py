@@ -52,6 +52,7 @@ POINTS = frozenset(
         "memory.replica_send",  # memory tier's thread: every rank, slots agreed, before the copies move (the step)
         "memory.replica_retired",  # memory tier's thread: a holder, its replica slot's record retired, before a byte lands
         "memory.replica_half_received",  # a holder: the first chunk of a replica landed in place, more to come (owner, step)
+        "memory.restore_check",  # a restoring rank: the copies chosen, before it checks its own and the ranks compare (step)
         "memory.restore_half_received",  # a restoring rank: the first chunk of its share landed in its own slot
         "memory.replica_receive",  # memory tier's thread: every rank, the copies it holds checked as they landed, unnumbered
         "memory.before_record",  # memory tier's thread: every rank, the sequence handed out, before any commit record

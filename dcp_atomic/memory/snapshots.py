@@ -564,6 +564,7 @@ class MemorySnapshots:
                 log.info("memory tier: step %d (sequence %d) is older than the newest commit of the other tiers "
                          "(sequence %d): restoring from those", step, sequence, newest_elsewhere)
                 return None
+            failpoints.hit("memory.restore_check", self.rank, step)
             damaged = self._damaged(places, world)
             if not damaged:
                 break
