@@ -128,6 +128,59 @@ def test_the_first_drain_that_reaches_a_healed_root_creates_its_lineage_with_the
         assert not any("did not exist" in line for line in restored[0]["lines"])  # nothing left to adopt
 
 
+def _heal_into_another_jobs_lineage(ctx):
+    """Step 10 local while the durable root is read-only; rank 0 heals it and, as another job of this run id started
+    while it was read-only would at its first drain, creates ``LINEAGE`` with that job's lineage; step 20 is saved
+    for the drain.  What ``wait()`` raised on this rank, the durable steps, and what this job then restores."""
+    import torch.distributed as dist
+
+    from dcp_atomic.format import RunLayout
+    from dcp_atomic.protocol.lineage import create_lineage, new_lineage
+    from dcp_atomic.stores import open_storage
+
+    model, optim = _fsdp_app(ctx.world_size, 0)
+    saved, other = {}, None
+    with _manager(ctx, keep_local=2) as manager:
+        for step in (10, 20):
+            if step == 20:
+                if ctx.rank == 0:
+                    subprocess.run(["mount", "-o", "remount,rw", ctx.root], check=True, capture_output=True)
+                    other = create_lineage(RunLayout(open_storage(ctx.root), RUN), new_lineage())
+                dist.barrier()
+            _train_step(model, optim, step)
+            manager.save(step, _state(model, optim, step), durable=step == 20)
+            saved[step] = _full(model)
+        try:
+            manager.wait()
+            raised = None
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            raised = (type(e).__name__, str(e), dict(getattr(e, "details", {})))
+        durable = manager.steps(tier="durable")
+        fresh, fresh_optim = _fsdp_app(ctx.world_size, 42)
+        state = _state(fresh, fresh_optim, -1)
+        restored = (manager.load(state), manager.restored_from["tier"])
+        _exact(_full(fresh), saved[20])  # the values of this job's step 20, on every rank
+    return {"raised": raised, "durable": durable, "restored": restored, "other": other}
+
+
+@pytest.mark.slow
+def test_a_job_whose_provisional_lineage_lost_the_healed_root_to_another_job_commits_nothing_there(nodes):
+    """Two jobs of one run id and durable root, both started while it could not be written: the second to reach it
+    after it heals must not commit into the first one's lineage (its restart would then take the other job's steps
+    for its own): refused by name on every rank, nothing committed, its local steps still restored by it."""
+    with _read_only_root() as (durable, _):
+        outcomes = assert_all_ok(_run(_heal_into_another_jobs_lineage, durable, nodes))
+        other = outcomes[0]["other"]
+        with open(os.path.join(durable, RUN, "LINEAGE")) as f:
+            assert json.load(f)["lineage"] == other
+        for out in outcomes:
+            kind, message, details = out["raised"]
+            assert kind == "CommitConflictError" and other in message and "LINEAGE" in message, out["raised"]
+            assert details["lineage"] == other and details["own_lineage"] != other, details
+            assert out["durable"] == [] and out["restored"] == (20, "local"), out
+        assert not os.path.exists(os.path.join(durable, RUN, "step_0000000020")), os.listdir(os.path.join(durable, RUN))
+
+
 @pytest.mark.slow
 def test_local_steps_saved_while_an_s3_bucket_refused_every_put_are_restored_after_it_heals(nodes, s3_moto):
     """The S3 form of a read-only root (403 AccessDenied to every PUT): the manager starts as on POSIX."""

@@ -60,7 +60,7 @@ Both packages work: ``AtomicModelParallelStrategy`` is built over ``pytorch_ligh
 ``lightning.pytorch``'s.  ``LightningModule.load_from_checkpoint`` on one of these files needs
 the module to mix in :class:`AtomicCheckpointHooks` (Lightning calls no strategy there).
 
-Why one module of about 670 lines: one integration, one module (as torchtitan's and Accelerate's): the strategy, its
+Why one module of about 820 lines: one integration, one module (as torchtitan's and Accelerate's): the strategy, its
 hooks and the pointer files, for both Lightning packages and both tiers.
 """
 

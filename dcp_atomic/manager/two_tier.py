@@ -6,7 +6,7 @@ schedules them for the manager: which step is queued for the drain, what local r
 load reads.  :class:`TwoTier` gets what it uses of its manager as a :class:`~.tiering.TierContext` (the settings,
 the groups, the manager's rank agreement and reporting), so both tiers report through one place.
 
-Why one module of about 600 lines: one class, the local tier's schedule for the manager (saves, the drain's queue,
+Why one module of about 690 lines: one class, the local tier's schedule for the manager (saves, the drain's queue,
 restores, retention, lineage); the rules it schedules are in :mod:`dcp_atomic.tiers`.
 """
 
@@ -89,7 +89,8 @@ class TwoTier(TierPolicy):
             self.drainer = Drainer(rank=ctx.rank, world_size=ctx.world_size, group=ctx.drain_group, local=self.local,
                                    durable=ctx.layout, timeout=ctx.timeout, where=ctx.layout.storage.describe(),
                                    resumed=ctx.resumed, committed=self._drained, failed=self._drain_failed,
-                                   threads=ctx.thread_count, clock=StallClock(ctx.timeout, ctx.heartbeat))
+                                   threads=ctx.thread_count, clock=StallClock(ctx.timeout, ctx.heartbeat),
+                                   owns_durable=self._own_lineage)
         if self.drainer is None:  # given process_group= in a world: no drain group
             if options.durable_every_given and self.durable_every is not None:
                 raise ConfigurationError(f"durable_every={self.durable_every} needs a process group of the drain's "
@@ -330,7 +331,6 @@ class TwoTier(TierPolicy):
     def _drained(self, drained: Drained) -> None:
         """Rank 0: a step reached the durable root; durable retention, then ``on_drained``."""
         ctx, job, marker = self._ctx, drained.job, drained.marker
-        self._confirm_lineage()
         self._durable_saves.add(job.save_id)
         self._drained_sequence = max(self._drained_sequence, marker.sequence or 0)
         if self._durable_listed is not None:
@@ -457,12 +457,12 @@ class TwoTier(TierPolicy):
                 if mk.provisional_for == durable and mk.lineage is not None]
 
     def _read_lineage(self, recorded: list[list[tuple[str, int, int]]]) -> tuple[str, str | None]:
-        """Rank 0: the durable run's lineage id (:mod:`.lineage`), and the durable root it is provisional for (None:
+        """Rank 0: the durable run's lineage id (:mod:`~dcp_atomic.protocol.lineage`), and the durable root it is provisional for (None:
         ``LINEAGE`` names it).  No ``LINEAGE`` yet: the newest lineage the nodes' local steps ``recorded`` (per
         rank, :meth:`_provisional_lineages`) as provisional for this root and run is adopted, else a new one is
         made; ``LINEAGE`` is created with it.  A root that cannot be written now (full, read-only: ``refuses_writes``)
         must not stop local saves nor orphan them: the id stays provisional, recorded in every local marker, and
-        ``LINEAGE`` is created with it at the first drain that reaches the root (:meth:`_confirm_lineage`)."""
+        ``LINEAGE`` is created with it at the first drain that reaches the root (:meth:`_own_lineage`)."""
         ctx, layout = self._ctx, self._ctx.layout
         where = layout.storage.describe()
         newest = max((found for per_rank in recorded for found in per_rank), key=lambda c: c[1:], default=None)
@@ -504,9 +504,12 @@ class TwoTier(TierPolicy):
                 held[f"{tier.hosts[rank]}:{os.path.join(tier.roots[rank], self._ctx.run_id)}"] = steps
         return "; ".join(f"{steps} on {root}" for root, steps in held.items())
 
-    def _confirm_lineage(self) -> None:
-        """Rank 0, after a drain reached the durable root: create its ``LINEAGE`` with this job's provisional lineage
-        (once), so every later job takes this job's local steps as the run's."""
+    def _own_lineage(self) -> None:
+        """Rank 0, before a drain claims its durable attempt: where this job's lineage is still provisional, create the
+        durable run's ``LINEAGE`` with it (once), so every later job takes this job's local steps as the run's.  Where
+        another job created it first (two jobs of one run id and root, both started while the root could not be
+        written), nothing of this job may be committed into that lineage: a ``CommitConflictError`` naming both, and
+        the drain is refused on every rank; this job's local steps stay restorable by it."""
         where, ctx = self._provisional_for, self._ctx
         if where is None:
             return
@@ -514,19 +517,20 @@ class TwoTier(TierPolicy):
         try:
             lineage = ensure_lineage(ctx.layout, self._lineage)
         except (OSError, CheckpointError) as e:
-            log.warning("run %r: could not create %s with this job's provisional lineage %s (%s); the next drain "
-                        "tries again", ctx.run_id, path, self._lineage, first_line(e))
-            return
-        self._provisional_for = None
+            raise StorageError(f"run {ctx.run_id!r}: could not create {path} with this job's provisional lineage "
+                               f"{self._lineage} ({first_line(e)}); nothing was uploaded, the next drain tries again",
+                               rank=0, path=path) from e
         if lineage == self._lineage:
+            self._provisional_for = None
             log.info("run %r: created %s with lineage %s, which this job's local steps record", ctx.run_id, path,
                      lineage)
             return
-        log.error("run %r: %s names lineage %s, not this job's provisional %s (another job created it while %s could "
-                  "not be written, or it could not be read when this job started): later jobs of this run restore "
-                  "this job's durable steps, but not its local-only ones (they are named, not deleted). Drain the "
-                  "local steps you need (manager.queue_drain(step)) before this job ends.", ctx.run_id, path, lineage,
-                  self._lineage, where)
+        raise CommitConflictError(
+            f"run {ctx.run_id!r}: {path} names lineage {lineage}, not this job's {self._lineage}: another job of this "
+            f"run id created it while {where} could not be written, so the durable run is that job's. Nothing of this "
+            "job was committed there; its local steps stay restorable by this job (manager.load()). Give each "
+            "experiment its own run_id (or durable root), or remove this job's local steps if the other job is the "
+            "one to keep.", path=path, lineage=lineage, own_lineage=self._lineage)
 
     def _report_foreign(self, foreign: dict[int, list[int]]) -> None:
         """Rank 0: local steps another lineage left on the nodes (another experiment with this run id, another

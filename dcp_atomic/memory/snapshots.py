@@ -27,6 +27,11 @@ oldest unpinned slot (one slot file more than ``slots``), so a snapshot is neith
 At construction every rank tells the others its path's state, the newest sequence of this run's slots on it, and its
 settings: a job that snapshots before (or without) a restore numbers above every slot an earlier job left, and
 settings that differ are refused by name.
+
+Why one module of about 990 lines: one tier's protocol, a snapshot's and a restore's collectives in the order every
+rank runs them (each rank's side of an agreement beside the others'); the slots, their items and the resharding are
+:mod:`.slots`', :mod:`.items`' and :mod:`.reshard`'s, and what ties the tier to the manager is
+:mod:`dcp_atomic.manager.snapshot_tier`'s.
 """
 
 from __future__ import annotations

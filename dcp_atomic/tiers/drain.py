@@ -48,6 +48,9 @@ Stalls: ``wait()`` is bounded on every rank by one clock, the progress of the wh
 phase of a round, rank 0's commit), and every rank reports one verdict (:mod:`~..exchange.stall`): a rank that only
 waits in a collective for a peer whose store hangs gives up when that peer does, and rank 0 writes no marker once
 the waiters declared the drain stalled.
+
+Why one module of about 520 lines: one thread's protocol, a round's collectives in the order every rank runs them;
+what a round plans, uploads and commits is :mod:`.drain_plan`'s.
 """
 
 from __future__ import annotations
@@ -124,14 +127,17 @@ class Drainer:
                  resumed: Callable[[], ResumePoint | None],
                  committed: Callable[[Drained], None],
                  failed: Callable[[DrainJob, CheckpointError, float], None], threads: int | None = None,
-                 clock: StallClock | None = None) -> None:
+                 clock: StallClock | None = None, owns_durable: Callable[[], None] = lambda: None) -> None:
+        """``owns_durable``: rank 0, before each claim: raise ``CommitConflictError`` where the durable run belongs to
+        another lineage than this job's (the drain is then refused, on every rank, nothing uploaded), another
+        ``CheckpointError`` where that cannot be told yet (the drain retries)."""
         self.rank, self.world_size, self.group = rank, world_size, group
         # the whole drain's progress, the same on every rank (exchange/stall.py); None: wait() is unbounded
         self.clock = clock or StallClock(None)
         self.here = f"rank {rank} ({socket.gethostname()}:{local.storage.describe()})"
         self.threads = threads or default_thread_count()  # files uploaded at once: a direct save's writer count
         self.local, self.durable, self.timeout, self.where = local, durable, timeout, where
-        self._resumed, self._committed, self._failed = resumed, committed, failed
+        self._resumed, self._committed, self._failed, self._owns_durable = resumed, committed, failed, owns_durable
         self._cond = threading.Condition()
         self._pending: list[DrainJob] = []  # rank 0: at most one (the newest); others: until rank 0 takes them
         self._inflight: DrainJob | None = None
@@ -368,7 +374,9 @@ class Drainer:
         holdings = self._gathered((held_ranks(self.local, job), self.here))  # any world drains any step
         tick()
         refused = self._claim(job) if self.rank == 0 else None  # before the plan: no rank uploads before the claim
-        plan: Plan = self._share(plan_uploads([held for held, _ in holdings]) if self.rank == 0 else None)
+        # a claim refused outright (the durable run is another lineage's) is a plan that uploads nothing
+        plan: Plan = self._share(None if self.rank else Plan({}, None) if isinstance(refused, CommitConflictError)
+                                 else plan_uploads([held for held, _ in holdings]))
         tick()
         mine = (Uploaded(error=refused) if refused is not None
                 else self._upload(job, plan.sources.get(self.rank, []), control=plan.control == self.rank))
@@ -409,6 +417,7 @@ class Drainer:
         flight from now on."""
         try:
             with self._io():
+                self._owns_durable()
                 claim_attempt(self.durable, job.step, job.save_id, started_at=now(), drained_from=self.here)
             return None
         except CheckpointError as e:
@@ -438,6 +447,11 @@ class Drainer:
         ``manifest``: rank 0's own upload of it, if it was the control uploader."""
         failed = [(r, s.error) for r, s in enumerate(shares) if s.error is not None]
         error: CheckpointError | None = None
+        refused = next((e for _, e in failed if isinstance(e, CommitConflictError)), None)
+        if refused is not None:  # rank 0's claim refused: the root is not this job's to commit into; no retry changes it
+            with self._cond:
+                self._replaced.pop(job.index, None)
+            return "error", refused, False, None
         if plan.control is None:  # no retry finds them: they are on no root this job has
             with self._cond:
                 self._replaced.pop(job.index, None)
