@@ -378,7 +378,9 @@ def run_s3(args: argparse.Namespace, plan: dict) -> tuple[dict, list[dict]]:
           f"{'read MiB':>10}{'load s':>9}")
     for world, rows in results.items():
         medians = {name: (statistics.median(row["save_seconds"][2:]), statistics.median(row["uploaded"][2:]),
-                          statistics.median(row["downloaded"][2:-1]) if len(row["downloaded"]) > 3 else None)
+                          # reads count by the step of the object read: a save reads its base (the step before it),
+                          # the load reads the last step; so saves 3..N's reads are steps 2..N-1's
+                          statistics.median(row["downloaded"][1:-1]))
                    for name, row in rows.items()}
         for name, row in rows.items():
             seconds, uploaded, downloaded = medians[name]

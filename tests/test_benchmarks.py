@@ -361,6 +361,8 @@ def test_store_a_byte_once_on_s3_smoke(checkout, root):
     assert len(uploaded) == 1 and all(c["value"] < 0.05 for c in uploaded)  # one per world
     assert {c["target"].split(" <=")[0] for c in checks} == {"S3: reuse uploaded", "S3: reuse reads",
                                                             "S3: reuse save time"}
+    reads = [c for c in checks if c["target"].startswith("S3: reuse reads")]
+    assert len(reads) == 1 and reads[0]["value"] is not None  # measured with the smoke's 3 saves, never n/a
 
 
 def test_gpu_check_dry_run_on_cpu_with_its_staging_round(tmp_path):

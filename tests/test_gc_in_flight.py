@@ -119,3 +119,23 @@ def test_a_save_whose_manifest_was_deleted_under_it_with_its_claim_left_fails_ty
     assert isinstance(box.get("error"), StorageError) and "withdrawn" in box["result"], box
     assert list_steps(root, RUN) == [1] and _latest(root) == 1
     _loads_exactly(root, 1)
+
+
+def test_gc_whose_steps_the_savers_own_retention_removed_after_it_planned_finishes_without_error(tmp_path):
+    """gc racing the saver's retention: every step it planned to delete (and an abandoned attempt) was removed by
+    the time it applies the plan; it ends as if it had removed them itself (a raw FileNotFoundError before)."""
+    root = str(tmp_path / "ckpt")
+    with CheckpointManager(root, RUN) as manager:
+        for step in (1, 2, 3, 4):
+            manager.save(step, _state(step))
+    layout = RunLayout(open_storage(root), RUN)
+    os.makedirs(os.path.join(layout.step_dir(4), "20000101T000000Z-deadbeef"))  # an abandoned attempt, long ago
+    plan = plan_gc(layout, 1, lease_seconds=0)
+    assert plan.delete_steps == [1, 2, 3] and plan.delete_attempts, plan
+    for step in (1, 2, 3):  # the saver's own retention, between gc's plan and its deletes
+        layout.storage.remove(layout.step_dir(step))
+    for save_id_dir in [os.path.join(layout.step_dir(4), s) for _, s in plan.delete_attempts]:
+        layout.storage.remove(save_id_dir)
+    apply_gc(layout, plan)
+    assert list_steps(root, RUN) == [4]
+    assert main(["gc", root, RUN, "--keep-last", "1", "--lease-hours", "0"]) == 0

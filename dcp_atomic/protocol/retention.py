@@ -201,7 +201,11 @@ def apply_gc(layout: RunLayout, plan: GcPlan) -> None:
 
     for step in plan.delete_steps:
         storage.remove(layout.marker(step))  # un-commit first
-        storage.sync_dir(layout.step_dir(step))
+        try:
+            storage.sync_dir(layout.step_dir(step))
+        except FileNotFoundError:  # removed since gc planned (the saver's own retention): nothing left to delete
+            log.info("gc: step %d of run %r was removed meanwhile", step, layout.run_id)
+            continue
         attempts = layout.attempts(storage.list_dir(layout.step_dir(step)))
         deletable = _fence_attempts(layout, step, attempts, plan.planned_at)
         if len(deletable) < len(attempts):  # a save committed or started there since: only the others go
