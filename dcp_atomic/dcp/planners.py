@@ -14,7 +14,7 @@ the state dict.  These subclasses of DCP's default planners add only that:
   against the checkpoint before DCP starts (DCP's default planner raises at the
   first size mismatch; this one lists them all).
 
-Both plan with Python's cyclic GC paused (:mod:`.gc_pause`): DCP's per-item planning
+Both plan with Python's cyclic GC paused (:mod:`~dcp_atomic._base.gc_pause`): DCP's per-item planning
 allocates 10^4-10^6 objects, and the collections that triggers cost more than the
 planning itself.  ``set_up_planner`` begins the operation's lease (the pause that spans
 DCP's collectives between hooks) and ``finish_plan``, the planner's last hook before the

@@ -213,7 +213,7 @@ def payload_proven(head: bytes, tail: bytes, payload: int, nbytes: int) -> bool:
     return small or large
 
 
-# -- the checks as a load (and ``verify``, :mod:`.audit`) applies them: one place, so the two cannot disagree -----
+# -- the checks as a load (and ``verify``, :mod:`~dcp_atomic.tools.audit`) applies them: one place, so the two cannot disagree -----
 
 
 def _malformed(path: str, e: Exception) -> CorruptCheckpointError:

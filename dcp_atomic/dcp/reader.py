@@ -14,7 +14,7 @@
   into the destination tensors; files are read in parallel.
 * Read once (``share_reads``): a stored item that several ranks need is read and
   verified by one of them and sent to the others over the process group, where
-  it is verified again before it is decoded (:mod:`.shared_read`; :mod:`.exchange`
+  it is verified again before it is decoded (:mod:`.shared_read`; :mod:`~dcp_atomic.exchange`
   plans and moves it).
 
 Beside this file: :mod:`.read_checks` (``.metadata`` and plans against the
@@ -120,7 +120,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
             Lightning file): a marker naming a later commit of the step then fails at once (the save was replaced),
             instead of being waited out as a stale cache.
         share_reads: read each stored item once and share it with the other ranks that need it (see
-            :mod:`.exchange`). ``None`` (default): on where the storage is not a local POSIX file system
+            :mod:`~dcp_atomic.exchange`). ``None`` (default): on where the storage is not a local POSIX file system
             (object stores, where every byte read is a request) or the ranks span several hosts; ``False``:
             every rank reads its own bytes.
         process_group: the group ``dcp.load`` runs on (default: the default group); shared reads need it.
@@ -621,7 +621,7 @@ class AtomicStorageReader(SharedReads, StorageReader):
         """Read a whole stored chunk's payload straight into its destination tensor.
 
         Applies when the item is a torch.save container whose payload offset
-        was recorded (see :mod:`.container`) and the destination has the stored
+        was recorded (see :mod:`~dcp_atomic.format.container`) and the destination has the stored
         shape.  A contiguous CPU destination of the stored dtype takes the bytes
         itself; any other (a device tensor, another dtype, a strided view) gets
         them through one host tensor and ``copy_``, never through ``torch.load``

@@ -567,7 +567,7 @@ def _lossy_cast(saved: str | None, target: torch.dtype) -> str | None:
 def check_layout(*, saved: dict[str, Any] | None, current: Parallelism | None, allow_reshard: bool,
                  where: str) -> bool:
     """Apply the layout policy; returns True when tp, pp or ep changed (with consent).  A cp change is a
-    data-parallel one: weights are replicated or FSDP-sharded across cp (see :mod:`.parallelism`)."""
+    data-parallel one: weights are replicated or FSDP-sharded across cp (see :mod:`~dcp_atomic.format.parallelism`)."""
     if saved is None and current is None:  # nothing declared on either side: nothing asked for, nothing to check
         log.info("%s: no parallel layout declared at save or load; layout check not applicable", where)
         return False

@@ -1,4 +1,4 @@
-"""Read once, share with peers: the reader's half of :mod:`.exchange` (P12).
+"""Read once, share with peers: the reader's half of :mod:`~dcp_atomic.exchange` (P12).
 
 Where the coordinator's plan says so (``share_reads``), a stored item several ranks need is read and verified
 by one of them and sent to the others over the reader's process group, in rounds of at most

@@ -16,7 +16,7 @@ Lifecycle, as DCP calls it (names follow DCP's hooks):
 * ``finish`` (coordinator, only if every rank succeeded) runs the commit
   protocol of :mod:`dcp_atomic.protocol.commit`.
 
-Tensor items are raw blocks by default (:mod:`.codec`: the faster format, optionally
+Tensor items are raw blocks by default (:mod:`~dcp_atomic.format.codec`: the faster format, optionally
 zstd-compressed); with ``stock_readable=True`` they are ``torch.save`` containers, exactly
 as stock DCP writes them, so torch's own ``FileSystemReader`` can open an attempt directory.
 
@@ -421,8 +421,8 @@ class AtomicStorageWriter(StorageWriter):
         )
 
     def _publish(self, manifest: Manifest, metadata_bytes: bytes):
-        """The commit (steps 2-4 of :mod:`.commit`); returns the marker.  The hook where the local tier
-        (:mod:`.local_tier`) publishes the control files without a marker, which it records only once every
+        """The commit (steps 2-4 of :mod:`~dcp_atomic.protocol.commit`); returns the marker.  The hook where the local tier
+        (:mod:`~dcp_atomic.tiers.local_tier`) publishes the control files without a marker, which it records only once every
         rank's replicas are verified."""
         return commit.publish(self.layout, manifest, metadata_bytes, overwrite=self.overwrite, timeout=self.timeout,
                               rank=self.rank, resumed=self.resumed_from)
@@ -553,7 +553,7 @@ class _GcPauseEndsOnUnpickle(str):
     The other ranks have no hook after ``write_data``, yet their save's last and largest unpickling is still to
     come: the global metadata (every rank's items) in that broadcast.  ``version`` is Metadata's last field, so
     unpickling this string is the last thing of it; it ends the receiving rank's part in its lease
-    (:mod:`.gc_pause`) there.  Only the first pickling (the broadcast, right after ``finish``) carries the
+    (:mod:`~dcp_atomic._base.gc_pause`) there.  Only the first pickling (the broadcast, right after ``finish``) carries the
     signal: the Metadata that ``dcp.save`` returns pickles afterwards as a plain string."""
 
     def __reduce__(self):

@@ -10,7 +10,7 @@ What it adds over the storage writer and reader:
 * slow is not dead (P8): each rank's share of the work (planning, writing,
   reading) ends at a barrier on the rendezvous store where peers are judged by
   heartbeat within ``timeout`` and waited for up to ``work_timeout``, so DCP's
-  collectives start only when every rank is there (:mod:`.liveness`);
+  collectives start only when every rank is there (:mod:`~dcp_atomic.exchange.liveness`);
 * step resolution by global rank 0 alone (``LATEST``, else a scan) shared with
   the others, so all ranks load one version without every rank listing, and
   ranks that ask for different steps all fail;
@@ -26,7 +26,7 @@ What it adds over the storage writer and reader:
   errors are logged and counted), and a failed one is never swallowed (see
   ``async_save``);
 * statistics of every save, load and failure for ``on_saved`` / ``on_loaded`` /
-  ``on_failed``, in the versioned schema of :mod:`.stats` (docs/statistics.md).
+  ``on_failed``, in the versioned schema of :mod:`~dcp_atomic._base.stats` (docs/statistics.md).
 
 What the tiers change is asked of two objects built once, in ``__init__``, each behind one interface with a "none"
 (:mod:`.tiering`): the storage tiers' policy (``DurableOnly``; :mod:`.two_tier`: the local tier and its drain) and the

@@ -2,7 +2,7 @@
 
 P1-P3 of the design, in order, executed by global rank 0 alone (P2: no other process ever renames, replaces or
 deletes).  One sequence for every committer: a save (inside DCP's ``finish()``), an import, the drain's durable
-commit (:mod:`.drain`); the local tier runs steps 0-2 and records its markers with :func:`record_local_marker`
+commit (:mod:`~dcp_atomic.tiers.drain`); the local tier runs steps 0-2 and records its markers with :func:`record_local_marker`
 under the same completeness rule.  What differs between them is a :class:`CommitPolicy`, never a restated step:
 
 0. :func:`claim_attempt`: the attempt directory ``<step>/<save_id>/`` and its ``ATTEMPT`` claim, before any data
@@ -577,7 +577,7 @@ def record_local_marker(layout: RunLayout, marker_bytes: bytes, manifest: Manife
                         where: str, rank: int) -> None:
     """A local root's copy of a marker rank 0 decided (the local commit, a restore): the same completeness rule as
     :func:`place_marker`, over the whole tier (a root holds its ranks' files and their replicas, not the step).
-    Replaced, not created exclusively: local markers are rank 0's records (:mod:`.local_tier`).  ``rank``: the
+    Replaced, not created exclusively: local markers are rank 0's records (:mod:`~dcp_atomic.tiers.local_tier`).  ``rank``: the
     recording rank, for the kill point every path that records a local marker shares."""
     marker = Marker.from_json(marker_bytes, where=where)
     if (marker.step, marker.save_id) != (manifest.step, manifest.save_id):

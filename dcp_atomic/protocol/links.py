@@ -204,9 +204,9 @@ def referenced_bytes(entry: FileEntry) -> int:
 def holds_referenced(other: FileEntry, entry: FileEntry) -> bool:
     """``other``'s record of a stored file says the bytes that ``entry`` references: the same rank and size, and
     every item of ``entry`` at the same place with the same record (block digests included).  ``other`` may record
-    more items: a save that links a base file references only its unchanged ones, the rest is dead (:mod:`..dcp
-    .reuse`), so one file has records of several sizes and the names differ (a plain file is linked under a stable
-    name).  The inverse of :func:`referencing`: ``holds_referenced(source, referencing(source, ...))``."""
+    more items: a save that links a base file references only its unchanged ones, the rest is dead
+    (:mod:`dcp_atomic.dcp.reuse`), so one file has records of several sizes and the names differ (a plain file is
+    linked under a stable name).  The inverse of :func:`referencing`: ``holds_referenced(source, referencing(source, ...))``."""
     if (entry.rank, entry.size) != (other.rank, other.size) or not entry.items:
         return False
     held = {(item.pos, item.key, tuple(item.chunk_offset or ())): item for item in other.items}

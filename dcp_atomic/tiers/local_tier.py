@@ -176,7 +176,7 @@ class LocalWriter(WatchedWriter):
         return None
 
 
-# -- moving stored bytes between ranks (:mod:`.file_transfer`) -----------------------------------------------
+# -- moving stored bytes between ranks (:mod:`~dcp_atomic.exchange.file_transfer`) -----------------------------------------------
 
 
 def spool_dir(layout: RunLayout) -> str:
@@ -348,7 +348,7 @@ ANY_LINEAGE = "*"  # of_lineage: every marker (tools that look at a whole root);
 def of_lineage(markers: list[Marker], lineage: str | None, *, foreign: bool = False) -> list[Marker]:
     """The markers of ``lineage`` (``foreign``: of any other).  Equal ids only: a marker that records no lineage
     (written by a version before lineages existed, or by one that recorded none while its durable root's ``LINEAGE``
-    could not be created) is no lineage's; nothing proves it is this experiment's (:mod:`.lineage`)."""
+    could not be created) is no lineage's; nothing proves it is this experiment's (:mod:`~dcp_atomic.protocol.lineage`)."""
     if lineage == ANY_LINEAGE:
         return [] if foreign else markers
     return [m for m in markers if (m.lineage != lineage) == foreign]
@@ -524,7 +524,7 @@ def commit_local(topology: Topology, layout: RunLayout, writer: LocalWriter, ste
     above it and above every root's newest local marker.  ``protected`` (rank 0's): the steps its drain still
     needs; handed out with the marker, so every root keeps the same ones (only rank 0 knows which step the drain
     takes next).  ``drain``: the marker records that the step is to be drained (:attr:`Marker.drain`); ``lineage``
-    and rank 0's ``writer.provisional_for``: whose step it is (:mod:`.lineage`).  Raises the
+    and rank 0's ``writer.provisional_for``: whose step it is (:mod:`~dcp_atomic.protocol.lineage`).  Raises the
     same typed error on every rank when any rank's replicas could not be written or
     verified: then no root has a marker of this step.  A peer lost while replicas move raises
     :class:`.transport.PeerLost` (naming it, within ``timeout``) on the ranks that exchanged with it, at once.

@@ -237,7 +237,7 @@ def _check_item(storage: Storage, path: str, item: ItemExtent, decoder: Decoder,
                 progress: Callable[[int], None] | None) -> str | None:
     """Walk the item's frames as the reader does: each frame's digest, then its decoded length.
 
-    Blocks are located and checked by :mod:`~.format.blocks`, as every reader
+    Blocks are located and checked by :mod:`~dcp_atomic.format.blocks`, as every reader
     does, and compressed frames are decoded, so ``verify`` cannot pass an
     item the reader would refuse (or refuse one it reads).
     """
