@@ -94,10 +94,10 @@ def _train_and_save(ctx, steps, asynchronous_last=False, keep_local=2):
     return {"saved": saved, "listed": listed, "stats": stats}
 
 
-def _restore(ctx, expect_step=None, step=None):
+def _restore(ctx, expect_step=None, step=None, **manager_kwargs):
     model, optim = _fsdp_app(ctx.world_size, 42)
     stats = []
-    with _manager(ctx, callbacks=Callbacks(on_loaded=stats.append)) as manager:
+    with _manager(ctx, callbacks=Callbacks(on_loaded=stats.append), **manager_kwargs) as manager:
         state = _state(model, optim, -1)
         loaded = manager.load(state, step=step)
         served = manager.restored_from
@@ -598,7 +598,7 @@ def test_kill_matrix_a_restart_loads_the_newest_local_commit_exactly_and_gc_coll
 
 def _restore_killed(ctx):
     try:
-        return _restore(ctx, 20)
+        return _restore(ctx, 20, timeout=5)  # the survivors of the kill give up after 5 s (20 s is no more proof)
     except Exception as e:  # the survivors of the killed rank: typed, in bounded time
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -688,7 +688,7 @@ def _restore_losing_a_sender(ctx):
     import time
 
     model, optim = _fsdp_app(ctx.world_size, 42)
-    manager = _manager(ctx)  # no close() after the failure, as above
+    manager = _manager(ctx, timeout=5)  # no close() after the failure, as above; the survivors give up after 5 s
     started = time.monotonic()
     try:
         manager.load(_state(model, optim, -1))
