@@ -33,21 +33,20 @@ What the tiers change is asked of two objects built once, in ``__init__``, each 
 snapshot tier (``NoSnapshots``; :mod:`.snapshot_tier`: the memory tier), which each operation consults at fixed
 points: no method asks which tiers exist.
 
-Why one module of about 1,000 lines: the public class, read end to end by users (half of it is their documentation);
-scheduling, liveness, retention and the tiers are collaborators (:mod:`.tiering`, :mod:`.two_tier`,
-:mod:`.snapshot_tier`, :mod:`dcp_atomic.exchange.liveness`, :mod:`dcp_atomic.protocol.retention`).
+Why one module of about 810 lines: the public class, read end to end by users (210 of its lines are their
+documentation, the code is under 600); the tiers, the storage half of a load, the reports, liveness and retention are
+collaborators (:mod:`.tiering`, :mod:`.two_tier`, :mod:`.snapshot_tier`, :mod:`.loading`, :mod:`.reports`,
+:mod:`dcp_atomic.exchange.liveness`, :mod:`dcp_atomic.protocol.retention`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import os
 import threading
 import time
-import warnings
 import weakref
 from datetime import timedelta
 from typing import Any, Callable
@@ -58,32 +57,32 @@ import torch.distributed.checkpoint as dcp
 
 from ..stores.backends import open_storage
 from .._base import arguments
-from ..protocol.catalog import DEFAULT_TIMEOUT, latest_step as scan_latest_step
+from ..protocol.catalog import DEFAULT_TIMEOUT
 from ..exchange.collective import RankAgreement, first_line, raise_typed
-from ..protocol.commit import (ResumePoint, read_committed, read_marker, refuse_committed, resume_point,
-                               scan_markers)
-from ..errors import ArgumentError, CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
+from ..protocol.commit import ResumePoint, read_marker, refuse_committed, scan_markers
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
 from ..format.layout import RunLayout, validate_save_id, validate_step
 from ..exchange.liveness import Heartbeat, OpWatch
 from ..format.manifest import Marker
 from ..format.parallelism import Parallelism
-from ..dcp.planners import AtomicLoadPlanner, AtomicSavePlanner
+from ..dcp.planners import AtomicSavePlanner
 from ..protocol.retention import DEFAULT_LEASE_SECONDS, remove_step, retain_after_commit
 from ..protocol.retention_policy import Retention
 from .._base.retry import Deadline
-from .._base.stats import FailureStats, LoadStats, SaveStats, SnapshotStats
+from .._base.stats import SaveStats
 from .._base import internals, world_of_one
 from .._base.futures import ReportedFuture
-from ..dcp.watched import WatchedReader, WatchedSavePlanner
+from ..dcp.watched import WatchedSavePlanner
 from ..dcp.reuse import refuse_unsupported
 from ..dcp.writer import AtomicStorageWriter
 from ..format.integrity import BLOCK_SIZE
 from ..staging import LiveState, StableState, Stager, Staging, WindowPool, gate_optimizer_steps
 from ..memory import Restored, SnapshotFuture
-from ..protocol.commit import known_sequence
 from ..tiers import failure_domain as resolve_failure_domain
-from .options import Callbacks, LocalTierOptions, MemoryTier, StatsCallback
+from .options import UNSET, Callbacks, LocalTierOptions, MemoryTier, StatsCallback, grouped
 from .snapshot_tier import DurableCopySaves, MemorySnapshotTier
+from .loading import StorageLoads
+from .reports import Reports
 from .tiering import DurableOnly, NoSnapshots, SnapshotTier, TierContext, TierPolicy
 from .two_tier import TwoTier
 
@@ -114,52 +113,6 @@ def _operation(method: Callable) -> Callable:
             heartbeat.idle()
 
     return run
-
-
-class _Unset:
-    """The type of a deprecated flat keyword's "not given" (:data:`_FLAT`)."""
-
-    def __repr__(self) -> str:
-        return "<not given>"
-
-
-_UNSET: Any = _Unset()
-
-# the flat keywords of the options objects, deprecated: keyword -> the options object that holds it now
-_FLAT = {**dict.fromkeys(("local_root", "replicas", "durable_every", "keep_local", "failure_domain"), "local"),
-         **dict.fromkeys(("on_saved", "on_loaded", "on_failed", "on_drained"), "callbacks")}
-
-
-def _grouped(local: LocalTierOptions | None, callbacks: Callbacks | None,
-             flat: dict[str, Any]) -> tuple[LocalTierOptions | None, Callbacks]:
-    """The options objects, built from the deprecated flat keywords given (``flat``) where the caller passed those:
-    each warns, naming the new form; a group given both ways is an ``ArgumentError``."""
-    given = {name: value for name, value in flat.items() if value is not _UNSET}
-    for name, value in given.items():
-        new = ("local=LocalTierOptions(...)" if _FLAT[name] == "local" else "callbacks=Callbacks(...)")
-        warnings.warn(f"CheckpointManager({name}=...) is deprecated and goes in the next minor release: pass "
-                      f"{new} with {name}={value!r} in it", DeprecationWarning, stacklevel=3)
-    groups = {"local": local, "callbacks": callbacks}
-    for group, passed in groups.items():
-        mixed = sorted(name for name in given if _FLAT[name] == group)
-        if passed is not None and mixed:
-            raise ArgumentError(f"CheckpointManager got {group}= and the deprecated keyword(s) {', '.join(mixed)}: "
-                                f"pass them in {group}= only", argument=group)
-    local_flat = {name: value for name, value in given.items() if _FLAT[name] == "local"}
-    if local is None and local_flat:
-        if local_flat.get("local_root") is not None:
-            local = LocalTierOptions(**local_flat)
-        else:  # no local tier: only the keywords that mean something without one are accepted (as before)
-            extra = {name: value for name, value in local_flat.items()
-                     if name != "local_root" and not (name == "durable_every" and value is None)}
-            if "durable_every" in extra:
-                raise ConfigurationError(f"durable_every={extra['durable_every']} needs local_root: without a local "
-                                         "tier every save already goes to the durable root")
-            if "keep_local" in extra:
-                arguments.count("CheckpointManager(keep_local=...)", extra["keep_local"], optional=False)
-    if callbacks is None:
-        callbacks = Callbacks(**{name: value for name, value in given.items() if _FLAT[name] == "callbacks"})
-    return local, callbacks
 
 
 def _exit_without_close(manager: "weakref.ref[CheckpointManager]") -> None:
@@ -249,17 +202,17 @@ class CheckpointManager(RankAgreement):
         staging: Staging | None = None,
         memory: MemoryTier | None = None,
         # deprecated: the flat form of ``local`` and ``callbacks`` (for one release)
-        local_root: str | os.PathLike | None = _UNSET,
-        replicas: int = _UNSET,
-        durable_every: int | None = _UNSET,
-        keep_local: int = _UNSET,
-        failure_domain: str | None = _UNSET,
-        on_saved: StatsCallback | None = _UNSET,
-        on_loaded: StatsCallback | None = _UNSET,
-        on_failed: StatsCallback | None = _UNSET,
-        on_drained: StatsCallback | None = _UNSET,
+        local_root: str | os.PathLike | None = UNSET,
+        replicas: int = UNSET,
+        durable_every: int | None = UNSET,
+        keep_local: int = UNSET,
+        failure_domain: str | None = UNSET,
+        on_saved: StatsCallback | None = UNSET,
+        on_loaded: StatsCallback | None = UNSET,
+        on_failed: StatsCallback | None = UNSET,
+        on_drained: StatsCallback | None = UNSET,
     ) -> None:
-        local, callbacks = _grouped(local, callbacks, {
+        local, callbacks = grouped(local, callbacks, {
             "local_root": local_root, "replicas": replicas, "durable_every": durable_every, "keep_local": keep_local,
             "failure_domain": failure_domain, "on_saved": on_saved, "on_loaded": on_loaded, "on_failed": on_failed,
             "on_drained": on_drained})
@@ -297,9 +250,8 @@ class CheckpointManager(RankAgreement):
         self.compression = compression
         self.timeout = timeout
         self.work_timeout = work_timeout
-        self.callback_failures = 0
+        self._reports = Reports(callbacks, run_id=run_id, rank=0, world_size=1)  # its rank and world: below
         self.thread_count = thread_count
-        self.callbacks = callbacks
         self.lease_seconds = lease_seconds
         self.share_reads = share_reads
         self.divergence = "warn" if allow_divergence else "raise"
@@ -329,6 +281,7 @@ class CheckpointManager(RankAgreement):
                 self._owned_groups.append(self._memory_group)
         self.rank = dist.get_rank(self._group) if self._distributed else 0
         self.world_size = dist.get_world_size(self._group) if self._distributed else 1
+        self._reports.rank, self._reports.world_size = self.rank, self.world_size
         self._inflight: ReportedFuture | None = None
         self._resumed: ResumePoint | None = None  # set by load(): see AtomicStorageWriter(resumed_from=)
         self._lock = threading.Lock()
@@ -353,6 +306,8 @@ class CheckpointManager(RankAgreement):
             except BaseException:  # refused (too few domains...): nothing of this manager may outlive it
                 self._release()
                 raise
+        self._loads = StorageLoads(self._tier_context(), self._tier, parallelism=self.parallelism,
+                                   share_reads=share_reads, resolve_everywhere=self._resolve_everywhere)
         if memory is not None:
             try:
                 self._memory = MemorySnapshotTier(
@@ -378,13 +333,23 @@ class CheckpointManager(RankAgreement):
             retention=self.retention, lease_seconds=self.lease_seconds, group=self._group,
             drain_group=self._drain_group, memory_group=self._memory_group, heartbeat=self._heartbeat,
             callbacks=self.callbacks, translate=self._translate, on_rank0=self._on_rank0, watch=self._watch,
-            resumed=lambda: self._resumed, committed_marker=self._committed_marker, deliver=self._deliver)
+            resumed=lambda: self._resumed, committed_marker=self._committed_marker, deliver=self._reports.deliver)
 
     @property
     def restored_from(self) -> dict[str, Any] | None:
         """After ``load()``: which tier served it (see :meth:`load`); None with one tier and no memory tier (with a
         memory tier and no local one, ``"durable"`` when the durable root served)."""
         return self._memory.restored_from or self._tier.restored_from
+
+    @property
+    def callbacks(self) -> Callbacks:
+        """Where each operation's statistics go (the ``callbacks`` given)."""
+        return self._reports.callbacks
+
+    @property
+    def callback_failures(self) -> int:
+        """Callbacks that raised (each logged); the operations' outcomes stood."""
+        return self._reports.callback_failures
 
     @property
     def snapshots_skipped(self) -> int:
@@ -411,7 +376,7 @@ class CheckpointManager(RankAgreement):
         drain = self._wants_drain(durable)
         self._wait_for_async_save()
         started = time.perf_counter()
-        with self._failures_reported("save", step, started):
+        with self._reports.failures_reported("save", step, started):
             self._refuse_conflicts(step)
             watch = self._watch(f"saving step {step}")
             writer = self._writer(step, watch, metadata)
@@ -425,7 +390,7 @@ class CheckpointManager(RankAgreement):
                 else:
                     watch.finish()
                 self._tier.commit(step, writer, self._group, drain)
-        self._after_commit(step, writer, time.perf_counter() - started, stage_seconds=0.0, asynchronous=False)
+        self._reports.saved(step, writer, time.perf_counter() - started, 0.0, False, self._retention)
         return step
 
     @_operation
@@ -462,7 +427,7 @@ class CheckpointManager(RankAgreement):
         op = self._ops
         result = ReportedFuture()
         started = time.perf_counter()
-        with self._failures_reported("async_save", step, started):
+        with self._reports.failures_reported("async_save", step, started):
             self._refuse_conflicts(step)
             watch = self._watch(f"saving step {step}")
             staged = None if self.staging is None or stable else LiveState(self.staging, self._staging_pool)
@@ -495,10 +460,10 @@ class CheckpointManager(RankAgreement):
                     else:
                         watch.finish()
                     self._tier.commit(step, writer, self._async_group, drain)
-                self._after_commit(step, writer, time.perf_counter() - started, stage_seconds, asynchronous=True)
+                self._reports.saved(step, writer, time.perf_counter() - started, stage_seconds, True, self._retention)
                 result.set_result(step)
             except BaseException as e:
-                self._report_failure("async_save", step, e, started)
+                self._reports.failure("async_save", step, e, started)
                 result.set_exception(e)
 
         pending.add_done_callback(finished)
@@ -648,95 +613,34 @@ class CheckpointManager(RankAgreement):
                                     then="pass step= too, the step that save belongs to")
         self._wait_for_async_save()
         started = time.perf_counter()
-        with self._failures_reported("load", step, started):
+        with self._reports.failures_reported("load", step, started):
             restored = self._memory.restore(state_dict, step, save_id, allow_reshard)
         if restored is not None:
             return self._restored_from_memory(restored, started)
-        with self._failures_reported("load", step, started) as attempt:
-            root, storage_options, wanted = self.root, self.storage_options, save_id
-            local = self._tier.restore(step, state_dict, wanted)
-            if local is not None:  # a local root's path: no storage options
-                root, chosen, save_id, resumed = local
-                storage_options = None
-            else:
-                chosen, save_id, resumed = self._on_rank0(
-                    lambda: self._resolve_step(step, wanted), "resolve the step to load",
-                    request="the latest step" if step is None else f"step {step}")
-            if chosen is None:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint for run {self.run_id!r} under {self.layout.storage.describe()}",
-                    run_id=self.run_id,
-                )
-            attempt["step"] = chosen
-            # Visibility waits get half the group timeout: the manifest shards read while DCP plans (no
-            # barrier there) must give up before the peers' gather of plans times out.
-            watch = self._watch(f"loading step {chosen}")
-            reader = WatchedReader(root, self.run_id, chosen, save_id=save_id, parallelism=self.parallelism,
-                                    allow_reshard=allow_reshard, timeout=self.timeout / 2,
-                                    storage_options=storage_options, thread_count=self.thread_count,
-                                    share_reads=self.share_reads, process_group=self._group, watch=watch)
-            self._resolve_everywhere(reader, chosen)
-            try:
-                world_of_one.explain()
-                dcp.load(state_dict, storage_reader=reader, planner=AtomicLoadPlanner(), process_group=self._group)
-            except BaseException as e:
-                failure = watch.verdict or self._translate(e, f"loading step {chosen}")
-                if isinstance(failure, CheckpointError):
-                    failure.details.setdefault("step", chosen)  # where: which step a load without one resolved
-                raise_typed(failure)
-            watch.finish()
+        with self._reports.failures_reported("load", step, started) as attempt:
+            chosen, reader, resumed, by_local = self._loads.load(state_dict, step, save_id, allow_reshard, attempt)
         self._resumed = resumed  # P14: later saves supersede the steps above it that this load abandoned
-        self._memory.loaded_elsewhere(chosen, reader.save_id, served_by_local=local is not None)
-        seconds = time.perf_counter() - started
-        log.info("loaded run %r step %d (save %s) in %.3fs", self.run_id, chosen, reader.save_id, seconds)
-        self._deliver(self.callbacks.on_loaded, "on_loaded", LoadStats(
-            run_id=self.run_id, step=chosen, save_id=reader.save_id, world_size=self.world_size, rank=self.rank,
-            seconds=seconds, bytes=reader.bytes_read, files=reader.files_read,
-            gb_per_s=reader.bytes_read / max(seconds, 1e-9) / 1e9,
-            bytes_from_storage=reader.read_stats.storage_bytes, bytes_from_peers=reader.read_stats.peer_bytes_received,
-            bytes_to_peers=reader.read_stats.peer_bytes_sent, storage_seconds=reader.read_stats.storage_seconds,
-            exchange_seconds=reader.read_stats.exchange_seconds,
-            tier=(self.restored_from or {}).get("tier"),  # None with one tier: only TwoTier.restore sets it
-            bytes_from_replicas=(self.restored_from or {}).get("bytes_fetched", 0)))
+        self._memory.loaded_elsewhere(chosen, reader.save_id, served_by_local=by_local)
+        self._reports.loaded(chosen, reader, time.perf_counter() - started, self.restored_from)
         return chosen
 
     def _restored_from_memory(self, restored: Restored, started: float) -> int:
         """A load the memory tier served: the resume point (P14: later saves and snapshots supersede the steps above
         it), ``on_loaded``."""
-        def resumed() -> ResumePoint:
-            durable = resume_point(self.layout, restored.step)
-            return ResumePoint(step=restored.step, sequence=max(durable.sequence, known_sequence(self.layout)))
-
-        self._resumed = self._on_rank0(resumed, "read the resume point")
-        seconds = time.perf_counter() - started
-        log.info("loaded run %r step %d from the %s tier in %.3fs", self.run_id, restored.step, restored.tier, seconds)
-        self._deliver(self.callbacks.on_loaded, "on_loaded", LoadStats(
-            run_id=self.run_id, step=restored.step, save_id=None, world_size=self.world_size, rank=self.rank,
-            seconds=seconds, bytes=restored.bytes, files=0, gb_per_s=restored.bytes / max(seconds, 1e-9) / 1e9,
-            bytes_from_storage=0, bytes_from_peers=restored.bytes_fetched, bytes_to_peers=0, storage_seconds=0.0,
-            exchange_seconds=0.0, tier=restored.tier, bytes_from_replicas=restored.bytes_fetched))
+        self._resumed = self._on_rank0(lambda: self._loads.resumed_at(restored.step), "read the resume point")
+        self._reports.restored(restored, time.perf_counter() - started)
         return restored.step
 
     @_operation
     def latest_step(self) -> int | None:
         """The most recently committed step (global rank 0 scans, the others are told)."""
-        return self._on_rank0(
-            lambda: scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
-                                     missing_root_ok=True),
-            "find the latest step")
+        return self._on_rank0(self._loads.latest, "find the latest step")
 
     @_operation
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The metadata saved with ``step`` (default: the most recent commit); ``{}`` when none was given.
         Global rank 0 reads the verified manifest and tells the others."""
-        def read() -> dict[str, Any]:
-            chosen, _, _ = self._resolve_step(step)
-            if chosen is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint for run {self.run_id!r} under "
-                                              f"{self.layout.storage.describe()}", run_id=self.run_id)
-            return read_committed(self.layout, chosen, Deadline(self.timeout)).manifest.user_metadata or {}
-
-        return self._on_rank0(read, "read a step's metadata",
+        return self._on_rank0(lambda: self._loads.metadata(step), "read a step's metadata",
                               request="the latest step" if step is None else f"step {step}")
 
     @_operation
@@ -842,7 +746,7 @@ class CheckpointManager(RankAgreement):
         log.warning("run %r: the durable copy of memory step %d did not start (%s); it is raised by wait() or the "
                     "next call, and the snapshot stays memory-committed", self.run_id, step, first_line(error))
         if report:
-            self._report_failure("async_save", step, error, time.perf_counter())
+            self._reports.failure("async_save", step, error, time.perf_counter())
         failed = ReportedFuture()
         failed.step = step
         failed.set_exception(error)
@@ -873,91 +777,6 @@ class CheckpointManager(RankAgreement):
             return None
         inflight.reported = True
         raise error
-
-    def _resolve_step(self, step: int | None,
-                      wanted: str | None = None) -> tuple[int | None, str | None, ResumePoint | None]:
-        """(step, save_id, resume point) to load, decided by rank 0: every rank then waits for that exact
-        attempt, and the resume point says which later steps this job's saves may supersede (P14)."""
-        if step is None:
-            step = scan_latest_step(self.root, self.run_id, self.storage_options, timeout=self.timeout,
-                                    missing_root_ok=True)
-            if step is None:
-                return None, None, None
-        validate_step(step)
-        if not self.layout.storage.is_dir(self.layout.step_dir(step)):  # no trace of it: nothing to wait for (P9)
-            raise CheckpointNotFoundError(
-                f"run {self.run_id!r} has no step {step} ({self.layout.step_dir(step)} does not exist); "
-                "manager.steps() lists the committed ones", step=step)
-        save_id = read_marker(self.layout, step, Deadline(self.timeout)).save_id
-        if wanted is not None and save_id != wanted:
-            raise CheckpointNotFoundError(
-                f"step {step} of run {self.run_id!r} holds save {save_id}, not the requested save {wanted} (the step "
-                "was saved again since); nothing was loaded", step=step, save_id=wanted)
-        return step, save_id, resume_point(self.layout, step)
-
-    def _after_commit(self, step: int, writer: AtomicStorageWriter, seconds: float, stage_seconds: float,
-                      asynchronous: bool) -> None:
-        """Rank 0's bookkeeping once ``step`` is committed; nothing here may fail the save (it is durable,
-        and the other ranks have already returned): errors are logged and counted instead."""
-        if self.rank != 0:
-            return
-        stats = SaveStats.from_writer(writer.last_stats, run_id=self.run_id, step=step, save_id=writer.save_id,
-                                      world_size=self.world_size, asynchronous=asynchronous, seconds=seconds,
-                                      stage_seconds=stage_seconds)
-        staged = writer.live_state
-        if staged is not None:  # rank 0's
-            stats.stage_call_seconds, stats.stage_wait_seconds = staged.call_seconds, staged.read.wait_seconds
-            stats.pool_bytes, stats.peak_host_bytes = staged.staging.pool_bytes, staged.peak_host_bytes
-        local = getattr(writer, "last_local_commit", None)
-        if local is not None:
-            stats.tier, stats.local_commit_seconds, stats.replica_bytes = "local", local.seconds, local.replica_bytes
-        try:
-            self._retention(step, writer, stats)
-        except Exception as e:  # EBUSY on NFS .nfsXXXX files, EIO, throttled deletes: the next save retries
-            stats.retention_error = f"{type(e).__name__}: {e}"
-            log.warning("run %r step %d is committed, but retention failed (the next save retries it): %s",
-                        self.run_id, step, stats.retention_error, exc_info=True)
-        log.info("run %r step %d committed: %s", self.run_id, step,
-                 ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in stats.to_dict().items() if k != "ranks"))
-        self._deliver(self.callbacks.on_saved, "on_saved", stats)
-
-    @contextlib.contextmanager
-    def _failures_reported(self, operation: str, step: int | None, started: float):
-        """Report a failure of the enclosed work to ``on_failed``; yields a dict whose ``step`` the work
-        may fill in once it knows it (a load of the latest step)."""
-        attempt = {"step": step}
-        try:
-            yield attempt
-        except Exception as error:
-            self._report_failure(operation, attempt["step"], error, started)
-            raise
-
-    def _report_failure(self, operation: str, step: int | None, error: BaseException, started: float) -> None:
-        """Never raises: the failure itself must still reach the caller (an async save's future)."""
-        if self.callbacks.on_failed is None:
-            return
-        try:
-            stats = FailureStats.from_error(error, operation=operation, run_id=self.run_id, step=step,
-                                            world_size=self.world_size, rank=self.rank,
-                                            seconds=time.perf_counter() - started)
-        except Exception:
-            log.exception("could not describe the failure of %s step %s for on_failed", operation, step)
-            return
-        self._deliver(self.callbacks.on_failed, "on_failed", stats)
-
-    def _deliver(self, callback: StatsCallback | None, name: str,
-                 stats: SaveStats | LoadStats | FailureStats | SnapshotStats) -> None:
-        """Hand ``stats`` to a user callback; its failure is logged and counted, never the operation's."""
-        if callback is None:
-            return
-        try:
-            callback(stats.to_dict())
-        except Exception:
-            with self._lock:
-                self.callback_failures += 1
-            log.exception("the %s callback failed for run %r step %s; the %s's outcome stands", name, self.run_id,
-                          stats.step, stats.kind)
 
     def _retention(self, step: int, writer: AtomicStorageWriter, stats: SaveStats) -> None:
         """Applies the retention policy reading only the journal and the markers (and, for ``best``, the manifests

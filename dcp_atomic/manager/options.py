@@ -4,15 +4,18 @@ here too) and the statistics callbacks (:class:`Callbacks`).
 
 ``CheckpointManager`` took these as flat keywords; grouped, each group checks itself once, where it is built
 (``__post_init__``), and the manager passes it on whole (the local tier reads :class:`LocalTierOptions`, the save,
-load and drain reports read :class:`Callbacks`).  The flat keywords stay for one release (deprecated)."""
+load and drain reports read :class:`Callbacks`).  The flat keywords stay for one release (deprecated), turned into
+the groups here (:func:`grouped`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any, Callable
 
 from .._base import arguments
+from ..errors import ArgumentError, ConfigurationError
 from ..memory.options import MemoryTier  # the memory tier's own options, beside the code that reads them
 
 __all__ = ["Callbacks", "LocalTierOptions", "MemoryTier", "StatsCallback"]
@@ -97,3 +100,52 @@ class Callbacks:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             arguments.callback(f"Callbacks({field.name}=...)", getattr(self, field.name))
+
+
+# -- the deprecated flat keywords, folded into the options objects ------------------------------------------------
+
+class _Unset:
+    """The type of a deprecated flat keyword's "not given" (:data:`FLAT`)."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+UNSET: Any = _Unset()
+
+# the flat keywords of the options objects, deprecated (``CheckpointManager``'s until the release after next): keyword ->
+# the options object that holds it now
+FLAT = {**dict.fromkeys(("local_root", "replicas", "durable_every", "keep_local", "failure_domain"), "local"),
+        **dict.fromkeys(("on_saved", "on_loaded", "on_failed", "on_drained"), "callbacks")}
+
+
+def grouped(local: LocalTierOptions | None, callbacks: Callbacks | None,
+             flat: dict[str, Any]) -> tuple[LocalTierOptions | None, Callbacks]:
+    """The options objects, built from the deprecated flat keywords given (``flat``) where the caller passed those:
+    each warns, naming the new form; a group given both ways is an ``ArgumentError``."""
+    given = {name: value for name, value in flat.items() if value is not UNSET}
+    for name, value in given.items():
+        new = ("local=LocalTierOptions(...)" if FLAT[name] == "local" else "callbacks=Callbacks(...)")
+        warnings.warn(f"CheckpointManager({name}=...) is deprecated and goes in the next minor release: pass "
+                      f"{new} with {name}={value!r} in it", DeprecationWarning, stacklevel=3)
+    groups = {"local": local, "callbacks": callbacks}
+    for group, passed in groups.items():
+        mixed = sorted(name for name in given if FLAT[name] == group)
+        if passed is not None and mixed:
+            raise ArgumentError(f"CheckpointManager got {group}= and the deprecated keyword(s) {', '.join(mixed)}: "
+                                f"pass them in {group}= only", argument=group)
+    local_flat = {name: value for name, value in given.items() if FLAT[name] == "local"}
+    if local is None and local_flat:
+        if local_flat.get("local_root") is not None:
+            local = LocalTierOptions(**local_flat)
+        else:  # no local tier: only the keywords that mean something without one are accepted (as before)
+            extra = {name: value for name, value in local_flat.items()
+                     if name != "local_root" and not (name == "durable_every" and value is None)}
+            if "durable_every" in extra:
+                raise ConfigurationError(f"durable_every={extra['durable_every']} needs local_root: without a local "
+                                         "tier every save already goes to the durable root")
+            if "keep_local" in extra:
+                arguments.count("CheckpointManager(keep_local=...)", extra["keep_local"], optional=False)
+    if callbacks is None:
+        callbacks = Callbacks(**{name: value for name, value in given.items() if FLAT[name] == "callbacks"})
+    return local, callbacks
