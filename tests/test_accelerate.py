@@ -86,7 +86,8 @@ def _first_run(ctx):
     job = _job(seedable=ctx.extra["seedable"])
     accelerator = job[0]
     torch.manual_seed(100 + ctx.rank), random.seed(ctx.rank), np.random.seed(ctx.rank)  # generators of its own
-    checkpoint = AcceleratorCheckpoint(accelerator, ctx.root, "exp", keep_last=2, timeout=15)
+    # timeout=5: the survivor of the kill names its dead peer after 5 s (15 s proved no more)
+    checkpoint = AcceleratorCheckpoint(accelerator, ctx.root, "exp", keep_last=2, timeout=5)
     assert checkpoint.load() is None  # a fresh start
     record = {}
     for step in range(1, 6):
