@@ -56,10 +56,11 @@ def test_an_unreachable_endpoint_fails_every_command_before_torch_is_imported(sc
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     if scheme == "s3":
         options = {"endpoint_url": endpoint, "key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"},
-                   "dcp_atomic_retry_budget_s": 2, "dcp_atomic_backoff_s": 0.01}
+                   "dcp_atomic_retry_budget_s": 0.5, "dcp_atomic_backoff_s": 0.01}
     else:
         options = {"endpoint_url": endpoint, "token": "anon", "project": "test", "retries": 1,
-                   "dcp_atomic_retry_budget_s": 2, "dcp_atomic_backoff_s": 0.01}
+                   "dcp_atomic_retry_budget_s": 0.5, "dcp_atomic_backoff_s": 0.01}
+    # a retry budget of 0.5 s: the commands fail the same way (several attempts, refused) after 0.5 s instead of 2 s
     root = f"{scheme}://bucket/root"
     flag = ["--storage-options", json.dumps(options), "--timeout", "5"]
     for argv in (["ls", root], ["ls", root, RUN], ["show", root, RUN, "1"], ["verify", root, RUN, "1"],
