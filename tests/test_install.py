@@ -39,6 +39,32 @@ def _install_commands(clone: str) -> list[str]:
             for c in commands]
 
 
+def _link_torch(venv: str) -> bool:
+    """torch as ``pip install torch`` leaves it in ``venv`` (its packages and dist-info), as hard links to this
+    venv's files of the same pinned release: the docs' ``pip install torch`` then finds "your build" installed and
+    adds only its small dependencies, instead of unpacking the 190 MB wheel (the slowest step of this test, and not
+    this project's: the package's own install, extras and CLI are what the test proves).  False (nothing linked)
+    where this venv holds another torch or hard links fail (another filesystem): pip installs torch as before."""
+    from importlib.metadata import distribution
+
+    torch = distribution("torch")
+    if torch.version.split("+")[0] != TORCH.split("==")[1]:
+        return False
+    source = str(torch.locate_file(""))
+    target = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
+                             "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    tops = {name.split("/")[0] for name in (f.as_posix() for f in torch.files) if not name.startswith("..")}
+    try:
+        for top in sorted(tops):
+            shutil.copytree(os.path.join(source, top), os.path.join(target, top), copy_function=os.link)
+    except OSError:
+        for top in tops:
+            shutil.rmtree(os.path.join(target, top), ignore_errors=True)
+        return False
+    return True
+
+
 def _run(command: str, venv: str, cwd: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=os.path.join(venv, "bin") + os.pathsep + os.environ["PATH"], VIRTUAL_ENV=venv)
     env.pop("PYTHONPATH", None)
@@ -54,10 +80,14 @@ def test_the_readme_install_into_a_fresh_venv_gives_a_working_cli_and_quick_star
     venv, elsewhere = str(tmp_path / "venv"), tmp_path / "project"
     elsewhere.mkdir()
     subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
+    _link_torch(venv)
     for command in commands:  # torch first, then the package with its extras, torchtitan, the CLI's help
         # --no-compile: the same files, without byte-compiling torch's thousands of modules at install time
         done = _run(command.replace("pip install", "pip install -q --disable-pip-version-check --no-compile", 1),
                     venv, str(elsewhere))
+        if command == commands[0]:
+            installed = _run("pip list --format=freeze", venv, str(elsewhere)).stdout.lower()
+            assert "torch==2.13.0" in installed and "sympy==" in installed, installed  # torch and its dependencies
     assert "usage: dcp-atomic" in done.stdout
     where = _run('python -c "import dcp_atomic, dcp_atomic.integrations, s3fs; print(dcp_atomic.__file__)"', venv,
                  str(elsewhere)).stdout
