@@ -104,12 +104,12 @@ class _StoreWork:
     """``with drainer._io():`` this rank works on the stores, not waiting in a collective (a tick of the shared stall
     clock, and what a stall's error says of this rank)."""
 
-    def __init__(self, drainer: "Drainer") -> None:
-        self.drainer = drainer
+    def __init__(self, drainer: "Drainer", what: str) -> None:
+        self.drainer, self.what = drainer, what
 
     def __enter__(self) -> None:
         self.drainer.clock.tick()
-        self.drainer._io_since = time.monotonic()
+        self.drainer._io_since, self.drainer._io_what = time.monotonic(), self.what
 
     def __exit__(self, *exc: Any) -> None:
         self.drainer._io_since = None
@@ -152,6 +152,7 @@ class Drainer:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._io_since: float | None = None  # this rank works on the stores (not in a collective) since, or None
+        self._io_what = ""  # and on what (a stall's error says it)
         self._verdict: DrainStalledError | None = None  # the stall this rank's wait() declared: raised again
         self._phase = "idle"  # where the round in flight is (what a failure can say of its step: _stopped)
         self.drained = self.failed = self.skipped = 0  # counters (every rank; ``skipped`` on rank 0)
@@ -206,8 +207,11 @@ class Drainer:
         unknown (rank 0 was writing the marker), or durable (rank 0 wrote it, then did not hand out the outcome).
         Drains then stop until the job restarts (the stuck thread is left to its store; later calls report it)."""
         idle = lambda: not self._has_work() and self._inflight is None  # noqa: E731
-        if self._verdict is not None and self.busy():  # still stuck: the same verdict, at once
-            raise self._verdict
+        if self._verdict is not None:  # declared stalled and raised on this rank already: drains stopped, never waited
+            if self.busy():  # for again, and the verdict is raised once (a later call would say it again, alone)
+                log.warning("the drain is still stuck on its store (%s; raised already): not waited for",
+                            first_line(self._verdict))
+            return
         self.clock.start_waiting()
         while True:
             with self._cond:
@@ -241,7 +245,8 @@ class Drainer:
         what = (f"the drain of step {job.step} (save {job.save_id})" if job is not None else
                 f"the drain of step {step}" if step is not None else
                 f"the drain of step(s) {sorted(self.protected())}")
-        own = ("this rank's own uploads are stuck on the store" if self._io_since is not None else
+        stuck_here = self._io_since is not None
+        own = (f"this rank is stuck {self._io_what} on the store" if stuck_here else
                "this rank waited for its peers")
         if verdict == STALLED:
             outcome = ("No durable marker of the step was or will be written by this job (global rank 0 abandons it: "
@@ -260,14 +265,19 @@ class Drainer:
                        f"{self.durable.storage.describe()} {self.durable.run_id}` tells")
         return DrainStalledError(
             f"{what} made no progress on any rank for {self.clock.stall:.0f}s or more (the stall deadline; "
-            f"{own}, rank {self.rank}): the store ({self.where}, or a node's local root) does not answer. Stopped "
+            f"{own}, rank {self.rank}): "
+            + ("global rank 0 does not answer" if verdict == SILENT and not stuck_here else
+               f"the store ({self.where}, or this node's local root) does not answer" if stuck_here else
+               f"another rank's work on its stores made no progress (the durable store as its node reaches it, or its "
+               f"local root, does not answer); this rank's own ({self.where}) answered")
+            + ". Stopped "
             f"waiting. {outcome}. Drains stop until the job restarts, and the next job drains the newest local step "
             "again. Check the store (a frozen mount, an unreachable endpoint).",
             step=job.step if job is not None else step, rank=self.rank, path=self.where,
             durable={STALLED: False, DURABLE: True}.get(verdict))
 
-    def _io(self) -> "_StoreWork":
-        return _StoreWork(self)
+    def _io(self, what: str) -> "_StoreWork":
+        return _StoreWork(self, what)
 
     def _progressed(self) -> None:
         self.clock.tick()
@@ -339,7 +349,11 @@ class Drainer:
         else:
             known = (f"no durable marker was written for {step} (the durable root's previous step is intact; gc "
                      "collects the partial attempt)")
-        return StorageError(f"the drain to {self.where} stopped on rank {self.rank} ({first_line(e)}): {known}; later "
+        cause = first_line(e)
+        if self.clock.declared_stalled():  # what failed the collective: the others gave up on the round, not died
+            cause = (f"a waiter declared the drain stalled (no progress on any rank for the stall deadline) and the "
+                     f"other ranks left the round; this rank was stuck or waited for one that was ({cause})")
+        return StorageError(f"the drain to {self.where} stopped on rank {self.rank} ({cause}): {known}; later "
                             "steps stay local until the job restarts.", rank=self.rank,
                             step=job.step if job is not None else None)
 
@@ -416,7 +430,7 @@ class Drainer:
         attempt by it, the commit checks it is still there).  Its time is now: an old step drained late is in
         flight from now on."""
         try:
-            with self._io():
+            with self._io("claiming the step's durable attempt"):
                 self._owns_durable()
                 claim_attempt(self.durable, job.step, job.save_id, started_at=now(), drained_from=self.here)
             return None
@@ -429,8 +443,8 @@ class Drainer:
 
     def _upload(self, job: DrainJob, sources: list[int], control: bool) -> Uploaded:
         try:
-            failpoints.hit("drain.before_upload", self.rank, job.step)
-            with self._io():
+            with self._io("uploading its files"):
+                failpoints.hit("drain.before_upload", self.rank, job.step)  # where a hung store stops the upload
                 return upload_ranks(self.local, self.durable, job, sources, self.rank, self.threads,
                                     progress=self._progressed, control=control)
         except CheckpointError as e:
@@ -447,6 +461,14 @@ class Drainer:
         ``manifest``: rank 0's own upload of it, if it was the control uploader."""
         failed = [(r, s.error) for r, s in enumerate(shares) if s.error is not None]
         error: CheckpointError | None = None
+        stalled = False
+
+        def then() -> str:
+            """What follows a failed round: a retry, unless a waiter declared the drain stalled while it ran."""
+            nonlocal stalled
+            stalled = self.clock.declared_stalled()
+            return ("no drain follows in this job (a waiter declared the drain stalled): the next job drains the "
+                    "newest local step" if stalled else "the next drain retries")
         refused = next((e for _, e in failed if isinstance(e, CommitConflictError)), None)
         if refused is not None:  # rank 0's claim refused: the root is not this job's to commit into; no retry changes it
             with self._cond:
@@ -465,13 +487,13 @@ class Drainer:
                 f"drain of step {job.step} (save {job.save_id}) to {self.where}: {len(failed)} rank(s) could not "
                 f"upload: " + "; ".join(e.message for _, e in failed[:4]) + ". No durable marker was written; the "
                 "durable root's previous step is intact. Check the named paths (space and access on the durable "
-                "root, or a local copy found damaged or missing): the next drain retries.", step=job.step,
+                f"root, or a local copy found damaged or missing): {then()}.", step=job.step,
                 ranks=[r for r, _ in failed],
                 path=failed[0][1].details.get("path"))
         else:
             evidence = Evidence.on_roots({name: who for share in shares for name, who in share.verified.items()}, roots)
             try:
-                with self._io():
+                with self._io("committing the step (its control files and marker)"):
                     marker = commit_durable(self.durable, job, manifest, self._resumed(), self.timeout, evidence,
                                             self.clock)
             except (CommitConflictError, IncompleteStepError, DrainStalledError) as e:
@@ -489,7 +511,7 @@ class Drainer:
                     outcome = ("No durable marker was written" if committed is False else
                                "Whether its durable marker was written is unknown")
                     error = StorageError(f"drain of step {job.step}: global rank 0 could not commit it to {where}: "
-                                         f"{reason.rstrip('.')}. {outcome}; the next drain retries.", step=job.step,
+                                         f"{reason.rstrip('.')}. {outcome}; {then()}.", step=job.step,
                                          rank=0, path=str(where))
             else:
                 failpoints.hit("drain.after_commit", 0, job.step)
@@ -500,7 +522,7 @@ class Drainer:
                     queued_seconds=queued,
                     bytes=sum(s.bytes for s in shares), files=sum(s.files for s in shares), attempts=attempt,
                     skipped=skipped, bytes_reused=sum(s.bytes_reused for s in shares))
-        again = attempt < DRAIN_ATTEMPTS  # the others then enter one more round (a newer step may take it)
+        again = attempt < DRAIN_ATTEMPTS and not stalled  # the others then enter one more round (a newer step may)
         with self._cond:
             if again:
                 self._retry = (job, attempt + 1)
