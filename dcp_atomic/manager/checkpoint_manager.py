@@ -57,7 +57,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..stores.backends import open_storage
 from .._base import arguments
-from ..protocol.catalog import DEFAULT_TIMEOUT
+from ..protocol.catalog import DEFAULT_TIMEOUT, shows_at_once
 from ..exchange.collective import RankAgreement, first_line, raise_typed
 from ..protocol.commit import ResumePoint, read_marker, refuse_committed, scan_markers
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
@@ -800,8 +800,10 @@ class CheckpointManager(RankAgreement):
         (a liveness verdict first: the gloo error that followed it names nobody).  A local save has no marker
         until after DCP returns (``commits_in_dcp``), so there is nothing to settle."""
         if writer.save_id is not None and self._tier.commits_in_dcp:
-            try:  # rank 0 may have just created it on another client: allow for visibility lag
-                marker = read_marker(self.layout, step, Deadline(min(self.timeout, 5.0)))
+            try:  # rank 0 may have just created it on another client: allow for visibility lag, where there is any
+                marker = (read_marker(self.layout, step, Deadline(0.0), missing_ok=True)
+                          if shows_at_once(self.layout, self.layout.step_dir(step)) else
+                          read_marker(self.layout, step, Deadline(min(self.timeout, 5.0))))
                 if marker.save_id == writer.save_id:
                     log.warning("step %d: DCP reported a failure (%s) after the commit; the marker names this "
                                 "save (%s), so the checkpoint IS committed", step, first_line(error), writer.save_id)

@@ -3,10 +3,11 @@ steps, locations and lineages.  What "committed" means is decided here and only 
 
 from .._base.faces import face
 
-# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
+# The face: what the other layers import from here (tests/guards/test_layers.py holds them to it), by module.
 __all__, __getattr__, __dir__ = face(__name__, {
     # catalog's resume_point takes a root (the public one); commit's, which takes a layout, shares its name
-    "catalog": ("DEFAULT_TIMEOUT", "latest_step", "list_steps", "most_recent", "resolve", "resume_point"),
+    "catalog": ("DEFAULT_TIMEOUT", "latest_step", "list_steps", "most_recent", "resolve", "resume_point",
+                "shows_at_once"),
     "commit": ("commit", "claim_attempt", "commit_order", "commit_step", "CommitPolicy", "Committed", "copy_control",
                "Evidence", "known_sequence", "listed_steps", "memory_order",
                "next_sequence", "note_sequence", "publish_control", "root_sequence",

@@ -38,6 +38,13 @@ def most_recent(markers: list[Marker]) -> Marker | None:
     return max(markers, key=commit_order, default=None)
 
 
+def shows_at_once(layout: RunLayout, path: str) -> bool:
+    """Whether a name another process made or removed under ``path`` shows here at once: a POSIX root on a filesystem
+    of this machine (ext4, xfs, tmpfs...), where no client cache can hide it, so a missing marker or step is missing
+    and nothing is worth waiting for.  Not on NFS or FUSE mounts (their clients cache names), nor object stores."""
+    return isinstance(layout.storage, LocalStorage) and local_filesystem(path)
+
+
 def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id: str | None = None,
             save_sequence: int | None = None) -> Committed:
     """The committed checkpoint to load: ``step`` itself, or the one ``LATEST`` names.
@@ -51,7 +58,7 @@ def resolve(layout: RunLayout, step: int | None, deadline: Deadline, *, save_id:
     # One stat on a POSIX root (on an object store it would be a LIST by every rank, which ranks never make).
     absent = (step is not None and save_id is None and isinstance(layout.storage, LocalStorage)
               and not layout.storage.is_dir(layout.step_dir(step)))
-    if absent and local_filesystem(layout.step_dir(step)):  # no cache can hide it here: nothing to wait for
+    if absent and shows_at_once(layout, layout.step_dir(step)):  # no cache can hide it here: nothing to wait for
         raise CheckpointNotFoundError(
             f"step {step} of run {layout.run_id!r} is not committed under {layout.storage.describe()}: its directory "
             f"does not exist on this machine's {filesystem_type(layout.step_dir(step))} filesystem (no cache can hide "
