@@ -11,7 +11,7 @@
     python benchmarks/bench.py staging [options]   bounded staging: async_save's host memory with / without Staging
     python benchmarks/bench.py memory [options]    the memory tier: snapshots and restores vs the local tier, world 4
     python benchmarks/bench.py SCENARIO --help     what it measures, its options
-    python benchmarks/bench.py SCENARIO --smoke    seconds: proves it still runs (tests/test_benchmarks.py)
+    python benchmarks/bench.py SCENARIO --smoke    seconds: proves it still runs (tests/guards/test_benchmarks.py)
 
 Each writes its tables to stdout, progress to stderr and its results to bench-results/<scenario>.json
 (the large scenario: bench-results/bench.json and bench.png).  The layout is in benchmarks/__init__.py.

@@ -38,7 +38,7 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
     quiet_pip "$VENV" "torch==$TORCH_VERSION"
 fi
 "$VENV/bin/python" -c 'import dcp_atomic' 2>/dev/null || quiet_pip "$VENV" -e ".[test]" "torch==$TORCH_VERSION"
-for optional in "torchtitan==0.3.0" tyro spmd-types; do  # tests/test_mesh_names.py reads torchtitan's own meshes
+for optional in "torchtitan==0.3.0" tyro spmd-types; do  # tests/format/test_mesh_names.py reads torchtitan's own meshes
     name=${optional%%=*}
     "$VENV/bin/python" -c "import ${name//-/_}" 2>/dev/null || quiet_pip "$VENV" --no-deps "$optional"
 done
@@ -48,8 +48,9 @@ status=0
 start=$SECONDS
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
-for file in test_torch_versions test_internals test_mesh_names test_single_process test_formats test_reshard test_checkpoint_id \
-            test_worlds test_manager test_tiers test_tier_worlds; do  # the two tiers: world 4 as 2 nodes, world 6 as 3
+for file in guards/test_torch_versions guards/test_internals format/test_mesh_names manager/test_single_process \
+            format/test_formats dcp/test_reshard dcp/test_checkpoint_id faults/test_worlds manager/test_manager \
+            tiers/test_tiers tiers/test_tier_worlds; do  # the two tiers: world 4 as 2 nodes, world 6 as 3
     echo "== torch $TORCH_VERSION: tests/$file.py"
     rc=0
     DCP_ATOMIC_OTHER_PYTHON="$PWD/.venv/bin/python" "$VENV/bin/python" -m pytest "tests/$file.py" -q \

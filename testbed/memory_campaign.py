@@ -15,7 +15,7 @@ steps, until the round's victim (one rank, or both ranks of a node) dies: SIGKIL
 of its n-th snapshot, or by a timer thread in the victim at a random moment (phases between failpoints, saves).
 After the kill some rounds wipe one node's memory path (the next restore must come from the replicas) or both (from
 the durable root).  :func:`run_campaign` plays the rounds and judges each; ``benchmarks/memory_campaign.py`` is its
-command line, ``tests/test_memory_campaign.py`` runs a few rounds.
+command line, ``tests/memory/test_memory_campaign.py`` runs a few rounds.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ can produce what real stores do on a bad day, over real HTTP:
   ``for_s=8`` makes a rule a storm that ends after 8 s; ``stall_s`` holds the
   request that long before answering (``status=None``: then forward it);
   ``body=regex`` matches the request body (a GCS upload names its object there).
-  The proxy forwards any HTTP, so tests/test_gcs.py puts it in front of fake-gcs-server too;
+  The proxy forwards any HTTP, so tests/stores/test_gcs.py puts it in front of fake-gcs-server too;
   there an error reply is an S3 XML body with the status, which gcsfs reads by its status;
 * ``proxy.ignore_conditions = True``: strip ``If-None-Match`` / ``If-Match``
   (a store that silently ignores conditional writes); a set such as

@@ -5,7 +5,7 @@ of torch, s3fs and gcsfs (``internals``)."""
 
 from .faces import face
 
-# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
+# The face: what the other layers import from here (tests/guards/test_layers.py holds them to it), by module.
 __all__, __getattr__, __dir__ = face(__name__, {
     "arguments": ("arguments",),
     "extras": ("install_advice", "MISSING_EXTRA_EXIT"),

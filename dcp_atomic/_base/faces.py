@@ -3,7 +3,7 @@
 The face is the package's ``__all__``, and each of its names can be imported from the package itself.  A module is
 imported when one of its names is first asked for, not with the package: ``format`` and ``stores`` are on the way of
 ``dcp-atomic ls``, which must start without torch (``format.codec`` imports it), and importing one module of a
-package must not run the others.  ``tests/test_layers.py`` holds every import across packages to the faces.
+package must not run the others.  ``tests/guards/test_layers.py`` holds every import across packages to the faces.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every private name of torch, s3fs, gcsfs and CPython that dcp_atomic uses, in one place.
 
 Each is a bet on a release's internals that no public API offers (why, at each name).  Gathered here, one file
-shows what a new torch, s3fs or gcsfs can break, and ``tests/test_internals.py`` pins each against the installed
+shows what a new torch, s3fs or gcsfs can break, and ``tests/guards/test_internals.py`` pins each against the installed
 releases (torch 2.13.0, 2.14.1 and 2.15.0 through ``scripts/test_torch_matrix.sh``; the s3fs and gcsfs that
 ``.ci/run`` installs), so a moved name fails there, named, instead of deep inside a save.  The rest of the package
 imports these wrappers, never the private names themselves.

@@ -21,7 +21,7 @@ T = TypeVar("T")
 #: the rename that published them.  LATEST and markers can be replaced (overwrite=True), and an NFS client with a
 #: stale attribute cache reads the new content cut to the old size until that cache expires.  On real NFS
 #: close-to-open revalidation ends this at the next open; the bindfs emulation, harsher, keeps it up to its cache
-#: timeout: tests/test_stale_cache.py (1-2 s caches) fails without a window and passes with this same second.
+#: timeout: tests/stores/test_stale_cache.py (1-2 s caches) fails without a window and passes with this same second.
 REREAD_SECONDS = 1.0
 
 

@@ -3,7 +3,7 @@ read checks and shared reads.  Everything ``dcp.save`` / ``dcp.load`` calls."""
 
 from .._base.faces import face
 
-# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
+# The face: what the other layers import from here (tests/guards/test_layers.py holds them to it), by module.
 __all__, __getattr__, __dir__ = face(__name__, {
     "identity": ("default_thread_count",),
     "planners": ("AtomicLoadPlanner", "AtomicSavePlanner"),

@@ -3,7 +3,7 @@ container, the parallel layout, safe decoding.  No I/O: everything here reads an
 
 from .._base.faces import face
 
-# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
+# The face: what the other layers import from here (tests/guards/test_layers.py holds them to it), by module.
 __all__, __getattr__, __dir__ = face(__name__, {
     "blocks": ("check_block", "check_digests", "file_blocks", "verify_blocks_from", "verify_item",
                "verify_stored_file"),

@@ -4,7 +4,7 @@ built on the local tier's placement and the one transport."""
 
 from .._base.faces import face
 
-# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
+# The face: what the other layers import from here (tests/guards/test_layers.py holds them to it), by module.
 __all__, __getattr__, __dir__ = face(__name__, {
     "items": ("flatten", "install"),
     "options": ("MemoryTier",),

@@ -6,7 +6,7 @@ as it is (:class:`~.live_state.StableState`)."""
 
 from .._base.faces import face
 
-# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
+# The face: what the other layers import from here (tests/guards/test_layers.py holds them to it), by module.
 __all__, __getattr__, __dir__ = face(__name__, {
     "live_state": ("LiveState", "StableState"),
     "options": ("Staging",),

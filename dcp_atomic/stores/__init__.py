@@ -3,7 +3,7 @@ and conditional writes.  Stores move bytes by path; the checkpoint's meaning is 
 
 from .._base.faces import face
 
-# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
+# The face: what the other layers import from here (tests/guards/test_layers.py holds them to it), by module.
 __all__, __getattr__, __dir__ = face(__name__, {
     "backends": ("missing_backend_message", "open_storage"),
     "storage": ("LocalRangeReader", "LocalStorage", "publish_stream", "RangeReader", "Storage"),

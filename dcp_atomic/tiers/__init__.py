@@ -3,8 +3,8 @@ durable root.  Built on the protocol, the stores and the DCP layer; the manager 
 
 from .._base.faces import face
 
-# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.  All of it is
-# for manager/two_tier.py (the CLI uses local_markers, open_local and sweep_spool too): the seam to narrow.
+# The face: what the other layers import from here (tests/guards/test_layers.py holds them to it), by module.  All of
+# it is for manager/two_tier.py (the CLI uses local_markers, open_local and sweep_spool too): the seam to narrow.
 __all__, __getattr__, __dir__ = face(__name__, {
     "drain": ("Drained", "Drainer"),
     "drain_plan": ("DrainJob",),

@@ -3,7 +3,7 @@ run's save statistics, export to torch and safetensors, import of stock DCP chec
 
 from .._base.faces import face
 
-# The face: what the other layers import from here (tests/test_layers.py holds them to it), by module.
+# The face: what the other layers import from here (tests/guards/test_layers.py holds them to it), by module.
 __all__, __getattr__, __dir__ = face(__name__, {
     "cli": ("main",),
 })
