@@ -6,8 +6,10 @@ What it measures
     each node's memory path on its own tmpfs mount.  The model is the demo's (``dcp-atomic demo``,
     ``examples/train.py``): ``Linear(h/2, h) -> ReLU -> Linear(h, h/2)`` with ``h = --hidden`` (64: the demo's),
     ``fully_shard`` over the 4 ranks, AdamW; its state is the demo's ``Stateful`` (``get_state_dict`` of model and
-    optimizer: DTensors).  Per contender, ``--steps`` timed training steps (after ``--warmup`` untimed ones) on
-    random batches of ``--batch``:
+    optimizer: DTensors).  Both models docs/benchmarks.md reports run, each in its own world (:data:`MODELS`: the
+    demo's, ``h = 64``, batch 32, 50 timed steps; and ``h = 2048``, batch 256, 30 timed steps, 12.6 MB per rank), or
+    the one ``--hidden`` (``--batch``, ``--steps``) names.  Per contender, the timed training steps (after
+    ``--warmup`` untimed ones) on random batches:
 
     none      no checkpointing: the step itself;
     snapshot  ``CheckpointManager(memory=MemoryTier(node's tmpfs, every=1, replicas=1, slots=2))`` and
@@ -46,9 +48,11 @@ RANKS_PER_NODE = WORLD // NODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=int, default=64, help="the model's width (default %(default)s: the demo's)")
-    parser.add_argument("--batch", type=int, default=32, help="samples per step and rank (default %(default)s)")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per contender (default %(default)s)")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="one model of this width (default: both documented models, MODELS)")
+    parser.add_argument("--batch", type=int, default=None, help="samples per step and rank, with --hidden (default 32)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per contender, with --hidden (default 50)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (default %(default)s)")
     parser.add_argument("--op-timeout", type=float, default=300, help="seconds one operation may take")
@@ -56,10 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="seconds: 8 timed steps, 1 warm-up, 1 round")
 
 
+# the two models docs/benchmarks.md reports, (hidden, batch, timed steps): the demo's 15 ms step, and a 12.6 MB per
+# rank one whose step is about 320 ms here
+MODELS = ((64, 32, 50), (2048, 256, 30))
+
+
 def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.smoke:
-        args.steps, args.warmup, args.repeats = 8, 1, 1  # enough for one snapshot to be taken on a loaded machine
-    if min(args.steps, args.repeats, args.batch) < 1 or args.warmup < 0 or args.hidden < 2 or args.hidden % 2:
+    if args.hidden is None and (args.batch is not None or args.steps is not None):
+        parser.error("--batch and --steps go with --hidden (without it both documented models run, each its own)")
+    args.models = list(MODELS) if args.hidden is None else [(args.hidden, args.batch or 32, args.steps or 50)]
+    if args.smoke:  # the demo's model only, a few steps: enough for one snapshot to be taken on a loaded machine
+        args.models, args.warmup, args.repeats = [(args.models[0][0], args.models[0][1], 8)], 1, 1
+    if (min(min(batch, steps) for _, batch, steps in args.models) < 1 or args.repeats < 1 or args.warmup < 0
+            or any(hidden < 2 or hidden % 2 for hidden, _, _ in args.models)):
         parser.error("--steps, --repeats and --batch must be at least 1, --warmup at least 0, --hidden even and >= 2")
 
 
@@ -178,17 +191,26 @@ def _cloned(tree):
 
 def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
+    models = [_run_model(args, hidden, batch, steps) for hidden, batch, steps in args.models]
+    if report.SMOKE:
+        print("(--smoke: a few steps; the numbers say nothing)")
+    return {"models": models, "environment": {**report.environment(), "loadavg_before": load_before}}
+
+
+def _run_model(args: argparse.Namespace, hidden: int, batch: int, steps: int) -> dict:
+    """One model's world, its table printed; its config, summary and per-rank rows."""
+    load_before = os.getloadavg()
     with contextlib.ExitStack() as stack:
         # a node's 2 ranks hold 2 slots of their own and 2 replicas of the other node's: 4 x the state's half, with
         # AdamW's two moments 3 x the parameters' fp32 bytes (about hidden^2 of them)
-        nodes, how = stack.enter_context(node_roots(48 * args.hidden ** 2 + 64 * MiB))
+        nodes, how = stack.enter_context(node_roots(48 * hidden ** 2 + 64 * MiB))
         disk = stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-steps-durable-", dir="/var/tmp"))
-        say(f"steps: world {WORLD} as {NODES} nodes, the demo's model at hidden {args.hidden}, batch {args.batch}, "
-            f"{args.steps} timed steps per contender, {args.repeats} round(s); memory paths: {how}")
-        plan = {"hidden": args.hidden, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+        say(f"steps: world {WORLD} as {NODES} nodes, the demo's model at hidden {hidden}, batch {batch}, "
+            f"{steps} timed steps per contender, {args.repeats} round(s); memory paths: {how}")
+        plan = {"hidden": hidden, "batch": batch, "steps": steps, "warmup": args.warmup,
                 "repeats": args.repeats, "nodes": nodes, "disk": disk, "op_timeout": args.op_timeout}
         per_rank = launch(_rank, WORLD, disk, args=(plan,), op_timeout=args.op_timeout,
-                          ops=args.repeats * len(CONTENDERS) * (args.steps + args.warmup + 4) + 4, rank_env=node_env)
+                          ops=args.repeats * len(CONTENDERS) * (steps + args.warmup + 4) + 4, rank_env=node_env)
     rows = {}
     for name in CONTENDERS:
         slowest = [max(rank[name][r]["step_seconds"] for rank in per_rank) for r in range(args.repeats)]
@@ -197,8 +219,8 @@ def run(args: argparse.Namespace) -> dict:
             rows[name].update(taken=[r["taken"] for r in per_rank[0][name]],
                               skipped=[r["skipped"] for r in per_rank[0][name]])
     base = rows["none"]["step_seconds"]
-    print(f"\nstep time, world {WORLD} as {NODES} nodes, the demo's model at hidden {args.hidden}, batch {args.batch}, "
-          f"{args.steps} timed steps, median of {args.repeats} (slowest rank's mean step); load average "
+    print(f"\nstep time, world {WORLD} as {NODES} nodes, the demo's model at hidden {hidden}, batch {batch}, "
+          f"{steps} timed steps, median of {args.repeats} (slowest rank's mean step); load average "
           f"{load_before[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     print("| contender | step ms | overhead | snapshots taken / skipped (rank 0, per round) |")
     print("|---|---|---|---|")
@@ -207,10 +229,6 @@ def run(args: argparse.Namespace) -> dict:
         counts = "" if name == "none" else ", ".join(f"{t}/{s}" for t, s in zip(row["taken"], row["skipped"]))
         print(f"| {name} | {row['step_seconds'] * 1000:.2f} | {report.fmt(row['overhead'] * 100, '+.0f')}% | "
               f"{counts} |")
-    if report.SMOKE:
-        print("(--smoke: a few steps; the numbers say nothing)")
-    return {"config": {"world": WORLD, "nodes": NODES, "hidden": args.hidden, "batch": args.batch,
-                       "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tmpfs": how,
-                       "smoke": args.smoke},
-            "environment": {**report.environment(), "loadavg_before": load_before}, "summary": rows,
-            "per_rank": per_rank}
+    return {"config": {"world": WORLD, "nodes": NODES, "hidden": hidden, "batch": batch, "steps": steps,
+                       "warmup": args.warmup, "repeats": args.repeats, "tmpfs": how, "smoke": args.smoke},
+            "loadavg": [load_before[0], os.getloadavg()[0]], "summary": rows, "per_rank": per_rank}

@@ -284,12 +284,13 @@ def _assert_smoke_verdicts(printed: str) -> None:
 
 def test_step_overhead_smoke(checkout, root):
     document = _run(checkout, root, "steps")
-    assert document["scenario"] == "steps" and document["config"]["world"] == 4
-    rows = document["summary"]
+    [model] = document["models"]  # the smoke runs the demo's model alone (a full run: both documented ones)
+    assert document["scenario"] == "steps" and model["config"]["world"] == 4 and model["config"]["hidden"] == 64
+    rows = model["summary"]
     assert set(rows) == {"none", "snapshot", "staged"}
     for name, row in rows.items():
         assert row["step_seconds"] > 0 and len(row["runs"]) == 1, name
-    steps = document["config"]["steps"]
+    steps = model["config"]["steps"]
     for name in ("snapshot", "staged"):  # every timed step's snapshot is either taken or skipped, and some are taken
         assert [t + s for t, s in zip(rows[name]["taken"], rows[name]["skipped"])] == [steps], rows[name]
         assert rows[name]["taken"][0] >= 1, rows[name]
