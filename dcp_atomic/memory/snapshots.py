@@ -312,9 +312,14 @@ class MemorySnapshots:
             return
         pin, self._pinned = self._pinned, None
         own = None
-        if pin is not None and pin.future.done() and concurrent.futures.Future.exception(pin.future) is not None:
-            own = concurrent.futures.Future.exception(pin.future)
-            pin.future.reported = True
+        if pin is not None:
+            # the copy is one save of every rank: failed on another rank, it fails here too, maybe later (this rank's
+            # save thread ran late). Its outcome is waited for and raised here, so that it is reported once on every
+            # rank; dropped unreported, this rank's next save raised it alone, and the ranks parted ways
+            concurrent.futures.wait([pin.future], timeout=self.timeout)
+            if pin.future.done() and concurrent.futures.Future.exception(pin.future) is not None:
+                own = concurrent.futures.Future.exception(pin.future)
+                pin.future.reported = True
         log.warning("memory tier: step %d is not snapshotted: the durable copy of an earlier snapshot failed (%s)",
                     step, "; ".join(f"rank {r}: {why}" for r, why in failed[:4]))
         if own is not None:

@@ -112,7 +112,10 @@ class _StoreWork:
         self.drainer._io_since, self.drainer._io_what = time.monotonic(), self.what
 
     def __exit__(self, *exc: Any) -> None:
-        self.drainer._io_since = None
+        drainer = self.drainer
+        now = time.monotonic()
+        drainer._io_last = (self.what, now - drainer._io_since, now)
+        drainer._io_since = None
 
 
 # -- the background thread -----------------------------------------------------------------------------------
@@ -153,6 +156,8 @@ class Drainer:
         self._closed = False
         self._io_since: float | None = None  # this rank works on the stores (not in a collective) since, or None
         self._io_what = ""  # and on what (a stall's error says it)
+        # the last work on the stores that ended: what, how long it took, when it ended
+        self._io_last: tuple[str, float, float] | None = None
         self._verdict: DrainStalledError | None = None  # the stall this rank's wait() declared: raised again
         self._phase = "idle"  # where the round in flight is (what a failure can say of its step: _stopped)
         self.drained = self.failed = self.skipped = 0  # counters (every rank; ``skipped`` on rank 0)
@@ -246,8 +251,13 @@ class Drainer:
                 f"the drain of step {step}" if step is not None else
                 f"the drain of step(s) {sorted(self.protected())}")
         stuck_here = self._io_since is not None
+        stall = self.clock.stall  # stuck before: this round ended since the verdict, its work on the store had stalled
+        stuck_before = (not stuck_here and self._io_last is not None and stall is not None
+                        and self._io_last[1] >= stall and time.monotonic() - self._io_last[2] <= 2 * stall)
         own = (f"this rank is stuck {self._io_what} on the store" if stuck_here else
+               f"this rank was stuck {self._io_last[0]} on the store for {self._io_last[1]:.0f}s" if stuck_before else
                "this rank waited for its peers")
+        stuck_here = stuck_here or stuck_before
         if verdict == STALLED:
             outcome = ("No durable marker of the step was or will be written by this job (global rank 0 abandons it: "
                        "every rank says so); the durable root's previous step is intact and the step stays on the "

@@ -12,6 +12,7 @@ import os
 import shutil
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -214,11 +215,12 @@ def test_a_slot_damaged_before_its_durable_copy_is_refused_on_every_rank_never_s
     assert _durable_steps(root) == []
 
 
-def _snapshots_past_a_failed_copy(ctx):
+def _snapshots_past_a_failed_copy(ctx, late_rank=None):
     """Snapshots with ``durable_every=2`` while the first durable copy (of step 2) fails in its write, until a call
     raises (it fails in the background: however long that takes, the calls meanwhile snapshot): what each call
     returned (its step, or the error it raised and whether it names step 2), the skipped count, what ``wait()``
-    raised, and what a fresh job restores from the durable root once memory is gone."""
+    raised, and what a fresh job restores from the durable root once memory is gone.  ``late_rank``: that rank's
+    copy reports its failure 3 s after the others' (a loaded rank's save thread)."""
     from dcp_atomic._base import failpoints
 
     writes = []
@@ -232,6 +234,9 @@ def _snapshots_past_a_failed_copy(ctx):
     model, optim = trained(WORLD, 0)
     outcomes = []
     with memory_manager(ctx, durable_every=2) as manager:
+        if ctx.rank == late_rank:
+            report, late = manager._reports.failure, threading.Event()
+            manager._reports.failure = lambda *a: (late.wait(3), report(*a))  # before the copy's future fails
         for step in range(1, 201):
             if step <= 4:
                 _train_step(model, optim, step)
@@ -250,9 +255,12 @@ def _snapshots_past_a_failed_copy(ctx):
         return outcomes, manager.snapshots_skipped, waited
 
 
+@pytest.mark.parametrize("late_rank", [None, 3], ids=["together", "rank-3-late"])
 def test_a_failed_durable_copy_is_raised_by_the_next_snapshot_on_every_rank_once_and_no_snapshot_is_skipped(
-        root, nodes):
-    outcomes = assert_all_ok(_run(_snapshots_past_a_failed_copy, root, nodes))
+        root, nodes, late_rank):
+    """Once, on every rank, at the same call; also when one rank learns of the failure after the others (it used to
+    drop its copy unreported and raise it alone from its next save, the others waiting for it there)."""
+    outcomes = assert_all_ok(_run(_snapshots_past_a_failed_copy, root, nodes, late_rank))
     assert all(o == outcomes[0] for o in outcomes), outcomes  # every rank alike, at the same call
     calls, skipped, waited = outcomes[0]
     raised = [c for c in calls if isinstance(c, tuple)]

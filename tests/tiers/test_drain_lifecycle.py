@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import threading
 import time
 
@@ -165,7 +166,8 @@ def test_rank_0_s_slow_commit_gets_one_verdict_on_every_rank(nodes, tmp_path):
         assert kind == "DrainStalledError" and durable is False, (rank, calls)
         assert STALL <= seconds < STALL + 15, (rank, calls)
     # rank 0 was stuck in its commit, not in uploads; rank 1 waited for it
-    assert "this rank is stuck committing the step" in seen[0][0][2], seen[0][0][2]
+    # (stuck still, or, where a waiter's verdict ended its round first, was stuck there)
+    assert re.search(r"this rank (is|was) stuck committing the step", seen[0][0][2]), seen[0][0][2]
     assert "this rank waited for its peers" in seen[1][0][2], seen[1][0][2]
     assert not _durable_marker(str(tmp_path / "durable"))
 

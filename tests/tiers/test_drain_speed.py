@@ -110,10 +110,20 @@ def _drain_two_files_per_rank(ctx):
     real = verified_copy._read_exactly
     verified_copy._read_exactly = lambda fd, view, offset, path: (pieces.append(len(view)),
                                                                   real(fd, view, offset, path))[1]
+    import threading
+
     threads: set[str] = set()
     real_copy = drain_plan.copy_verified
-    drain_plan.copy_verified = lambda *a, **k: (threads.add(__import__("threading").current_thread().name),
-                                            real_copy(*a, **k))[1]
+    together = threading.Barrier(2)  # a rank's two files: each copy waits (a moment) for the other to start
+
+    def copy(*a, **k):
+        threads.add(threading.current_thread().name)
+        try:
+            together.wait(timeout=5)  # on one thread, the second never starts: the barrier breaks, and threads == 1
+        except threading.BrokenBarrierError:
+            together.reset()
+        return real_copy(*a, **k)
+    drain_plan.copy_verified = copy
 
     def damage(rank, step):
         if step == 10 and rank == 1:
