@@ -180,8 +180,9 @@ def plan_rank(encode: Encode, new_encoder: Callable[[], Encoder], items: list[Wr
     linked: list[WriteResult] = []
     linked_files: list[FileEntry] = []
     for source, target, held in _files_to_link(base, unchanged, ctx.rank):
-        referenced = referencing(source, target, ctx.rank, [extent for extent, _ in held])
-        if not _link_verified(ctx, base, source, referenced):
+        referenced = _link_verified(ctx, base, source, referencing(source, target, ctx.rank,
+                                                                   [extent for extent, _ in held]))
+        if referenced is None:
             continue
         linked += [WriteResult(index=item.index, size_in_bytes=extent.length,
                                storage_data=dataclasses.replace(written, relative_path=target, offset=extent.pos))
@@ -256,15 +257,18 @@ def _probe(encode: Encode, encoder: Encoder, item: WriteItem, extent: ItemExtent
     return written
 
 
-def _link_verified(ctx: ReuseContext, base: Base, source: FileEntry, referenced: FileEntry) -> bool:
+def _link_verified(ctx: ReuseContext, base: Base, source: FileEntry, referenced: FileEntry) -> FileEntry | None:
     """Link the base's file ``source`` into this attempt as ``referenced.name``
     (:func:`..protocol.links.link_verified`: the items this step references are checked, the dead bytes between
-    them need not match anything); False where that fails: the caller writes those items."""
+    them need not match anything): ``referenced`` as this step records it (with the store's checksum of the copy
+    where the base recorded none: the next reuse of it is then checked without a download), or None where the link
+    fails: the caller writes those items."""
     source_path = ctx.layout.data_file(base.step, base.save_id, source.name, base.data_prefixes)
     target = ctx.layout.data_file(ctx.step, ctx.save_id, referenced.name, ctx.data_prefixes)
     failpoints.hit("reuse.before_link", ctx.rank, base.step)
-    if not link_verified(ctx.storage, source_path, target, referenced, rank=ctx.rank, base_step=base.step,
-                         where=f"step {base.step} save {base.save_id} {source.name}", threads=ctx.threads):
-        return False
+    linked = link_verified(ctx.storage, source_path, target, referenced, rank=ctx.rank, base_step=base.step,
+                           where=f"step {base.step} save {base.save_id} {source.name}", threads=ctx.threads)
+    if linked is None:
+        return None
     failpoints.hit("reuse.after_link", ctx.rank, ctx.step)
-    return True
+    return dataclasses.replace(referenced, checksum=referenced.checksum or linked.checksum)

@@ -103,12 +103,21 @@ def load_base(layout: RunLayout, rank: int, step: int, save_id: str, timeout: fl
     return None
 
 
+@dataclass(frozen=True)
+class Linked:
+    """A link that passed its check (:func:`link_verified`): ``checksum`` is the store's checksum of the new object
+    where the store reported one, which its caller records so that the next link of it is checked without a
+    download (None on POSIX, where a hard link is the same inode)."""
+
+    checksum: str | None
+
+
 def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, rank: int, base_step: int, where: str,
-                  threads: int) -> bool:
+                  threads: int) -> Linked | None:
     """The one way a stored file is reused (a save's stable file, a drain's upload): ``storage.link`` it from the
     base step (``link_kind``), then check it: by the store's checksum of the copy against the one ``entry`` recorded
     when the base was written, where the store reports both (S3, :mod:`..stores.object_checksum`: nothing is
-    downloaded), else against ``entry``'s block digests; False (logged, nothing left behind) where either fails, and
+    downloaded), else against ``entry``'s block digests; None (logged, nothing left behind) where either fails, and
     the caller writes or uploads the file instead.  ``entry`` is the new step's record of the file: its size, and
     only the items that step references (a save links a base file whose other items changed: their bytes are dead,
     checked by nothing and read by no one)."""
@@ -118,10 +127,10 @@ def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, r
     except (OSError, StorageError) as e:  # the base removed meanwhile, no hard links, a copy the store refuses
         log.warning("reuse: rank %d could not link %s from step %d by %s (%s); writing it instead",
                     rank, name, base_step, storage.link_kind, _refusal(e))
-        return False
+        return None
     if reported is not None and entry.checksum is not None:  # the store's checksum of the copy: no download
         if reported == entry.checksum:
-            return True
+            return Linked(reported)
         log.warning("reuse: rank %d: the %s of %s from step %d has the store's checksum %s, but the base recorded %s "
                     "when it was written: the base object was changed or damaged in the store, so it is not reused: "
                     "writing it instead. The base step, and every step copied from it, may be damaged: run "
@@ -139,7 +148,7 @@ def link_verified(storage: Any, source: str, target: str, entry: FileEntry, *, r
         log.warning("reuse: rank %d could not verify the %s of %s from step %d (%s); writing it instead", rank,
                     storage.link_kind, name, base_step, e)
         return _unlink(rank, storage, target)
-    return True
+    return Linked(reported)  # the copy's bytes checked: the store's checksum of it is of good bytes
 
 
 def _refusal(error: OSError | StorageError) -> str:
@@ -152,8 +161,8 @@ def _refusal(error: OSError | StorageError) -> str:
     return f"{error.strerror or error}, errno {error.errno}"
 
 
-def _unlink(rank: int, storage: Any, target: str) -> bool:
-    """Remove a link that failed its check (False: the caller writes the file); a link left behind is a typed error,
+def _unlink(rank: int, storage: Any, target: str) -> None:
+    """Remove a link that failed its check (None: the caller writes the file); a link left behind is a typed error,
     never a commit of unverified bytes."""
     try:
         storage.remove(target)
@@ -162,7 +171,7 @@ def _unlink(rank: int, storage: Any, target: str) -> bool:
                            f"check: {getattr(gone, 'strerror', None) or gone}. Nothing was committed; remove the "
                            "attempt (dcp-atomic gc) and retry the save", rank=rank, path=target,
                            errno=getattr(gone, "errno", None)) from gone
-    return False
+    return None
 
 
 def base_files(layout: RunLayout, step: int, ranks: list[int]) -> list[tuple[int, str, FileEntry]]:

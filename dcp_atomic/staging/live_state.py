@@ -8,6 +8,14 @@ tensors' bytes (CPU tensors in place, device tensors block by block through the 
 :meth:`LiveState.finished_reading`: the version check, then the release that ``wait_staged()`` waits for.  A
 changed tensor fails the rank's ``write_data``, so DCP's failure gathering fails the save on every rank and
 nothing is committed.
+
+Host memory is the pool for the copies made at the call too: a CPU tensor's copy is packed into the pool's windows
+(:class:`_Packed`; all but one, which the writer keeps for device tensors), so a state made of small tensors (every
+FSDP shard at scale) does not grow host memory by itself.  A small tensor that finds no room is read live like a
+large one: the optimizer gate (:func:`~.versions.gate_optimizer_steps`) covers what ``optimizer.step()`` changes,
+and a buffer that forward changes before ``wait_staged()`` fails the save with ``StagingRaceError`` naming it
+(never a silent mix).  A tensor ``Staging(eager=...)`` names is copied whatever the room: beside the pool when it
+has none (counted in ``peak_host_bytes``).  Device tensors' copies stay on the device (``clone``), as before.
 """
 
 from __future__ import annotations
@@ -19,9 +27,53 @@ from typing import Any
 
 import torch
 
+from torch.distributed.tensor import DTensor
+
 from .options import Staging
 from .pool import WindowPool
 from .versions import LiveTensor, ReadGate, local_tensor, raise_if_any_changed
+
+_ALIGN = 64  # bytes: where each packed copy starts in its window (any dtype's alignment)
+
+
+class _Packed:
+    """Copies made at the call, packed into windows of the pool, held until nothing reads them (:meth:`release`).
+    It never takes the pool's last window: the writer reads device tensors through it."""
+
+    def __init__(self, pool: WindowPool) -> None:
+        self.pool = pool
+        self.windows: list[torch.Tensor] = []
+        self.used = 0  # bytes of the newest window taken
+        self.bytes = 0  # of every copy packed
+
+    @staticmethod
+    def packs(tensor: torch.Tensor) -> bool:
+        """A plain (dense, not quantized) CPU tensor: the kind a window holds."""
+        return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A copy of ``tensor`` (:meth:`packs`) in a window, of its dtype and shape, or None where no window the
+        pool can spare has room for it."""
+        nbytes = tensor.nbytes
+        if nbytes > self.pool.window_bytes:
+            return None
+        if not self.windows or self.used + nbytes > self.pool.window_bytes:
+            window = self.pool.try_acquire(keep=1)
+            if window is None:
+                return None
+            self.windows.append(window)
+            self.used = 0
+        start = self.used
+        packed = self.windows[-1][start:start + nbytes].view(tensor.dtype).view(tensor.shape)
+        packed.copy_(tensor.detach())
+        self.used = -(-(start + nbytes) // _ALIGN) * _ALIGN
+        self.bytes += nbytes
+        return packed
+
+    def release(self) -> None:
+        windows, self.windows = self.windows, []
+        for window in windows:
+            self.pool.release(window)
 
 
 class LiveState:
@@ -34,7 +86,8 @@ class LiveState:
         self.staging = staging
         self.pool = pool
         self.live: list[LiveTensor] = []
-        self.eager_bytes = 0  # host and device bytes copied at the call
+        self.eager_bytes = 0  # host bytes copied at the call beside the pool, and device bytes copied on the device
+        self.packed = _Packed(pool)  # the host copies made at the call, in the pool's windows
         self.call_seconds = 0.0
         self.read = ReadGate()  # opens once the writer no longer reads the live tensors
 
@@ -62,14 +115,17 @@ class LiveState:
             self.release()
 
     def release(self) -> None:
-        """Nothing reads the live tensors any more (read, or the save failed before reading them); the references
-        to them go too, so that this save keeps no tensor of the model alive."""
+        """Nothing reads the live tensors or the copies any more (read, or the save failed before reading them): the
+        references to the live ones go, so that this save keeps no tensor of the model alive, and the copies' windows
+        go back to the pool."""
         self.live = []
+        self.packed.release()
         self.read.open()
 
     @property
     def peak_host_bytes(self) -> int:
-        """The staging's host memory on this rank: the pool's windows and the copies made at the call."""
+        """The staging's host memory on this rank: the pool's windows (the packed copies in them) and the copies
+        made at the call beside the pool."""
         return self.pool.allocated_bytes + self.eager_bytes
 
     def _staged(self, value: Any, key: str) -> Any:
@@ -80,10 +136,21 @@ class LiveState:
             return type(value)(self._staged(item, f"{key}.{index}") for index, item in enumerate(value))
         if not isinstance(value, torch.Tensor):
             return copy.deepcopy(value)  # DCP pickles it while writing, after the call
-        nbytes = local_tensor(value).nbytes
-        if self.staging.copies_eagerly(key, value, nbytes):
-            self.eager_bytes += nbytes
-            return value.detach().clone()
+        local = local_tensor(value)
+        if self.staging.copies_eagerly(key, value, local.nbytes):
+            packed = self.packed.copy(local) if self.packed.packs(local) else None
+            if packed is not None:
+                return packed if local is value else DTensor.from_local(
+                    packed, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                    stride=value.stride())
+            if not self.packed.packs(local) or self.staging.names_eagerly(key):  # on the device, or asked for
+                self.eager_bytes += local.nbytes
+                return value.detach().clone()
+            self.live.append(LiveTensor.record(key, value, advice=(
+                f"It is small ({local.nbytes} bytes), copied at the call while the staging pool has room, and the pool "
+                "had none, so it was read after the call: call manager.wait_staged() before changing it, or, if "
+                "forward changes it (a BatchNorm statistic), name it in Staging(eager=...) or raise pool_bytes.")))
+            return value
         self.live.append(LiveTensor.record(key, value))
         return value
 

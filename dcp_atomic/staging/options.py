@@ -27,7 +27,8 @@ class Staging:
         pool_bytes: host memory for the windows copies go through (pinned for device tensors); the staging's peak
             extra host memory, beside the eager copies.
         window_bytes: one window: a tensor larger than it is copied in several.  At most ``pool_bytes``.
-        eager_bytes: tensors up to this size are copied at the call (default 1 MiB).
+        eager_bytes: tensors up to this size are copied at the call (default 1 MiB) while the pool has room for
+            the copies (:mod:`.live_state`); one that finds none is read after the call, its version checked.
         eager: key prefixes (DCP's dotted keys, ``"model.bn"``) of tensors copied at the call whatever their size.
     """
 
@@ -57,4 +58,8 @@ class Staging:
 
     def copies_eagerly(self, key: str, value: Any, nbytes: int) -> bool:
         """Whether ``value`` (at ``key``, ``nbytes`` on this rank) is copied at the call rather than read lazily."""
-        return nbytes <= self.eager_bytes or any(key == p or key.startswith(p + ".") for p in self.eager)
+        return nbytes <= self.eager_bytes or self.names_eagerly(key)
+
+    def names_eagerly(self, key: str) -> bool:
+        """Whether ``key`` is one of ``eager``'s prefixes (of whole key parts): copied at the call whatever it costs."""
+        return any(key == p or key.startswith(p + ".") for p in self.eager)

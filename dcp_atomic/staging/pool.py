@@ -1,4 +1,5 @@
-"""A bounded pool of host windows: the only host memory bounded staging allocates for lazily read tensors.
+"""A bounded pool of host windows: the only host memory bounded staging allocates, for lazily read tensors and for
+the small tensors an ``async_save`` copies at the call (packed into windows: :mod:`.live_state`).
 
 Windows are allocated on first use (a pool never used costs nothing) and kept for the next save: pinning host
 memory is slow (page-locking every page), so a job pays it once, not per save.  ``acquire`` blocks while every
@@ -31,9 +32,22 @@ class WindowPool:
         return self._allocated * self.window_bytes
 
     def acquire(self) -> torch.Tensor:
+        """A window; blocks while every window is out."""
+        window = self._take(block=True, keep=0)
+        assert window is not None
+        return window
+
+    def try_acquire(self, keep: int = 0) -> torch.Tensor | None:
+        """A window now, or None: never blocks, and never takes one of the last ``keep`` windows the pool could
+        still hand out (free or not yet allocated), which another user of the pool needs to make progress."""
+        return self._take(block=False, keep=keep)
+
+    def _take(self, *, block: bool, keep: int) -> torch.Tensor | None:
         with self._cond:
-            while not self._free and self._allocated >= self.capacity:
+            while block and not self._free and self._allocated >= self.capacity:
                 self._cond.wait()
+            if not block and len(self._free) + self.capacity - self._allocated <= keep:
+                return None
             if self._free:
                 return self._free.pop()
             self._allocated += 1

@@ -44,12 +44,16 @@ class LiveTensor:
     version: int
     watched: torch.Tensor | None = None
     local_version: int | None = None  # the local shard's own counter, when it is not the watched tensor's
+    advice: str = "Call manager.wait_staged() before optimizer.step()."  # what the error tells the user to do
 
     @classmethod
-    def record(cls, key: str, tensor: torch.Tensor) -> "LiveTensor":
+    def record(cls, key: str, tensor: torch.Tensor, advice: str | None = None) -> "LiveTensor":
         local = local_tensor(tensor)
-        return cls(key, local, internals.version_counter(tensor), tensor,
-                   None if local is tensor else internals.version_counter(local))
+        recorded = cls(key, local, internals.version_counter(tensor), tensor,
+                       None if local is tensor else internals.version_counter(local))
+        if advice is not None:
+            recorded.advice = advice
+        return recorded
 
     def raise_if_changed(self, step: int | None, rank: int | None) -> None:
         now = internals.version_counter(self.watched if self.watched is not None else self.tensor)
@@ -60,8 +64,8 @@ class LiveTensor:
         what = f"{self.key!r} was changed in place (version {self.version} -> {now})"  # a snapshot's message reuses it
         race = StagingRaceError(
             f"rank {rank}: {what} while the save{where} was still reading it (an optimizer.step() or another in-place "
-            "op before manager.wait_staged() returned). Nothing was committed; the previous checkpoint is intact. "
-            "Call manager.wait_staged() before optimizer.step().", step=step, rank=rank, key=self.key)
+            f"op before manager.wait_staged() returned). Nothing was committed; the previous checkpoint is intact. "
+            f"{self.advice}", step=step, rank=rank, key=self.key)
         race.what = what
         raise race
 

@@ -55,6 +55,7 @@ what a round plans, uploads and commits is :mod:`.drain_plan`'s.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import socket
@@ -160,6 +161,9 @@ class Drainer:
         self._io_last: tuple[str, float, float] | None = None
         self._verdict: DrainStalledError | None = None  # the stall this rank's wait() declared: raised again
         self._phase = "idle"  # where the round in flight is (what a failure can say of its step: _stopped)
+        # the store's checksums of the data objects this rank's last two uploads wrote (durable path -> checksum):
+        # the next drain's reuse links them from there, checked without a download (drain_plan.upload_ranks)
+        self._stored: collections.deque[dict[str, str]] = collections.deque(maxlen=2)
         self.drained = self.failed = self.skipped = 0  # counters (every rank; ``skipped`` on rank 0)
 
     # -- the training side
@@ -455,8 +459,11 @@ class Drainer:
         try:
             with self._io("uploading its files"):
                 failpoints.hit("drain.before_upload", self.rank, job.step)  # where a hung store stops the upload
-                return upload_ranks(self.local, self.durable, job, sources, self.rank, self.threads,
-                                    progress=self._progressed, control=control)
+                uploaded = upload_ranks(self.local, self.durable, job, sources, self.rank, self.threads,
+                                        progress=self._progressed, control=control,
+                                        stored={path: crc for kept in self._stored for path, crc in kept.items()})
+                self._stored.append(uploaded.checksums)
+                return uploaded
         except CheckpointError as e:
             return Uploaded(error=e)
         except OSError as e:

@@ -9,6 +9,7 @@ roots and the job: the queue, the stall clock and the collectives that hand thei
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,9 @@ class Uploaded:
     files: int = 0
     bytes_reused: int = 0  # of ``bytes``: linked from the durable root's previous step (reuse), not uploaded
     verified: dict[str, str] = field(default_factory=dict)  # file name -> how it got there (the commit's evidence)
+    # durable path -> the store's checksum of the data object this rank wrote there, where the store reported one:
+    # what the next drain's link of it is checked by, without a download (:func:`upload_ranks`'s ``stored``)
+    checksums: dict[str, str] = field(default_factory=dict)
     manifest: bytes | None = None  # the control uploader's (Plan.control): kept by rank 0, never gathered
 
 
@@ -125,11 +129,17 @@ def plan_uploads(held: list[Holding]) -> Plan:
 
 
 def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: list[int], rank: int,
-                 threads: int = 1, progress: Callable[[], None] | None = None, control: bool = False) -> Uploaded:
+                 threads: int = 1, progress: Callable[[], None] | None = None, control: bool = False,
+                 stored: dict[str, str] | None = None) -> Uploaded:
     """Step 2: copy the shards and data files of the ranks ``sources`` of ``job`` from this local root, ``threads``
     files at a time, each block checked as it is read; a shard goes last, once every file it names is up; then, with
     ``control``, the control files (:func:`upload_control`).  Returns the files uploaded, by name, as the commit's
-    evidence.  ``progress()`` is called after each piece uploaded (the stall clock of :meth:`~.drain.Drainer.wait`)."""
+    evidence.  ``progress()`` is called after each piece uploaded (the stall clock of :meth:`~.drain.Drainer.wait`).
+
+    ``stored``: the store's checksums of the objects earlier drains of this job wrote (``Uploaded.checksums``).  A
+    drained step's shard is the local one verbatim, which records no store checksum, so a file linked from the
+    durable base (reuse) is checked by the one the store reported when this job uploaded it; a base this job did
+    not write (a restart, another rank's upload) is downloaded and checked against its block digests."""
     uploaded = Uploaded()
     if not sources and not control:
         return uploaded
@@ -149,18 +159,26 @@ def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: l
                 storage.makedirs(target.rsplit("/", 1)[0])
             copies.append((entry, src, target))
     stop = threading.Event()  # one file failed: the others stop at their next piece
-    reusable = _reusable(durable, job, sources, [entry for entry, _, _ in copies])
+    reusable = _reusable(durable, job, sources, [entry for entry, _, _ in copies], stored or {})
     linked: dict[str, str] = {}  # file name -> how it got there, for the files linked instead of uploaded
 
     def copy(entry: FileEntry, source: str, target: str) -> None:
         try:
             base = reusable.get(entry.name)
-            if base is not None and link_verified(storage, base[1], target, entry, rank=rank, base_step=base[0],
-                                                  where=f"durable step {base[0]} {entry.name}", threads=1):
-                linked[entry.name] = (f"rank {rank} linked it ({storage.link_kind}) from durable step {base[0]}, "
-                                      "every block checked")
-                return
-            copy_verified(entry, source, storage, target, stop, progress)
+            if base is not None:
+                step, path, checksum = base
+                made = link_verified(storage, path, target, dataclasses.replace(entry, checksum=checksum), rank=rank,
+                                     base_step=step, where=f"durable step {step} {entry.name}", threads=1)
+                if made is not None:
+                    how = ("checked by the store's checksum" if checksum is not None and made.checksum
+                           else "every block checked")
+                    linked[entry.name] = f"rank {rank} linked it ({storage.link_kind}) from durable step {step}, {how}"
+                    if made.checksum is not None:
+                        uploaded.checksums[target] = made.checksum
+                    return
+            checksum = copy_verified(entry, source, storage, target, stop, progress)
+            if checksum is not None:
+                uploaded.checksums[target] = checksum
         except OSError as e:  # name the file, not only the directory (a short write carries no file name)
             e.filename = e.filename or target
             stop.set()
@@ -192,12 +210,13 @@ def upload_ranks(local: RunLayout, durable: RunLayout, job: DrainJob, sources: l
     return uploaded
 
 
-def _reusable(durable: RunLayout, job: DrainJob, sources: list[int], entries: list[FileEntry]
-              ) -> dict[str, tuple[int, str]]:
+def _reusable(durable: RunLayout, job: DrainJob, sources: list[int], entries: list[FileEntry],
+              stored: dict[str, str]) -> dict[str, tuple[int, str, str | None]]:
     """Reuse (P15) across the drain: for each stable file of this share, a file of the durable root's latest committed
     step below ``job.step`` that holds the bytes it references (:func:`~..protocol.links.holds_referenced`: under
-    its name, or the plain file a local save linked under a stable name), as name -> (that step, its path), so it
-    is linked there (:func:`~..protocol.links.link_verified`) instead of uploaded again.  Nothing where the local
+    its name, or the plain file a local save linked under a stable name), as name -> (that step, its path, the
+    store's checksum of it: recorded in its shard, else ``stored``'s, else None), so it is linked there
+    (:func:`~..protocol.links.link_verified`) instead of uploaded again.  Nothing where the local
     step has no stable file or the durable store can neither hard-link nor copy in place."""
     stable = [entry for entry in entries if STABLE_FILE_PATTERN.fullmatch(entry.name)]
     if not stable or durable.storage.link_kind is None:
@@ -207,8 +226,8 @@ def _reusable(durable: RunLayout, job: DrainJob, sources: list[int], entries: li
     for entry in stable:
         held = [(step, path, other) for step, path, other in base if holds_referenced(other, entry)]
         if held:  # the same name first: the file the durable step already links on
-            step, path, _ = min(held, key=lambda found: found[2].name != entry.name)
-            reusable[entry.name] = (step, path)
+            step, path, other = min(held, key=lambda found: found[2].name != entry.name)
+            reusable[entry.name] = (step, path, other.checksum or stored.get(path))
     return reusable
 
 

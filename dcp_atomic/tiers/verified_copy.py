@@ -49,11 +49,12 @@ def _blocks(entry: FileEntry, where: str) -> list[_Block]:
 
 
 def copy_verified(entry: FileEntry, source: str, storage: Storage, target: str,
-                  stop: threading.Event | None = None, progress: Callable[[], None] | None = None) -> None:
+                  stop: threading.Event | None = None, progress: Callable[[], None] | None = None) -> str | None:
     """Stream a local data file to ``target`` in the durable store in one pass: read a piece (about
     :data:`COPY_CHUNK` bytes, ending where a block ends) into one reused buffer, check every block it holds against
     the shard's digests, then upload it.  An object store gets a multipart upload for a large file.  Memory is one
-    piece per thread, whatever the file's size.  A durable file left by a failed earlier attempt is replaced."""
+    piece per thread, whatever the file's size.  A durable file left by a failed earlier attempt is replaced.
+    Returns the store's checksum of the uploaded object where it reports one (``Storage.close_write``)."""
     blocks = _blocks(entry, source)
     fd = os.open(source, os.O_RDONLY)
     try:
@@ -96,7 +97,7 @@ def copy_verified(entry: FileEntry, source: str, storage: Storage, target: str,
                 position = end
                 if progress is not None:
                     progress()
-            storage.close_write(stream)
+            return storage.close_write(stream)
         except BaseException:
             storage.abort_write(stream)
             raise

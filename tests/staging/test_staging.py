@@ -255,6 +255,60 @@ def test_a_state_of_small_tensors_is_staged_within_the_pool_each_written_into_th
         assert sink.hashes[index].digest() == hashlib.sha256(tensor.numpy().tobytes()).digest()
 
 
+def test_an_async_save_of_small_tensors_packs_their_copies_into_the_pool_and_reads_the_rest_live(tmp_path):
+    """The same state through ``async_save``: its copies at the call were host memory beside the pool (+130 MiB);
+    now they are packed into the pool's windows (all but one) and the small tensors that find no room are read
+    live, as large ones are.  The saved step is the state at the call, exactly."""
+    from dcp_atomic import Callbacks
+
+    staging = Staging(pool_bytes=8 * MiB, window_bytes=2 * MiB)
+    state = {"layers": {f"{i}.weight": torch.full((MiB // 16,), float(i)) for i in range(512)}}
+    saved = []
+    with CheckpointManager(tmp_path, RUN, staging=staging, timeout=60,
+                           callbacks=Callbacks(on_saved=saved.append)) as manager:
+        futures = []
+        growth = _rss_growth(lambda: futures.append(manager.async_save(1, state)))
+        manager.wait_staged()
+        futures[0].result()
+        assert growth < 24 * MiB, f"async_save's call grew host memory by {growth / MiB:.1f} MiB with an 8 MiB pool"
+        assert saved[0]["peak_host_bytes"] <= staging.pool_bytes, saved[0]
+        loaded = {"layers": {key: torch.empty_like(t) for key, t in state["layers"].items()}}
+        assert manager.load(loaded) == 1
+    assert all(torch.equal(loaded["layers"][key], t) for key, t in state["layers"].items())
+
+
+def test_a_small_tensor_the_pool_had_no_room_for_is_read_live_and_its_change_is_refused_with_what_to_do(tmp_path):
+    """A pool of two windows (the manager's are 4 MiB blocks) packs copies into at most one (the writer keeps the
+    other): ``bn`` and ``w0`` are copied into it at the call and may change at once; ``w1`` (as small by the rule)
+    finds no room, is read live, and changing it before ``wait_staged()`` fails the save by name, saying how to
+    have it copied."""
+    from dcp_atomic._base import failpoints
+
+    state = {"bn": torch.zeros(16), "w0": torch.ones(3 * MiB // 4), "w1": torch.full((3 * MiB // 4,), 2.0)}  # 3 MiB
+    at_call = {key: t.clone() for key, t in state.items()}
+    reading = threading.Event()
+    failpoints.arm("write.before_data", lambda rank, step: reading.wait(30))
+    staging = Staging(pool_bytes=8 * MiB, window_bytes=4 * MiB, eager_bytes=4 * MiB)
+    with CheckpointManager(tmp_path, RUN, staging=staging, timeout=30) as manager:
+        future = manager.async_save(1, state)
+        state["bn"].add_(5)  # forward, before wait_staged(): copies made at the call
+        state["w0"].add_(5)
+        reading.set()
+        future.result()
+        loaded = {key: torch.empty_like(t) for key, t in state.items()}
+        assert manager.load(loaded) == 1
+        assert all(torch.equal(loaded[key], at_call[key]) for key in state), "the copies made at the call"
+        reading.clear()
+        future = manager.async_save(2, state)
+        state["w1"].add_(1)
+        reading.set()
+        with pytest.raises(StagingRaceError) as raced:
+            future.result()
+        assert manager.steps() == [1]
+    assert raced.value.details["key"] == "w1", raced.value.details
+    assert "pool had none" in str(raced.value) and "Staging(eager=...)" in str(raced.value), str(raced.value)
+
+
 def test_the_stager_aborts_a_tensor_changed_before_its_last_window_naming_its_key():
     staging = Staging(pool_bytes=MiB, window_bytes=MiB // 4)
     stager = Stager(staging)

@@ -4,12 +4,15 @@ replicas hold whole copies (rot in a node's linked file is served around); the d
 root's previous step that holds every item a local stable file references (step 1's plain files, which the local
 step 2 linked under stable names, included) instead of uploading it again, verified at every link; every step loads
 from the durable root alone after every node is replaced and its base is deleted; a job resized to 2 ranks saves in
-full, never linking another world's files."""
+full, never linking another world's files.  With the durable root on S3 (moto, which reports object checksums), the
+drain checks each server-side copy by the checksum the store reported when the drain uploaded its base: not one
+byte of the base comes down."""
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 
 import pytest
@@ -109,3 +112,60 @@ def test_reuse_through_both_tiers_links_locally_and_in_the_drain_and_each_step_l
     assert assert_all_ok(_run(_load_latest, root, nodes, 2, world=2, rank_env=lambda rank: {
         "DCP_ATOMIC_FAILURE_DOMAIN": "nodeAB"[4 + rank], "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
         "GROUP_RANK": str(rank)})) == [(5, "local", True)] * 2
+
+
+DATA_KEY = re.compile(r"/step_(\d{10})/[^/]+/__\d+_s?\d+\.distcp$")  # a rank's data file, plain or stable
+
+
+def _drains_to_s3(ctx, options):
+    """Three reused saves, each drained before the next; two reused saves straight to the durable root; then step 3
+    read from the durable root alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_atomic import AtomicLoadPlanner, AtomicStorageReader, Callbacks, CheckpointManager
+
+    world = mesh(ctx.world_size)
+    drained = []
+    with _manager(ctx, reuse=True, keep_local=2, storage_options=options,
+                  callbacks=Callbacks(on_drained=drained.append)) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, state(world, step), durable=True)
+            manager.wait()
+    with CheckpointManager(ctx.root, RUN, reuse=True, storage_options=options, timeout=20) as direct:
+        for step in (4, 5):  # saves straight to S3 on the drained steps
+            direct.save(step, state(world, step))
+    loaded = empty(world)
+    dcp.load(loaded, storage_reader=AtomicStorageReader(ctx.root, run_id=RUN, step=3, storage_options=options),
+             planner=AtomicLoadPlanner())
+    return {"drained": {d["step"]: (d["bytes"], d["bytes_reused"]) for d in drained},
+            "exact": exact(full(loaded), full(state(world, 3)))}
+
+
+def test_on_s3_the_drain_checks_each_copy_of_its_base_by_the_stores_checksum_and_downloads_none_of_it(s3_moto,
+                                                                                                        nodes):
+    options = s3_moto.options()
+    values = assert_all_ok(_run(_drains_to_s3, s3_moto.root, nodes, options))
+    assert all(v["exact"] for v in values), values  # the durable step 3, its stable files server-side copies
+    drained = values[0]["drained"]
+    for step in (2, 3):
+        bytes_, reused = drained[step]
+        assert reused >= 4 * QUARTER and reused <= bytes_, drained  # every rank's stable file a server-side copy
+    copies = [r for r in s3_moto.proxy.requests("PUT")
+              if "x-amz-copy-source" in r.headers and DATA_KEY.search("/" + r.key)]
+    assert {int(DATA_KEY.search("/" + r.key).group(1)) for r in copies} == {2, 3, 4, 5}, copies
+    records = s3_moto.proxy.requests()
+
+    def read_before(step):
+        """Data bytes read before ``step``'s marker, by step read (the load of step 3 comes after step 5)."""
+        committed = max(i for i, r in enumerate(records)
+                        if r.op == "PUT" and r.key.endswith(f"step_{step:010d}/COMMITTED"))
+        read = {}
+        for r in records[:committed]:
+            if r.op not in ("PUT", "UPLOAD_PART", "HEAD") and (m := DATA_KEY.search("/" + r.key)) and r.reply_bytes:
+                read[int(m.group(1))] = read.get(int(m.group(1)), 0) + r.reply_bytes
+        return read
+
+    assert read_before(3) == {}  # the drains downloaded no copy to check it (4 x 256 KiB a drain before)
+    # A drained step's shards record no store checksum: the first direct save on it checks its copies by download,
+    # and records the checksum the store reported for them, so the next save downloads nothing
+    assert read_before(4) == {4: 4 * QUARTER} and read_before(5) == {4: 4 * QUARTER}, (read_before(4), read_before(5))
