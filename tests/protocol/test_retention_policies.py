@@ -113,7 +113,7 @@ def test_both_tiers_the_durable_pending_local_step_stays_and_the_policy_rules_th
     try:
         for step in range(1, 7):
             manager.save(step, _state(step), durable=True)
-        manager.wait()
+            manager.wait()  # each drained before the next save: a step still waiting would be replaced by the next
         manager.save(7, _state(7), durable=True)
         with pytest.raises(Exception, match="injected"):
             manager.wait()  # step 7 is durable-pending: saved for a durable copy that failed
