@@ -4,7 +4,11 @@ import warnings
 
 import pytest
 
+from testbed.worlds import preload
+
 pytest_plugins = ["tests.s3_servers", "tests.fault_fixtures"]
+
+preload("pytest", "tests.harness")  # every rank of a test's world imports its test module, and so pytest
 
 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
 warnings.filterwarnings("ignore", message=".*Failed to initialize NumPy.*")

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
 from torch.distributed.tensor import DTensor
 
 from .options import Staging
@@ -44,7 +43,6 @@ class _Packed:
         self.pool = pool
         self.windows: list[torch.Tensor] = []
         self.used = 0  # bytes of the newest window taken
-        self.bytes = 0  # of every copy packed
 
     @staticmethod
     def packs(tensor: torch.Tensor) -> bool:
@@ -67,7 +65,6 @@ class _Packed:
         packed = self.windows[-1][start:start + nbytes].view(tensor.dtype).view(tensor.shape)
         packed.copy_(tensor.detach())
         self.used = -(-(start + nbytes) // _ALIGN) * _ALIGN
-        self.bytes += nbytes
         return packed
 
     def release(self) -> None:
