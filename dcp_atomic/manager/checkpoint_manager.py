@@ -33,10 +33,10 @@ What the tiers change is asked of two objects built once, in ``__init__``, each 
 snapshot tier (``NoSnapshots``; :mod:`.snapshot_tier`: the memory tier), which each operation consults at fixed
 points: no method asks which tiers exist.
 
-Why one module of about 810 lines: the public class, read end to end by users (210 of its lines are their
-documentation, the code is under 600); the tiers, the storage half of a load, the reports, liveness and retention are
-collaborators (:mod:`.tiering`, :mod:`.two_tier`, :mod:`.snapshot_tier`, :mod:`.loading`, :mod:`.reports`,
-:mod:`dcp_atomic.exchange.liveness`, :mod:`dcp_atomic.protocol.retention`).
+Why one module of about 600 lines: the public class, read end to end by users (210 lines are their documentation);
+its collaborators are the tiers, the storage halves of a save and a load, the reports and the process groups
+(:mod:`.tiering`, :mod:`.two_tier`, :mod:`.snapshot_tier`, :mod:`.saving`, :mod:`.loading`, :mod:`.reports`,
+:mod:`.groups`), liveness (:mod:`dcp_atomic.exchange.liveness`) and retention (:mod:`dcp_atomic.protocol.retention`).
 """
 
 from __future__ import annotations
@@ -45,43 +45,35 @@ import concurrent.futures
 import functools
 import logging
 import os
-import threading
 import time
 import weakref
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from ..stores.backends import open_storage
 from .._base import arguments
-from ..protocol.catalog import DEFAULT_TIMEOUT, shows_at_once
-from ..exchange.collective import RankAgreement, first_line, raise_typed
-from ..protocol.commit import ResumePoint, read_marker, refuse_committed, scan_markers
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError, StorageError
+from ..protocol.catalog import DEFAULT_TIMEOUT
+from ..exchange.collective import RankAgreement, first_line
+from ..protocol.commit import ResumePoint, scan_markers
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigurationError
 from ..format.layout import RunLayout, validate_save_id, validate_step
 from ..exchange.liveness import Heartbeat, OpWatch
-from ..format.manifest import Marker
 from ..format.parallelism import Parallelism
-from ..dcp.planners import AtomicSavePlanner
-from ..protocol.retention import DEFAULT_LEASE_SECONDS, remove_step, retain_after_commit
+from ..protocol.retention import DEFAULT_LEASE_SECONDS, remove_step
 from ..protocol.retention_policy import Retention
-from .._base.retry import Deadline
-from .._base.stats import SaveStats
-from .._base import internals, world_of_one
-from .._base.futures import ReportedFuture
-from ..dcp.watched import WatchedSavePlanner
+from .._base import internals
 from ..dcp.reuse import refuse_unsupported
-from ..dcp.writer import AtomicStorageWriter
 from ..format.integrity import BLOCK_SIZE
-from ..staging import LiveState, StableState, Stager, Staging, WindowPool, gate_optimizer_steps
+from ..staging import Stager, Staging, WindowPool, gate_optimizer_steps
 from ..memory import Restored, SnapshotFuture
 from ..tiers import failure_domain as resolve_failure_domain
 from .options import UNSET, Callbacks, LocalTierOptions, MemoryTier, StatsCallback, grouped
 from .snapshot_tier import DurableCopySaves, MemorySnapshotTier
+from .groups import ProcessGroups
 from .loading import StorageLoads
+from .saving import Saves, committed_marker
 from .reports import Reports
 from .tiering import DurableOnly, NoSnapshots, SnapshotTier, TierContext, TierPolicy
 from .two_tier import TwoTier
@@ -178,6 +170,7 @@ class CheckpointManager(RankAgreement):
     """
 
     _instances = 0
+    _saves: Saves | None = None  # set in __init__ once the tiers are built (a refused tier releases before)
 
     def __init__(
         self,
@@ -239,7 +232,6 @@ class CheckpointManager(RankAgreement):
         # the writer copies device tensors block by block: the pool's windows are blocks (kept between saves)
         self._staging_pool = None if staging is None else WindowPool(
             staging.pool_bytes // BLOCK_SIZE, BLOCK_SIZE, pinned=torch.cuda.is_available())
-        self._staged: LiveState | None = None  # the bounded staging of the latest async_save
         # every torch.optim step waits for the staged copies first (an optimizer may write through p.data)
         self._optimizer_gate = None if staging is None else gate_optimizer_steps(self.wait_staged)
         if reuse:  # the writer's own refusals (fsspec filesystems), before any process group is made
@@ -256,35 +248,14 @@ class CheckpointManager(RankAgreement):
         self.share_reads = share_reads
         self.divergence = "warn" if allow_divergence else "raise"
         self._distributed = dist.is_available() and dist.is_initialized()
-        self._owned_groups: list[dist.ProcessGroup] = []
-        self._drain_group = self._memory_group = None
-        if not self._distributed:
-            self._group = self._async_group = None
-        elif process_group is not None:
-            if memory is not None and dist.get_world_size(process_group) > 1:
-                raise ConfigurationError("CheckpointManager(memory=...) needs a process group of the memory tier's "
-                                         "own, which the manager cannot create when it is given process_group=; leave "
-                                         "process_group out")
-            self._group = self._async_group = process_group
-        else:
-            pg_timeout = timedelta(seconds=timeout)
-            self._group = dist.new_group(backend="gloo", timeout=pg_timeout)
-            self._async_group = dist.new_group(backend="gloo", timeout=pg_timeout)
-            self._owned_groups = [self._group, self._async_group]
-            if local is not None:
-                # the drain thread's own group (drain.py): created on the main thread, on every rank alike; it waits
-                # for every rank's upload, so it gets the work's limit, not the liveness one
-                self._drain_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout, work_timeout)))
-                self._owned_groups.append(self._drain_group)
-            if memory is not None:  # the memory tier's thread's own group: created here, on every rank alike
-                self._memory_group = dist.new_group(backend="gloo", timeout=pg_timeout)
-                self._owned_groups.append(self._memory_group)
+        self._groups = ProcessGroups.make(process_group, local=local is not None, memory=memory is not None,
+                                          timeout=timeout, work_timeout=work_timeout)
+        self._group, self._async_group = self._groups.main, self._groups.background
+        self._drain_group, self._memory_group = self._groups.drain, self._groups.memory
         self.rank = dist.get_rank(self._group) if self._distributed else 0
         self.world_size = dist.get_world_size(self._group) if self._distributed else 1
         self._reports.rank, self._reports.world_size = self.rank, self.world_size
-        self._inflight: ReportedFuture | None = None
         self._resumed: ResumePoint | None = None  # set by load(): see AtomicStorageWriter(resumed_from=)
-        self._lock = threading.Lock()
         self._ops = 0  # operation counter: identical on all ranks (SPMD), names liveness keys
         CheckpointManager._instances += 1
         self._instance = CheckpointManager._instances
@@ -308,14 +279,18 @@ class CheckpointManager(RankAgreement):
                 raise
         self._loads = StorageLoads(self._tier_context(), self._tier, parallelism=self.parallelism,
                                    share_reads=share_reads, resolve_everywhere=self._resolve_everywhere)
+        self._saves = Saves(self._tier_context(), self._tier, self._reports, async_group=self._async_group,
+                            staging=staging, staging_pool=self._staging_pool, parallelism=self.parallelism,
+                            compression=self.compression, reuse=reuse, divergence=self.divergence,
+                            operation=lambda: self._ops)
         if memory is not None:
             try:
                 self._memory = MemorySnapshotTier(
                     self._tier_context(), memory, lineage=self._tier.lineage, local_sequence=self._tier.local_sequence,
                     domain=resolve_failure_domain(local.failure_domain if local is not None else None),
                     stager=None if staging is None else Stager(staging, self._staging_pool),
-                    copies=DurableCopySaves(start=self._save_durable_copy, failed=self._failed_save,
-                                            busy=self._save_in_flight, wait=self._wait_for_async_save),
+                    copies=DurableCopySaves(start=self._saves.durable_copy, failed=self._saves.failed,
+                                            busy=self._saves.busy, wait=self._saves.wait_for_async_save),
                     parallelism=self.parallelism)
             except BaseException:
                 self._release()
@@ -333,7 +308,8 @@ class CheckpointManager(RankAgreement):
             retention=self.retention, lease_seconds=self.lease_seconds, group=self._group,
             drain_group=self._drain_group, memory_group=self._memory_group, heartbeat=self._heartbeat,
             callbacks=self.callbacks, translate=self._translate, on_rank0=self._on_rank0, watch=self._watch,
-            resumed=lambda: self._resumed, committed_marker=self._committed_marker, deliver=self._reports.deliver)
+            resumed=lambda: self._resumed, deliver=self._reports.deliver,
+            committed_marker=lambda layout, step: committed_marker(layout, step, self.timeout))
 
     @property
     def restored_from(self) -> dict[str, Any] | None:
@@ -373,25 +349,7 @@ class CheckpointManager(RankAgreement):
         """
         validate_step(step, "CheckpointManager.save(step=...)")
         arguments.user_metadata("CheckpointManager.save(metadata=...)", metadata)
-        drain = self._wants_drain(durable)
-        self._wait_for_async_save()
-        started = time.perf_counter()
-        with self._reports.failures_reported("save", step, started):
-            self._refuse_conflicts(step)
-            watch = self._watch(f"saving step {step}")
-            writer = self._writer(step, watch, metadata)
-            with self._tier.failed_attempt_removed(step, writer):
-                try:
-                    world_of_one.explain()
-                    dcp.save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
-                             process_group=self._group)
-                except BaseException as e:  # CheckpointException is a BaseException
-                    self._settle_failed_save(e, step, writer, self._ops, watch)
-                else:
-                    watch.finish()
-                self._tier.commit(step, writer, self._group, drain)
-        self._reports.saved(step, writer, time.perf_counter() - started, 0.0, False, self._retention)
-        return step
+        return self._saves.save(step, state_dict, metadata, self._wants_drain(durable))
 
     @_operation
     def async_save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None = None,
@@ -415,62 +373,7 @@ class CheckpointManager(RankAgreement):
         """
         validate_step(step, "CheckpointManager.async_save(step=...)")
         arguments.user_metadata("CheckpointManager.async_save(metadata=...)", metadata)
-        return self._async_save(step, state_dict, metadata, self._wants_drain(durable))
-
-    def _async_save(self, step: int, state_dict: dict[str, Any], metadata: dict[str, Any] | None,
-                    drain: bool | None, copy_of: int | None = None) -> ReportedFuture:
-        """:meth:`async_save`'s work; ``copy_of``: the save is the durable copy of the memory snapshot of that commit
-        sequence (recorded in its manifest): nothing changes ``state_dict`` (a pinned slot) until the save is done, so
-        it is written as it is, without staging."""
-        stable = copy_of is not None
-        self._wait_for_async_save()
-        op = self._ops
-        result = ReportedFuture()
-        started = time.perf_counter()
-        with self._reports.failures_reported("async_save", step, started):
-            self._refuse_conflicts(step)
-            watch = self._watch(f"saving step {step}")
-            staged = None if self.staging is None or stable else LiveState(self.staging, self._staging_pool)
-            writer = self._writer(step, watch, metadata, staged, copy_of)
-            self._staged = staged
-            stager = StableState() if stable else staged
-            try:
-                world_of_one.explain()
-                pending = dcp.async_save(state_dict, storage_writer=writer, planner=self._save_planner(watch),
-                                         process_group=self._async_group,
-                                         **({"async_stager": stager} if stager is not None else {}))
-            except BaseException as e:
-                if staged is not None:
-                    staged.release()
-                self._settle_failed_save(e, step, writer, op, watch)
-        stage_seconds = time.perf_counter() - started
-        pending = getattr(pending, "upload_completion", pending)  # AsyncSaveResponse in some torch versions
-
-        def finished(done) -> None:
-            if staged is not None:  # a save that failed before its writer read the live tensors never will
-                staged.release()
-            try:
-                with self._tier.failed_attempt_removed(step, writer):
-                    try:
-                        done.result()
-                    except BaseException as e:
-                        if self._heartbeat is not None:
-                            self._heartbeat.gave_up(op)
-                        self._settle_failed_save(e, step, writer, op, watch)
-                    else:
-                        watch.finish()
-                    self._tier.commit(step, writer, self._async_group, drain)
-                self._reports.saved(step, writer, time.perf_counter() - started, stage_seconds, True, self._retention)
-                result.set_result(step)
-            except BaseException as e:
-                self._reports.failure("async_save", step, e, started)
-                result.set_exception(e)
-
-        pending.add_done_callback(finished)
-        result.step = step
-        with self._lock:
-            self._inflight = result
-        return result
+        return self._saves.async_save(step, state_dict, metadata, self._wants_drain(durable))
 
     def wait_staged(self) -> float:
         """Block until this rank's writer has read every live tensor of the ``async_save`` in flight, and the
@@ -478,9 +381,7 @@ class CheckpointManager(RankAgreement):
         (``optimizer.step()``); returns the seconds waited, ``0.0`` at once with nothing in flight or without
         ``staging``.  Each rank waits for its own copies (a rank reads only its own tensors), so no collective:
         call it on any rank, any number of times.  The outcome still arrives through the future."""
-        staged = self._staged
-        waited = 0.0 if staged is None else staged.read.wait()
-        return waited + self._memory.wait_staged()
+        return self._saves.wait_staged() + self._memory.wait_staged()
 
     @_operation
     def snapshot(self, step: int, state_dict: dict[str, Any]) -> SnapshotFuture:
@@ -503,7 +404,7 @@ class CheckpointManager(RankAgreement):
         Raises the save's failure unless it was already reported (see ``async_save``), then a drain's
         failure that nothing has raised yet (once, on every rank).
         """
-        step = self._wait_for_async_save()
+        step = self._saves.wait_for_async_save()
         self._memory.finish()
         self._tier.wait()
         return step
@@ -520,11 +421,11 @@ class CheckpointManager(RankAgreement):
         if self._closed:
             return
         try:
-            self._wait_for_async_save()
+            self._saves.wait_for_async_save()
             self._memory.finish()
         finally:
             try:
-                if self._inflight is None:
+                if self._saves.inflight is None:
                     self._tier.drain_last_and_wait()
             finally:
                 self._release()
@@ -535,7 +436,7 @@ class CheckpointManager(RankAgreement):
         collectives still meet, and the log says what became of it, a failure nothing reported included.  Nothing
         new starts: the peers may be gone."""
         for what, inflight, wait in (("the memory snapshot", self._memory.in_flight(), self._memory.wait),
-                                     ("the save", self._inflight, self._wait_for_async_save)):
+                                     ("the save", self._saves.inflight, self._saves.wait_for_async_save)):
             if inflight is None or (inflight.done() and inflight.reported):
                 continue
             waiting = not inflight.done()
@@ -555,7 +456,8 @@ class CheckpointManager(RankAgreement):
         self._tier.wait_at_exit()
 
     def _release(self) -> None:
-        if self._inflight is not None or self._tier.busy() or self._memory.busy():
+        saving = self._saves is not None and self._saves.inflight is not None
+        if saving or self._tier.busy() or self._memory.busy():
             return  # never destroy the groups under a running save, drain or snapshot
         self._tier.close()
         self._memory.close()
@@ -565,12 +467,7 @@ class CheckpointManager(RankAgreement):
         self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.close()
-        for group in self._owned_groups:
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # a dead peer can make teardown fail; nothing to save anymore
-                pass
-        self._owned_groups = []
+        self._groups.destroy()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -611,7 +508,7 @@ class CheckpointManager(RankAgreement):
         if save_id is not None and step is None:
             raise arguments.refused("CheckpointManager.load(save_id=...)", save_id, "None without a step",
                                     then="pass step= too, the step that save belongs to")
-        self._wait_for_async_save()
+        self._saves.wait_for_async_save()
         started = time.perf_counter()
         with self._reports.failures_reported("load", step, started):
             restored = self._memory.restore(state_dict, step, save_id, allow_reshard)
@@ -693,121 +590,5 @@ class CheckpointManager(RankAgreement):
         arguments.flag("CheckpointManager.save(durable=...)", durable, optional=True)
         return self._tier.drain_decision(durable)
 
-    def _refuse_conflicts(self, step: int) -> None:
-        """Before a save writes anything, on every rank alike: global rank 0 applies the commit rule
-        (:func:`~.commit.refuse_committed`: only a step this job abandoned by resuming below it may be saved again)
-        to the step's commit in each tier the save reaches (the local one first, :meth:`.TierPolicy.refuse_conflicts`),
-        and every rank raises the same ``CommitConflictError`` -- from ``save``/``async_save`` itself, not later from
-        a drain.  The writers check again as they plan."""
-        def check() -> None:
-            validate_step(step)
-            self._tier.refuse_conflicts(step)
-            if self._tier.durable_may_hold(step):
-                marker = self._committed_marker(self.layout, step)
-                if marker is not None:
-                    refuse_committed(marker, step, self.run_id, self._resumed,
-                                     f"the durable root {self.layout.storage.describe()}")
-
-        self._on_rank0(check, "check that the step is not committed yet", request=f"save step {step}")
-
-    def _committed_marker(self, layout: RunLayout, step: int) -> Marker | None:
-        """Rank 0: ``layout``'s marker of ``step``, or None."""
-        try:
-            return read_marker(layout, step, Deadline(self.timeout), missing_ok=True)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise StorageError(f"could not read the marker of step {step} in {layout.storage.describe()} to check "
-                               f"that the step is not committed yet: {e}", step=step, path=layout.marker(step)) from e
-
-    def _writer(self, step: int, watch: OpWatch, metadata: dict[str, Any] | None = None,
-                staged: LiveState | None = None, copy_of: int | None = None) -> AtomicStorageWriter:
-        validate_step(step)
-        return self._tier.writer(step, parallelism=self.parallelism, metadata=metadata, compression=self.compression,
-                                 thread_count=self.thread_count, resumed_from=self._resumed, timeout=self.timeout,
-                                 watch=watch, **({"reuse": True} if self.reuse else {}),
-                                 **({"live_state": staged} if staged is not None else {}),
-                                 **({"copy_of_sequence": copy_of} if copy_of is not None else {}))
-
-    def _save_planner(self, watch: OpWatch) -> AtomicSavePlanner:
-        return WatchedSavePlanner(watch, divergence=self.divergence)
-
     def _watch(self, what: str) -> OpWatch:
         return OpWatch(self._heartbeat, self._ops, self.work_timeout, what)
-
-    def _save_durable_copy(self, step: int, state_dict: dict[str, Any], sequence: int) -> ReportedFuture:
-        """The memory tier's durable copy of its snapshot of commit ``sequence``: an ``async_save`` of the slot's
-        bytes as they are (nothing changes them until it is done), drained by the policy of a ``durable=True`` save."""
-        return self._async_save(step, state_dict, None, self._wants_drain(True), copy_of=sequence)
-
-    def _failed_save(self, step: int, error: CheckpointError, report: bool) -> ReportedFuture:
-        """A save of ``step`` (a durable copy) that could not start, made the save in flight, so that ``wait()`` or
-        the next call raises it once as a failed ``async_save``; ``report``: to ``on_failed`` first."""
-        log.warning("run %r: the durable copy of memory step %d did not start (%s); it is raised by wait() or the "
-                    "next call, and the snapshot stays memory-committed", self.run_id, step, first_line(error))
-        if report:
-            self._reports.failure("async_save", step, error, time.perf_counter())
-        failed = ReportedFuture()
-        failed.step = step
-        failed.set_exception(error)
-        with self._lock:
-            self._inflight = failed
-        return failed
-
-    def _save_in_flight(self) -> bool:
-        inflight = self._inflight
-        return inflight is not None and not inflight.done()
-
-    def _wait_for_async_save(self) -> int | None:
-        """Wait for the in-flight ``async_save``; raise its failure unless already reported. Returns its step.
-
-        The save stays in flight until the wait is over: interrupted (Ctrl-C), it is still there for
-        ``close()`` to wait for, and its failure still gets raised."""
-        inflight = self._inflight
-        if inflight is None:
-            return None
-        concurrent.futures.wait([inflight])
-        with self._lock:
-            if self._inflight is inflight:
-                self._inflight = None
-        error = concurrent.futures.Future.exception(inflight)  # the base method: reading it here is not a report
-        if error is None:
-            return concurrent.futures.Future.result(inflight)
-        if inflight.reported:
-            return None
-        inflight.reported = True
-        raise error
-
-    def _retention(self, step: int, writer: AtomicStorageWriter, stats: SaveStats) -> None:
-        """Applies the retention policy reading only the journal and the markers (and, for ``best``, the manifests
-        not read before) of the steps it keeps, so a commit costs the same at step 100,000 as at step 10 (no scan of
-        every marker; see retain_after_commit)."""
-        if self.retention.keeps_all or writer.last_marker is None:  # a local commit: retained per root (keep_local)
-            return
-        plan = retain_after_commit(self.layout, writer.last_marker, self.retention, lease_seconds=self.lease_seconds)
-        if plan.unreadable_steps:
-            stats.unreadable_steps = [s for s, _ in plan.unreadable_steps]
-            log.warning("retention keeps step(s) whose marker cannot be validated: %s",
-                        "; ".join(f"step {s}: {why}" for s, why in plan.unreadable_steps))
-        above = sorted(s for s in {*plan.kept_steps, *plan.delete_steps} if s > step)  # every step the journal knows
-        if above:
-            log.info("step %d saved below committed step(s) %s: a new branch starts (rollback restart)", step,
-                     above[:5])
-
-    def _settle_failed_save(self, error: BaseException, step: int, writer: AtomicStorageWriter, op: int,
-                            watch: OpWatch) -> None:
-        """DCP said the save failed; if our marker exists anyway, it committed (returns), else raise typed
-        (a liveness verdict first: the gloo error that followed it names nobody).  A local save has no marker
-        until after DCP returns (``commits_in_dcp``), so there is nothing to settle."""
-        if writer.save_id is not None and self._tier.commits_in_dcp:
-            try:  # rank 0 may have just created it on another client: allow for visibility lag, where there is any
-                marker = (read_marker(self.layout, step, Deadline(0.0), missing_ok=True)
-                          if shows_at_once(self.layout, self.layout.step_dir(step)) else
-                          read_marker(self.layout, step, Deadline(min(self.timeout, 5.0))))
-                if marker.save_id == writer.save_id:
-                    log.warning("step %d: DCP reported a failure (%s) after the commit; the marker names this "
-                                "save (%s), so the checkpoint IS committed", step, first_line(error), writer.save_id)
-                    return
-            except Exception:
-                pass
-        raise_typed(watch.verdict or self._translate(error, f"saving step {step}"))

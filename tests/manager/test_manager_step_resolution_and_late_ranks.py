@@ -113,13 +113,13 @@ def test_a_missing_step_is_not_found_at_once_in_one_process(root):
 def _slow_bookkeeping_job(ctx, timeout):
     manager = CheckpointManager(ctx.root, RUN, timeout=timeout, thread_count=1)
     if ctx.rank == 0:  # deleting old steps after each commit takes longer than timeout (busy NFS server)
-        retention = manager._retention
+        retention = manager._saves._retention
 
         def slow_retention(*args, **kwargs):
             time.sleep(2 * timeout + 1)
             return retention(*args, **kwargs)
 
-        manager._retention = slow_retention
+        manager._saves._retention = slow_retention
     manager.save(1, _state(ctx.rank, 1))
     steps = manager.steps()
     manager.save(2, _state(ctx.rank, 2))
