@@ -16,10 +16,10 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 DEFAULT_ROOT = os.path.join(os.getcwd(), "dcp-atomic-demo")
 RUN_ID = "demo"
@@ -168,21 +168,24 @@ def _say(rank: int, message: str) -> None:
 # -- launcher side ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store() -> Any:
+    """The job's rendezvous store, hosted by this launcher (as torchrun's agent hosts it) on a port the kernel picks
+    as it binds.  A port picked first and bound later by rank 0 can be taken meanwhile: any outgoing connection on
+    the machine may use it as its source port (a busy machine's did: rank 0 failed with EADDRINUSE)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _launch(root: str, world: int, tp: int, steps: int, save_every: int, failpoint: str | None,
             timeout: float) -> list[int]:
     """Run one job (``world`` processes); return their exit codes."""
-    port = _free_port()
+    store = _rendezvous_store()  # held until the job is over; every rank is its client
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", TORCHELASTIC_ERROR_FILE="")
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                   TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", TORCHELASTIC_ERROR_FILE="")
         env.pop("DCP_ATOMIC_FAILPOINTS", None)
         if failpoint:
             env["DCP_ATOMIC_FAILPOINTS"] = failpoint
