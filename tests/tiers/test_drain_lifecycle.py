@@ -148,10 +148,11 @@ def test_one_node_s_hung_durable_client_ends_wait_on_every_rank_at_the_stall_dea
         # raised once, by wait(), on every rank: close() neither says it again nor waits
         assert close_kind == "returned" and close_seconds < 2, (rank, calls)
     # each rank says what it saw: rank 0 waited for its peer, whose store did not answer (its own did); rank 1 was
-    # the one stuck, uploading
+    # the one stuck, uploading (stuck still, or "was" where rank 0's verdict released the hang and ended its round
+    # before rank 1 judged: the release is rank 0's on_stall)
     said = seen[0][0][2]
     assert "this rank waited for its peers" in said and "another rank's work on its stores" in said, said
-    assert "this rank is stuck uploading its files" in seen[1][0][2], seen[1][0][2]
+    assert re.search(r"this rank (is|was) stuck uploading its files", seen[1][0][2]), seen[1][0][2]
     assert not _durable_marker(str(tmp_path / "durable"))  # rank 0 abandoned the step once the hang ended
 
 
