@@ -354,3 +354,33 @@ def _local_tier_race(ctx):
 def test_the_local_tier_fails_a_raced_step_on_every_rank_and_keeps_the_previous_one(root, nodes):
     for failed, steps in assert_all_ok(_run(_local_tier_race, root, nodes)):
         assert failed == {"step": 2, "rank": 3, "key": "rank3.w1"} and steps == [1], (failed, steps)
+
+
+def _dtensor_shards_packed(ctx):
+    """FSDP-like state: small DTensor shards (each rank's local shard packed into the pool at the call and rewrapped
+    as a DTensor) changed right after the call, while the writer is held: the step holds the values at the call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dcp_atomic._base import failpoints
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    state = {"layers": {f"{i}.weight": distribute_tensor(torch.full((64, 16), float(i)), mesh, [Shard(0)])
+                        for i in range(8)}}
+    at_call = {key: t.full_tensor().clone() for key, t in state["layers"].items()}
+    reading = threading.Event()
+    failpoints.arm("write.before_data", lambda rank, step: reading.wait(30))
+    staging = Staging(pool_bytes=8 * MiB, window_bytes=4 * MiB)
+    with CheckpointManager(ctx.root, RUN, staging=staging, timeout=30) as manager:
+        future = manager.async_save(1, state)
+        for t in state["layers"].values():
+            t.to_local().add_(100)  # copies made at the call: the step keeps the values at the call
+        reading.set()
+        future.result()
+        loaded = {"layers": {key: distribute_tensor(torch.zeros(64, 16), mesh, [Shard(0)]) for key in at_call}}
+        manager.load(loaded)
+    return all(torch.equal(loaded["layers"][key].full_tensor(), at_call[key]) for key in at_call)
+
+
+def test_dtensor_shards_copied_at_the_call_are_packed_into_the_pool_and_saved_as_they_were(root):
+    assert assert_all_ok(run_world(_dtensor_shards_packed, 2, root, timeout=90)) == [True, True]
